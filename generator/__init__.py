@@ -1,0 +1,1 @@
+"""rdnattention kernel generator: variants.yaml -> specs -> sources -> ninja -> audit."""

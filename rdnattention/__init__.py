@@ -1,0 +1,19 @@
+"""rdnattention: FlashAttention-2 forward kernels for GPUs without matrix cores."""
+
+from .api import flash_attn
+from .drivers.host import set_shuffle as set_host_shuffle
+from .errors import (InvalidArgumentError, KernelsNotBuiltError, LaunchError, RdnaAttentionError,
+                     UnsupportedError)
+from .reference import attention_reference
+
+__all__ = [
+    "flash_attn",
+    "attention_reference",
+    "set_host_shuffle",
+    "RdnaAttentionError",
+    "InvalidArgumentError",
+    "UnsupportedError",
+    "KernelsNotBuiltError",
+    "LaunchError",
+]
+__version__ = "0.1.0"

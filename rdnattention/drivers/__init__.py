@@ -1,0 +1,1 @@
+"""Drivers: load a code object, launch a kernel by name. One per platform."""

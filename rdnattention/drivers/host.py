@@ -1,0 +1,45 @@
+"""The host driver: runs kernels in the CPU emulator library built for target `host`."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+from ..errors import LaunchError
+
+_shuffle_seed = int(os.environ.get("RDNATTENTION_HOST_SHUFFLE", "0") or 0)
+
+
+def set_shuffle(seed: int | None) -> None:
+    """Shuffle the emulator's fiber order at every sync point (0 or None: in order).
+
+    With a seed, a missing barrier in a kernel changes its results; same seed, same order."""
+    global _shuffle_seed
+    if seed is not None and (not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"shuffle seed must be a non-negative int or None, got {seed!r}")
+    _shuffle_seed = seed or 0
+
+
+def shuffle_seed() -> int:
+    return _shuffle_seed
+
+
+@functools.lru_cache(maxsize=None)
+def _library(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.rdna_host_launch.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint), ctypes.c_int,
+                                     ctypes.c_void_p, ctypes.c_size_t, ctypes.c_ulonglong]
+    lib.rdna_host_launch.restype = ctypes.c_int
+    lib.rdna_host_last_error.restype = ctypes.c_char_p
+    return lib
+
+
+def launch(code_object: Path, name: str, grid: tuple[int, int, int], threads: int, args: ctypes.Structure) -> None:
+    lib = _library(code_object)
+    grid_c = (ctypes.c_uint * 3)(*grid)
+    rc = lib.rdna_host_launch(name.encode(), grid_c, threads, ctypes.byref(args), ctypes.sizeof(args),
+                              _shuffle_seed)
+    if rc != 0:
+        raise LaunchError(f"host launch of {name} failed: {lib.rdna_host_last_error().decode()}")

@@ -1,0 +1,21 @@
+"""Every error the runtime raises; each message says what was wrong and what is accepted."""
+
+
+class RdnaAttentionError(Exception):
+    """Base class of all rdnattention errors."""
+
+
+class InvalidArgumentError(RdnaAttentionError, ValueError):
+    """An argument has the wrong shape, dtype, device, layout or value."""
+
+
+class UnsupportedError(RdnaAttentionError, NotImplementedError):
+    """A valid request that no built kernel or driver serves (e.g. an unlisted head_dim)."""
+
+
+class KernelsNotBuiltError(RdnaAttentionError, FileNotFoundError):
+    """No built kernels were found for the device; the message names the command to run."""
+
+
+class LaunchError(RdnaAttentionError, RuntimeError):
+    """The driver refused or failed a launch."""

@@ -1,0 +1,233 @@
+#include "rdna_host.h"
+
+#include <ucontext.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#ifndef RDNA_WAVE_SIZE
+#error "compile with -DRDNA_WAVE_SIZE=<wave size of the host target>"
+#endif
+
+namespace rdna_host {
+namespace {
+
+struct Kernel {
+  int threads;
+  std::size_t args_size;
+  KernelEntry entry;
+};
+
+std::map<std::string, Kernel>& registry() {
+  static std::map<std::string, Kernel> table;
+  return table;
+}
+
+enum class State { Ready, AtBarrier, AtWaveSync, Done };
+
+constexpr std::size_t kStackBytes = 256 * 1024;
+
+struct Fiber {
+  ucontext_t ctx;
+  std::unique_ptr<char[]> stack;
+  int tid = 0;
+  State state = State::Ready;
+};
+
+// One workgroup in flight on this OS thread.
+struct Block {
+  const Kernel* kernel = nullptr;
+  const void* args = nullptr;
+  int id[3] = {0, 0, 0};
+  std::vector<Fiber> fibers;
+  std::vector<float> exchange;  // one slot per thread, for cross-lane operations
+  ucontext_t scheduler;
+  Fiber* current = nullptr;
+};
+
+thread_local Block* tls_block = nullptr;
+
+void fiber_main() {
+  Block* blk = tls_block;
+  blk->kernel->entry(blk->args);
+  blk->current->state = State::Done;
+  // Returning resumes uc_link, the scheduler.
+}
+
+void yield(State why) {
+  Block* blk = tls_block;
+  Fiber* self = blk->current;
+  self->state = why;
+  swapcontext(&self->ctx, &blk->scheduler);
+}
+
+void wave_sync() { yield(State::AtWaveSync); }
+
+// Releases the fibers waiting at a sync point that everyone concerned has reached.
+// Returns false, with a reason, when no fiber can ever continue (mismatched sync points).
+bool release(Block& blk, std::string& why) {
+  const int n = (int)blk.fibers.size();
+  bool all_barrier = true;
+  for (const Fiber& f : blk.fibers) all_barrier &= f.state == State::AtBarrier;
+  if (all_barrier) {
+    for (Fiber& f : blk.fibers) f.state = State::Ready;
+    return true;
+  }
+  bool released = false;
+  for (int w = 0; w < n; w += RDNA_WAVE_SIZE) {
+    const int end = std::min(n, w + RDNA_WAVE_SIZE);
+    bool all_wave = true;
+    for (int t = w; t < end; ++t) all_wave &= blk.fibers[t].state == State::AtWaveSync;
+    if (all_wave) {
+      for (int t = w; t < end; ++t) blk.fibers[t].state = State::Ready;
+      released = true;
+    }
+  }
+  if (!released) {
+    int at_barrier = 0, at_wave = 0, done = 0;
+    for (const Fiber& f : blk.fibers) {
+      at_barrier += f.state == State::AtBarrier;
+      at_wave += f.state == State::AtWaveSync;
+      done += f.state == State::Done;
+    }
+    why = "threads of workgroup (" + std::to_string(blk.id[0]) + "," + std::to_string(blk.id[1]) + "," +
+          std::to_string(blk.id[2]) + ") wait at different sync points: " + std::to_string(at_barrier) +
+          " at a barrier, " + std::to_string(at_wave) + " at a wave sync, " + std::to_string(done) + " finished";
+  }
+  return released;
+}
+
+bool run_block(Block& blk, std::mt19937_64* shuffle, std::string& why) {
+  const int n = blk.kernel->threads;
+  for (int t = 0; t < n; ++t) {
+    Fiber& f = blk.fibers[t];
+    f.tid = t;
+    f.state = State::Ready;
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack.get();
+    f.ctx.uc_stack.ss_size = kStackBytes;
+    f.ctx.uc_link = &blk.scheduler;
+    makecontext(&f.ctx, fiber_main, 0);
+  }
+  std::vector<int> order(n);
+  for (;;) {
+    order.clear();
+    for (int t = 0; t < n; ++t)
+      if (blk.fibers[t].state == State::Ready) order.push_back(t);
+    if (order.empty()) {
+      bool all_done = true;
+      for (const Fiber& f : blk.fibers) all_done &= f.state == State::Done;
+      if (all_done) return true;
+      if (!release(blk, why)) return false;
+      continue;
+    }
+    if (shuffle) std::shuffle(order.begin(), order.end(), *shuffle);
+    for (int t : order) {
+      blk.current = &blk.fibers[t];
+      swapcontext(&blk.scheduler, &blk.current->ctx);
+    }
+  }
+}
+
+thread_local std::string last_error;
+
+}  // namespace
+
+Registrar::Registrar(const char* name, int threads, std::size_t args_size, KernelEntry entry) {
+  registry()[name] = Kernel{threads, args_size, entry};
+}
+
+int thread_id() { return tls_block->current->tid; }
+int block_id(int axis) { return tls_block->id[axis]; }
+void block_sync() { yield(State::AtBarrier); }
+
+float shfl_xor(float v, int mask) {
+  Block* blk = tls_block;
+  const int tid = blk->current->tid;
+  const int lane = tid % RDNA_WAVE_SIZE;
+  blk->exchange[tid] = v;
+  wave_sync();
+  const float got = blk->exchange[tid - lane + ((lane ^ mask) & (RDNA_WAVE_SIZE - 1))];
+  wave_sync();  // nobody overwrites a slot before every lane has read it
+  return got;
+}
+
+}  // namespace rdna_host
+
+using namespace rdna_host;
+
+extern "C" int rdna_host_launch(const char* name, const unsigned grid[3], int threads, const void* args,
+                                std::size_t args_size, unsigned long long shuffle_seed) {
+  auto it = registry().find(name);
+  if (it == registry().end()) {
+    last_error = std::string("no kernel named ") + name + " in this library";
+    return -1;
+  }
+  const Kernel& kernel = it->second;
+  if (threads != kernel.threads || args_size != kernel.args_size) {
+    last_error = std::string(name) + ": launched with " + std::to_string(threads) + " threads and " +
+                 std::to_string(args_size) + " argument bytes, built for " + std::to_string(kernel.threads) +
+                 " and " + std::to_string(kernel.args_size);
+    return -1;
+  }
+  const long long total = (long long)grid[0] * grid[1] * grid[2];
+  int workers = (int)std::thread::hardware_concurrency();
+  if (const char* env = std::getenv("RDNATTENTION_HOST_THREADS")) workers = std::atoi(env);
+  workers = (int)std::max(1LL, std::min<long long>(std::max(workers, 1), total));
+
+  std::atomic<long long> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex error_lock;
+  std::string error;
+  auto work = [&]() {
+    Block blk;
+    blk.kernel = &kernel;
+    blk.args = args;
+    blk.fibers.resize(kernel.threads);
+    for (Fiber& f : blk.fibers) f.stack.reset(new char[kStackBytes]);
+    blk.exchange.assign(kernel.threads, 0.f);
+    tls_block = &blk;
+    std::string why;
+    for (long long g; !failed && (g = next++) < total;) {
+      blk.id[0] = (int)(g % grid[0]);
+      blk.id[1] = (int)(g / grid[0] % grid[1]);
+      blk.id[2] = (int)(g / grid[0] / grid[1]);
+      std::mt19937_64 rng(shuffle_seed ^ (0x9e3779b97f4a7c15ULL * (unsigned long long)(g + 1)));
+      if (!run_block(blk, shuffle_seed ? &rng : nullptr, why)) {
+        failed = true;
+        std::lock_guard<std::mutex> hold(error_lock);
+        error = std::string(name) + ": " + why;
+      }
+    }
+    tls_block = nullptr;
+  };
+  std::vector<std::thread> pool;
+  for (int w = 1; w < workers; ++w) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  if (failed) {
+    last_error = error;
+    return -1;
+  }
+  return 0;
+}
+
+extern "C" const char* rdna_host_last_error(void) { return last_error.c_str(); }
+
+extern "C" int rdna_host_kernel_count(void) { return (int)registry().size(); }
+
+extern "C" const char* rdna_host_kernel_name(int index) {
+  if (index < 0 || index >= (int)registry().size()) return nullptr;
+  auto it = registry().begin();
+  std::advance(it, index);
+  return it->first.c_str();
+}
