@@ -118,6 +118,7 @@ def _set_paths(value: Any, path: str) -> None:
         for key, child in value.items():
             if isinstance(child, Node):
                 child = _copy(child)
+                child.line = value.key_lines[key]  # a missing key is reported at its parent's key
                 value[key] = child
             _set_paths(child, f"{path}.{key}" if path else key)
     elif isinstance(value, list):

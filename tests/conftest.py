@@ -1,0 +1,31 @@
+import os
+from pathlib import Path
+
+import pytest
+
+from rdnattention_gen import build
+from rdnattention_gen.matrix import REPO_ROOT, load_matrix
+
+BUILD_DIR = Path(os.environ.get("RDNATTENTION_BUILD_DIR", REPO_ROOT / "build"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-goldens", action="store_true", help="rewrite tests/golden from the templates")
+
+
+@pytest.fixture(scope="session")
+def matrix():
+    return load_matrix()
+
+
+@pytest.fixture(scope="session")
+def host_build(matrix):
+    """The host target built (incrementally) into the build directory the runtime reads."""
+    build.build(matrix, matrix.select("host"), BUILD_DIR, log=lambda *_: None)
+    return BUILD_DIR
+
+
+@pytest.fixture(scope="session")
+def default_audit(matrix):
+    """Audit rows of the default targets, built incrementally."""
+    return build.build(matrix, matrix.select("default"), BUILD_DIR, log=lambda *_: None)

@@ -1,0 +1,69 @@
+// @generated from templates/prelude_amdgcn.h.j2 for gfx803
+// Intrinsics layer for AMD GPUs: builtins only, no HIP headers.
+#pragma once
+
+#define RDNA_WAVE_SIZE 64
+#define RDNA_DEVICE static __attribute__((device)) __attribute__((always_inline)) inline
+#define RDNA_SHARED __attribute__((shared)) __attribute__((aligned(16)))
+#define RDNA_KERNEL(threads) \
+  extern "C" __attribute__((global)) __attribute__((amdgpu_flat_work_group_size(threads, threads)))
+#define RDNA_REGISTER(name, args_type, threads)
+
+typedef _Float16 half_t;
+typedef _Float16 half2_t __attribute__((ext_vector_type(2)));
+typedef unsigned int u32x4 __attribute__((ext_vector_type(4)));
+
+// Kernel arguments, passed by value. Mirrors generator/abi.py.
+struct Fa2Args {
+  const half_t* q;
+  const half_t* k;
+  const half_t* v;
+  half_t* o;
+  long long q_stride_b;
+  long long q_stride_h;
+  long long q_stride_s;
+  long long k_stride_b;
+  long long k_stride_h;
+  long long k_stride_s;
+  long long v_stride_b;
+  long long v_stride_h;
+  long long v_stride_s;
+  long long o_stride_b;
+  long long o_stride_h;
+  long long o_stride_s;
+  int batch;
+  int heads_q;
+  int heads_kv;
+  int seq_q;
+  int seq_k;
+  int window_left;
+  int window_right;
+  float scale_log2;
+};
+
+
+RDNA_DEVICE int rdna_thread_id() { return (int)__builtin_amdgcn_workitem_id_x(); }
+RDNA_DEVICE int rdna_block_id_x() { return (int)__builtin_amdgcn_workgroup_id_x(); }
+RDNA_DEVICE int rdna_block_id_y() { return (int)__builtin_amdgcn_workgroup_id_y(); }
+RDNA_DEVICE int rdna_block_id_z() { return (int)__builtin_amdgcn_workgroup_id_z(); }
+
+RDNA_DEVICE void rdna_block_sync() {
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+  __builtin_amdgcn_s_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+}
+
+RDNA_DEVICE float rdna_shfl_xor(float v, int mask) {
+  const int lane = rdna_thread_id() & (RDNA_WAVE_SIZE - 1);
+  return __builtin_bit_cast(float, __builtin_amdgcn_ds_bpermute((lane ^ mask) << 2, __builtin_bit_cast(int, v)));
+}
+
+RDNA_DEVICE float rdna_exp2(float x) { return __builtin_amdgcn_exp2f(x); }
+
+// fp16 pair product accumulated in fp32: acc + a.x*b.x + a.y*b.y. Tier: cvt_fma.
+RDNA_DEVICE float rdna_dot2(half2_t a, half2_t b, float acc) {
+  // fma_mix targets fuse the converts into v_fma_mix_f32; cvt_fma targets convert first.
+  return __builtin_fmaf((float)a.y, (float)b.y, __builtin_fmaf((float)a.x, (float)b.x, acc));
+}
+
+#include "fa2_common.h"

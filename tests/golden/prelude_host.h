@@ -1,0 +1,63 @@
+// @generated from templates/prelude_host.h.j2 for host
+// Intrinsics layer for the CPU emulator: each GPU thread is a fiber (see rdna_host.h).
+#pragma once
+#include <cmath>
+
+#include "rdna_host.h"
+
+#define RDNA_WAVE_SIZE 32
+#define RDNA_DEVICE static inline
+// One workgroup runs at a time per OS thread, so thread-local statics are its LDS.
+#define RDNA_SHARED alignas(16) static thread_local
+#define RDNA_KERNEL(threads) extern "C"
+#define RDNA_REGISTER(name, args_type, threads) \
+  static const rdna_host::Registrar name##_registrar( \
+      #name, threads, sizeof(args_type), [](const void* a) { name(*static_cast<const args_type*>(a)); });
+
+typedef _Float16 half_t;
+typedef _Float16 half2_t __attribute__((ext_vector_type(2)));
+typedef unsigned int u32x4 __attribute__((ext_vector_type(4)));
+
+// Kernel arguments, passed by value. Mirrors generator/abi.py.
+struct Fa2Args {
+  const half_t* q;
+  const half_t* k;
+  const half_t* v;
+  half_t* o;
+  long long q_stride_b;
+  long long q_stride_h;
+  long long q_stride_s;
+  long long k_stride_b;
+  long long k_stride_h;
+  long long k_stride_s;
+  long long v_stride_b;
+  long long v_stride_h;
+  long long v_stride_s;
+  long long o_stride_b;
+  long long o_stride_h;
+  long long o_stride_s;
+  int batch;
+  int heads_q;
+  int heads_kv;
+  int seq_q;
+  int seq_k;
+  int window_left;
+  int window_right;
+  float scale_log2;
+};
+
+
+RDNA_DEVICE int rdna_thread_id() { return rdna_host::thread_id(); }
+RDNA_DEVICE int rdna_block_id_x() { return rdna_host::block_id(0); }
+RDNA_DEVICE int rdna_block_id_y() { return rdna_host::block_id(1); }
+RDNA_DEVICE int rdna_block_id_z() { return rdna_host::block_id(2); }
+RDNA_DEVICE void rdna_block_sync() { rdna_host::block_sync(); }
+RDNA_DEVICE float rdna_shfl_xor(float v, int mask) { return rdna_host::shfl_xor(v, mask); }
+RDNA_DEVICE float rdna_exp2(float x) { return std::exp2(x); }
+
+// Tier: cvt_fma (the portable lowering; fp16 products are exact in fp32).
+RDNA_DEVICE float rdna_dot2(half2_t a, half2_t b, float acc) {
+  return std::fma((float)a.y, (float)b.y, std::fma((float)a.x, (float)b.x, acc));
+}
+
+#include "fa2_common.h"

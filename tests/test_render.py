@@ -1,0 +1,70 @@
+"""Rendering: deterministic bytes, write-if-changed, and a few golden sources."""
+
+from pathlib import Path
+
+import jinja2
+import pytest
+
+from rdnattention_gen.render import environment, generate, render_kernel, render_prelude, write_if_changed
+
+GOLDEN = Path(__file__).parent / "golden"
+# One prelude per tier lowering, and one kernel instantiation.
+GOLDEN_CASES = {
+    "prelude_gfx1030.h": ("prelude", "gfx1030"),
+    "prelude_gfx1010.h": ("prelude", "gfx1010"),
+    "prelude_gfx900.h": ("prelude", "gfx900"),
+    "prelude_gfx803.h": ("prelude", "gfx803"),
+    "prelude_host.h": ("prelude", "host"),
+    "fa2_f16_hd128_g2_br128_bc32_nt256_w32_dot2.cpp": ("kernel", "gfx1030"),
+}
+
+
+def _render(matrix, kind, target_name, file_name):
+    target = matrix.target(target_name)
+    env = environment()
+    if kind == "prelude":
+        return render_prelude(env, target)
+    spec = next(s for s in matrix.specs_for(target) if f"{s.name}.cpp" == file_name)
+    return render_kernel(env, matrix, spec)
+
+
+@pytest.mark.parametrize("file_name", sorted(GOLDEN_CASES))
+def test_golden_renders(matrix, request, file_name):
+    text = _render(matrix, *GOLDEN_CASES[file_name], file_name)
+    path = GOLDEN / file_name
+    if request.config.getoption("--update-goldens"):
+        write_if_changed(path, text)
+    assert path.read_text() == text, f"{file_name} differs from its golden; rerun with --update-goldens if intended"
+
+
+def test_generated_files_say_where_they_came_from(matrix, tmp_path):
+    generate(matrix, [matrix.target("gfx906")], tmp_path)
+    for path in sorted((tmp_path / "gfx906").iterdir()):
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("// @generated"), path.name
+
+
+def test_two_renders_are_byte_identical(matrix, tmp_path):
+    targets = matrix.select("all") + matrix.select("host")
+    generate(matrix, targets, tmp_path / "a")
+    generate(matrix, targets, tmp_path / "b")
+    files_a = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
+    assert files_a == files_b and len(files_a) == len(targets) * 6
+    for rel in files_a:
+        assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
+
+
+def test_unchanged_files_keep_their_mtime(matrix, tmp_path):
+    target = [matrix.target("gfx1030")]
+    written, total = generate(matrix, target, tmp_path)
+    assert written == total
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "gfx1030").iterdir()}
+    assert generate(matrix, target, tmp_path) == (0, total)
+    assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "gfx1030").iterdir()}
+
+
+def test_undefined_template_variable_is_an_error(tmp_path):
+    (tmp_path / "t.j2").write_text("{{ spec.nmae }}")
+    with pytest.raises(jinja2.UndefinedError):
+        environment(tmp_path).get_template("t.j2").render(spec={})
