@@ -19,6 +19,11 @@ def matrix():
 
 
 @pytest.fixture(scope="session")
+def build_dir():
+    return BUILD_DIR
+
+
+@pytest.fixture(scope="session")
 def host_build(matrix):
     """The host target built (incrementally) into the build directory the runtime reads."""
     build.build(matrix, matrix.select("host"), BUILD_DIR, log=lambda *_: None)

@@ -1,0 +1,127 @@
+"""Building and auditing: every default target, incremental rebuilds, and a new target from YAML alone."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from rdnattention_gen import audit, build, toolchain
+from rdnattention_gen.matrix import REPO_ROOT, Tier
+
+CLI = [sys.executable, "-m", "rdnattention_gen.cli"]
+
+
+def test_default_targets_pass_the_audit(matrix, default_audit):
+    targets = {t.name for t in matrix.select("default")}
+    assert {r.target for r in default_audit} == targets
+    per_target = len(matrix.specs_for(matrix.target("gfx1030")))
+    assert len(default_audit) == len(targets) * per_target
+    for row in default_audit:
+        assert (row.vgpr_spills, row.sgpr_spills, row.scratch_bytes) == (0, 0, 0), row
+        assert row.lds_bytes <= matrix.target(row.target).lds_bytes
+        assert row.dot2 > 0, f"{row.target}/{row.name} has no v_dot2"
+        assert row.waves_per_simd >= 1
+
+
+def test_default_code_objects_contain_dot2(matrix, default_audit, build_dir):
+    """Read the built files independently of the audit: llvm-objdump on each code object."""
+    tc = toolchain.find()
+    for target in matrix.select("default"):
+        path = build.code_object_path(matrix, target, build_dir)
+        asm = subprocess.run([tc.objdump, "-d", str(path)], capture_output=True, text=True, check=True).stdout
+        kernels = re.split(r"^[0-9a-f]+ <(fa2_[^>]+)>:$", asm, flags=re.M)[1:]
+        names = kernels[0::2]
+        assert sorted(names) == sorted(s.name for s in matrix.specs_for(target))
+        for name, body in zip(names, kernels[1::2]):
+            assert "v_dot2" in body, f"{target.name}/{name}"
+
+
+def test_waves_per_simd_follows_llvm_rules(matrix):
+    rdna2, gcn5 = matrix.target("gfx1030"), matrix.target("gfx906")
+    assert [rdna2.waves_per_simd(v, 0, 256) for v in (64, 80, 96, 128, 160, 192, 256)] == [16, 12, 10, 8, 6, 5, 4]
+    assert [gcn5.waves_per_simd(v, 0, 256) for v in (24, 32, 48, 64, 84, 128)] == [10, 8, 5, 4, 3, 2]
+    assert rdna2.waves_per_simd(64, 40000, 256) == 6  # three 8-wave workgroups per WGP's 128 KiB
+
+
+def test_audit_rules_catch_violations(matrix, default_audit):
+    target = matrix.target("gfx1030")
+    spec = matrix.specs_for(target)[0]
+    row = next(r for r in default_audit if r.target == "gfx1030" and r.name == spec.name)
+    assert audit.violations(target, spec, row) == []
+    bad = audit.KernelAudit(**{**row.to_json(), "vgpr_spills": 3, "scratch_bytes": 64, "lds_bytes": 70000, "dot2": 0})
+    assert audit.violations(target, spec, bad) == [
+        "spills 3 VGPRs and 0 SGPRs",
+        "uses 64 bytes of scratch",
+        "uses 70000 bytes of LDS, over the 65536 budget",
+        f"allocates 70000 bytes of LDS but its layout says {spec.lds_bytes}",
+        "tier dot2 but no v_dot2 instruction in the kernel",
+    ]
+    with pytest.raises(audit.AuditError, match="audit failed"):
+        audit.check(target, [spec], [bad])
+
+
+@pytest.mark.parametrize("name, field", [("gfx1010", "fma_mix"), ("gfx900", "mad_mix"), ("gfx803", "cvt_f32_f16")])
+def test_tier2_targets_use_their_lowering(matrix, name, field, build_dir):
+    rows = build.build(matrix, [matrix.target(name)], build_dir, log=lambda *_: None)
+    assert rows and all(getattr(r, field) > 0 and r.dot2 == 0 for r in rows)
+    assert all((r.vgpr_spills, r.scratch_bytes) == (0, 0) for r in rows)
+    assert matrix.target(name).tier != Tier.DOT2
+
+
+def test_second_build_compiles_nothing(default_audit, build_dir):
+    out = subprocess.run(CLI + ["build", "--targets", "default", "--build-dir", str(build_dir)],
+                         capture_output=True, text=True, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "build: up to date, nothing compiled" in out.stdout
+    assert "HIP " not in out.stdout
+
+
+def test_audit_json_lists_every_kernel(matrix, default_audit, build_dir):
+    out = subprocess.run(CLI + ["audit", "--json", "--targets", "default", "--build-dir", str(build_dir)],
+                         capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+    rows = json.loads(out.stdout)
+    assert len(rows) == len(default_audit)
+    assert set(rows[0]) == {"target", "name", "vgprs", "sgprs", "vgpr_spills", "sgpr_spills", "scratch_bytes",
+                            "lds_bytes", "wave_size", "waves_per_simd", "dot2", "dot4", "fma_mix", "mad_mix",
+                            "cvt_f32_f16"}
+
+
+def test_audit_without_a_build_names_the_command(tmp_path):
+    out = subprocess.run(CLI + ["audit", "--targets", "gfx1030", "--build-dir", str(tmp_path)],
+                         capture_output=True, text=True, cwd=REPO_ROOT)
+    assert out.returncode == 2
+    assert "run: rdnattention-gen build --targets gfx1030" in out.stderr
+
+
+def test_new_target_needs_only_a_yaml_entry(tmp_path):
+    """gfx1013 (an RDNA1 part) is not listed; one entry in a copy of variants.yaml builds it."""
+    text = (REPO_ROOT / "variants.yaml").read_text()
+    entry = ("  gfx1013:\n    <<: *rdna1\n    parts: test entry\n    fdot2: false\n    int8_dot: none\n"
+             "    hw_tier: 2\n    default: false\n")
+    variants = tmp_path / "variants.yaml"
+    variants.write_text(text.replace("  gfx1012:\n", entry + "  gfx1012:\n", 1))
+    out = subprocess.run(CLI + ["build", "--variants", str(variants), "--targets", "gfx1013",
+                                "--build-dir", str(tmp_path / "build")], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (tmp_path / "build" / "gfx1013" / "kernels.hsaco").is_file()
+    assert "gfx1013  fa2_f16_hd128_g2_br128_bc32_nt256_w32_fma_mix" in out.stdout
+    probe = subprocess.run(CLI + ["probe", "--variants", str(variants), "--targets", "gfx1013"],
+                           capture_output=True, text=True, cwd=REPO_ROOT)
+    assert probe.returncode == 0, probe.stdout + probe.stderr
+
+
+def test_dispatch_table_is_sorted_and_has_fallbacks(matrix, default_audit, build_dir):
+    data = json.loads((build_dir / "gfx1030" / "dispatch.json").read_text())
+    keys = [(e["kind"], e["head_dim"], -e["gqa_group"]) for e in data["kernels"]]
+    assert keys == sorted(keys)
+    assert {(e["head_dim"], e["gqa_group"]) for e in data["kernels"]} >= {(64, 1), (128, 1)}
+    assert data["code_object"] == "kernels.hsaco"
+
+
+def test_probe_agrees_with_variants(matrix):
+    out = subprocess.run(CLI + ["probe", "--targets", "gfx1030,gfx906,gfx1010,gfx900,gfx803,gfx1100"],
+                         capture_output=True, text=True, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "every claim in variants.yaml matches the compiler" in out.stdout

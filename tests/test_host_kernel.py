@@ -1,0 +1,125 @@
+"""The generated fp16 kernel on the host platform, against the float64 oracle."""
+
+import pytest
+import torch
+
+import rdnattention
+from rdnattention import attention_reference, flash_attn
+from rdnattention.errors import InvalidArgumentError, KernelsNotBuiltError, UnsupportedError
+
+TOL = 2e-3  # max abs error on N(0,1) inputs: fp16 output rounding plus fp16 probabilities
+
+
+def _inputs(b, hq, hk, sq, sk, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, generator=g).half()
+    k = torch.randn(b, hk, sk, d, generator=g).half()
+    v = torch.randn(b, hk, sk, d, generator=g).half()
+    return q, k, v
+
+
+def _check(out, ref):
+    assert out.dtype == torch.float16 and out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs().max().item()
+    assert err <= TOL, f"max abs error {err:.2e} > {TOL}"
+
+
+# Sequence lengths are not multiples of the tiles (BR/G rows, BC keys).
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq, hk", [(2, 2), (4, 2)])
+@pytest.mark.parametrize("seq", [1, 77, 200])
+def test_matches_oracle(host_build, head_dim, causal, hq, hk, seq):
+    q, k, v = _inputs(1, hq, hk, seq, seq, head_dim, seed=seq * 7 + head_dim + hq + causal)
+    _check(flash_attn(q, k, v, is_causal=causal), attention_reference(q, k, v, is_causal=causal))
+
+
+@pytest.mark.parametrize("hq, hk, sq, sk, causal, window", [
+    (2, 2, 130, 300, True, (-1, -1)),   # cross-attention aligned to the end of the keys
+    (6, 2, 33, 33, False, (-1, -1)),    # 3 query heads per K/V head: the group-1 kernel
+    (8, 1, 70, 70, True, (-1, -1)),     # MQA
+    (2, 2, 150, 150, False, (16, 8)),   # two-sided window
+    (2, 2, 150, 150, True, (40, -1)),   # causal sliding window
+    (2, 2, 40, 10, True, (-1, -1)),     # rows before the first key see nothing: zeros
+])
+def test_masks_and_shapes(host_build, hq, hk, sq, sk, causal, window):
+    q, k, v = _inputs(2, hq, hk, sq, sk, 64, seed=sq + sk)
+    out = flash_attn(q, k, v, is_causal=causal, window_size=window)
+    _check(out, attention_reference(q, k, v, is_causal=causal, window_size=window))
+
+
+def test_softmax_scale(host_build):
+    q, k, v = _inputs(1, 2, 2, 90, 90, 128, seed=5)
+    _check(flash_attn(q, k, v, softmax_scale=0.05), attention_reference(q, k, v, softmax_scale=0.05))
+
+
+def test_strided_views(host_build):
+    q, k, v = _inputs(2, 4, 4, 64, 64, 64, seed=9)
+    qs = q.transpose(1, 2).contiguous().transpose(1, 2)  # [b, s, h, d] storage
+    out = flash_attn(qs, k, v, is_causal=True)
+    _check(out, attention_reference(q, k, v, is_causal=True))
+
+
+def test_inputs_are_not_modified(host_build):
+    q, k, v = _inputs(1, 2, 2, 50, 50, 64, seed=3)
+    copies = [t.clone() for t in (q, k, v)]
+    flash_attn(q, k, v, is_causal=True)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), copies))
+
+
+def test_shuffled_fiber_order_gives_identical_results(host_build):
+    q, k, v = _inputs(1, 4, 2, 150, 150, 128, seed=11)
+    plain = flash_attn(q, k, v, is_causal=True)
+    try:
+        for seed in (1, 2, 3):
+            rdnattention.set_host_shuffle(seed)
+            assert torch.equal(flash_attn(q, k, v, is_causal=True), plain)
+    finally:
+        rdnattention.set_host_shuffle(None)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda q, k, v: (q.float(), k, v), "q must be float16, got torch.float32"),
+    (lambda q, k, v: (q[0], k, v), "q must be 4-D [batch, heads, seq, head_dim], got shape (2, 16, 64)"),
+    (lambda q, k, v: (q, k[:, :, :, :32], v), "k shape (1, 2, 16, 32) does not match q shape (1, 2, 16, 64)"),
+    (lambda q, k, v: (q, k, v[:, :, :8]), "v shape (1, 2, 8, 64) must equal k shape (1, 2, 16, 64)"),
+    (lambda q, k, v: (torch.cat([q, q[:, :1]], 1), k, v), "q heads (3) must be a multiple of k/v heads (2)"),
+    (lambda q, k, v: (q.transpose(2, 3), k, v), "q must be contiguous in its last dimension"),
+    (lambda q, k, v: (q[..., 1:33], k[..., :32], v[..., :32]), "q rows must start on 16-byte boundaries"),
+])
+def test_bad_arguments_raise_typed_errors(host_build, mutate, message):
+    q, k, v = _inputs(1, 2, 2, 16, 16, 64, seed=1)
+    with pytest.raises(InvalidArgumentError) as err:
+        flash_attn(*mutate(q, k, v))
+    assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"window_size": (-2, 0)}, "window_size values must be >= -1"),
+    ({"window_size": 4}, "window_size must be a pair of ints"),
+    ({"is_causal": 1}, "is_causal must be a bool"),
+    ({"softmax_scale": float("nan")}, "softmax_scale must be a finite number"),
+])
+def test_bad_options_raise_typed_errors(host_build, kwargs, message):
+    q, k, v = _inputs(1, 2, 2, 16, 16, 64, seed=1)
+    with pytest.raises(InvalidArgumentError, match=message):
+        flash_attn(q, k, v, **kwargs)
+
+
+def test_head_dim_without_a_kernel(host_build):
+    q, k, v = _inputs(1, 2, 2, 16, 16, 96, seed=1)
+    with pytest.raises(UnsupportedError, match=r"no f16 kernel for head_dim 96 on host; built head_dims: \[64, 128\]"):
+        flash_attn(q, k, v)
+
+
+def test_missing_build_names_the_command(monkeypatch, tmp_path):
+    from rdnattention import dispatch
+    monkeypatch.setattr(dispatch, "search_path", lambda: [tmp_path])
+    dispatch.table_for.cache_clear()
+    try:
+        q, k, v = _inputs(1, 2, 2, 16, 16, 64, seed=1)
+        with pytest.raises(KernelsNotBuiltError, match="rdnattention-gen build --targets host"):
+            flash_attn(q, k, v)
+    finally:
+        dispatch.table_for.cache_clear()
