@@ -7,9 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from . import audit, build, probe, toolchain
-from .matrix import DEFAULT_VARIANTS, Matrix, Target, load_matrix
-from .render import generate
+from . import audit, build, docs, probe, toolchain
+from .matrix import DEFAULT_VARIANTS, REPO_ROOT, Matrix, Target, load_matrix
+from .render import generate, write_if_changed
 from .strict_yaml import VariantsError
 
 
@@ -80,6 +80,22 @@ def cmd_probe(matrix: Matrix, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_docs(matrix: Matrix, args: argparse.Namespace) -> int:
+    targets = [t for t in _targets(matrix, args.targets) if t.platform == "amdgcn"]
+    rows = build.build(matrix, targets, args.build_dir, jobs=args.jobs)
+    text = docs.hardware_md(matrix, rows, toolchain.find().identity)
+    if args.check:
+        current = args.out.read_text() if args.out.is_file() else ""
+        if current != text:
+            print(f"rdnattention-gen: error: {args.out} is out of date; run: rdnattention-gen docs", file=sys.stderr)
+            return 1
+        print(f"docs: {args.out} is up to date")
+        return 0
+    changed = write_if_changed(args.out, text)
+    print(f"docs: {args.out} {'written' if changed else 'unchanged'}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rdnattention-gen", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -99,6 +115,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles (default: ninja's choice)")
     a = add("audit", cmd_audit, "report the resources of built kernels and enforce the rules")
     a.add_argument("--json", action="store_true", help="print a JSON list, one object per kernel")
+    d = add("docs", cmd_docs, "build every GPU target and regenerate docs/hardware.md from the matrix and audit")
+    d.set_defaults(targets="all")
+    d.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles (default: ninja's choice)")
+    d.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "hardware.md", help="output file")
+    d.add_argument("--check", action="store_true", help="fail if the file differs instead of writing it")
     add("probe", cmd_probe, "compile tiny probes per target and check variants.yaml's feature claims")
     return p
 

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One-shot set-up on a fresh Debian 12 machine, then the main job:
+#   toolchain (clang-22, lld-22) -> package -> build + audit the default targets
+#   -> build the host emulator -> demo attention checked against the float64 oracle.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+
+if ! command -v clang-22 >/dev/null || ! command -v ld.lld-22 >/dev/null; then
+  echo "== installing clang-22 and lld-22"
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq clang-22 lld-22 llvm-22 >/dev/null
+fi
+
+PYTHON="${PYTHON:-python3}"
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+  echo "== installing torch (${TORCH_SPEC:=torch==2.13.0})"
+  "$PYTHON" -m pip install -q "$TORCH_SPEC"
+fi
+echo "== installing rdnattention (editable, with test extras)"
+"$PYTHON" -m pip install -q -e ".[test]"
+
+echo "== build + audit: default targets"
+"$PYTHON" -m rdnattention_gen.cli build --targets default
+echo "== build: host emulator"
+"$PYTHON" -m rdnattention_gen.cli build --targets host
+echo "== demo on the host emulator"
+"$PYTHON" -m rdnattention.demo
