@@ -24,7 +24,7 @@ CASES = [
 def main() -> int:
     torch.manual_seed(0)
     worst = 0.0
-    print(f"{"shape q / k":38} {'causal':>6} {'max abs err':>12} {'time':>8}")
+    print(f"{'shape q / k':38} {'causal':>6} {'max abs err':>12} {'time':>8}")
     for b, hq, hk, sq, sk, d, causal in CASES:
         q = torch.randn(b, hq, sq, d).half()
         k = torch.randn(b, hk, sk, d).half()
