@@ -9,11 +9,11 @@
   extern "C" __attribute__((global)) __attribute__((amdgpu_flat_work_group_size(threads, threads)))
 #define RDNA_REGISTER(name, args_type, threads)
 
+// Types shared by every platform, and the kernel arguments (mirrors generator/abi.py).
 typedef _Float16 half_t;
 typedef _Float16 half2_t __attribute__((ext_vector_type(2)));
 typedef unsigned int u32x4 __attribute__((ext_vector_type(4)));
 
-// Kernel arguments, passed by value. Mirrors generator/abi.py.
 struct Fa2Args {
   const half_t* q;
   const half_t* k;

@@ -14,11 +14,11 @@
   static const rdna_host::Registrar name##_registrar( \
       #name, threads, sizeof(args_type), [](const void* a) { name(*static_cast<const args_type*>(a)); });
 
+// Types shared by every platform, and the kernel arguments (mirrors generator/abi.py).
 typedef _Float16 half_t;
 typedef _Float16 half2_t __attribute__((ext_vector_type(2)));
 typedef unsigned int u32x4 __attribute__((ext_vector_type(4)));
 
-// Kernel arguments, passed by value. Mirrors generator/abi.py.
 struct Fa2Args {
   const half_t* q;
   const half_t* k;
