@@ -21,4 +21,13 @@ FA2_ARGS: tuple[tuple[str, str], ...] = (
     ("window_left", "int"),   # keys visible before the query's diagonal; -1: unbounded
     ("window_right", "int"),  # keys visible after it; -1: unbounded, 0: causal
     ("scale_log2", "float"),  # softmax scale times log2(e)
+    # Log-sum-exp per query row (natural log), fp32 [batch, heads_q, seq_q]; null: not written.
+    ("lse", "float*"),
+    ("lse_stride_b", "long long"), ("lse_stride_h", "long long"),
+    # RoPE tables [positions, rotary_dim/2] in fp32; rotary_dim 0: no rotation.
+    ("rotary_cos", "const float*"),
+    ("rotary_sin", "const float*"),
+    ("rotary_stride", "long long"),
+    ("rotary_dim", "int"),
+    ("rotary_interleaved", "int"),  # 1: rotate pairs (2i, 2i+1); 0: rotate halves (i, i + rotary_dim/2)
 )

@@ -157,10 +157,10 @@ class KernelSpec:
         tr = self.threads_per_row
         if tr & (tr - 1) or tr > w:
             out.append(f"threads/br = {tr} must be a power of two no larger than the wave size {w}")
-        if t.bc % (8 * tr):
-            out.append(f"bc {t.bc} must be a multiple of 8 * threads/br = {8 * tr}")
-        if (d // tr) % 8:
-            out.append(f"head_dim/(threads/br) = {d / tr:g} must be a multiple of 8")
+        if t.bc % 8 or (t.bc // 2) % tr:
+            out.append(f"bc {t.bc} must be a multiple of 8 with bc/2 a multiple of threads/br = {tr}")
+        if d % (4 * tr):
+            out.append(f"head_dim/(threads/br) = {d / tr:g} must be a multiple of 4")
         return out
 
 
@@ -205,12 +205,12 @@ class Matrix:
         return next(k for k in self.kernels if k.kind == kind)
 
     def select(self, selector: str) -> list[Target]:
-        """``default``, ``all`` or a comma list of target names."""
-        if selector == "default":
-            return [t for t in self.targets if t.default]
-        if selector == "all":
-            return [t for t in self.targets if t.platform != "host"]
-        names = [s.strip() for s in selector.split(",") if s.strip()]
+        """A comma list of target names and the groups ``default`` and ``all`` (every GPU target)."""
+        groups = {"default": [t.name for t in self.targets if t.default],
+                  "all": [t.name for t in self.targets if t.platform != "host"]}
+        names = []
+        for item in (s.strip() for s in selector.split(",")):
+            names += groups.get(item, [item] if item else [])
         known = {t.name for t in self.targets}
         unknown = [n for n in names if n not in known]
         if unknown:

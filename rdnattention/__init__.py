@@ -1,6 +1,6 @@
 """rdnattention: FlashAttention-2 forward kernels for GPUs without matrix cores."""
 
-from .api import flash_attn
+from .api import flash_attn, rotary_tables
 from .drivers.host import set_shuffle as set_host_shuffle
 from .errors import (InvalidArgumentError, KernelsNotBuiltError, LaunchError, RdnaAttentionError,
                      UnsupportedError)
@@ -9,6 +9,7 @@ from .reference import attention_reference
 __all__ = [
     "flash_attn",
     "attention_reference",
+    "rotary_tables",
     "set_host_shuffle",
     "RdnaAttentionError",
     "InvalidArgumentError",

@@ -9,6 +9,8 @@ from rdnattention_gen.abi import FA2_ARGS
 _CTYPES = {
     "const half_t*": ctypes.c_void_p,
     "half_t*": ctypes.c_void_p,
+    "float*": ctypes.c_void_p,
+    "const float*": ctypes.c_void_p,
     "long long": ctypes.c_longlong,
     "int": ctypes.c_int,
     "float": ctypes.c_float,

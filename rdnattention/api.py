@@ -50,14 +50,63 @@ def _check_window(window_size: object) -> tuple[int, int]:
     return left, right
 
 
+def rotary_tables(positions: int, rotary_dim: int, base: float = 10000.0,
+                  device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables (cos, sin), float32 [positions, rotary_dim / 2], angle = position * base^(-2i/rotary_dim)."""
+    if not isinstance(positions, int) or isinstance(positions, bool) or positions < 1:
+        raise InvalidArgumentError(f"positions must be a positive int, got {positions!r}")
+    if not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool) or rotary_dim < 2 or rotary_dim % 2:
+        raise InvalidArgumentError(f"rotary_dim must be a positive even int, got {rotary_dim!r}")
+    if not isinstance(base, (int, float)) or not base > 1:
+        raise InvalidArgumentError(f"base must be a number above 1, got {base!r}")
+    inv_freq = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    angles = torch.arange(positions, dtype=torch.float64).unsqueeze(1) * inv_freq
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def _check_rotary(cos: object, sin: object, interleaved: object, q: torch.Tensor, seq_k: int) -> int:
+    """Validates the RoPE tables; returns rotary_dim (0 when RoPE is off)."""
+    if cos is None and sin is None:
+        return 0
+    if cos is None or sin is None:
+        raise InvalidArgumentError("rotary_cos and rotary_sin must be given together")
+    if not isinstance(interleaved, bool):
+        raise InvalidArgumentError(f"rotary_interleaved must be a bool, got {interleaved!r}")
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise InvalidArgumentError(f"{name} must be float32, got {t.dtype}")
+        if t.dim() != 2 or t.shape[1] == 0:
+            raise InvalidArgumentError(f"{name} must be 2-D [positions, rotary_dim/2], got shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise InvalidArgumentError(f"{name} is on {t.device}, q on {q.device}")
+        if t.stride(1) != 1:
+            raise InvalidArgumentError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    if cos.shape != sin.shape or cos.stride() != sin.stride():
+        raise InvalidArgumentError(f"rotary_cos {tuple(cos.shape)} and rotary_sin {tuple(sin.shape)} "
+                                   "must have the same shape and strides")
+    rotary_dim = 2 * cos.shape[1]
+    if rotary_dim > q.shape[3]:
+        raise InvalidArgumentError(f"rotary_dim {rotary_dim} (2 * table width) exceeds head_dim {q.shape[3]}")
+    if cos.shape[0] < seq_k:
+        raise InvalidArgumentError(f"rotary tables have {cos.shape[0]} positions; keys need {seq_k} "
+                                   "(positions 0..seq_k-1, queries at the last seq_q of them)")
+    return rotary_dim
+
+
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
-               window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None) -> torch.Tensor:
-    """FlashAttention-2 forward on fp16 tensors [batch, heads, seq, head_dim]; returns a new tensor.
+               window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
+               rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
+               rotary_interleaved: bool = False, return_lse: bool = False):
+    """FlashAttention-2 forward on fp16 tensors [batch, heads, seq, head_dim]; returns a new tensor,
+    or ``(out, lse)`` with ``return_lse=True`` (lse: float32 [batch, heads_q, seq_q], natural log).
 
     K and V may have fewer heads than Q (GQA/MQA: Q heads per K/V head must be a whole number) and a
     different sequence length (query i sits at key position i + Sk - Sq). ``is_causal`` hides keys after
     each query's position; ``window_size=(left, right)`` limits how far before/after it keys are seen
-    (-1: unbounded). ``softmax_scale`` defaults to 1/sqrt(head_dim)."""
+    (-1: unbounded). ``softmax_scale`` defaults to 1/sqrt(head_dim). ``rotary_cos``/``rotary_sin``
+    (float32 [positions, rotary_dim/2], see :func:`rotary_tables`) apply RoPE to Q and K in the kernel."""
     q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
     if not isinstance(is_causal, bool):
         raise InvalidArgumentError(f"is_causal must be a bool, got {is_causal!r}")
@@ -81,23 +130,34 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: 
         softmax_scale = 1.0 / math.sqrt(head_dim)
     elif not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool) or not math.isfinite(softmax_scale):
         raise InvalidArgumentError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    if not isinstance(return_lse, bool):
+        raise InvalidArgumentError(f"return_lse must be a bool, got {return_lse!r}")
+    rotary_dim = _check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, seq_k)
 
     table = dispatch.table_for(_target_of(q.device))
     entry = table.select("f16", head_dim, heads_q // heads_kv)
     out = torch.empty((batch, heads_q, seq_q, head_dim), dtype=q.dtype, device=q.device)
-    if out.numel() == 0:
-        return out
-    if seq_k == 0:
-        return out.zero_()
+    lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=q.device) if return_lse else None
+    if out.numel() == 0 or seq_k == 0:
+        out.zero_()
+        if lse is not None:
+            lse.fill_(-math.inf)
+        return (out, lse) if return_lse else out
 
     args = Fa2Args(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(),
         batch=batch, heads_q=heads_q, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
         window_left=left, window_right=right, scale_log2=float(softmax_scale) * _LOG2E)
+    if lse is not None:
+        args.lse, args.lse_stride_b, args.lse_stride_h = lse.data_ptr(), lse.stride(0), lse.stride(1)
+    if rotary_dim:
+        args.rotary_cos, args.rotary_sin = rotary_cos.data_ptr(), rotary_sin.data_ptr()
+        args.rotary_stride, args.rotary_dim = rotary_cos.stride(0), rotary_dim
+        args.rotary_interleaved = int(rotary_interleaved)
     for prefix, t in (("q", q), ("k", k), ("v", v), ("o", out)):
         for axis, stride in zip("bhs", t.stride()[:3]):
             setattr(args, f"{prefix}_stride_{axis}", stride)
     rows_per_head = entry.br // entry.gqa_group
     grid = (-(-seq_q // rows_per_head), heads_q // entry.gqa_group, batch)
     host.launch(table.code_object, entry.name, grid, entry.threads, args)
-    return out
+    return (out, lse) if return_lse else out

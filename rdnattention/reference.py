@@ -7,14 +7,39 @@ import math
 import torch
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+           interleaved: bool) -> torch.Tensor:
+    """RoPE on the first 2*cos.shape[1] features of x [..., seq, dim] at the given positions."""
+    half = cos.shape[1]
+    c = cos.to(torch.float64)[positions]
+    s = sin.to(torch.float64)[positions]
+    out = x.clone()
+    if interleaved:
+        x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        out[..., 0:2 * half:2] = x1 * c - x2 * s
+        out[..., 1:2 * half:2] = x2 * c + x1 * s
+    else:
+        x1, x2 = x[..., :half], x[..., half:2 * half]
+        out[..., :half] = x1 * c - x2 * s
+        out[..., half:2 * half] = x2 * c + x1 * s
+    return out
+
+
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
-                        window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None) -> torch.Tensor:
+                        window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
+                        rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
+                        rotary_interleaved: bool = False, return_lse: bool = False):
     """Attention in float64 on the CPU. Shapes [batch, heads, seq, head_dim]; K/V may have fewer heads.
 
-    Query i sits at key position i + (Sk - Sq). A row that sees no key is zero."""
+    Query i sits at key position i + (Sk - Sq); RoPE rotates queries at those positions and keys at
+    0..Sk-1. A row that sees no key is zero (and its log-sum-exp is -inf)."""
     q64, k64, v64 = (t.detach().to("cpu", torch.float64) for t in (q, k, v))
     batch, heads_q, seq_q, head_dim = q64.shape
     heads_kv, seq_k = k64.shape[1], k64.shape[2]
+    if rotary_cos is not None:
+        cos, sin = rotary_cos.detach().cpu(), rotary_sin.detach().cpu()
+        q64 = rotate(q64, cos, sin, torch.arange(seq_q) + (seq_k - seq_q), rotary_interleaved)
+        k64 = rotate(k64, cos, sin, torch.arange(seq_k), rotary_interleaved)
     group = heads_q // heads_kv
     k64 = k64.repeat_interleave(group, dim=1)
     v64 = v64.repeat_interleave(group, dim=1)
@@ -33,9 +58,11 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is
         visible &= key <= diag + right
 
     scores = scores.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
     weights = torch.exp(scores - row_max)
     total = weights.sum(dim=-1, keepdim=True)
     weights = torch.where(total > 0, weights / total.clamp_min(1e-300), torch.zeros_like(weights))
-    return torch.einsum("bhqk,bhkd->bhqd", weights, v64)
+    out = torch.einsum("bhqk,bhkd->bhqd", weights, v64)
+    return (out, lse) if return_lse else out

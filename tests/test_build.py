@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rdnattention_gen import audit, build, toolchain
-from rdnattention_gen.matrix import REPO_ROOT, Tier
+from rdnattention_gen.matrix import REPO_ROOT, KernelSpec
 
 CLI = [sys.executable, "-m", "rdnattention_gen.cli"]
 
@@ -62,12 +62,39 @@ def test_audit_rules_catch_violations(matrix, default_audit):
         audit.check(target, [spec], [bad])
 
 
-@pytest.mark.parametrize("name, field", [("gfx1010", "fma_mix"), ("gfx900", "mad_mix"), ("gfx803", "cvt_f32_f16")])
-def test_tier2_targets_use_their_lowering(matrix, name, field, build_dir):
-    rows = build.build(matrix, [matrix.target(name)], build_dir, log=lambda *_: None)
+TIER2 = {"gfx1010": "fma_mix", "gfx904": "fma_mix", "gfx900": "mad_mix", "gfx902": "mad_mix",
+         "gfx90c": "mad_mix", "gfx803": "cvt_f32_f16"}
+
+
+@pytest.fixture(scope="module")
+def tier2_audit(matrix, build_dir):
+    return build.build(matrix, [matrix.target(n) for n in TIER2], build_dir, log=lambda *_: None)
+
+
+def test_every_head_dim_is_built_for_every_target(matrix, default_audit, tier2_audit):
+    head_dims = set(matrix.kernel_kind("f16").head_dims)
+    assert head_dims == set(range(32, 513, 32))
+    for target in list(TIER2) + [t.name for t in matrix.select("default")]:
+        rows = [r for r in default_audit + tier2_audit if r.target == target]
+        assert {KernelSpec.from_name(r.name).head_dim for r in rows} == head_dims, target
+        assert all((r.vgpr_spills, r.sgpr_spills, r.scratch_bytes) == (0, 0, 0) for r in rows), target
+        assert all(r.lds_bytes <= matrix.target(target).lds_bytes for r in rows), target
+
+
+@pytest.mark.parametrize("name", sorted(TIER2))
+def test_tier2_targets_use_their_lowering(matrix, tier2_audit, name):
+    rows = [r for r in tier2_audit if r.target == name]
+    field = TIER2[name]
     assert rows and all(getattr(r, field) > 0 and r.dot2 == 0 for r in rows)
-    assert all((r.vgpr_spills, r.scratch_bytes) == (0, 0) for r in rows)
-    assert matrix.target(name).tier != Tier.DOT2
+    if field == "fma_mix":
+        assert all(r.mad_mix == 0 for r in rows)
+
+
+def test_gcn_runs_wave64_and_rdna_wave32(default_audit, tier2_audit):
+    for r in default_audit + tier2_audit:
+        gcn = r.target.startswith("gfx9") or r.target == "gfx803"
+        assert r.wave_size == (64 if gcn else 32), r
+        assert f"_w{r.wave_size}_" in r.name
 
 
 def test_second_build_compiles_nothing(default_audit, build_dir):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import rdnattention
-from rdnattention import attention_reference, flash_attn
+from rdnattention import attention_reference, flash_attn, rotary_tables
 from rdnattention.errors import InvalidArgumentError, KernelsNotBuiltError, UnsupportedError
 
 TOL = 2e-3  # max abs error on N(0,1) inputs: fp16 output rounding plus fp16 probabilities
@@ -108,8 +108,8 @@ def test_bad_options_raise_typed_errors(host_build, kwargs, message):
 
 
 def test_head_dim_without_a_kernel(host_build):
-    q, k, v = _inputs(1, 2, 2, 16, 16, 96, seed=1)
-    with pytest.raises(UnsupportedError, match=r"no f16 kernel for head_dim 96 on host; built head_dims: \[64, 128\]"):
+    q, k, v = _inputs(1, 2, 2, 16, 16, 80, seed=1)
+    with pytest.raises(UnsupportedError, match=r"no f16 kernel for head_dim 80 on host; built head_dims: \[32, 64, 96, "):
         flash_attn(q, k, v)
 
 
@@ -123,3 +123,71 @@ def test_missing_build_names_the_command(monkeypatch, tmp_path):
             flash_attn(q, k, v)
     finally:
         dispatch.table_for.cache_clear()
+
+
+def _rope_inputs():
+    q, k, v = _inputs(1, 2, 2, 20, 20, 64, seed=4)
+    cos, sin = rotary_tables(20, 32)
+    return q, k, v, cos, sin
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c, s: {"rotary_cos": c}, "rotary_cos and rotary_sin must be given together"),
+    (lambda c, s: {"rotary_cos": c.double(), "rotary_sin": s.double()}, "rotary_cos must be float32, got torch.float64"),
+    (lambda c, s: {"rotary_cos": c.half(), "rotary_sin": s}, "rotary_cos must be float32, got torch.float16"),
+    (lambda c, s: {"rotary_cos": c[:19], "rotary_sin": s[:19]}, "rotary tables have 19 positions; keys need 20"),
+    (lambda c, s: {"rotary_cos": c[0], "rotary_sin": s[0]}, r"rotary_cos must be 2-D \[positions, rotary_dim/2\]"),
+    (lambda c, s: {"rotary_cos": torch.ones(20, 40), "rotary_sin": torch.ones(20, 40)},
+     "rotary_dim 80 \\(2 \\* table width\\) exceeds head_dim 64"),
+    (lambda c, s: {"rotary_cos": c, "rotary_sin": s[:, :8]}, "rotary_cos .* and rotary_sin .* must have the same shape"),
+    (lambda c, s: {"rotary_cos": c, "rotary_sin": s, "rotary_interleaved": "yes"}, "rotary_interleaved must be a bool"),
+])
+def test_bad_rotary_arguments(host_build, change, message):
+    q, k, v, cos, sin = _rope_inputs()
+    with pytest.raises(InvalidArgumentError, match=message):
+        flash_attn(q, k, v, **change(cos, sin))
+
+
+@pytest.mark.parametrize("args, message", [
+    ((20, 33), "rotary_dim must be a positive even int, got 33"),
+    ((20, 0), "rotary_dim must be a positive even int, got 0"),
+    ((0, 32), "positions must be a positive int, got 0"),
+])
+def test_rotary_tables_validate(args, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        rotary_tables(*args)
+
+
+def test_rotary_tables_values():
+    cos, sin = rotary_tables(5, 8, base=100.0)
+    assert cos.shape == sin.shape == (5, 4) and cos.dtype == torch.float32
+    angle = 3 * 100.0 ** (-2 / 8)
+    assert abs(cos[3, 1].item() - torch.tensor(angle).cos().item()) < 1e-6
+    assert abs(sin[3, 1].item() - torch.tensor(angle).sin().item()) < 1e-6
+
+
+def test_rope_with_a_strided_table(host_build):
+    q, k, v, _, _ = _rope_inputs()
+    cos, sin = rotary_tables(20, 64)
+    cos_view, sin_view = cos[:, :16], sin[:, :16]  # row stride 32, rotary_dim 32
+    out = flash_attn(q, k, v, rotary_cos=cos_view, rotary_sin=sin_view)
+    _check(out, attention_reference(q, k, v, rotary_cos=cos_view, rotary_sin=sin_view))
+
+
+def test_lse_of_rows_without_keys_is_minus_inf(host_build):
+    q, k, v = _inputs(1, 2, 2, 12, 4, 64, seed=2)
+    out, lse = flash_attn(q, k, v, is_causal=True, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, is_causal=True, return_lse=True)
+    assert lse.dtype == torch.float32 and lse.shape == (1, 2, 12)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and torch.isinf(lse[:, :, :8]).all()
+    assert (lse[:, :, 8:].double() - ref_lse[:, :, 8:]).abs().max() <= 2e-3
+    assert (out[:, :, :8] == 0).all()
+
+
+def test_empty_inputs(host_build):
+    q, k, v = _inputs(1, 2, 2, 0, 5, 64, seed=2)
+    out, lse = flash_attn(q, k, v, return_lse=True)
+    assert out.shape == (1, 2, 0, 64) and lse.shape == (1, 2, 0)
+    q, k, v = _inputs(1, 2, 2, 3, 0, 64, seed=2)
+    out, lse = flash_attn(q, k, v, return_lse=True)
+    assert (out == 0).all() and torch.isinf(lse).all()

@@ -10,6 +10,7 @@
 //   kv   K tile [BC][D+8] fp16, then reused for the V tile [BC/2][D] as half2 key pairs,
 //        so P.V runs on dot2 over two keys with fp32 accumulation
 //   p    [BR][BC/2+4] half2 probabilities, written as whole 32-bit pairs
+// RoPE, when asked for, rotates Q once and each K tile in LDS, right after staging.
 #pragma once
 
 template <int D, int G, int BR, int BC, int NT>
@@ -23,7 +24,7 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
   constexpr int PS = PAIRS + 4;
   constexpr int KV_VECS = rdna_max(BC * QS / 8, PAIRS * D / 4);
   static_assert(NT % BR == 0 && (TR & (TR - 1)) == 0 && TR <= RDNA_WAVE_SIZE, "threads per row");
-  static_assert(BR % G == 0 && D % 32 == 0 && DS % 8 == 0 && PAIRS % (4 * TR) == 0, "tile shape");
+  static_assert(BR % G == 0 && D % 32 == 0 && DS % 4 == 0 && PAIRS % 4 == 0 && PAIRS % TR == 0, "tile shape");
 
   RDNA_SHARED u32x4 q_lds[BR * QS / 8];
   RDNA_SHARED u32x4 kv_lds[KV_VECS];
@@ -56,6 +57,10 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
     const long long off = (head0 + r / RPH) * a.q_stride_h + (long long)pos * a.q_stride_s + c * 8;
     q_lds[r * QS / 8 + c] = pos < a.seq_q ? rdna_load16(q + off) : zero;
   }
+  if (a.rotary_dim) {
+    rdna_block_sync();
+    rdna_rope_lds<BR, QS, NT>(reinterpret_cast<half_t*>(q_lds), a, block_pos, RPH, a.seq_q, offset);
+  }
 
   const int my_pos = block_pos + row % RPH;
   const int my_diag = my_pos + offset;
@@ -72,10 +77,15 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
       kv_lds[c * QS / 8 + d8] = key < a.seq_k ? rdna_load16(k + (long long)key * a.k_stride_s + d8 * 8) : zero;
     }
     rdna_block_sync();
+    if (a.rotary_dim) {
+      rdna_rope_lds<BC, QS, NT>(reinterpret_cast<half_t*>(kv_lds), a, k0, BC, a.seq_k, 0);
+      rdna_block_sync();
+    }
 
     // S = Q K^T for this thread's key pairs.
     float s[2 * PPT];
     for (int e = 0; e < 2 * PPT; ++e) s[e] = 0.f;
+#pragma unroll 2
     for (int c = 0; c < D / 8; ++c) {
       const u32x4 qv = q_lds[row * QS / 8 + c];
 #pragma unroll
@@ -152,15 +162,18 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
 
   for (int x = 1; x < TR; x <<= 1) l += rdna_shfl_xor(l, x);
   if (my_pos >= a.seq_q) return;
+  const int head = head0 + row / RPH;
   const float inv = l > 0.f ? 1.f / l : 0.f;  // a row that saw no key is zero
-  half_t* out = a.o + b * a.o_stride_b + (head0 + row / RPH) * a.o_stride_h +
-                (long long)my_pos * a.o_stride_s + part * DS;
-  for (int dc = 0; dc < DS / 8; ++dc) {
-    u32x4 w;
-    w.x = rdna_pack_half2((half_t)(o[dc * 8 + 0] * inv), (half_t)(o[dc * 8 + 1] * inv));
-    w.y = rdna_pack_half2((half_t)(o[dc * 8 + 2] * inv), (half_t)(o[dc * 8 + 3] * inv));
-    w.z = rdna_pack_half2((half_t)(o[dc * 8 + 4] * inv), (half_t)(o[dc * 8 + 5] * inv));
-    w.w = rdna_pack_half2((half_t)(o[dc * 8 + 6] * inv), (half_t)(o[dc * 8 + 7] * inv));
-    rdna_store16(out + dc * 8, w);
+  half_t* out = a.o + b * a.o_stride_b + head * a.o_stride_h + (long long)my_pos * a.o_stride_s + part * DS;
+  for (int dc = 0; dc < DS / 4; ++dc) {
+    u32x2 w;
+    w.x = rdna_pack_half2((half_t)(o[dc * 4 + 0] * inv), (half_t)(o[dc * 4 + 1] * inv));
+    w.y = rdna_pack_half2((half_t)(o[dc * 4 + 2] * inv), (half_t)(o[dc * 4 + 3] * inv));
+    rdna_store8(out + dc * 4, w);
+  }
+  if (a.lse && part == 0) {
+    // Natural-log LSE of the scaled scores; m and l live in the log2 domain.
+    const float ln2 = 0.6931471805599453f;
+    a.lse[b * a.lse_stride_b + head * a.lse_stride_h + my_pos] = l > 0.f ? (m + rdna_log2(l)) * ln2 : -__builtin_inff();
   }
 }
