@@ -12,6 +12,7 @@
 // Types shared by every platform, and the kernel arguments (mirrors generator/abi.py).
 typedef _Float16 half_t;
 typedef _Float16 half2_t __attribute__((ext_vector_type(2)));
+typedef unsigned int u32x2 __attribute__((ext_vector_type(2)));
 typedef unsigned int u32x4 __attribute__((ext_vector_type(4)));
 
 struct Fa2Args {
@@ -39,6 +40,14 @@ struct Fa2Args {
   int window_left;
   int window_right;
   float scale_log2;
+  float* lse;
+  long long lse_stride_b;
+  long long lse_stride_h;
+  const float* rotary_cos;
+  const float* rotary_sin;
+  long long rotary_stride;
+  int rotary_dim;
+  int rotary_interleaved;
 };
 
 
@@ -59,6 +68,7 @@ RDNA_DEVICE float rdna_shfl_xor(float v, int mask) {
 }
 
 RDNA_DEVICE float rdna_exp2(float x) { return __builtin_amdgcn_exp2f(x); }
+RDNA_DEVICE float rdna_log2(float x) { return __builtin_amdgcn_logf(x); }
 
 // fp16 pair product accumulated in fp32: acc + a.x*b.x + a.y*b.y. Tier: mad_mix.
 RDNA_DEVICE float rdna_dot2(half2_t a, half2_t b, float acc) {

@@ -17,6 +17,7 @@
 // Types shared by every platform, and the kernel arguments (mirrors generator/abi.py).
 typedef _Float16 half_t;
 typedef _Float16 half2_t __attribute__((ext_vector_type(2)));
+typedef unsigned int u32x2 __attribute__((ext_vector_type(2)));
 typedef unsigned int u32x4 __attribute__((ext_vector_type(4)));
 
 struct Fa2Args {
@@ -44,6 +45,14 @@ struct Fa2Args {
   int window_left;
   int window_right;
   float scale_log2;
+  float* lse;
+  long long lse_stride_b;
+  long long lse_stride_h;
+  const float* rotary_cos;
+  const float* rotary_sin;
+  long long rotary_stride;
+  int rotary_dim;
+  int rotary_interleaved;
 };
 
 
@@ -54,6 +63,7 @@ RDNA_DEVICE int rdna_block_id_z() { return rdna_host::block_id(2); }
 RDNA_DEVICE void rdna_block_sync() { rdna_host::block_sync(); }
 RDNA_DEVICE float rdna_shfl_xor(float v, int mask) { return rdna_host::shfl_xor(v, mask); }
 RDNA_DEVICE float rdna_exp2(float x) { return std::exp2(x); }
+RDNA_DEVICE float rdna_log2(float x) { return std::log2(x); }
 
 // Tier: cvt_fma (the portable lowering; fp16 products are exact in fp32).
 RDNA_DEVICE float rdna_dot2(half2_t a, half2_t b, float acc) {
