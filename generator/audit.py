@@ -98,6 +98,43 @@ def audit_code_object(toolchain: Toolchain, target: Target, specs: list[KernelSp
     return rows
 
 
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']+)'")
+_PTXAS_FRAME = re.compile(r"(?P<stack>\d+) bytes stack frame, (?P<stores>\d+) bytes spill stores, (?P<loads>\d+) bytes spill loads")
+_PTXAS_USED = re.compile(r"Used (?P<regs>\d+) registers(?:.*?, (?P<smem>\d+) bytes smem)?")
+
+
+def audit_cubin(target: Target, specs: list[KernelSpec], cubin: Path, report: Path, ptx: Path) -> list[KernelAudit]:
+    """The cuda audit, from ptxas -v (registers, spill bytes, stack, shared memory) and the PTX."""
+    info: dict[str, dict[str, int]] = {}
+    current = None
+    for line in report.read_text().splitlines():
+        if m := _PTXAS_ENTRY.search(line):
+            current = info.setdefault(m["name"], {"stack": 0, "spills": 0, "regs": 0, "smem": 0})
+        elif current is not None and (m := _PTXAS_FRAME.search(line)):
+            current["stack"], current["spills"] = int(m["stack"]), int(m["stores"]) + int(m["loads"])
+        elif current is not None and (m := _PTXAS_USED.search(line)):
+            current["regs"], current["smem"] = int(m["regs"]), int(m["smem"] or 0)
+    converts: dict[str, int] = {}
+    name = None
+    for line in ptx.read_text().splitlines():
+        if m := re.match(r"^\.visible \.entry (\w+)\(", line):
+            name = m.group(1)
+            converts[name] = 0
+        elif name is not None and "cvt.f32.f16" in line:
+            converts[name] += 1
+    rows = []
+    for spec in specs:
+        k = info.get(spec.name)
+        if k is None:
+            raise AuditError(f"{report}: no ptxas report for kernel {spec.name}")
+        rows.append(KernelAudit(
+            target=target.name, name=spec.name, vgprs=k["regs"], sgprs=0, vgpr_spills=k["spills"], sgpr_spills=0,
+            scratch_bytes=k["stack"], lds_bytes=k["smem"], wave_size=target.wave_size,
+            waves_per_simd=target.waves_per_simd(k["regs"], k["smem"], spec.tile.threads),
+            dot2=0, dot4=0, fma_mix=0, mad_mix=0, cvt_f32_f16=converts.get(spec.name, 0)))
+    return rows
+
+
 def violations(target: Target, spec: KernelSpec, row: KernelAudit) -> list[str]:
     out = []
     if row.vgpr_spills or row.sgpr_spills:

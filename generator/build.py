@@ -45,6 +45,12 @@ def _ninja_file(matrix: Matrix, targets: list[Target], build_dir: Path, tc: tool
     w.rule("amdgcn", description="HIP $target ($kernels kernels)",
            command="$clang -x hip --offload-device-only -nogpuinc -nogpulib --no-gpu-bundle-output "
                    f"--offload-arch=$target {DEVICE_FLAGS} -I$inc_dir $in -o $out")
+    w.rule("cuda_ptx", description="CUDA $target ($kernels kernels)",
+           command="$clang -x cuda --cuda-device-only -nocudainc -nocudalib -Wno-unknown-cuda-version "
+                   f"--cuda-gpu-arch=$target -S {DEVICE_FLAGS} -I$inc_dir $in -o $out")
+    # ptxas -v is the resource report the audit reads; it is kept beside the cubin.
+    w.rule("cuda_cubin", description="PTXAS $target",
+           command="$ptxas -arch=$target -v $in -o $out > $out.ptxas.txt 2>&1 || (cat $out.ptxas.txt; exit 1)")
     w.rule("host_cc", description="C++ $target $in", depfile="$out.d", deps="gcc",
            command=f"$clang --driver-mode=g++ {HOST_FLAGS} -DRDNA_WAVE_SIZE=$wave -I$inc_dir -I$host_inc_dir "
                    "-MD -MF $out.d -c $in -o $out")
@@ -55,11 +61,17 @@ def _ninja_file(matrix: Matrix, targets: list[Target], build_dir: Path, tc: tool
         stamp = build_dir / target.name / "toolchain.txt"
         out = code_object_path(matrix, target, build_dir)
         n = len(matrix.specs_for(target))
+        headers = [str(gen / "prelude.h")] + [str(gen / f"{s.name}.cpp") for s in matrix.specs_for(target)]
+        headers += [str(p) for p in sorted(INCLUDE_DIR.glob("*.h"))]
         if target.platform == "amdgcn":
-            headers = [str(gen / "prelude.h")] + [str(gen / f"{s.name}.cpp") for s in matrix.specs_for(target)]
-            headers += [str(p) for p in sorted(INCLUDE_DIR.glob("*.h"))]
             w.build(str(out), "amdgcn", str(gen / "kernels.cpp"), implicit=[str(stamp)] + headers,
                     variables={"target": target.name, "kernels": str(n)})
+        elif target.platform == "cuda":
+            ptx = str(build_dir / target.name / "kernels.ptx")
+            w.build(ptx, "cuda_ptx", str(gen / "kernels.cpp"), implicit=[str(stamp)] + headers,
+                    variables={"target": target.name, "kernels": str(n)})
+            w.build(str(out), "cuda_cubin", ptx, variables={"target": target.name,
+                                                            "ptxas": toolchain.find_ptxas(target.name)})
         else:
             objs = [str(build_dir / target.name / "kernels.o"), str(build_dir / target.name / "rdna_host.o")]
             for obj, src in zip(objs, [gen / "kernels.cpp", HOST_DIR / "rdna_host.cpp"]):
@@ -92,6 +104,7 @@ def build(matrix: Matrix, targets: list[Target], build_dir: Path, jobs: int | No
     """Generate, compile, audit. Returns the audit rows of the amdgcn targets."""
     build_dir = build_dir.resolve()
     tc = toolchain.find()
+    targets = _assemblable(targets, log)
     written, total = generate(matrix, targets, build_dir / "gen")
     log(f"generate: {total} files for {len(targets)} target(s), {written} changed")
     for target in targets:
@@ -106,9 +119,23 @@ def build(matrix: Matrix, targets: list[Target], build_dir: Path, jobs: int | No
         name = code_object_name(matrix, target)
         write_if_changed(build_dir / target.name / "dispatch.json",
                          dispatch.dumps(dispatch.table(target, specs, name)))
-        if target.platform == "amdgcn":
+        if target.platform != "host":
             rows += audit_target(matrix, target, build_dir, tc)
     return rows
+
+
+def _assemblable(targets: list[Target], log) -> list[Target]:
+    """Drops cuda targets no installed ptxas can assemble, saying why."""
+    keep = []
+    for target in targets:
+        if target.platform == "cuda":
+            try:
+                toolchain.find_ptxas(target.name)
+            except toolchain.ToolchainError as e:
+                log(f"skip {target.name}: {e}")
+                continue
+        keep.append(target)
+    return keep
 
 
 def audit_target(matrix: Matrix, target: Target, build_dir: Path,
@@ -127,7 +154,10 @@ def audit_target(matrix: Matrix, target: Target, build_dir: Path,
         if cached.get("code_object_stamp") == stamp and [r["name"] for r in cached["kernels"]] == [s.name for s in specs]:
             rows = [audit.KernelAudit(**r) for r in cached["kernels"]]
     if rows is None:
-        rows = audit.audit_code_object(tc, target, specs, path)
+        if target.platform == "cuda":
+            rows = audit.audit_cubin(target, specs, path, Path(f"{path}.ptxas.txt"), path.with_suffix(".ptx"))
+        else:
+            rows = audit.audit_code_object(tc, target, specs, path)
         write_if_changed(cache, json.dumps({"code_object_stamp": stamp, "kernels": [r.to_json() for r in rows]},
                                            indent=2, sort_keys=True) + "\n")
     audit.check(target, specs, rows)

@@ -30,12 +30,12 @@ TIER_SIGNATURE = {
     Tier.CVT_FMA: "v_cvt_f32_f16",
 }
 
-PLATFORMS = ("amdgcn", "host")
+PLATFORMS = ("amdgcn", "cuda", "host")
 INT8_DOTS = ("sdot4", "sudot4", "none")
 MIXED_FMAS = (Tier.FMA_MIX.value, Tier.MAD_MIX.value, Tier.CVT_FMA.value)
 STATUSES = ("tested", "builds")
 KERNEL_KINDS = ("f16",)
-_TARGET_RE = re.compile(r"^(gfx[0-9a-f]{3,4}|host)$")
+_TARGET_RE = re.compile(r"^(gfx[0-9a-f]{3,4}|sm_[0-9]{2,3}|host)$")
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class Target:
     vgprs_per_simd: int
     vgpr_granule: int
     max_waves_per_simd: int
+    simds_per_cu: int
     fdot2: bool
     int8_dot: str
     mixed_fma: str
@@ -76,7 +77,7 @@ class Target:
             return by_vgpr
         waves_per_group = -(-threads // self.wave_size)
         groups = self.lds_per_cu // lds
-        by_lds = groups * waves_per_group // 4  # four SIMDs per CU (GCN) or WGP (RDNA)
+        by_lds = groups * waves_per_group // self.simds_per_cu
         return min(by_vgpr, by_lds)
 
 
@@ -170,10 +171,11 @@ class KernelKind:
     template: str
     head_dims: tuple[int, ...]
     gqa_groups: tuple[int, ...]
-    tiles: tuple[tuple[int, Tile], ...]  # (head_dim, tile), sorted
-    default_tile: Tile
+    tiles: tuple[tuple[int, tuple[Tile, ...]], ...]  # (head_dim, candidates), sorted
+    default_tile: tuple[Tile, ...]
 
-    def tile_for(self, head_dim: int) -> Tile:
+    def tiles_for(self, head_dim: int) -> tuple[Tile, ...]:
+        """Candidate tiles in order of preference; a target takes the first its LDS holds."""
         return dict(self.tiles).get(head_dim, self.default_tile)
 
 
@@ -194,12 +196,18 @@ class Matrix:
         return next(p for p in self.platforms if p.name == name)
 
     def specs_for(self, target: Target) -> list[KernelSpec]:
-        specs = [
-            KernelSpec(kind=k.kind, head_dim=hd, gqa_group=g, tile=k.tile_for(hd),
-                       wave_size=target.wave_size, tier=target.tier)
-            for k in self.kernels for hd in k.head_dims for g in k.gqa_groups
-        ]
+        specs = [self._spec(target, k, hd, g) for k in self.kernels for hd in k.head_dims for g in k.gqa_groups]
         return sorted(specs, key=lambda s: s.name)
+
+    @staticmethod
+    def _spec(target: Target, kind: KernelKind, head_dim: int, group: int) -> KernelSpec:
+        candidates = [KernelSpec(kind=kind.kind, head_dim=head_dim, gqa_group=group, tile=tile,
+                                 wave_size=target.wave_size, tier=target.tier)
+                      for tile in kind.tiles_for(head_dim)]
+        for spec in candidates:
+            if spec.lds_bytes <= target.lds_bytes and not spec.problems():
+                return spec
+        return candidates[0]  # load_matrix reports why it cannot be built
 
     def kernel_kind(self, kind: str) -> KernelKind:
         return next(k for k in self.kernels if k.kind == kind)
@@ -249,13 +257,16 @@ def _target(name: str, node: object, parent: Node, platforms: set[str]) -> Targe
         raise node.fail("platform", f"{platform!r} is not a platform listed under platforms:")
     if (platform == "host") != (name == "host"):
         raise node.fail("platform", "only the target named host uses the host platform")
+    if (platform == "cuda") != name.startswith("sm_"):
+        raise node.fail("platform", "cuda targets are named sm_NN, and sm_NN targets use the cuda platform")
     wave = node.take("wave_size", int)
     node.check("wave_size", wave in (32, 64), f"must be 32 or 64, got {wave}")
     fields = dict(
         name=name, platform=platform, family=node.take("family", str), parts=node.take("parts", str),
         wave_size=wave, lds_bytes=_positive(node, "lds_bytes"), lds_per_cu=_positive(node, "lds_per_cu"),
         vgprs_per_simd=_positive(node, "vgprs_per_simd"), vgpr_granule=_positive(node, "vgpr_granule"),
-        max_waves_per_simd=_positive(node, "max_waves_per_simd"), fdot2=node.take("fdot2", bool),
+        max_waves_per_simd=_positive(node, "max_waves_per_simd"), simds_per_cu=_positive(node, "simds_per_cu"),
+        fdot2=node.take("fdot2", bool),
         int8_dot=node.choice("int8_dot", INT8_DOTS), mixed_fma=node.choice("mixed_fma", MIXED_FMAS),
         hw_tier=node.take("hw_tier", int), default=node.take("default", bool),
         status=node.choice("status", STATUSES),
@@ -281,12 +292,18 @@ def _int_list(node: Node, key: str) -> tuple[int, ...]:
     return tuple(sorted(values))
 
 
-def _tile(node: object, parent: Node, key: str) -> Tile:
-    if not isinstance(node, Node):
-        raise parent.fail(key, "expected a mapping with br, bc, threads")
-    tile = Tile(br=_positive(node, "br"), bc=_positive(node, "bc"), threads=_positive(node, "threads"))
-    node.finish()
-    return tile
+def _tiles(node: object, parent: Node, key: str) -> tuple[Tile, ...]:
+    """A tile mapping, or a list of them in order of preference."""
+    items = node if isinstance(node, list) else [node]
+    tiles = []
+    for item in items:
+        if not isinstance(item, Node):
+            raise parent.fail(key, "expected a mapping with br, bc, threads, or a list of them")
+        tiles.append(Tile(br=_positive(item, "br"), bc=_positive(item, "bc"), threads=_positive(item, "threads")))
+        item.finish()
+    if not tiles:
+        raise parent.fail(key, "expected at least one tile")
+    return tuple(tiles)
 
 
 def _kernel(kind: str, node: object, parent: Node, templates: Path) -> KernelKind:
@@ -299,14 +316,14 @@ def _kernel(kind: str, node: object, parent: Node, templates: Path) -> KernelKin
         raise node.fail("template", f"no such template in templates/: {template!r}")
     head_dims = _int_list(node, "head_dims")
     groups = _int_list(node, "gqa_groups")
-    default_tile = _tile(node.pop("default_tile", None), node, "default_tile")
+    default_tile = _tiles(node.pop("default_tile", None), node, "default_tile")
     tiles_node = node.child("tiles") if "tiles" in node else None
     tiles = []
     if tiles_node is not None:
         for hd in sorted(tiles_node, key=lambda k: tiles_node.key_lines[k]):
             if not hd.isdigit() or int(hd) not in head_dims:
                 raise tiles_node.fail(hd, f"is not one of head_dims {list(head_dims)}")
-            tiles.append((int(hd), _tile(tiles_node.pop(hd), tiles_node, hd)))
+            tiles.append((int(hd), _tiles(tiles_node.pop(hd), tiles_node, hd)))
     node.finish()
     return KernelKind(kind=kind, template=template, head_dims=head_dims, gqa_groups=groups,
                       tiles=tuple(sorted(tiles)), default_tile=default_tile)

@@ -112,17 +112,21 @@ def _loader(file: str) -> type[yaml.SafeLoader]:
 
 
 def _set_paths(value: Any, path: str) -> None:
+    # Anchored values are shared objects: each is copied so every path owns its own.
     if isinstance(value, Node):
-        # Merged mappings are shared objects: copy so each path is its own.
         value.path = path
         for key, child in value.items():
             if isinstance(child, Node):
                 child = _copy(child)
                 child.line = value.key_lines[key]  # a missing key is reported at its parent's key
-                value[key] = child
+            elif isinstance(child, list):
+                child = list(child)
+            value[key] = child
             _set_paths(child, f"{path}.{key}" if path else key)
     elif isinstance(value, list):
         for i, item in enumerate(value):
+            if isinstance(item, Node):
+                item = value[i] = _copy(item)
             _set_paths(item, f"{path}[{i}]")
 
 

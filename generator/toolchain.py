@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,3 +75,38 @@ def find() -> Toolchain:
     raise ToolchainError(
         "no clang with the AMDGPU target found; tried: " + "; ".join(tried) +
         ". Install one (Debian: apt-get install clang-22 lld-22) or set RDNATTENTION_CLANG.")
+
+
+def _ptxas_candidates() -> list[str]:
+    found = []
+    if os.environ.get("RDNATTENTION_PTXAS"):
+        found.append(os.environ["RDNATTENTION_PTXAS"])
+    # PyPI's nvidia-cuda-nvcc-cu12 carries a ptxas that still assembles Pascal (sm_60/61).
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc") if importlib.util.find_spec("nvidia") else None
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        found.append(str(Path(root) / "bin" / "ptxas"))
+    if shutil.which("ptxas"):
+        found.append(shutil.which("ptxas"))
+    return [p for p in dict.fromkeys(found) if Path(p).is_file()]
+
+
+_PROBE_PTX = ".version 8.0\n.target {arch}\n.address_size 64\n.visible .entry probe() {{ ret; }}\n"
+
+
+@functools.lru_cache(maxsize=None)
+def find_ptxas(arch: str) -> str:
+    """A ptxas that assembles ``arch`` (e.g. sm_61); raises ToolchainError saying what was tried."""
+    tried = []
+    for ptxas in _ptxas_candidates():
+        with tempfile.TemporaryDirectory(prefix="rdna-ptxas-") as tmp:
+            src = Path(tmp) / "probe.ptx"
+            src.write_text(_PROBE_PTX.format(arch=arch))
+            r = subprocess.run([ptxas, f"-arch={arch}", str(src), "-o", str(Path(tmp) / "probe.cubin")],
+                               capture_output=True, text=True)
+        if r.returncode == 0:
+            return ptxas
+        tried.append(f"{ptxas} ({(r.stderr.strip().splitlines() or ['failed'])[-1]})")
+    raise ToolchainError(
+        f"no ptxas assembles {arch}; tried: {'; '.join(tried) or 'none found'}. "
+        "Install one with: pip install nvidia-cuda-nvcc-cu12 (its ptxas covers sm_50 to sm_90), "
+        "or set RDNATTENTION_PTXAS.")

@@ -8,7 +8,7 @@ import torch
 
 from . import dispatch
 from .abi import Fa2Args
-from .drivers import host
+from .drivers import cuda, host
 from .errors import InvalidArgumentError, UnsupportedError
 
 _LOG2E = 1.4426950408889634
@@ -18,9 +18,20 @@ _INT32_MAX = 2**31 - 1
 def _target_of(device: torch.device) -> str:
     if device.type == "cpu":
         return "host"
+    if device.type == "cuda" and torch.version.hip is None:
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"sm_{major}{minor}"
     raise UnsupportedError(
-        f"tensors on {device} are not served yet: this version runs the kernels on CPU tensors "
-        "through the host emulator (target 'host'); GPU drivers are not part of it")
+        f"tensors on {device} are not served: this version runs CPU tensors on the host emulator and "
+        "NVIDIA GPUs through the cuda platform; the HIP driver for AMD GPUs is not part of it yet")
+
+
+def _launch(table: dispatch.TargetTable, entry: dispatch.KernelEntry, grid: tuple[int, int, int],
+            args: Fa2Args, device: torch.device) -> None:
+    if table.platform == "host":
+        host.launch(table.code_object, entry.name, grid, entry.threads, args)
+    else:
+        cuda.launch(table.code_object, entry.name, grid, entry.threads, args, device)
 
 
 def _check_tensor(name: str, t: object, rank: int = 4) -> torch.Tensor:
@@ -159,5 +170,7 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: 
             setattr(args, f"{prefix}_stride_{axis}", stride)
     rows_per_head = entry.br // entry.gqa_group
     grid = (-(-seq_q // rows_per_head), heads_q // entry.gqa_group, batch)
-    host.launch(table.code_object, entry.name, grid, entry.threads, args)
+    if grid[1] > 65535 or grid[2] > 65535:
+        raise InvalidArgumentError(f"at most 65535 head groups and batches per launch, got {grid[1]} and {grid[2]}")
+    _launch(table, entry, grid, args, q.device)
     return (out, lse) if return_lse else out

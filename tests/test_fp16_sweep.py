@@ -3,42 +3,10 @@ sweep with the emulator's fiber order shuffled at every sync point, which must c
 
 import pytest
 import torch
+from cases import HEAD_DIMS, LSE_TOL, TOL, VARIANTS, make_case
 
 import rdnattention
-from rdnattention import attention_reference, flash_attn, rotary_tables
-
-HEAD_DIMS = list(range(32, 513, 32))
-TOL = 2e-3      # output: fp16 rounding of the result, of the probabilities and (RoPE) of rotated Q/K
-LSE_TOL = 2e-3  # log-sum-exp, fp32
-
-# name: (batch, heads_q, heads_kv, seq_q, seq_k, options)
-VARIANTS = {
-    "plain": (2, 2, 2, 100, 100, {}),
-    "causal": (1, 2, 2, 150, 150, {"is_causal": True}),
-    "window_left": (1, 2, 2, 150, 150, {"is_causal": True, "window_size": (37, -1)}),
-    "window_two_sided": (1, 2, 2, 140, 140, {"window_size": (21, 9)}),
-    "gqa": (1, 4, 2, 97, 97, {"is_causal": True}),
-    "mqa": (1, 3, 1, 80, 80, {}),
-    "cross": (1, 2, 2, 45, 170, {"is_causal": True}),
-    "decode": (2, 4, 2, 1, 203, {}),
-    "rope": (1, 4, 2, 90, 90, {"is_causal": True, "rope": True}),
-}
-
-
-def _case(name, head_dim):
-    b, hq, hk, sq, sk, options = VARIANTS[name]
-    g = torch.Generator().manual_seed(head_dim * 100 + list(VARIANTS).index(name))
-    q = torch.randn(b, hq, sq, head_dim, generator=g).half()
-    k = torch.randn(b, hk, sk, head_dim, generator=g).half()
-    v = torch.randn(b, hk, sk, head_dim, generator=g).half()
-    options = dict(options)
-    if options.pop("rope", False):
-        # Partial rotation where head_dim allows it, rotate-half and interleaved alternating.
-        rotary_dim = head_dim if head_dim <= 64 else head_dim // 2
-        options["rotary_cos"], options["rotary_sin"] = rotary_tables(sk + 3, rotary_dim)
-        options["rotary_interleaved"] = head_dim % 64 == 0
-    return q, k, v, options
-
+from rdnattention import attention_reference, flash_attn
 
 @pytest.fixture(scope="module")
 def in_order_results(host_build):
@@ -48,7 +16,7 @@ def in_order_results(host_build):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_matches_oracle(in_order_results, head_dim, variant):
-    q, k, v, options = _case(variant, head_dim)
+    q, k, v, options = make_case(variant, head_dim)
     out, lse = flash_attn(q, k, v, return_lse=True, **options)
     ref, ref_lse = attention_reference(q, k, v, return_lse=True, **options)
     assert torch.isfinite(out).all()
@@ -64,7 +32,7 @@ def test_matches_oracle(in_order_results, head_dim, variant):
 def test_shuffled_order_changes_nothing(in_order_results, head_dim, variant):
     if (head_dim, variant) not in in_order_results:
         pytest.skip("the in-order run of this case did not pass")
-    q, k, v, options = _case(variant, head_dim)
+    q, k, v, options = make_case(variant, head_dim)
     rdnattention.set_host_shuffle(head_dim * 7 + 1)
     try:
         out, lse = flash_attn(q, k, v, return_lse=True, **options)

@@ -65,6 +65,7 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
   const int my_pos = block_pos + row % RPH;
   const int my_diag = my_pos + offset;
   float o[DS];
+#pragma unroll
   for (int d = 0; d < DS; ++d) o[d] = 0.f;
   float m = -__builtin_inff();
   float l = 0.f;
@@ -84,6 +85,7 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
 
     // S = Q K^T for this thread's key pairs.
     float s[2 * PPT];
+#pragma unroll
     for (int e = 0; e < 2 * PPT; ++e) s[e] = 0.f;
 #pragma unroll 2
     for (int c = 0; c < D / 8; ++c) {
@@ -115,6 +117,7 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
     const float alpha = rdna_exp2(m - m_ref);
     m = m_new;
     l *= alpha;
+#pragma unroll
     for (int d = 0; d < DS; ++d) o[d] *= alpha;
 #pragma unroll
     for (int i = 0; i < PPT; ++i) {
@@ -165,6 +168,7 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
   const int head = head0 + row / RPH;
   const float inv = l > 0.f ? 1.f / l : 0.f;  // a row that saw no key is zero
   half_t* out = a.o + b * a.o_stride_b + head * a.o_stride_h + (long long)my_pos * a.o_stride_s + part * DS;
+#pragma unroll
   for (int dc = 0; dc < DS / 4; ++dc) {
     u32x2 w;
     w.x = rdna_pack_half2((half_t)(o[dc * 4 + 0] * inv), (half_t)(o[dc * 4 + 1] * inv));

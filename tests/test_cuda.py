@@ -1,0 +1,118 @@
+"""The cuda platform: cubins built and audited on any machine; run on a GPU where one is present."""
+
+import math
+
+import pytest
+import torch
+from cases import HEAD_DIMS, LSE_TOL, TOL, VARIANTS, make_case
+
+from rdnattention import attention_reference, flash_attn
+from rdnattention.reference import rotate
+from rdnattention_gen import build, toolchain
+
+CUDA_TARGETS = ["sm_90", "sm_61", "sm_60"]
+
+
+@pytest.fixture(scope="module")
+def cuda_audit(matrix, build_dir):
+    return build.build(matrix, [matrix.target(n) for n in CUDA_TARGETS], build_dir, log=lambda *_: None)
+
+
+@pytest.mark.parametrize("target", CUDA_TARGETS)
+def test_cuda_targets_build_without_spills(matrix, cuda_audit, target):
+    try:
+        toolchain.find_ptxas(target)
+    except toolchain.ToolchainError as e:
+        pytest.skip(str(e))
+    rows = [r for r in cuda_audit if r.target == target]
+    assert len(rows) == len(matrix.specs_for(matrix.target(target)))
+    for r in rows:
+        assert (r.vgpr_spills, r.scratch_bytes) == (0, 0), r
+        assert r.lds_bytes <= 49152 and r.cvt_f32_f16 > 0, r
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+def _gpu():
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        pytest.skip("needs an NVIDIA GPU")
+    return torch.device("cuda")
+
+
+def _torch_attention(q, k, v, options):
+    """torch's own attention in fp32 (math path), with our masks and RoPE made explicit."""
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    sq, sk = q.shape[2], k.shape[2]
+    if "rotary_cos" in options:
+        cos, sin, inter = options["rotary_cos"], options["rotary_sin"], options.get("rotary_interleaved", False)
+        q32 = rotate(q32.double(), cos, sin, torch.arange(sq) + sk - sq, inter).float()
+        k32 = rotate(k32.double(), cos, sin, torch.arange(sk), inter).float()
+    group = q.shape[1] // k.shape[1]
+    k32, v32 = k32.repeat_interleave(group, 1), v32.repeat_interleave(group, 1)
+    left, right = options.get("window_size", (-1, -1))
+    if options.get("is_causal"):
+        right = 0 if right < 0 else min(right, 0)
+    diag = torch.arange(sq).unsqueeze(1) + sk - sq
+    key = torch.arange(sk).unsqueeze(0)
+    mask = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        mask &= key >= diag - left
+    if right >= 0:
+        mask &= key <= diag + right
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask.to(q32.device),
+                                                                scale=options.get("softmax_scale"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_gpu_matches_oracle_and_torch(head_dim, variant):
+    device = _gpu()
+    q, k, v, options = make_case(variant, head_dim)
+    gpu_options = {key: (val.to(device) if isinstance(val, torch.Tensor) else val) for key, val in options.items()}
+    qd, kd, vd = q.to(device), k.to(device), v.to(device)
+    out, lse = flash_attn(qd, kd, vd, return_lse=True, **gpu_options)
+    torch.cuda.synchronize()
+    ref, ref_lse = attention_reference(q, k, v, return_lse=True, **options)
+    assert torch.isfinite(out).all()
+    assert (out.cpu().double() - ref).abs().max().item() <= TOL
+    assert (lse.cpu().double() - ref_lse).abs().max().item() <= LSE_TOL
+    peer = _torch_attention(qd, kd, vd, gpu_options)
+    assert (out.float() - peer).abs().max().item() <= TOL
+
+
+@pytest.mark.gpu
+def test_gpu_offsets_beyond_2_31_elements():
+    device = _gpu()
+    # One buffer of 2^31 + 2^20 elements; batch 1 of each view starts at element 2^31.
+    batch_stride = 2**31
+    try:
+        buf = torch.empty(batch_stride + 2**20, dtype=torch.float16, device=device)
+    except torch.OutOfMemoryError:
+        pytest.skip("not enough GPU memory for a 4 GiB buffer")
+    g = torch.Generator(device=device).manual_seed(0)
+    seq, dim, heads = 96, 128, 2
+    views = []
+    for i in range(3):
+        t = torch.as_strided(buf, (2, heads, seq, dim), (batch_stride, seq * dim, dim, 1), i * heads * seq * dim)
+        t.copy_(torch.randn(2, heads, seq, dim, generator=g, device=device, dtype=torch.float16))
+        views.append(t)
+    q, k, v = views
+    out = flash_attn(q, k, v, is_causal=True)
+    ref = attention_reference(q.cpu(), k.cpu(), v.cpu(), is_causal=True)
+    assert (out.cpu().double() - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.gpu
+def test_gpu_runs_on_the_current_stream():
+    device = _gpu()
+    q, k, v, _ = make_case("gqa", 128)
+    qd, kd, vd = q.to(device), k.to(device), v.to(device)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out = flash_attn(qd, kd, vd, is_causal=True)
+    stream.synchronize()
+    ref = attention_reference(q, k, v, is_causal=True)
+    assert (out.cpu().double() - ref).abs().max().item() <= TOL
+    assert not math.isnan(out.float().sum().item())

@@ -1,0 +1,158 @@
+"""Forward fp16 benchmark on an NVIDIA GPU (cuda platform), against peers measured in the same run.
+
+    python3 tuning/bench.py --out results/
+
+For each shape: median time of >= 20 timed runs (CUDA events, after warm-up), TFLOP/s with
+FLOPs = 4*B*H*Sq*Sk*D (halved for causal when Sq == Sk), % of the FP32 FMA peak measured here
+by tuning/fma_peak.cu, and ratios to torch's math attention in fp32 with TF32 off (no tensor
+cores) and to torch's default scaled_dot_product_attention in fp16 (tensor cores; context).
+Writes bench.md and bench.png to --out."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from rdnattention import flash_attn
+from rdnattention.drivers import cuda as cuda_driver
+
+# (label, batch, heads_q, heads_kv, seq_q, seq_k, head_dim, causal)
+SHAPES = [
+    ("1x32x2048x128", 1, 32, 32, 2048, 2048, 128, False),
+    ("1x32x2048x128", 1, 32, 32, 2048, 2048, 128, True),
+    ("1x32x2048x64", 1, 32, 32, 2048, 2048, 64, False),
+    ("1x32x2048x64", 1, 32, 32, 2048, 2048, 64, True),
+    ("4x16x4096x64", 4, 16, 16, 4096, 4096, 64, False),
+    ("4x16x4096x64", 4, 16, 16, 4096, 4096, 64, True),
+    ("GQA 32/8 S4096 D128", 1, 32, 8, 4096, 4096, 128, False),
+    ("GQA 32/8 S4096 D128", 1, 32, 8, 4096, 4096, 128, True),
+    ("decode 1/8192 H32 D128", 1, 32, 32, 1, 8192, 128, False),
+]
+LONG = ("1x32x16384x128", 1, 32, 32, 16384, 16384, 128, True)
+
+
+def time_ms(fn, reps: int = 25, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+class FmaArgs(ctypes.Structure):
+    _fields_ = [("out", ctypes.c_void_p), ("mul", ctypes.c_float), ("add", ctypes.c_float), ("iters", ctypes.c_int)]
+
+
+def fma_peak_tflops(device: torch.device) -> float:
+    major, minor = torch.cuda.get_device_capability(device)
+    src = Path(__file__).with_name("fma_peak.cu")
+    cubin = Path(tempfile.mkdtemp()) / "fma_peak.cubin"
+    subprocess.run(["nvcc", "-cubin", f"-arch=sm_{major}{minor}", "-O3", str(src), "-o", str(cubin)], check=True)
+    out = torch.zeros(1, device=device)
+    args = FmaArgs(out=out.data_ptr(), mul=0.9999, add=1e-4, iters=4096)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    grid, threads = (sms * 8, 1, 1), 256
+    ms = time_ms(lambda: cuda_driver.launch(cubin, "fma_peak", grid, threads, args, device), reps=20)
+    flops = 2 * 8 * 32 * args.iters * grid[0] * threads
+    return flops / ms / 1e9
+
+
+def flops(b, hq, sq, sk, d, causal) -> float:
+    f = 4 * b * hq * sq * sk * d
+    return f / 2 if causal and sq == sk else f
+
+
+def run_shape(shape, device, with_peers=True):
+    label, b, hq, hk, sq, sk, d, causal = shape
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(b, hq, sq, d, device=device, dtype=torch.float16, generator=g)
+    k = torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g)
+    v = torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g)
+    row = {"shape": label, "causal": causal, "flops": flops(b, hq, sq, sk, d, causal)}
+    torch.cuda.reset_peak_memory_stats(device)
+    row["ours_ms"] = time_ms(lambda: flash_attn(q, k, v, is_causal=causal))
+    row["ours_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if not with_peers:
+        return row
+    causal_flag = causal and sq == sk
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    gqa = hk != hq
+    with sdpa_kernel(SDPBackend.MATH):
+        row["math_ms"] = time_ms(lambda: F.scaled_dot_product_attention(
+            q32, k32, v32, is_causal=causal_flag, enable_gqa=gqa), reps=20)
+    row["sdpa_ms"] = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal_flag, enable_gqa=gqa))
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    peak = fma_peak_tflops(device)
+    rows = [run_shape(s, device) for s in SHAPES]
+    long_row = run_shape(LONG, device, with_peers=False)
+
+    def tf(ms, f):
+        return f / ms / 1e9
+
+    lines = [f"GPU: {torch.cuda.get_device_name(device)}; measured FP32 FMA peak {peak:.1f} TFLOP/s; "
+             f"torch {torch.__version__}", "",
+             "| shape | causal | ours ms | ours TFLOP/s | % FMA peak | fp32 math TFLOP/s | ours / math | "
+             "sdpa fp16 TFLOP/s | ours / sdpa |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ours, math_, sdpa = tf(r["ours_ms"], r["flops"]), tf(r["math_ms"], r["flops"]), tf(r["sdpa_ms"], r["flops"])
+        r.update(ours_tflops=ours, math_tflops=math_, sdpa_tflops=sdpa)
+        lines.append(f"| {r['shape']} | {r['causal']} | {r['ours_ms']:.3f} | {ours:.2f} | {100 * ours / peak:.1f}% | "
+                     f"{math_:.2f} | {ours / math_:.2f}x | {sdpa:.1f} | {ours / sdpa:.3f}x |")
+    lines += ["", f"Long sequence {LONG[0]} causal: {long_row['ours_ms']:.1f} ms, "
+              f"{tf(long_row['ours_ms'], long_row['flops']):.2f} TFLOP/s, peak memory {long_row['ours_peak_gb']:.2f} GiB "
+              "(inputs and output included)"]
+    text = "\n".join(lines)
+    print(text)
+    (args.out / "bench.md").write_text(text + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart")
+        return 0
+    labels = [f"{r['shape']}\n{'causal' if r['causal'] else 'full'}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(14, 5))
+    width = 0.27
+    ax.bar([i - width for i in x], [r["ours_tflops"] for r in rows], width, label="rdnattention (fp16 in, fp32 FMA)")
+    ax.bar(list(x), [r["math_tflops"] for r in rows], width, label="torch math fp32, TF32 off")
+    ax.bar([i + width for i in x], [r["sdpa_tflops"] for r in rows], width, label="torch sdpa fp16 (tensor cores)")
+    ax.axhline(peak, color="gray", linestyle="--", label=f"FP32 FMA peak {peak:.0f}")
+    ax.set_yscale("log")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.out / "bench.png", dpi=110)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
