@@ -129,8 +129,9 @@ def audit_cubin(target: Target, specs: list[KernelSpec], cubin: Path, report: Pa
             raise AuditError(f"{report}: no ptxas report for kernel {spec.name}")
         rows.append(KernelAudit(
             target=target.name, name=spec.name, vgprs=k["regs"], sgprs=0, vgpr_spills=k["spills"], sgpr_spills=0,
-            scratch_bytes=k["stack"], lds_bytes=k["smem"], wave_size=target.wave_size,
-            waves_per_simd=target.waves_per_simd(k["regs"], k["smem"], spec.tile.threads),
+            # Shared memory is dynamic (sized by the launch), so the layout adds to any static use.
+            scratch_bytes=k["stack"], lds_bytes=k["smem"] + spec.lds_bytes, wave_size=target.wave_size,
+            waves_per_simd=target.waves_per_simd(k["regs"], k["smem"] + spec.lds_bytes, spec.tile.threads),
             dot2=0, dot4=0, fma_mix=0, mad_mix=0, cvt_f32_f16=converts.get(spec.name, 0)))
     return rows
 

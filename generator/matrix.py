@@ -34,8 +34,9 @@ PLATFORMS = ("amdgcn", "cuda", "host")
 INT8_DOTS = ("sdot4", "sudot4", "none")
 MIXED_FMAS = (Tier.FMA_MIX.value, Tier.MAD_MIX.value, Tier.CVT_FMA.value)
 STATUSES = ("tested", "builds")
+STAGES = ("f16", "f32")
 KERNEL_KINDS = ("f16",)
-_TARGET_RE = re.compile(r"^(gfx[0-9a-f]{3,4}|sm_[0-9]{2,3}|host)$")
+_TARGET_RE = re.compile(r"^(gfx[0-9a-f]{3,4}|sm_[0-9]{2,3}|host(_[a-z0-9]+)?)$")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Target:
     hw_tier: int
     default: bool
     status: str
+    stage: str  # LDS staging precision: f16 pairs, or f32 pairs converted once at staging
 
     @property
     def tier(self) -> Tier:
@@ -86,6 +88,7 @@ class Tile:
     br: int       # query rows per workgroup (all heads of the GQA group together)
     bc: int       # keys per step
     threads: int  # workgroup size
+    tm: int       # query rows per thread (the height of each thread's register tile)
 
 
 @dataclass(frozen=True, order=True)
@@ -98,16 +101,17 @@ class KernelSpec:
     tile: Tile
     wave_size: int
     tier: Tier
+    stage: str
 
     _NAME = re.compile(
         r"^fa2_(?P<kind>[a-z0-9]+)_hd(?P<hd>\d+)_g(?P<g>\d+)_br(?P<br>\d+)_bc(?P<bc>\d+)"
-        r"_nt(?P<nt>\d+)_w(?P<w>32|64)_(?P<tier>[a-z0-9_]+)$")
+        r"_nt(?P<nt>\d+)_tm(?P<tm>\d+)_w(?P<w>32|64)_(?P<tier>[a-z0-9_]+?)_s(?P<stage>f16|f32)$")
 
     @property
     def name(self) -> str:
         t = self.tile
         return (f"fa2_{self.kind}_hd{self.head_dim}_g{self.gqa_group}_br{t.br}_bc{t.bc}"
-                f"_nt{t.threads}_w{self.wave_size}_{self.tier.value}")
+                f"_nt{t.threads}_tm{t.tm}_w{self.wave_size}_{self.tier.value}_s{self.stage}")
 
     @classmethod
     def from_name(cls, name: str) -> "KernelSpec":
@@ -115,34 +119,33 @@ class KernelSpec:
         if not m:
             raise ValueError(f"not a kernel name: {name!r}")
         return cls(kind=m["kind"], head_dim=int(m["hd"]), gqa_group=int(m["g"]),
-                   tile=Tile(br=int(m["br"]), bc=int(m["bc"]), threads=int(m["nt"])),
-                   wave_size=int(m["w"]), tier=Tier(m["tier"]))
+                   tile=Tile(br=int(m["br"]), bc=int(m["bc"]), threads=int(m["nt"]), tm=int(m["tm"])),
+                   wave_size=int(m["w"]), tier=Tier(m["tier"]), stage=m["stage"])
 
     # Derived layout, shared by the template and the LDS budget check.
     @property
-    def threads_per_row(self) -> int:
-        return self.tile.threads // self.tile.br
+    def thread_grid(self) -> dict[str, int]:
+        """Thread rows, threads per row, keys and output columns per thread (TRW, TCW, TN, TD)."""
+        t = self.tile
+        trw = t.br // t.tm if t.tm else 0
+        tcw = t.threads // trw if trw else 0
+        return {"trw": trw, "tcw": tcw, "tn": t.bc // tcw if tcw else 0, "td": self.head_dim // tcw if tcw else 0}
 
     @property
     def lds_layout(self) -> dict[str, int]:
-        """Byte sizes of the kernel's LDS arrays (the template declares exactly these)."""
+        """Byte sizes of the kernel's LDS regions (the template carves exactly these)."""
         d, t = self.head_dim, self.tile
-        q_stride = d + 8                 # halves; 16 B pad keeps row reads on distinct banks
-        k_bytes = t.bc * q_stride * 2    # K tile, fp16 rows
-        v_bytes = (t.bc // 2) * d * 4    # V tile, key pairs interleaved per column (half2)
-        p_stride = t.bc // 2 + 4         # half2 words per P row, padded by 16 B
+        pair = 4 if self.stage == "f16" else 8
+        pad = 16 // pair                   # pairs; keeps rows 16-byte aligned and off one bank
         return {
-            "q_stride": q_stride,
-            "p_stride": p_stride,
-            "q_bytes": t.br * q_stride * 2,
-            "kv_bytes": max(k_bytes, v_bytes),
-            "p_bytes": t.br * p_stride * 4,
+            "q_bytes": (d // 2) * (t.br + pad) * pair,
+            "kv_bytes": max((d // 2) * (t.bc + pad), (t.bc // 2) * d) * pair,
+            "p_bytes": (t.bc // 2) * (t.br + pad) * pair,
         }
 
     @property
     def lds_bytes(self) -> int:
-        layout = self.lds_layout
-        return layout["q_bytes"] + layout["kv_bytes"] + layout["p_bytes"]
+        return sum(self.lds_layout.values())
 
     def problems(self) -> list[str]:
         """Why this spec cannot be generated (empty when it can)."""
@@ -152,16 +155,19 @@ class KernelSpec:
             out.append(f"head_dim {d} must be a multiple of 32 in 32..512")
         if g < 1 or t.br % g:
             out.append(f"br {t.br} must be a multiple of the GQA group {g}")
-        if t.threads % w or t.threads % t.br:
-            out.append(f"threads {t.threads} must be a multiple of the wave size {w} and of br {t.br}")
+        if t.threads % w:
+            out.append(f"threads {t.threads} must be a multiple of the wave size {w}")
+        if t.br % t.tm or t.threads % (t.br // t.tm):
+            out.append(f"threads {t.threads} must be a multiple of br/tm = {t.br / t.tm:g}")
             return out
-        tr = self.threads_per_row
-        if tr & (tr - 1) or tr > w:
-            out.append(f"threads/br = {tr} must be a power of two no larger than the wave size {w}")
-        if t.bc % 8 or (t.bc // 2) % tr:
-            out.append(f"bc {t.bc} must be a multiple of 8 with bc/2 a multiple of threads/br = {tr}")
-        if d % (4 * tr):
-            out.append(f"head_dim/(threads/br) = {d / tr:g} must be a multiple of 4")
+        grid = self.thread_grid
+        tcw = grid["tcw"]
+        if tcw & (tcw - 1) or tcw > w:
+            out.append(f"threads per row (threads*tm/br = {tcw}) must be a power of two no larger than the wave size {w}")
+        if t.bc % (2 * tcw):
+            out.append(f"bc {t.bc} must be a multiple of 2 * threads per row = {2 * tcw}")
+        if d % (2 * tcw):
+            out.append(f"head_dim {d} must be a multiple of 2 * threads per row = {2 * tcw}")
         return out
 
 
@@ -202,7 +208,7 @@ class Matrix:
     @staticmethod
     def _spec(target: Target, kind: KernelKind, head_dim: int, group: int) -> KernelSpec:
         candidates = [KernelSpec(kind=kind.kind, head_dim=head_dim, gqa_group=group, tile=tile,
-                                 wave_size=target.wave_size, tier=target.tier)
+                                 wave_size=target.wave_size, tier=target.tier, stage=target.stage)
                       for tile in kind.tiles_for(head_dim)]
         for spec in candidates:
             if spec.lds_bytes <= target.lds_bytes and not spec.problems():
@@ -249,14 +255,14 @@ def _positive(node: Node, key: str) -> int:
 
 def _target(name: str, node: object, parent: Node, platforms: set[str]) -> Target:
     if not _TARGET_RE.match(name):
-        raise parent.fail(name, "target names are gfxNNN[N] (lower-case hex) or host")
+        raise parent.fail(name, "target names are gfxNNN[N] (lower-case hex), sm_NN, or host[_suffix]")
     if not isinstance(node, Node):
         raise parent.fail(name, "expected a mapping")
     platform = node.take("platform", str)
     if platform not in platforms:
         raise node.fail("platform", f"{platform!r} is not a platform listed under platforms:")
-    if (platform == "host") != (name == "host"):
-        raise node.fail("platform", "only the target named host uses the host platform")
+    if (platform == "host") != name.startswith("host"):
+        raise node.fail("platform", "host targets are named host or host_<suffix>, and use the host platform")
     if (platform == "cuda") != name.startswith("sm_"):
         raise node.fail("platform", "cuda targets are named sm_NN, and sm_NN targets use the cuda platform")
     wave = node.take("wave_size", int)
@@ -269,7 +275,7 @@ def _target(name: str, node: object, parent: Node, platforms: set[str]) -> Targe
         fdot2=node.take("fdot2", bool),
         int8_dot=node.choice("int8_dot", INT8_DOTS), mixed_fma=node.choice("mixed_fma", MIXED_FMAS),
         hw_tier=node.take("hw_tier", int), default=node.take("default", bool),
-        status=node.choice("status", STATUSES),
+        status=node.choice("status", STATUSES), stage=node.choice("stage", STAGES),
     )
     if fields["hw_tier"] not in (1, 2):
         raise node.fail("hw_tier", f"must be 1 or 2, got {fields['hw_tier']}")
@@ -298,8 +304,9 @@ def _tiles(node: object, parent: Node, key: str) -> tuple[Tile, ...]:
     tiles = []
     for item in items:
         if not isinstance(item, Node):
-            raise parent.fail(key, "expected a mapping with br, bc, threads, or a list of them")
-        tiles.append(Tile(br=_positive(item, "br"), bc=_positive(item, "bc"), threads=_positive(item, "threads")))
+            raise parent.fail(key, "expected a mapping with br, bc, threads, tm, or a list of them")
+        tiles.append(Tile(br=_positive(item, "br"), bc=_positive(item, "bc"), threads=_positive(item, "threads"),
+                          tm=_positive(item, "tm")))
         item.finish()
     if not tiles:
         raise parent.fail(key, "expected at least one tile")

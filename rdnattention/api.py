@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -17,7 +18,7 @@ _INT32_MAX = 2**31 - 1
 
 def _target_of(device: torch.device) -> str:
     if device.type == "cpu":
-        return "host"
+        return os.environ.get("RDNATTENTION_HOST_TARGET", "host")
     if device.type == "cuda" and torch.version.hip is None:
         major, minor = torch.cuda.get_device_capability(device)
         return f"sm_{major}{minor}"
@@ -31,7 +32,7 @@ def _launch(table: dispatch.TargetTable, entry: dispatch.KernelEntry, grid: tupl
     if table.platform == "host":
         host.launch(table.code_object, entry.name, grid, entry.threads, args)
     else:
-        cuda.launch(table.code_object, entry.name, grid, entry.threads, args, device)
+        cuda.launch(table.code_object, entry.name, grid, entry.threads, args, device, entry.lds_bytes)
 
 
 def _check_tensor(name: str, t: object, rank: int = 4) -> torch.Tensor:

@@ -16,13 +16,14 @@ def test_shipped_matrix_lists_the_seed_targets(matrix):
     assert [t.name for t in matrix.select("default")] == DEFAULT_TARGETS
     names = {t.name for t in matrix.targets}
     assert {"gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1200", "gfx1201"} <= names
-    assert {"gfx1010", "gfx904", "gfx900", "gfx902", "gfx90c", "gfx803", "host"} <= names
+    assert {"gfx1010", "gfx904", "gfx900", "gfx902", "gfx90c", "gfx803", "host", "host_f32"} <= names
+    assert {"sm_90", "sm_61", "sm_60"} <= names
 
 
 @pytest.mark.parametrize("name, tier, wave", [
     ("gfx1030", Tier.DOT2, 32), ("gfx906", Tier.DOT2, 64), ("gfx1010", Tier.FMA_MIX, 32),
     ("gfx904", Tier.FMA_MIX, 64), ("gfx900", Tier.MAD_MIX, 64), ("gfx803", Tier.CVT_FMA, 64),
-    ("gfx1100", Tier.DOT2, 32), ("host", Tier.CVT_FMA, 32),
+    ("gfx1100", Tier.DOT2, 32), ("host", Tier.CVT_FMA, 32), ("sm_90", Tier.CVT_FMA, 32), ("sm_61", Tier.CVT_FMA, 32),
 ])
 def test_tier_and_wave_follow_the_hardware(matrix, name, tier, wave):
     target = matrix.target(name)
@@ -37,9 +38,9 @@ def test_every_spec_name_round_trips(matrix):
 
 
 def test_name_spells_every_field():
-    spec = KernelSpec(kind="f16", head_dim=128, gqa_group=2, tile=Tile(br=128, bc=32, threads=256),
-                      wave_size=64, tier=Tier.MAD_MIX)
-    assert spec.name == "fa2_f16_hd128_g2_br128_bc32_nt256_w64_mad_mix"
+    spec = KernelSpec(kind="f16", head_dim=128, gqa_group=2, tile=Tile(br=128, bc=32, threads=256, tm=8),
+                      wave_size=64, tier=Tier.MAD_MIX, stage="f16")
+    assert spec.name == "fa2_f16_hd128_g2_br128_bc32_nt256_tm8_w64_mad_mix_sf16"
     with pytest.raises(ValueError, match="not a kernel name"):
         KernelSpec.from_name("fa2_f16_hd128")
 
@@ -65,18 +66,20 @@ targets:
     vgprs_per_simd: 1024
     vgpr_granule: 8
     max_waves_per_simd: 16
+    simds_per_cu: 4
     fdot2: true
     int8_dot: sdot4
     mixed_fma: fma_mix
     hw_tier: 1
     default: true
     status: builds
+    stage: f16
 kernels:
   f16:
     template: fa2_f16.hip.j2
     head_dims: [64]
     gqa_groups: [1, 2]
-    default_tile: {br: 128, bc: 64, threads: 256}
+    default_tile: {br: 128, bc: 64, threads: 256, tm: 8}
 """
 
 
@@ -89,7 +92,7 @@ def _load(tmp_path: Path, text: str):
 def test_minimal_matrix_loads(tmp_path):
     matrix = _load(tmp_path, MINIMAL)
     assert [s.name for s in matrix.specs_for(matrix.target("gfx1030"))] == [
-        "fa2_f16_hd64_g1_br128_bc64_nt256_w32_dot2", "fa2_f16_hd64_g2_br128_bc64_nt256_w32_dot2"]
+        "fa2_f16_hd64_g1_br128_bc64_nt256_tm8_w32_dot2_sf16", "fa2_f16_hd64_g2_br128_bc64_nt256_tm8_w32_dot2_sf16"]
 
 
 @pytest.mark.parametrize("old, new, message", [
@@ -98,29 +101,34 @@ def test_minimal_matrix_loads(tmp_path):
     ("    wave_size: 32\n", "    wave_size: 48\n",
      "variants.yaml:8: targets.gfx1030.wave_size: must be 32 or 64, got 48"),
     ("    int8_dot: sdot4\n", "    int8_dot: dp4a\n",
-     "variants.yaml:15: targets.gfx1030.int8_dot: 'dp4a' is not one of sdot4, sudot4, none"),
+     "variants.yaml:16: targets.gfx1030.int8_dot: 'dp4a' is not one of sdot4, sudot4, none"),
     ("    fdot2: true\n", "    fdot2: yes please\n",
-     "variants.yaml:14: targets.gfx1030.fdot2: expected bool, got 'yes please'"),
+     "variants.yaml:15: targets.gfx1030.fdot2: expected bool, got 'yes please'"),
     ("    lds_bytes: 65536\n", "    lds_bytes: 65536\n    lds_bytes: 32768\n",
      "variants.yaml:10: duplicate key 'lds_bytes' (first at line 9)"),
     ("    status: builds\n", "",
      "variants.yaml:4: targets.gfx1030.status: is missing"),
+    ("    stage: f16\n", "    stage: f8\n",
+     "variants.yaml:21: targets.gfx1030.stage: 'f8' is not one of f16, f32"),
     ("  gfx1030:\n", "  gfx1030x:\n",
-     "variants.yaml:4: targets.gfx1030x: target names are gfxNNN[N] (lower-case hex) or host"),
+     "variants.yaml:4: targets.gfx1030x: target names are gfxNNN[N] (lower-case hex), sm_NN, or host[_suffix]"),
     ("    hw_tier: 1\n", "    hw_tier: 2\n",
-     "variants.yaml:17: targets.gfx1030.hw_tier: tier 2 targets have no int8 dot instruction (int8_dot: none)"),
+     "variants.yaml:18: targets.gfx1030.hw_tier: tier 2 targets have no int8 dot instruction (int8_dot: none)"),
+    ("    default_tile: {br: 128, bc: 64, threads: 256, tm: 8}\n", "    default_tile: {br: 128, bc: 64, threads: 256, tm: 3}\n",
+     "variants.yaml:4: targets.gfx1030: kernel fa2_f16_hd64_g1_br128_bc64_nt256_tm3_w32_dot2_sf16: "
+     "threads 256 must be a multiple of br/tm = 42.6667"),
     ("    head_dims: [64]\n", "    head_dims: [64, 80]\n",
-     "variants.yaml:4: targets.gfx1030: kernel fa2_f16_hd80_g1_br128_bc64_nt256_w32_dot2: "
-     "head_dim 80 must be a multiple of 32 in 32..512"),
+     "variants.yaml:4: targets.gfx1030: kernel fa2_f16_hd80_g1_br128_bc64_nt256_tm8_w32_dot2_sf16: "
+     "head_dim 80 must be a multiple of 32 in 32..512; head_dim 80 must be a multiple of 2 * threads per row = 32"),
     ("    head_dims: [64]\n", "    head_dims: [512]\n",
-     "variants.yaml:4: targets.gfx1030: kernel fa2_f16_hd512_g1_br128_bc64_nt256_w32_dot2: "
-     "needs 218112 bytes of LDS, over the 65536 budget"),
+     "variants.yaml:4: targets.gfx1030: kernel fa2_f16_hd512_g1_br128_bc64_nt256_tm8_w32_dot2_sf16: "
+     "needs 221696 bytes of LDS, over the 65536 budget"),
     ("    template: fa2_f16.hip.j2\n", "    template: nope.j2\n",
-     "variants.yaml:22: kernels.f16.template: no such template in templates/: 'nope.j2'"),
+     "variants.yaml:24: kernels.f16.template: no such template in templates/: 'nope.j2'"),
     ("kernels:\n", "kernel:\n", "variants.yaml:1: kernels: is missing"),
-    ("    default_tile: {br: 128, bc: 64, threads: 256}\n",
-     "    default_tile: {br: 128, bc: 64, threads: 256}\n    tiles:\n      128: {br: 128, bc: 32, threads: 256}\n",
-     "variants.yaml:27: kernels.f16.tiles.128: is not one of head_dims [64]"),
+    ("    default_tile: {br: 128, bc: 64, threads: 256, tm: 8}\n",
+     "    default_tile: {br: 128, bc: 64, threads: 256, tm: 8}\n    tiles:\n      128: {br: 128, bc: 32, threads: 256, tm: 8}\n",
+     "variants.yaml:29: kernels.f16.tiles.128: is not one of head_dims [64]"),
 ])
 def test_errors_name_file_line_and_key(tmp_path, old, new, message):
     assert old in MINIMAL

@@ -8,12 +8,13 @@ import pytest
 from rdnattention_gen.render import environment, generate, render_kernel, render_prelude, write_if_changed
 
 GOLDEN = Path(__file__).parent / "golden"
-# The dot2 and inline-asm lowerings, the host prelude, and one kernel instantiation.
+# The dot2 and inline-asm lowerings, the host and cuda (fp32 staging) preludes, one kernel instantiation.
 GOLDEN_CASES = {
     "prelude_gfx1030.h": ("prelude", "gfx1030"),
     "prelude_gfx900.h": ("prelude", "gfx900"),
     "prelude_host.h": ("prelude", "host"),
-    "fa2_f16_hd128_g2_br128_bc32_nt256_w32_dot2.cpp": ("kernel", "gfx1030"),
+    "prelude_sm_90.h": ("prelude", "sm_90"),
+    "fa2_f16_hd128_g2_br128_bc32_nt256_tm8_w32_dot2_sf16.cpp": ("kernel", "gfx1030"),
 }
 
 

@@ -24,6 +24,7 @@ def _libcuda() -> ctypes.CDLL:
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+    lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [
         ctypes.c_uint, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     return lib
@@ -48,21 +49,27 @@ def _module(path: Path, device: int) -> ctypes.c_void_p:
     return module
 
 
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute
+
+
 @functools.lru_cache(maxsize=None)
-def _function(path: Path, device: int, name: str) -> ctypes.c_void_p:
+def _function(path: Path, device: int, name: str, shared_bytes: int) -> ctypes.c_void_p:
     fn = ctypes.c_void_p()
     _check(_libcuda().cuModuleGetFunction(ctypes.byref(fn), _module(path, device), name.encode()),
            f"looking up {name} in {path}")
+    if shared_bytes > 48 * 1024:  # above 48 KiB a kernel must opt in to its dynamic shared memory
+        _check(_libcuda().cuFuncSetAttribute(fn, _MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes),
+               f"allowing {name} {shared_bytes} bytes of shared memory")
     return fn
 
 
 def launch(code_object: Path, name: str, grid: tuple[int, int, int], threads: int, args: ctypes.Structure,
-           device: torch.device) -> None:
+           device: torch.device, shared_bytes: int = 0) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
-        fn = _function(code_object, index, name)
+        fn = _function(code_object, index, name, shared_bytes)
     params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
     with torch.cuda.device(index):
         stream = torch.cuda.current_stream().cuda_stream
-        _check(_libcuda().cuLaunchKernel(fn, *grid, threads, 1, 1, 0, ctypes.c_void_p(stream), params, None),
+        _check(_libcuda().cuLaunchKernel(fn, *grid, threads, 1, 1, shared_bytes, ctypes.c_void_p(stream), params, None),
                f"launching {name}")

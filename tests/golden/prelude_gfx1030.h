@@ -4,7 +4,7 @@
 
 #define RDNA_WAVE_SIZE 32
 #define RDNA_DEVICE static __attribute__((device)) __attribute__((always_inline)) inline
-#define RDNA_SHARED __attribute__((shared)) __attribute__((aligned(16)))
+#define RDNA_LDS(name, bytes) __attribute__((shared)) __attribute__((aligned(16))) unsigned char name[bytes]
 #define RDNA_KERNEL(threads) \
   extern "C" __attribute__((global)) __attribute__((amdgpu_flat_work_group_size(threads, threads)))
 #define RDNA_REGISTER(name, args_type, threads)
@@ -68,11 +68,23 @@ RDNA_DEVICE float rdna_shfl_xor(float v, int mask) {
 }
 
 RDNA_DEVICE float rdna_exp2(float x) { return __builtin_amdgcn_exp2f(x); }
+RDNA_DEVICE float rdna_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 RDNA_DEVICE float rdna_log2(float x) { return __builtin_amdgcn_logf(x); }
 
 // fp16 pair product accumulated in fp32: acc + a.x*b.x + a.y*b.y. Tier: dot2.
 RDNA_DEVICE float rdna_dot2(half2_t a, half2_t b, float acc) {
   return __builtin_amdgcn_fdot2(a, b, acc, false);
 }
+
+// LDS staging precision: f16. The kernels move "pairs" of values along each
+// product's reduction dimension; rdna_pair_dot multiplies two pairs into an fp32 accumulator.
+// fp16 pairs, fed to the tier's dot2 lowering as they are.
+typedef half_t rdna_elem_t;
+typedef half2_t rdna_pair_t;
+RDNA_DEVICE float rdna_pair_dot(rdna_pair_t a, rdna_pair_t b, float acc) { return rdna_dot2(a, b, acc); }
+RDNA_DEVICE rdna_pair_t rdna_pair_from_halves(unsigned w) { return __builtin_bit_cast(half2_t, w); }
+RDNA_DEVICE rdna_pair_t rdna_make_pair(float x, float y) { return rdna_pair_t{(half_t)x, (half_t)y}; }
+RDNA_DEVICE float rdna_pair_sum(rdna_pair_t p) { return (float)p.x + (float)p.y; }
+
 
 #include "fa2_common.h"
