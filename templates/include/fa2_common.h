@@ -14,18 +14,20 @@ RDNA_DEVICE unsigned rdna_pack_half2(float lo, float hi) {
          ((unsigned)__builtin_bit_cast(unsigned short, (half_t)hi) << 16);
 }
 
-// N pairs from 16-byte aligned LDS, 16 bytes at a time where the size allows.
+// Pairs per lane per LDS access: the largest power of two that divides N and fits 16 bytes.
+template <int N, int C = 16 / (int)sizeof(rdna_pair_t)>
+constexpr int rdna_chunk = N % C == 0 ? C : rdna_chunk<N, C / 2>;
 template <int N>
-RDNA_DEVICE void rdna_lds_read(rdna_pair_t (&dst)[N], const rdna_pair_t* src) {
-  if constexpr ((N * sizeof(rdna_pair_t)) % 16 == 0) {
+constexpr int rdna_chunk<N, 1> = 1;
+
+// N pairs in chunks of C (one access each): chunk c at src + c * stride. With src = base + lane * C
+// and stride = lanes * C, the lanes of a wave read consecutive addresses: no bank conflicts.
+template <int N, int C>
+RDNA_DEVICE void rdna_lds_read(rdna_pair_t (&dst)[N], const rdna_pair_t* src, int stride) {
 #pragma unroll
-    for (int i = 0; i < (int)(N * sizeof(rdna_pair_t) / 16); ++i) {
-      const u32x4 v = reinterpret_cast<const u32x4*>(src)[i];
-      __builtin_memcpy(reinterpret_cast<unsigned char*>(dst) + 16 * i, &v, 16);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i) dst[i] = src[i];
+  for (int c = 0; c < N / C; ++c) {
+    const void* chunk = __builtin_assume_aligned(src + c * stride, C * sizeof(rdna_pair_t));
+    __builtin_memcpy(&dst[c * C], chunk, C * sizeof(rdna_pair_t));
   }
 }
 
@@ -38,30 +40,32 @@ RDNA_DEVICE void rdna_store_column(rdna_pair_t* dst, int stride, u32x4 chunk) {
   dst[3 * stride] = rdna_pair_from_halves(chunk.w);
 }
 
-// Eight columns of two consecutive key rows as eight (key, key + 1) pairs, whole pairs at a time.
-RDNA_DEVICE void rdna_store_key_pairs(rdna_pair_t* dst, u32x4 row0, u32x4 row1) {
-  const unsigned a[4] = {row0.x, row0.y, row0.z, row0.w};
-  const unsigned b[4] = {row1.x, row1.y, row1.z, row1.w};
+// Columns [d, d + N) of key rows `key` and `key + 1` as N (key, key + 1) pairs in one LDS store
+// (rows past seq_k read as zero). N = 16 bytes / pair size, so consecutive lanes taking consecutive
+// column groups store to consecutive addresses.
+template <int N>
+RDNA_DEVICE void rdna_stage_key_pairs(rdna_pair_t* dst, const half_t* row0, const half_t* row1, bool has0, bool has1) {
+  half_t a[N], b[N];
 #pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    dst[2 * w] = rdna_pair_from_halves((a[w] & 0xffffu) | (b[w] << 16));
-    dst[2 * w + 1] = rdna_pair_from_halves((a[w] >> 16) | (b[w] & 0xffff0000u));
-  }
+  for (int e = 0; e < N; ++e) a[e] = b[e] = (half_t)0.f;
+  if (has0) __builtin_memcpy(a, __builtin_assume_aligned(row0, N * sizeof(half_t)), N * sizeof(half_t));
+  if (has1) __builtin_memcpy(b, __builtin_assume_aligned(row1, N * sizeof(half_t)), N * sizeof(half_t));
+  rdna_pair_t pairs[N];
+#pragma unroll
+  for (int e = 0; e < N; ++e) pairs[e] = rdna_pair_from_halves(rdna_pack_half2((float)a[e], (float)b[e]));
+  __builtin_memcpy(__builtin_assume_aligned(dst, 16), pairs, sizeof(pairs));
 }
 
-// One output row slice: N fp32 values times `scale`, as fp16, 16 bytes at a time where aligned.
-template <int N>
-RDNA_DEVICE void rdna_store_row(half_t* out, const float (&o)[N], float scale) {
-  if constexpr (N % 8 == 0) {
+// One output row slice held in chunks of C columns: chunk c covers columns [c * stride, c * stride + C)
+// of `out`. Values are scaled by `scale` and stored as fp16, one store per chunk.
+template <int N, int C>
+RDNA_DEVICE void rdna_store_row(half_t* out, int stride, const float (&o)[N], float scale) {
 #pragma unroll
-    for (int c = 0; c < N; c += 8) {
-      const u32x4 w = {rdna_pack_half2(o[c] * scale, o[c + 1] * scale), rdna_pack_half2(o[c + 2] * scale, o[c + 3] * scale),
-                       rdna_pack_half2(o[c + 4] * scale, o[c + 5] * scale), rdna_pack_half2(o[c + 6] * scale, o[c + 7] * scale)};
-      *reinterpret_cast<u32x4*>(out + c) = w;
-    }
-  } else {
+  for (int c = 0; c < N / C; ++c) {
+    unsigned words[C / 2];
 #pragma unroll
-    for (int c = 0; c < N; c += 2) *reinterpret_cast<unsigned*>(out + c) = rdna_pack_half2(o[c] * scale, o[c + 1] * scale);
+    for (int w = 0; w < C / 2; ++w) words[w] = rdna_pack_half2(o[c * C + 2 * w] * scale, o[c * C + 2 * w + 1] * scale);
+    __builtin_memcpy(__builtin_assume_aligned(out + c * stride, C * sizeof(half_t)), words, sizeof(words));
   }
 }
 

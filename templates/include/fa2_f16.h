@@ -4,7 +4,8 @@
 // share one K/V head, so every staged K/V tile serves the whole GQA group. Threads form a
 // (BR/TM) x TCW grid: a thread owns TM consecutive rows, TN keys of each S tile and TD columns
 // of the output, so every value it reads from LDS feeds several products (register tiles), and
-// a row's statistics stay in the TCW lanes that share it.
+// a row's statistics stay in the TCW lanes that share it. Keys and columns are dealt to the
+// TCW lanes in 16-byte chunks, round robin, so their LDS reads never share a bank.
 //
 // LDS holds "pairs" along each product's reduction dimension (rdna_pair_t, set by the target):
 // fp16 pairs feed the dot2 and mixed-FMA instructions directly; fp32 pairs are converted once
@@ -29,6 +30,10 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
   constexpr int Q_PAIRS = D2 * QS;
   constexpr int KV_PAIRS = rdna_max(D2 * KS, BC2 * D);
   constexpr int P_PAIRS = BC2 * QS;
+  // A thread's keys (S) and output columns (P.V) come in chunks of CK / CD pairs, interleaved
+  // with the other TCW threads of its row so that their LDS reads are consecutive.
+  constexpr int CK = rdna_chunk<TN>, CD = rdna_chunk<TD>;
+  constexpr int VW = 16 / (int)sizeof(pair_t);  // columns per V staging store
   static_assert(BR % TM == 0 && NT % TRW == 0 && TCW <= RDNA_WAVE_SIZE && (TCW & (TCW - 1)) == 0, "thread grid");
   static_assert(BC % TCW == 0 && TN % 2 == 0 && D % TCW == 0 && TD % 2 == 0 && BR % G == 0, "tile shape");
 
@@ -105,8 +110,8 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
 #pragma unroll 4
     for (int d2 = 0; d2 < D2; ++d2) {
       pair_t qf[TM], kf[TN];
-      rdna_lds_read(qf, qt + d2 * QS + row0);
-      rdna_lds_read(kf, kv + d2 * KS + tx * TN);
+      rdna_lds_read<TM, rdna_chunk<TM>>(qf, qt + d2 * QS + row0, rdna_chunk<TM>);
+      rdna_lds_read<TN, CK>(kf, kv + d2 * KS + tx * CK, TCW * CK);
 #pragma unroll
       for (int i = 0; i < TM; ++i)
 #pragma unroll
@@ -119,7 +124,7 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
       float tile_max = -__builtin_inff();
 #pragma unroll
       for (int j = 0; j < TN; ++j) {
-        const int key = k0 + tx * TN + j;
+        const int key = k0 + ((j / CK) * TCW + tx) * CK + j % CK;
         const bool visible = key < a.seq_k && pos[i] < a.seq_q &&
                              (a.window_left < 0 || key >= diag[i] - a.window_left) &&
                              (a.window_right < 0 || key <= diag[i] + a.window_right);
@@ -141,25 +146,24 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
         // The row sum adds the probabilities exactly as stored for P.V, so the weights sum to one.
         const pair_t p = rdna_make_pair(rdna_exp2(s[i][j] - m_ref), rdna_exp2(s[i][j + 1] - m_ref));
         l[i] += rdna_pair_sum(p);
-        pt[((tx * TN + j) / 2) * QS + row0 + i] = p;
+        pt[((((j / CK) * TCW + tx) * CK + j % CK) / 2) * QS + row0 + i] = p;
       }
     }
 
     rdna_block_sync();  // K reads are done; kv becomes the V tile
-    for (int i = tid; i < BC2 * D / 8; i += NT) {
-      const int kp = i / (D / 8), d8 = i % (D / 8);
+    for (int i = tid; i < BC2 * D / VW; i += NT) {
+      const int kp = i / (D / VW), d = i % (D / VW) * VW;
       const int key = k0 + 2 * kp;
-      const u32x4 v0 = key < a.seq_k ? rdna_load16(v + (long long)key * a.v_stride_s + d8 * 8) : zero;
-      const u32x4 v1 = key + 1 < a.seq_k ? rdna_load16(v + (long long)(key + 1) * a.v_stride_s + d8 * 8) : zero;
-      rdna_store_key_pairs(kv + kp * D + d8 * 8, v0, v1);
+      const half_t* row = v + (long long)key * a.v_stride_s + d;
+      rdna_stage_key_pairs<VW>(kv + kp * D + d, row, row + a.v_stride_s, key < a.seq_k, key + 1 < a.seq_k);
     }
     rdna_block_sync();
 
     // O += P V over key pairs: a TM x TD register tile per thread.
     for (int kp = 0; kp < BC2; ++kp) {
       pair_t pf[TM], vf[TD];
-      rdna_lds_read(pf, pt + kp * QS + row0);
-      rdna_lds_read(vf, kv + kp * D + tx * TD);
+      rdna_lds_read<TM, rdna_chunk<TM>>(pf, pt + kp * QS + row0, rdna_chunk<TM>);
+      rdna_lds_read<TD, CD>(vf, kv + kp * D + tx * CD, TCW * CD);
 #pragma unroll
       for (int i = 0; i < TM; ++i)
 #pragma unroll
@@ -173,8 +177,8 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
     if (pos[i] >= a.seq_q) continue;
     const int head = head0 + (row0 + i) / RPH;
     const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;  // a row that saw no key is zero
-    half_t* out = a.o + b * a.o_stride_b + head * a.o_stride_h + (long long)pos[i] * a.o_stride_s + tx * TD;
-    rdna_store_row<TD>(out, o[i], inv);
+    half_t* out = a.o + b * a.o_stride_b + head * a.o_stride_h + (long long)pos[i] * a.o_stride_s + tx * CD;
+    rdna_store_row<TD, CD>(out, TCW * CD, o[i], inv);
     if (a.lse && tx == 0) {
       // Natural-log LSE of the scaled scores; m and l live in the log2 domain.
       const float ln2 = 0.6931471805599453f;
