@@ -40,16 +40,21 @@ RDNA_DEVICE void rdna_store_column(rdna_pair_t* dst, int stride, u32x4 chunk) {
   dst[3 * stride] = rdna_pair_from_halves(chunk.w);
 }
 
-// Columns [d, d + N) of key rows `key` and `key + 1` as N (key, key + 1) pairs in one LDS store
-// (rows past seq_k read as zero). N = 16 bytes / pair size, so consecutive lanes taking consecutive
-// column groups store to consecutive addresses.
+// V staging, split so the global loads of a tile can be in flight while the previous step
+// computes: columns [d, d + N) of key rows `key` and `key + 1` (zero past seq_k) ...
 template <int N>
-RDNA_DEVICE void rdna_stage_key_pairs(rdna_pair_t* dst, const half_t* row0, const half_t* row1, bool has0, bool has1) {
-  half_t a[N], b[N];
+RDNA_DEVICE void rdna_load_key_rows(half_t (&a)[N], half_t (&b)[N], const half_t* row0, const half_t* row1,
+                                    bool has0, bool has1) {
 #pragma unroll
   for (int e = 0; e < N; ++e) a[e] = b[e] = (half_t)0.f;
   if (has0) __builtin_memcpy(a, __builtin_assume_aligned(row0, N * sizeof(half_t)), N * sizeof(half_t));
   if (has1) __builtin_memcpy(b, __builtin_assume_aligned(row1, N * sizeof(half_t)), N * sizeof(half_t));
+}
+
+// ... then stored as N (key, key + 1) pairs in one LDS store. N = 16 bytes / pair size, so
+// consecutive lanes taking consecutive column groups store to consecutive addresses.
+template <int N>
+RDNA_DEVICE void rdna_store_key_pairs(rdna_pair_t* dst, const half_t (&a)[N], const half_t (&b)[N]) {
   rdna_pair_t pairs[N];
 #pragma unroll
   for (int e = 0; e < N; ++e) pairs[e] = rdna_pair_from_halves(rdna_pack_half2((float)a[e], (float)b[e]));

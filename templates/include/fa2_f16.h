@@ -34,6 +34,10 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
   // with the other TCW threads of its row so that their LDS reads are consecutive.
   constexpr int CK = rdna_chunk<TN>, CD = rdna_chunk<TD>;
   constexpr int VW = 16 / (int)sizeof(pair_t);  // columns per V staging store
+  // K and V tiles are staged through registers: each tile's global loads are issued one compute
+  // step ahead (K during the previous P.V, V during Q.K^T), so their latency is hidden.
+  constexpr int K_ITEMS = BC * D / 8, V_ITEMS = BC2 * D / VW;
+  constexpr int KI = (K_ITEMS + NT - 1) / NT, VI = (V_ITEMS + NT - 1) / NT;
   static_assert(BR % TM == 0 && NT % TRW == 0 && TCW <= RDNA_WAVE_SIZE && (TCW & (TCW - 1)) == 0, "thread grid");
   static_assert(BC % TCW == 0 && TN % 2 == 0 && D % TCW == 0 && TD % 2 == 0 && BR % G == 0, "tile shape");
 
@@ -88,13 +92,35 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
     for (int c = 0; c < TD; ++c) o[i][c] = 0.f;
   }
 
-  for (int k0 = key_lo / BC * BC; k0 < key_hi; k0 += BC) {
-    rdna_block_sync();  // the previous tile's V and P reads are done
-    for (int i = tid; i < BC * D / 8; i += NT) {
-      const int c = i / BC, key = k0 + i % BC;
-      rdna_store_column(kv + 4 * c * KS + i % BC, KS,
-                        key < a.seq_k ? rdna_load16(k + (long long)key * a.k_stride_s + 8 * c) : zero);
+  u32x4 k_stage[KI];
+  half_t v_stage0[VI][VW], v_stage1[VI][VW];
+  auto load_k = [&](int k0) {
+#pragma unroll
+    for (int t = 0; t < KI; ++t) {
+      const int i = tid + t * NT, key = k0 + i % BC;
+      k_stage[t] = i < K_ITEMS && key < a.seq_k ? rdna_load16(k + (long long)key * a.k_stride_s + 8 * (i / BC)) : zero;
     }
+  };
+  auto load_v = [&](int k0) {
+#pragma unroll
+    for (int t = 0; t < VI; ++t) {
+      const int i = tid + t * NT, key = k0 + 2 * (i / (D / VW));
+      const half_t* row = v + (long long)key * a.v_stride_s + i % (D / VW) * VW;
+      rdna_load_key_rows<VW>(v_stage0[t], v_stage1[t], row, row + a.v_stride_s, i < V_ITEMS && key < a.seq_k,
+                             i < V_ITEMS && key + 1 < a.seq_k);
+    }
+  };
+
+  const int k_first = key_lo / BC * BC;
+  if (k_first < key_hi) load_k(k_first);
+  for (int k0 = k_first; k0 < key_hi; k0 += BC) {
+    rdna_block_sync();  // the previous tile's V and P reads are done
+#pragma unroll
+    for (int t = 0; t < KI; ++t) {
+      const int i = tid + t * NT;
+      if (i < K_ITEMS) rdna_store_column(kv + 4 * (i / BC) * KS + i % BC, KS, k_stage[t]);
+    }
+    load_v(k0);
     rdna_block_sync();
     if (a.rotary_dim) {
       rdna_rope_lds<BC, NT>(kv, KS, a, k0, BC, a.seq_k, 0);
@@ -151,12 +177,12 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
     }
 
     rdna_block_sync();  // K reads are done; kv becomes the V tile
-    for (int i = tid; i < BC2 * D / VW; i += NT) {
-      const int kp = i / (D / VW), d = i % (D / VW) * VW;
-      const int key = k0 + 2 * kp;
-      const half_t* row = v + (long long)key * a.v_stride_s + d;
-      rdna_stage_key_pairs<VW>(kv + kp * D + d, row, row + a.v_stride_s, key < a.seq_k, key + 1 < a.seq_k);
+#pragma unroll
+    for (int t = 0; t < VI; ++t) {
+      const int i = tid + t * NT;
+      if (i < V_ITEMS) rdna_store_key_pairs<VW>(kv + (i / (D / VW)) * D + i % (D / VW) * VW, v_stage0[t], v_stage1[t]);
     }
+    if (k0 + BC < key_hi) load_k(k0 + BC);
     rdna_block_sync();
 
     // O += P V over key pairs: a TM x TD register tile per thread.
