@@ -30,5 +30,5 @@ FA2_ARGS: tuple[tuple[str, str], ...] = (
     ("rotary_stride", "long long"),
     ("rotary_dim", "int"),
     ("rotary_interleaved", "int"),  # 1: rotate pairs (2i, 2i+1); 0: rotate halves (i, i + rotary_dim/2)
-    ("pair_blocks", "int"),  # 1: workgroup x also runs the mirrored row block (grid x halved)
+    ("heavy_first", "int"),  # 1: row blocks run in reverse, the ones that see the most keys first
 )

@@ -225,15 +225,10 @@ template <int D, int G, int BR, int BC, int NT, int TM>
 RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
   RDNA_LDS(lds, (Fa2Lds<D, BR, BC>::BYTES));
   constexpr int RPH = BR / G;
-  // With pair_blocks (masks whose work grows with the position, such as causal), workgroup x
-  // runs row block x and then the mirrored block n-1-x: every workgroup does the same work.
+  // With heavy_first (masks whose work grows with the position, such as causal), the row
+  // blocks run last position first, so the longest start earliest and the grid's tail is short.
   const int x = rdna_block_id_x();
-  const int mirror = (a.seq_q + RPH - 1) / RPH - 1 - x;
-  const int passes = a.pair_blocks && mirror > x ? 2 : 1;
-#pragma unroll 1
-  for (int pass = 0; pass < passes; ++pass) {
-    if (pass) rdna_block_sync();  // the first block's LDS reads are done
-    fa2_f16_rows<D, G, BR, BC, NT, TM>(a, lds, (pass ? mirror : x) * RPH);
-  }
+  const int block = a.heavy_first ? (a.seq_q + RPH - 1) / RPH - 1 - x : x;
+  fa2_f16_rows<D, G, BR, BC, NT, TM>(a, lds, block * RPH);
 }
 
