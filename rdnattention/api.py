@@ -14,8 +14,6 @@ from .errors import InvalidArgumentError, UnsupportedError
 
 _LOG2E = 1.4426950408889634
 _INT32_MAX = 2**31 - 1
-# Launch order for causal-like masks (see flash_attn); tuning/bench.py flips it to measure it.
-_HEAVY_FIRST = True
 
 
 def _target_of(device: torch.device) -> str:
@@ -172,8 +170,6 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: 
         for axis, stride in zip("bhs", t.stride()[:3]):
             setattr(args, f"{prefix}_stride_{axis}", stride)
     rows_per_head = entry.br // entry.gqa_group
-    # Under a causal-like mask (visible keys grow with the position) the heaviest row blocks go first.
-    args.heavy_first = int(_HEAVY_FIRST and left < 0 and right >= 0)
     grid = (-(-seq_q // rows_per_head), heads_q // entry.gqa_group, batch)
     if grid[1] > 65535 or grid[2] > 65535:
         raise InvalidArgumentError(f"at most 65535 head groups and batches per launch, got {grid[1]} and {grid[2]}")

@@ -16,20 +16,8 @@
 // Sizes match KernelSpec.lds_layout.
 #pragma once
 
-// LDS regions in pairs; rows padded by 16 bytes. Sizes match KernelSpec.lds_layout.
-template <int D, int BR, int BC>
-struct Fa2Lds {
-  static constexpr int PAD = 16 / (int)sizeof(rdna_pair_t);
-  static constexpr int QS = BR + PAD, KS = BC + PAD;
-  static constexpr int Q_PAIRS = (D / 2) * QS;
-  static constexpr int KV_PAIRS = rdna_max((D / 2) * KS, (BC / 2) * D);
-  static constexpr int P_PAIRS = (BC / 2) * QS;
-  static constexpr int BYTES = (Q_PAIRS + KV_PAIRS + P_PAIRS) * (int)sizeof(rdna_pair_t);
-};
-
-// One block of BR query rows starting at position block_pos, with LDS at `lds`.
 template <int D, int G, int BR, int BC, int NT, int TM>
-RDNA_DEVICE void fa2_f16_rows(const Fa2Args& a, unsigned char* lds, int block_pos) {
+RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
   using pair_t = rdna_pair_t;
   constexpr int TRW = BR / TM;
   constexpr int TCW = NT / TRW;
@@ -37,8 +25,11 @@ RDNA_DEVICE void fa2_f16_rows(const Fa2Args& a, unsigned char* lds, int block_po
   constexpr int TD = D / TCW;
   constexpr int RPH = BR / G;
   constexpr int D2 = D / 2, BC2 = BC / 2;
-  using L = Fa2Lds<D, BR, BC>;
-  constexpr int QS = L::QS, KS = L::KS;
+  constexpr int PAD = 16 / (int)sizeof(pair_t);
+  constexpr int QS = BR + PAD, KS = BC + PAD;
+  constexpr int Q_PAIRS = D2 * QS;
+  constexpr int KV_PAIRS = rdna_max(D2 * KS, BC2 * D);
+  constexpr int P_PAIRS = BC2 * QS;
   // A thread's keys (S) and output columns (P.V) come in chunks of CK / CD pairs, interleaved
   // with the other TCW threads of its row so that their LDS reads are consecutive.
   constexpr int CK = rdna_chunk<TN>, CD = rdna_chunk<TD>;
@@ -50,13 +41,15 @@ RDNA_DEVICE void fa2_f16_rows(const Fa2Args& a, unsigned char* lds, int block_po
   static_assert(BR % TM == 0 && NT % TRW == 0 && TCW <= RDNA_WAVE_SIZE && (TCW & (TCW - 1)) == 0, "thread grid");
   static_assert(BC % TCW == 0 && TN % 2 == 0 && D % TCW == 0 && TD % 2 == 0 && BR % G == 0, "tile shape");
 
+  RDNA_LDS(lds, (Q_PAIRS + KV_PAIRS + P_PAIRS) * sizeof(pair_t));
   pair_t* const qt = reinterpret_cast<pair_t*>(lds);
-  pair_t* const kv = qt + L::Q_PAIRS;
-  pair_t* const pt = kv + L::KV_PAIRS;
+  pair_t* const kv = qt + Q_PAIRS;
+  pair_t* const pt = kv + KV_PAIRS;
 
   const int tid = rdna_thread_id();
   const int ty = tid / TCW, tx = tid % TCW;
   const int row0 = ty * TM;
+  const int block_pos = rdna_block_id_x() * RPH;
   const int head0 = rdna_block_id_y() * G;
   const long long b = rdna_block_id_z();
   const int head_kv = head0 / (a.heads_q / a.heads_kv);
@@ -220,15 +213,3 @@ RDNA_DEVICE void fa2_f16_rows(const Fa2Args& a, unsigned char* lds, int block_po
     }
   }
 }
-
-template <int D, int G, int BR, int BC, int NT, int TM>
-RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
-  RDNA_LDS(lds, (Fa2Lds<D, BR, BC>::BYTES));
-  constexpr int RPH = BR / G;
-  // With heavy_first (masks whose work grows with the position, such as causal), the row
-  // blocks run last position first, so the longest start earliest and the grid's tail is short.
-  const int x = rdna_block_id_x();
-  const int block = a.heavy_first ? (a.seq_q + RPH - 1) / RPH - 1 - x : x;
-  fa2_f16_rows<D, G, BR, BC, NT, TM>(a, lds, block * RPH);
-}
-
