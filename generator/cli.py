@@ -81,7 +81,7 @@ def cmd_probe(matrix: Matrix, args: argparse.Namespace) -> int:
 
 
 def cmd_docs(matrix: Matrix, args: argparse.Namespace) -> int:
-    targets = [t for t in _targets(matrix, args.targets) if t.platform == "amdgcn"]
+    targets = [t for t in _targets(matrix, args.targets) if t.platform != "host"]
     rows = build.build(matrix, targets, args.build_dir, jobs=args.jobs)
     text = docs.hardware_md(matrix, rows, toolchain.find().identity)
     if args.check:

@@ -25,9 +25,15 @@ def build_dir():
 
 @pytest.fixture(scope="session")
 def host_build(matrix):
-    """The host target built (incrementally) into the build directory the runtime reads."""
-    build.build(matrix, matrix.select("host"), BUILD_DIR, log=lambda *_: None)
+    """The host targets built (incrementally) into the build directory the runtime reads."""
+    build.build(matrix, matrix.select("host,host_f32"), BUILD_DIR, log=lambda *_: None)
     return BUILD_DIR
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
 
 
 @pytest.fixture(scope="session")

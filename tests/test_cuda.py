@@ -26,9 +26,12 @@ def test_cuda_targets_build_without_spills(matrix, cuda_audit, target):
         pytest.skip(str(e))
     rows = [r for r in cuda_audit if r.target == target]
     assert len(rows) == len(matrix.specs_for(matrix.target(target)))
+    budget = matrix.target(target).lds_bytes
     for r in rows:
         assert (r.vgpr_spills, r.scratch_bytes) == (0, 0), r
-        assert r.lds_bytes <= 49152 and r.cvt_f32_f16 > 0, r
+        assert r.lds_bytes <= budget and r.cvt_f32_f16 > 0, r
+    # sm_90 converts each fp16 value once into fp32 LDS; Pascal, with 48 KiB, keeps fp16 pairs.
+    assert all(r.name.endswith("_sf32" if target == "sm_90" else "_sf16") for r in rows)
 
 
 # ----------------------------------------------------------------------------- on a GPU

@@ -8,8 +8,15 @@ from cases import HEAD_DIMS, LSE_TOL, TOL, VARIANTS, make_case
 import rdnattention
 from rdnattention import attention_reference, flash_attn
 
+# host runs the kernels as the fp16-staging GPU targets build them, host_f32 as sm_90 does.
+@pytest.fixture(scope="module", params=["host", "host_f32"])
+def host_target(request, host_build, monkeypatch_module):
+    monkeypatch_module.setenv("RDNATTENTION_HOST_TARGET", request.param)
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def in_order_results(host_build):
+def in_order_results(host_target):
     return {}
 
 
