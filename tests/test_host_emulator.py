@@ -16,7 +16,8 @@ struct Probe { float* out; };
 KERNEL = """
 // Each thread publishes its id, then reads its neighbour's slot.
 RDNA_KERNEL(64) void probe_{name}(const Probe args) {
-  RDNA_SHARED float slot[64];
+  RDNA_LDS(lds, 64 * sizeof(float));
+  float* const slot = reinterpret_cast<float*>(lds);
   const int t = rdna_thread_id();
   slot[t] = -1.f;
   rdna_block_sync();
