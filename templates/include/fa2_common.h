@@ -31,6 +31,15 @@ RDNA_DEVICE void rdna_lds_read(rdna_pair_t (&dst)[N], const rdna_pair_t* src, in
   }
 }
 
+// acc[i][j] += a[i] . b[j]: one register tile step, every loaded pair used M or N times.
+template <int M, int N>
+RDNA_DEVICE void rdna_outer_product(float (&acc)[M][N], const rdna_pair_t (&a)[M], const rdna_pair_t (&b)[N]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) acc[i][j] = rdna_pair_dot(a[i], b[j], acc[i][j]);
+}
+
 // Eight consecutive fp16 values of one row (a 16-byte chunk) as four pairs down a column of a
 // transposed tile: dst[0], dst[stride], dst[2 * stride], dst[3 * stride].
 RDNA_DEVICE void rdna_store_column(rdna_pair_t* dst, int stride, u32x4 chunk) {

@@ -138,10 +138,7 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
       pair_t qf[TM], kf[TN];
       rdna_lds_read<TM, rdna_chunk<TM>>(qf, qt + d2 * QS + row0, rdna_chunk<TM>);
       rdna_lds_read<TN, CK>(kf, kv + d2 * KS + tx * CK, TCW * CK);
-#pragma unroll
-      for (int i = 0; i < TM; ++i)
-#pragma unroll
-        for (int j = 0; j < TN; ++j) s[i][j] = rdna_pair_dot(qf[i], kf[j], s[i][j]);
+      rdna_outer_product(s, qf, kf);
     }
 
 #pragma unroll
@@ -190,10 +187,7 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
       pair_t pf[TM], vf[TD];
       rdna_lds_read<TM, rdna_chunk<TM>>(pf, pt + kp * QS + row0, rdna_chunk<TM>);
       rdna_lds_read<TD, CD>(vf, kv + kp * D + tx * CD, TCW * CD);
-#pragma unroll
-      for (int i = 0; i < TM; ++i)
-#pragma unroll
-        for (int c = 0; c < TD; ++c) o[i][c] = rdna_pair_dot(pf[i], vf[c], o[i][c]);
+      rdna_outer_product(o, pf, vf);
     }
   }
 
