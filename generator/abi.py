@@ -30,4 +30,5 @@ FA2_ARGS: tuple[tuple[str, str], ...] = (
     ("rotary_stride", "long long"),
     ("rotary_dim", "int"),
     ("rotary_interleaved", "int"),  # 1: rotate pairs (2i, 2i+1); 0: rotate halves (i, i + rotary_dim/2)
+    ("heavy_first", "int"),  # 1: workgroups take row blocks longest first (causal-like masks)
 )

@@ -14,6 +14,8 @@ from .errors import InvalidArgumentError, UnsupportedError
 
 _LOG2E = 1.4426950408889634
 _INT32_MAX = 2**31 - 1
+# Longest-first block order for causal-like masks; tuning/bench.py turns it off to measure it.
+_HEAVY_FIRST = True
 
 
 def _target_of(device: torch.device) -> str:
@@ -171,6 +173,9 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: 
             setattr(args, f"{prefix}_stride_{axis}", stride)
     rows_per_head = entry.br // entry.gqa_group
     grid = (-(-seq_q // rows_per_head), heads_q // entry.gqa_group, batch)
+    # Under a causal-like mask (visible keys grow with the position) row blocks differ in
+    # length; the kernel then takes them longest first.
+    args.heavy_first = int(_HEAVY_FIRST and left < 0 and right >= 0)
     if grid[1] > 65535 or grid[2] > 65535:
         raise InvalidArgumentError(f"at most 65535 head groups and batches per launch, got {grid[1]} and {grid[2]}")
     _launch(table, entry, grid, args, q.device)

@@ -49,8 +49,18 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
   const int tid = rdna_thread_id();
   const int ty = tid / TCW, tx = tid % TCW;
   const int row0 = ty * TM;
-  const int block_pos = rdna_block_id_x() * RPH;
-  const int head0 = rdna_block_id_y() * G;
+  // Workgroups start in launch order (x fastest, then y). Under a causal-like mask the row
+  // blocks differ in length, so heavy_first renumbers them longest first across all heads:
+  // a greedy schedule of longest-first jobs leaves almost no tail.
+  int row_block = rdna_block_id_x(), head_group = rdna_block_id_y();
+  if (a.heavy_first) {
+    const int blocks = (a.seq_q + RPH - 1) / RPH, groups = a.heads_q / G;
+    const int order = head_group * blocks + row_block;
+    row_block = blocks - 1 - order / groups;
+    head_group = order % groups;
+  }
+  const int block_pos = row_block * RPH;
+  const int head0 = head_group * G;
   const long long b = rdna_block_id_z();
   const int head_kv = head0 / (a.heads_q / a.heads_kv);
   const int offset = a.seq_k - a.seq_q;  // query i sits at key position i + offset
