@@ -50,6 +50,7 @@ struct Fa2Args {
   long long rotary_stride;
   int rotary_dim;
   int rotary_interleaved;
+  int heavy_first;
 };
 
 
