@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -55,7 +54,7 @@ def _ninja_file(matrix: Matrix, targets: list[Target], build_dir: Path, tc: tool
            command=f"$clang --driver-mode=g++ {HOST_FLAGS} -DRDNA_WAVE_SIZE=$wave -I$inc_dir -I$host_inc_dir "
                    "-MD -MF $out.d -c $in -o $out")
     w.rule("host_link", description="LINK $out",
-           command=f"$clang --driver-mode=g++ -shared -fPIC $in -o $out -lpthread")
+           command="$clang --driver-mode=g++ -shared -fPIC $in -o $out -lpthread")
     for target in targets:
         gen = build_dir / "gen" / target.name
         stamp = build_dir / target.name / "toolchain.txt"
@@ -162,7 +161,3 @@ def audit_target(matrix: Matrix, target: Target, build_dir: Path,
                                            indent=2, sort_keys=True) + "\n")
     audit.check(target, specs, rows)
     return rows
-
-
-def default_jobs() -> int:
-    return max(1, os.cpu_count() or 1)

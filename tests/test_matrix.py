@@ -1,6 +1,5 @@
 """variants.yaml loading: the shipped matrix, spec names, and exact error messages."""
 
-import textwrap
 from pathlib import Path
 
 import pytest
