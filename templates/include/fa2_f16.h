@@ -55,9 +55,9 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
   int row_block = rdna_block_id_x(), head_group = rdna_block_id_y();
   if (a.heavy_first) {
     const int blocks = (a.seq_q + RPH - 1) / RPH, groups = a.heads_q / G;
-    const int order = head_group * blocks + row_block;
-    row_block = blocks - 1 - order / groups;
-    head_group = order % groups;
+    const long long order = (long long)head_group * blocks + row_block;
+    row_block = blocks - 1 - (int)(order / groups);
+    head_group = (int)(order % groups);
   }
   const int block_pos = row_block * RPH;
   const int head0 = head_group * G;
