@@ -15,6 +15,15 @@ if ! command -v clang-22 >/dev/null || ! command -v ld.lld-22 >/dev/null; then
 fi
 
 PYTHON="${PYTHON:-python3}"
+if "$PYTHON" -c 'import os, sys, sysconfig
+sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")) else 1)'; then
+  # Debian's own Python refuses pip installs outside a virtual environment: use one.
+  if [ ! -x .venv/bin/python ]; then
+    echo "== creating .venv (the system Python is externally managed)"
+    "$PYTHON" -m venv .venv 2>/dev/null || { $SUDO apt-get install -y -qq python3-venv >/dev/null && "$PYTHON" -m venv .venv; }
+  fi
+  PYTHON=.venv/bin/python
+fi
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   echo "== installing torch (${TORCH_SPEC:=torch==2.13.0})"
   "$PYTHON" -m pip install -q "$TORCH_SPEC"
