@@ -151,19 +151,34 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
       rdna_outer_product(s, qf, kf);
     }
 
+    // Scale and mask in one place; masked scores are -inf. A tile every row of the block sees
+    // whole (all of a non-causal sequence but its end) skips the per-score tests.
+    const bool whole = k0 + BC <= a.seq_k &&
+                       (a.window_left < 0 || k0 >= last_pos + offset - a.window_left) &&
+                       (a.window_right < 0 || k0 + BC - 1 <= block_pos + offset + a.window_right);
+    if (whole) {
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) s[i][j] *= a.scale_log2;
+    } else {
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+          const int key = k0 + ((j / CK) * TCW + tx) * CK + j % CK;
+          const bool visible = key < a.seq_k && pos[i] < a.seq_q &&
+                               (a.window_left < 0 || key >= diag[i] - a.window_left) &&
+                               (a.window_right < 0 || key <= diag[i] + a.window_right);
+          s[i][j] = visible ? s[i][j] * a.scale_log2 : -__builtin_inff();
+        }
+    }
+
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
-      // Scale and mask in one place; masked scores are -inf.
       float tile_max = -__builtin_inff();
 #pragma unroll
-      for (int j = 0; j < TN; ++j) {
-        const int key = k0 + ((j / CK) * TCW + tx) * CK + j % CK;
-        const bool visible = key < a.seq_k && pos[i] < a.seq_q &&
-                             (a.window_left < 0 || key >= diag[i] - a.window_left) &&
-                             (a.window_right < 0 || key <= diag[i] + a.window_right);
-        s[i][j] = visible ? s[i][j] * a.scale_log2 : -__builtin_inff();
-        tile_max = rdna_max(tile_max, s[i][j]);
-      }
+      for (int j = 0; j < TN; ++j) tile_max = rdna_max(tile_max, s[i][j]);
       for (int x = 1; x < TCW; x <<= 1) tile_max = rdna_max(tile_max, rdna_shfl_xor(tile_max, x));
 
       // Online softmax. A row that has seen no key keeps m = -inf and exponentiates against 0.
