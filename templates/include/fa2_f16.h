@@ -178,11 +178,11 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a) {
     for (int i = 0; i < TM; ++i) {
       float tile_max = -__builtin_inff();
 #pragma unroll
-      for (int j = 0; j < TN; ++j) tile_max = rdna_max(tile_max, s[i][j]);
-      for (int x = 1; x < TCW; x <<= 1) tile_max = rdna_max(tile_max, rdna_shfl_xor(tile_max, x));
+      for (int j = 0; j < TN; ++j) tile_max = rdna_fmax(tile_max, s[i][j]);
+      for (int x = 1; x < TCW; x <<= 1) tile_max = rdna_fmax(tile_max, rdna_shfl_xor(tile_max, x));
 
       // Online softmax. A row that has seen no key keeps m = -inf and exponentiates against 0.
-      const float m_new = rdna_max(m[i], tile_max);
+      const float m_new = rdna_fmax(m[i], tile_max);
       const float m_ref = m_new == -__builtin_inff() ? 0.f : m_new;
       const float alpha = rdna_exp2(m[i] - m_ref);
       m[i] = m_new;

@@ -69,6 +69,7 @@ RDNA_DEVICE float rdna_shfl_xor(float v, int mask) {
 }
 
 RDNA_DEVICE float rdna_exp2(float x) { return __builtin_amdgcn_exp2f(x); }
+RDNA_DEVICE float rdna_fmax(float a, float b) { return __builtin_fmaxf(a, b); }
 RDNA_DEVICE float rdna_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 RDNA_DEVICE float rdna_log2(float x) { return __builtin_amdgcn_logf(x); }
 
