@@ -59,8 +59,9 @@ def _ninja_file(matrix: Matrix, targets: list[Target], build_dir: Path, tc: tool
         gen = build_dir / "gen" / target.name
         stamp = build_dir / target.name / "toolchain.txt"
         out = code_object_path(matrix, target, build_dir)
-        n = len(matrix.specs_for(target))
-        headers = [str(gen / "prelude.h")] + [str(gen / f"{s.name}.cpp") for s in matrix.specs_for(target)]
+        specs = matrix.specs_for(target)
+        n = len(specs)
+        headers = [str(gen / "prelude.h")] + [str(gen / f"{s.name}.cpp") for s in specs]
         headers += [str(p) for p in sorted(INCLUDE_DIR.glob("*.h"))]
         if target.platform == "amdgcn":
             w.build(str(out), "amdgcn", str(gen / "kernels.cpp"), implicit=[str(stamp)] + headers,
