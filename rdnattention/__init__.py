@@ -1,13 +1,14 @@
 """rdnattention: FlashAttention-2 forward kernels for GPUs without matrix cores."""
 
-from .api import flash_attn, rotary_tables
+from .api import flash_attn, plan_flash_attn, rotary_tables
 from .drivers.host import set_shuffle as set_host_shuffle
-from .errors import (InvalidArgumentError, KernelsNotBuiltError, LaunchError, RdnaAttentionError,
-                     UnsupportedError)
+from .errors import (IncompatibleKernelsError, InvalidArgumentError, KernelsNotBuiltError, LaunchError,
+                     RdnaAttentionError, UnsupportedError)
 from .reference import attention_reference
 
 __all__ = [
     "flash_attn",
+    "plan_flash_attn",
     "attention_reference",
     "rotary_tables",
     "set_host_shuffle",
@@ -15,6 +16,7 @@ __all__ = [
     "InvalidArgumentError",
     "UnsupportedError",
     "KernelsNotBuiltError",
+    "IncompatibleKernelsError",
     "LaunchError",
 ]
 __version__ = "0.1.0"

@@ -3,38 +3,15 @@
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-from . import dispatch
-from .abi import Fa2Args
-from .drivers import cuda, host
-from .errors import InvalidArgumentError, UnsupportedError
+from . import dispatch, drivers
+from .errors import InvalidArgumentError
+from .families import f16
+from .plan import Plan
 
-_LOG2E = 1.4426950408889634
 _INT32_MAX = 2**31 - 1
-# Longest-first block order for causal-like masks; tuning/bench.py turns it off to measure it.
-_HEAVY_FIRST = True
-
-
-def _target_of(device: torch.device) -> str:
-    if device.type == "cpu":
-        return os.environ.get("RDNATTENTION_HOST_TARGET", "host")
-    if device.type == "cuda" and torch.version.hip is None:
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"sm_{major}{minor}"
-    raise UnsupportedError(
-        f"tensors on {device} are not served: this version runs CPU tensors on the host emulator and "
-        "NVIDIA GPUs through the cuda platform; the HIP driver for AMD GPUs is not part of it yet")
-
-
-def _launch(table: dispatch.TargetTable, entry: dispatch.KernelEntry, grid: tuple[int, int, int],
-            args: Fa2Args, device: torch.device) -> None:
-    if table.platform == "host":
-        host.launch(table.code_object, entry.name, grid, entry.threads, args)
-    else:
-        cuda.launch(table.code_object, entry.name, grid, entry.threads, args, device, entry.lds_bytes)
 
 
 def _check_tensor(name: str, t: object, rank: int = 4) -> torch.Tensor:
@@ -121,6 +98,23 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: 
     each query's position; ``window_size=(left, right)`` limits how far before/after it keys are seen
     (-1: unbounded). ``softmax_scale`` defaults to 1/sqrt(head_dim). ``rotary_cos``/``rotary_sin``
     (float32 [positions, rotary_dim/2], see :func:`rotary_tables`) apply RoPE to Q and K in the kernel."""
+    plan = plan_flash_attn(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
+                           rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                           return_lse=return_lse)
+    plan.run()
+    out, lse = plan.outputs
+    return (out, lse) if return_lse else out
+
+
+def plan_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
+                    window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
+                    rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
+                    rotary_interleaved: bool = False, return_lse: bool = False,
+                    heavy_first: bool | None = None, kernel: str | None = None) -> Plan:
+    """Validates a :func:`flash_attn` call and plans it without running it: the returned
+    :class:`~rdnattention.plan.Plan` holds the outputs and launches; ``plan.run()`` executes it
+    (again and again, for timing). ``heavy_first`` overrides the row-block order (default: longest
+    first under causal-like masks); ``kernel`` forces a dispatch entry by name."""
     q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
     if not isinstance(is_causal, bool):
         raise InvalidArgumentError(f"is_causal must be a bool, got {is_causal!r}")
@@ -147,36 +141,21 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: 
     if not isinstance(return_lse, bool):
         raise InvalidArgumentError(f"return_lse must be a bool, got {return_lse!r}")
     rotary_dim = _check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, seq_k)
+    if heavy_first is not None and not isinstance(heavy_first, bool):
+        raise InvalidArgumentError(f"heavy_first must be a bool or None, got {heavy_first!r}")
+    if kernel is not None and not isinstance(kernel, str):
+        raise InvalidArgumentError(f"kernel must be a kernel name (str) or None, got {kernel!r}")
 
-    table = dispatch.table_for(_target_of(q.device))
-    entry = table.select("f16", head_dim, heads_q // heads_kv)
     out = torch.empty((batch, heads_q, seq_q, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=q.device) if return_lse else None
+    call = f16.Call(q=q, k=k, v=v, out=out, lse=lse, window=(left, right), softmax_scale=float(softmax_scale),
+                    rotary_cos=rotary_cos if rotary_dim else None, rotary_sin=rotary_sin if rotary_dim else None,
+                    rotary_interleaved=bool(rotary_interleaved) if rotary_dim else False)
+    table = dispatch.table_for(drivers.target_of(q.device))
+    plan = f16.plan(table, call, heavy_first=heavy_first, kernel=kernel)
     if out.numel() == 0 or seq_k == 0:
         out.zero_()
         if lse is not None:
             lse.fill_(-math.inf)
-        return (out, lse) if return_lse else out
-
-    args = Fa2Args(
-        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(),
-        batch=batch, heads_q=heads_q, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
-        window_left=left, window_right=right, scale_log2=float(softmax_scale) * _LOG2E)
-    if lse is not None:
-        args.lse, args.lse_stride_b, args.lse_stride_h = lse.data_ptr(), lse.stride(0), lse.stride(1)
-    if rotary_dim:
-        args.rotary_cos, args.rotary_sin = rotary_cos.data_ptr(), rotary_sin.data_ptr()
-        args.rotary_stride, args.rotary_dim = rotary_cos.stride(0), rotary_dim
-        args.rotary_interleaved = int(rotary_interleaved)
-    for prefix, t in (("q", q), ("k", k), ("v", v), ("o", out)):
-        for axis, stride in zip("bhs", t.stride()[:3]):
-            setattr(args, f"{prefix}_stride_{axis}", stride)
-    rows_per_head = entry.br // entry.gqa_group
-    grid = (-(-seq_q // rows_per_head), heads_q // entry.gqa_group, batch)
-    # Under a causal-like mask (visible keys grow with the position) row blocks differ in
-    # length; the kernel then takes them longest first.
-    args.heavy_first = int(_HEAVY_FIRST and left < 0 and right >= 0)
-    if grid[1] > 65535 or grid[2] > 65535:
-        raise InvalidArgumentError(f"at most 65535 head groups and batches per launch, got {grid[1]} and {grid[2]}")
-    _launch(table, entry, grid, args, q.device)
-    return (out, lse) if return_lse else out
+        plan.launches.clear()
+    return plan

@@ -17,5 +17,9 @@ class KernelsNotBuiltError(RdnaAttentionError, FileNotFoundError):
     """No built kernels were found for the device; the message names the command to run."""
 
 
+class IncompatibleKernelsError(KernelsNotBuiltError):
+    """Built kernels exist but this runtime cannot use them (argument layout or table format differ)."""
+
+
 class LaunchError(RdnaAttentionError, RuntimeError):
     """The driver refused or failed a launch."""

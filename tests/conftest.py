@@ -4,7 +4,9 @@ from pathlib import Path
 import pytest
 
 from rdnattention_gen import build
-from rdnattention_gen.matrix import REPO_ROOT, load_matrix
+from rdnattention_gen.matrix import load_matrix
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 BUILD_DIR = Path(os.environ.get("RDNATTENTION_BUILD_DIR", REPO_ROOT / "build"))
 

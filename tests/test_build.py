@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
-from rdnattention_gen import audit, build, toolchain
-from rdnattention_gen.matrix import REPO_ROOT, KernelSpec
+from conftest import REPO_ROOT
+
+from rdnattention_gen import DEFAULT_VARIANTS, audit, build, toolchain
+from rdnattention_gen.spec import KernelSpec
 
 CLI = [sys.executable, "-m", "rdnattention_gen.cli"]
 
@@ -29,7 +31,7 @@ def test_default_code_objects_contain_dot2(matrix, default_audit, build_dir):
     """Read the built files independently of the audit: llvm-objdump on each code object."""
     tc = toolchain.find()
     for target in matrix.select("default"):
-        path = build.code_object_path(matrix, target, build_dir)
+        path = build.code_object_path(target, build_dir)
         asm = subprocess.run([tc.objdump, "-d", str(path)], capture_output=True, text=True, check=True).stdout
         kernels = re.split(r"^[0-9a-f]+ <(fa2_[^>]+)>:$", asm, flags=re.M)[1:]
         names = kernels[0::2]
@@ -72,7 +74,7 @@ def tier2_audit(matrix, build_dir):
 
 
 def test_every_head_dim_is_built_for_every_target(matrix, default_audit, tier2_audit):
-    head_dims = set(matrix.kernel_kind("f16").head_dims)
+    head_dims = set(matrix.kernels["f16"]["head_dims"])
     assert head_dims == set(range(32, 513, 32))
     for target in list(TIER2) + [t.name for t in matrix.select("default")]:
         rows = [r for r in default_audit + tier2_audit if r.target == target]
@@ -124,7 +126,7 @@ def test_audit_without_a_build_names_the_command(tmp_path):
 
 def test_new_target_needs_only_a_yaml_entry(tmp_path):
     """gfx1013 (an RDNA1 part) is not listed; one entry in a copy of variants.yaml builds it."""
-    text = (REPO_ROOT / "variants.yaml").read_text()
+    text = DEFAULT_VARIANTS.read_text()
     entry = ("  gfx1013:\n    <<: *rdna1\n    parts: test entry\n    fdot2: false\n    int8_dot: none\n"
              "    hw_tier: 2\n    default: false\n")
     variants = tmp_path / "variants.yaml"
@@ -141,7 +143,7 @@ def test_new_target_needs_only_a_yaml_entry(tmp_path):
 
 def test_dispatch_table_is_sorted_and_has_fallbacks(matrix, default_audit, build_dir):
     data = json.loads((build_dir / "gfx1030" / "dispatch.json").read_text())
-    keys = [(e["kind"], e["head_dim"], -e["gqa_group"]) for e in data["kernels"]]
+    keys = [(e["family"], e["head_dim"], -e["gqa_group"]) for e in data["kernels"]]
     assert keys == sorted(keys)
     assert {(e["head_dim"], e["gqa_group"]) for e in data["kernels"]} >= {(64, 1), (128, 1)}
     assert data["code_object"] == "kernels.hsaco"
@@ -152,3 +154,27 @@ def test_probe_agrees_with_variants(matrix):
                          capture_output=True, text=True, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "every claim in variants.yaml matches the compiler" in out.stdout
+
+
+def test_audit_covers_the_host_platform(matrix, host_build, build_dir):
+    """The host targets' kernels declare their LDS as symbols; the audit checks them against the layout."""
+    out = subprocess.run(CLI + ["audit", "--json", "--targets", "host,host_f32", "--build-dir", str(build_dir)],
+                         capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+    rows = json.loads(out.stdout)
+    specs = {s.name: s for t in ("host", "host_f32") for s in matrix.specs_for(matrix.target(t))}
+    assert len(rows) == len(specs) and {r["target"] for r in rows} == {"host", "host_f32"}
+    for r in rows:
+        assert r["lds_bytes"] == specs[r["name"]].lds_bytes and r["vgprs"] is None, r
+
+
+def test_audit_table_prints_cuda_rows(matrix, build_dir):
+    try:
+        toolchain.find_ptxas("sm_90")
+    except toolchain.ToolchainError as e:
+        pytest.skip(str(e))
+    build.build(matrix, [matrix.target("sm_90")], build_dir, log=lambda *_: None)
+    out = subprocess.run(CLI + ["audit", "--targets", "sm_90", "--build-dir", str(build_dir)],
+                         capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+    lines = [line.split() for line in out.stdout.splitlines()[2:]]
+    assert len(lines) == len(matrix.specs_for(matrix.target("sm_90")))
+    assert all(cells[0] == "sm_90" and int(cells[2]) > 0 and int(cells[7]) >= 1 for cells in lines)

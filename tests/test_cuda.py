@@ -68,7 +68,7 @@ def _torch_attention(q, k, v, options):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_gpu_matches_oracle_and_torch(head_dim, variant):
     device = _gpu()

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from rdnattention_gen.matrix import REPO_ROOT
+from conftest import REPO_ROOT
 
 
 def test_hardware_md_is_up_to_date(build_dir):

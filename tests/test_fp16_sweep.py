@@ -20,7 +20,7 @@ def in_order_results(host_target):
     return {}
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_matches_oracle(in_order_results, head_dim, variant):
     q, k, v, options = make_case(variant, head_dim)
@@ -34,7 +34,7 @@ def test_matches_oracle(in_order_results, head_dim, variant):
     in_order_results[(head_dim, variant)] = (out, lse)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_shuffled_order_changes_nothing(in_order_results, head_dim, variant):
     if (head_dim, variant) not in in_order_results:

@@ -5,9 +5,9 @@ import subprocess
 
 import pytest
 
-from rdnattention_gen import toolchain
-from rdnattention_gen.build import HOST_FLAGS
-from rdnattention_gen.render import HOST_DIR, INCLUDE_DIR, environment, render_prelude
+from rdnattention_gen import HOST_DIR, toolchain
+from rdnattention_gen.platforms.host import HOST_FLAGS
+from rdnattention_gen.render import environment, render_prelude
 
 HEADER = """
 #include "prelude.h"
@@ -38,8 +38,8 @@ def probe_lib(matrix, tmp_path_factory):
                    KERNEL.replace("{name}", "racy").replace("{sync}", ""))
     lib = tmp / "libprobe.so"
     tc = toolchain.find()
-    subprocess.run(tc.clangxx + HOST_FLAGS.split() + ["-shared", "-DRDNA_WAVE_SIZE=32", f"-I{INCLUDE_DIR}",
-                    f"-I{HOST_DIR}", str(src), str(HOST_DIR / "rdna_host.cpp"), "-o", str(lib)], check=True)
+    subprocess.run(tc.clangxx + HOST_FLAGS.split() + ["-shared", "-DRDNA_WAVE_SIZE=32", f"-I{HOST_DIR}",
+                    str(src), str(HOST_DIR / "rdna_host.cpp"), "-o", str(lib)], check=True)
     cdll = ctypes.CDLL(str(lib))
     cdll.rdna_host_last_error.restype = ctypes.c_char_p
     return cdll

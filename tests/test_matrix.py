@@ -4,7 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from rdnattention_gen.matrix import DEFAULT_VARIANTS, KernelSpec, Tier, Tile, load_matrix
+from rdnattention_gen import DEFAULT_VARIANTS
+from rdnattention_gen.matrix import Tier, load_matrix
+from rdnattention_gen.spec import KernelSpec, Tile
 from rdnattention_gen.strict_yaml import VariantsError
 
 DEFAULT_TARGETS = ["gfx1030", "gfx1031", "gfx1032", "gfx1033", "gfx1034", "gfx1035", "gfx1036",
@@ -37,8 +39,8 @@ def test_every_spec_name_round_trips(matrix):
 
 
 def test_name_spells_every_field():
-    spec = KernelSpec(kind="f16", head_dim=128, gqa_group=2, tile=Tile(br=128, bc=32, threads=256, tm=8),
-                      wave_size=64, tier=Tier.MAD_MIX, stage="f16")
+    spec = KernelSpec(family="f16", head_dim=128, gqa_group=2, tile=Tile(br=128, bc=32, threads=256, tm=8),
+                      wave_size=64, tier="mad_mix", stage="f16")
     assert spec.name == "fa2_f16_hd128_g2_br128_bc32_nt256_tm8_w64_mad_mix_sf16"
     with pytest.raises(ValueError, match="not a kernel name"):
         KernelSpec.from_name("fa2_f16_hd128")
@@ -52,8 +54,6 @@ def test_target_selection(matrix):
 
 
 MINIMAL = """\
-platforms:
-  amdgcn: {description: gpu, code_object: hsaco}
 targets:
   gfx1030:
     platform: amdgcn
@@ -73,19 +73,27 @@ targets:
     default: true
     status: builds
     stage: f16
+    tiles: small
 kernels:
   f16:
-    template: fa2_f16.hip.j2
     head_dims: [64]
     gqa_groups: [1, 2]
-    default_tile: {br: 128, bc: 64, threads: 256, tm: 8}
+tiles:
+  small:
+    f16:
+      default: {br: 128, bc: 64, threads: 256, tm: 8}
 """
+TILE = "      default: {br: 128, bc: 64, threads: 256, tm: 8}\n"
 
 
-def _load(tmp_path: Path, text: str):
+def _load(tmp_path: Path, text: str, tuned: dict[str, str] | None = None):
     path = tmp_path / "variants.yaml"
     path.write_text(text)
-    return load_matrix(path)
+    tuned_dir = tmp_path / "tuned"
+    tuned_dir.mkdir(exist_ok=True)
+    for name, body in (tuned or {}).items():
+        (tuned_dir / name).write_text(body)
+    return load_matrix(path, tuned_dir)
 
 
 def test_minimal_matrix_loads(tmp_path):
@@ -96,43 +104,129 @@ def test_minimal_matrix_loads(tmp_path):
 
 @pytest.mark.parametrize("old, new, message", [
     ("    wave_size: 32\n", "    wave_size: 32\n    wave_sise: 32\n",
-     "variants.yaml:9: targets.gfx1030.wave_sise: unknown key"),
+     "variants.yaml:7: targets.gfx1030.wave_sise: unknown key"),
     ("    wave_size: 32\n", "    wave_size: 48\n",
-     "variants.yaml:8: targets.gfx1030.wave_size: must be 32 or 64, got 48"),
+     "variants.yaml:6: targets.gfx1030.wave_size: must be 32 or 64, got 48"),
     ("    int8_dot: sdot4\n", "    int8_dot: dp4a\n",
-     "variants.yaml:16: targets.gfx1030.int8_dot: 'dp4a' is not one of sdot4, sudot4, none"),
+     "variants.yaml:14: targets.gfx1030.int8_dot: 'dp4a' is not one of sdot4, sudot4, none"),
     ("    fdot2: true\n", "    fdot2: yes please\n",
-     "variants.yaml:15: targets.gfx1030.fdot2: expected bool, got 'yes please'"),
+     "variants.yaml:13: targets.gfx1030.fdot2: expected bool, got 'yes please'"),
     ("    lds_bytes: 65536\n", "    lds_bytes: 65536\n    lds_bytes: 32768\n",
-     "variants.yaml:10: duplicate key 'lds_bytes' (first at line 9)"),
+     "variants.yaml:8: duplicate key 'lds_bytes' (first at line 7)"),
     ("    status: builds\n", "",
-     "variants.yaml:4: targets.gfx1030.status: is missing"),
+     "variants.yaml:2: targets.gfx1030.status: is missing"),
     ("    stage: f16\n", "    stage: f8\n",
-     "variants.yaml:21: targets.gfx1030.stage: 'f8' is not one of f16, f32"),
+     "variants.yaml:19: targets.gfx1030.stage: 'f8' is not one of f16, f32"),
     ("  gfx1030:\n", "  gfx1030x:\n",
-     "variants.yaml:4: targets.gfx1030x: target names are gfxNNN[N] (lower-case hex), sm_NN, or host[_suffix]"),
+     "variants.yaml:2: targets.gfx1030x: target names are gfxNNN[N] (lower-case hex), sm_NN, or host[_suffix]"),
+    ("  gfx1030:\n", "  sm_90:\n",
+     "variants.yaml:3: targets.sm_90.platform: amdgcn targets are named gfxNNN[N]"),
     ("    hw_tier: 1\n", "    hw_tier: 2\n",
-     "variants.yaml:18: targets.gfx1030.hw_tier: tier 2 targets have no int8 dot instruction (int8_dot: none)"),
-    ("    default_tile: {br: 128, bc: 64, threads: 256, tm: 8}\n", "    default_tile: {br: 128, bc: 64, threads: 256, tm: 3}\n",
-     "variants.yaml:4: targets.gfx1030: kernel fa2_f16_hd64_g1_br128_bc64_nt256_tm3_w32_dot2_sf16: "
-     "threads 256 must be a multiple of br/tm = 42.6667"),
+     "variants.yaml:16: targets.gfx1030.hw_tier: tier 2 targets have no int8 dot instruction (int8_dot: none)"),
+    ("    tiles: small\n", "    tiles: big\n",
+     "variants.yaml:2: targets.gfx1030.tiles: no tile table 'big'; tables: small"),
+    (TILE, TILE.replace("tm: 8", "tm: 3"),
+     "variants.yaml:28: tiles.small.f16.default: kernel fa2_f16_hd64_g1_br128_bc64_nt256_tm3_w32_dot2_sf16 for "
+     "gfx1030: threads 256 must be a multiple of br/tm = 42.6667"),
     ("    head_dims: [64]\n", "    head_dims: [64, 80]\n",
-     "variants.yaml:4: targets.gfx1030: kernel fa2_f16_hd80_g1_br128_bc64_nt256_tm8_w32_dot2_sf16: "
-     "head_dim 80 must be a multiple of 32 in 32..512; head_dim 80 must be a multiple of 2 * threads per row = 32"),
+     "variants.yaml:28: tiles.small.f16.default: kernel fa2_f16_hd80_g1_br128_bc64_nt256_tm8_w32_dot2_sf16 for "
+     "gfx1030: head_dim 80 must be a multiple of 32 in 32..512; head_dim 80 must be a multiple of 2 * threads "
+     "per row = 32"),
     ("    head_dims: [64]\n", "    head_dims: [512]\n",
-     "variants.yaml:4: targets.gfx1030: kernel fa2_f16_hd512_g1_br128_bc64_nt256_tm8_w32_dot2_sf16: "
-     "needs 221696 bytes of LDS, over the 65536 budget"),
-    ("    template: fa2_f16.hip.j2\n", "    template: nope.j2\n",
-     "variants.yaml:24: kernels.f16.template: no such template in templates/: 'nope.j2'"),
+     "variants.yaml:28: tiles.small.f16.default: kernel fa2_f16_hd512_g1_br128_bc64_nt256_tm8_w32_dot2_sf16 for "
+     "gfx1030: needs 221696 bytes of LDS, over the 65536 budget"),
+    ("  f16:\n    head_dims", "  f17:\n    head_dims",
+     "variants.yaml:22: kernels.f17: unknown kernel family; known: f16"),
+    ("    gqa_groups: [1, 2]\n", "    gqa_groups: [1, 2]\n    template: fa2_f16.hip.j2\n",
+     "variants.yaml:25: kernels.f16.template: unknown key"),
     ("kernels:\n", "kernel:\n", "variants.yaml:1: kernels: is missing"),
-    ("    default_tile: {br: 128, bc: 64, threads: 256, tm: 8}\n",
-     "    default_tile: {br: 128, bc: 64, threads: 256, tm: 8}\n    tiles:\n      128: {br: 128, bc: 32, threads: 256, tm: 8}\n",
-     "variants.yaml:29: kernels.f16.tiles.128: is not one of head_dims [64]"),
+    (TILE, TILE + "      128: {br: 128, bc: 32, threads: 256, tm: 8}\n",
+     "variants.yaml:29: tiles.small.f16.128: is not one of f16's head_dims [64]"),
+    (TILE, TILE + "    inherit: nope\n",
+     "variants.yaml:29: tiles.small.inherit: no tile table 'nope'; tables: small"),
+    (TILE, "      default:\n        - {br: 128, bc: 64, threads: 256, tm: 8}\n        - {br: 64, bc: 64, threads: 128, tm: 8}\n",
+     "variants.yaml:28: tiles.small.f16.default: needs exactly one tile without `when:` (the one every other call uses)"),
+    (TILE, "      default:\n        - {br: 128, bc: 64, threads: 256, tm: 8}\n"
+           "        - {br: 64, bc: 64, threads: 128, tm: 8, when: {causal: true}}\n"
+           "        - {br: 32, bc: 64, threads: 128, tm: 4, when: {causal: true}}\n",
+     "variants.yaml:2: targets.gfx1030: fa2_f16_hd64_g1_br32_bc64_nt128_tm4_w32_dot2_sf16 (variants.yaml:31: "
+     "tiles.small.f16.default[2]) and fa2_f16_hd64_g1_br64_bc64_nt128_tm8_w32_dot2_sf16 (variants.yaml:30: "
+     "tiles.small.f16.default[1]) both serve some calls at the same priority; give them disjoint `when:`; "
+     "fa2_f16_hd64_g2_br32_bc64_nt128_tm4_w32_dot2_sf16 (variants.yaml:31: tiles.small.f16.default[2]) and "
+     "fa2_f16_hd64_g2_br64_bc64_nt128_tm8_w32_dot2_sf16 (variants.yaml:30: tiles.small.f16.default[1]) both serve "
+     "some calls at the same priority; give them disjoint `when:`"),
+    (TILE, "      default: {br: 128, bc: 64, threads: 256, tm: 8, when: {seq_q: [10, 5]}}\n",
+     "variants.yaml:28: tiles.small.f16.default.when.seq_q: expected [min, max] with 0 <= min <= max (max null: "
+     "open), got [10, 5]"),
 ])
 def test_errors_name_file_line_and_key(tmp_path, old, new, message):
     assert old in MINIMAL
     with pytest.raises(VariantsError) as err:
         _load(tmp_path, MINIMAL.replace(old, new, 1))
+    assert str(err.value) == message
+
+
+def test_constrained_tiles_reach_the_dispatch_entries(tmp_path):
+    text = MINIMAL.replace(TILE, "      default:\n        - {br: 128, bc: 64, threads: 256, tm: 8}\n"
+                                 "        - {br: 64, bc: 64, threads: 128, tm: 8, when: {causal: true}}\n")
+    matrix = _load(tmp_path, text)
+    variants = [v for v in matrix.variants_for(matrix.target("gfx1030")) if v.spec.gqa_group == 1]
+    assert [(v.spec.tile.br, v.when.to_json(), v.priority) for v in variants] == [(128, {}, 0), (64, {"causal": True}, 1)]
+
+
+def test_tile_tables_inherit(tmp_path):
+    text = MINIMAL.replace("    head_dims: [64]\n", "    head_dims: [64, 128]\n").replace("    tiles: small\n", "    tiles: child\n")
+    text += ("      128: {br: 64, bc: 32, threads: 256, tm: 4}\n"
+             "  child:\n    inherit: small\n    f16:\n      64: {br: 32, bc: 32, threads: 256, tm: 2}\n")
+    matrix = _load(tmp_path, text)
+    tiles = {s.head_dim: s.tile for s in matrix.specs_for(matrix.target("gfx1030"))}
+    assert tiles == {64: Tile(br=32, bc=32, threads=256, tm=2), 128: Tile(br=64, bc=32, threads=256, tm=4)}
+
+
+TUNED = """\
+target: gfx1030
+entries:
+  - family: f16
+    head_dim: 64
+    tile: {br: 64, bc: 64, threads: 128, tm: 8}
+    measured:
+      device: Radeon RX 6800 XT
+      toolchain: clang version 22
+      date: 2026-11-29
+      figures: {tflops: 10.5, baseline_tflops: 9.0}
+"""
+
+
+def test_tuned_entry_replaces_the_matrix_tile(tmp_path):
+    matrix = _load(tmp_path, MINIMAL, {"gfx1030.yaml": TUNED})
+    variants = matrix.variants_for(matrix.target("gfx1030"))
+    assert {(v.spec.tile.br, v.priority, v.provenance) for v in variants} == {(64, 2, "tuned/gfx1030.yaml")}
+
+
+def test_constrained_tuned_entry_is_added(tmp_path):
+    tuned = TUNED.replace("    head_dim: 64\n", "    head_dim: 64\n    gqa_group: 1\n    when: {causal: true}\n")
+    matrix = _load(tmp_path, MINIMAL, {"gfx1030.yaml": tuned})
+    variants = [(v.spec.gqa_group, v.spec.tile.br, v.priority) for v in matrix.variants_for(matrix.target("gfx1030"))]
+    assert variants == [(2, 128, 0), (1, 128, 0), (1, 64, 3)]
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("target: gfx1030\n", "target: gfx1031\n",
+     "tuned/gfx1030.yaml:1: target: 'gfx1031' does not match the file name gfx1030.yaml"),
+    ("    head_dim: 64\n", "    head_dim: 96\n",
+     "tuned/gfx1030.yaml:4: entries[0].head_dim: 96 is not one of f16's head_dims [64]"),
+    ("      device: Radeon RX 6800 XT\n", "",
+     "tuned/gfx1030.yaml:6: entries[0].measured.device: is missing"),
+    ("      figures: {tflops: 10.5, baseline_tflops: 9.0}\n", "      figures: {tflops: fast}\n",
+     "tuned/gfx1030.yaml:10: entries[0].measured.figures.tflops: expected int or float, got 'fast'"),
+    ("    tile: {br: 64, bc: 64, threads: 128, tm: 8}\n", "    tile: {br: 64, bc: 64, threads: 128, tm: 3}\n",
+     "tuned/gfx1030.yaml:3: entries[0]: kernel fa2_f16_hd64_g1_br64_bc64_nt128_tm3_w32_dot2_sf16 for gfx1030: "
+     "threads 128 must be a multiple of br/tm = 21.3333"),
+])
+def test_tuned_errors_name_file_line_and_key(tmp_path, old, new, message):
+    assert old in TUNED
+    with pytest.raises(VariantsError) as err:
+        _load(tmp_path, MINIMAL, {"gfx1030.yaml": TUNED.replace(old, new, 1)})
     assert str(err.value) == message
 
 

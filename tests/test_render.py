@@ -5,11 +5,13 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from rdnattention_gen.render import environment, generate, render_kernel, render_prelude, write_if_changed
+from rdnattention_gen.render import environment, generate, render_args, render_kernel, render_prelude, write_if_changed
 
 GOLDEN = Path(__file__).parent / "golden"
-# The dot2 and inline-asm lowerings, the host and cuda (fp32 staging) preludes, one kernel instantiation.
+# The dot2 and inline-asm lowerings, the host and cuda preludes (with their dot4 lowerings), the
+# fp16 family's argument struct, one kernel instantiation.
 GOLDEN_CASES = {
+    "args_f16.h": ("args", "f16"),
     "prelude_gfx1030.h": ("prelude", "gfx1030"),
     "prelude_gfx900.h": ("prelude", "gfx900"),
     "prelude_host.h": ("prelude", "host"),
@@ -18,13 +20,15 @@ GOLDEN_CASES = {
 }
 
 
-def _render(matrix, kind, target_name, file_name):
-    target = matrix.target(target_name)
+def _render(matrix, kind, name, file_name):
     env = environment()
+    if kind == "args":
+        return render_args(env, name)
+    target = matrix.target(name)
     if kind == "prelude":
         return render_prelude(env, target)
     spec = next(s for s in matrix.specs_for(target) if f"{s.name}.cpp" == file_name)
-    return render_kernel(env, matrix, spec)
+    return render_kernel(env, spec)
 
 
 @pytest.mark.parametrize("file_name", sorted(GOLDEN_CASES))
@@ -50,7 +54,9 @@ def test_two_renders_are_byte_identical(matrix, tmp_path):
     files_a = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
     files_b = sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
     assert files_a == files_b
-    assert len(files_a) == sum(len(matrix.specs_for(t)) + 2 for t in targets)  # + prelude, unity file
+    # + prelude, unity file, one argument header per family
+    assert len(files_a) == sum(len(matrix.specs_for(t)) + 2 + len({s.family for s in matrix.specs_for(t)})
+                               for t in targets)
     for rel in files_a:
         assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
 

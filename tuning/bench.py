@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rdnattention import api, flash_attn
+from rdnattention import flash_attn, plan_flash_attn
 from rdnattention.drivers import cuda as cuda_driver
 
 # (label, batch, heads_q, heads_kv, seq_q, seq_k, head_dim, causal)
@@ -68,7 +68,7 @@ def fma_peak_tflops(device: torch.device) -> float:
     args = FmaArgs(out=out.data_ptr(), mul=0.9999, add=1e-4, iters=4096)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     grid, threads = (sms * 8, 1, 1), 256
-    ms = time_ms(lambda: cuda_driver.launch(cubin, "fma_peak", grid, threads, args, device), reps=20)
+    ms = time_ms(lambda: cuda_driver.launch_kernel(cubin, "fma_peak", grid, threads, args, device), reps=20)
     flops = 2 * 8 * 32 * args.iters * grid[0] * threads
     return flops / ms / 1e9
 
@@ -89,11 +89,8 @@ def run_shape(shape, device, with_peers=True, reps=25):
     row["ours_ms"] = time_ms(lambda: flash_attn(q, k, v, is_causal=causal), reps=reps)
     row["ours_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     if causal and with_peers:  # the same launch with row blocks in launch order, not longest first
-        api._HEAVY_FIRST = False
-        try:
-            row["natural_ms"] = time_ms(lambda: flash_attn(q, k, v, is_causal=causal), reps=reps)
-        finally:
-            api._HEAVY_FIRST = True
+        row["natural_ms"] = time_ms(lambda: plan_flash_attn(q, k, v, is_causal=causal, heavy_first=False).run(),
+                                    reps=reps)
     if not with_peers:
         return row
     causal_flag = causal and sq == sk

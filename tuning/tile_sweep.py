@@ -5,8 +5,8 @@
     python3 tuning/tile_sweep.py run --target sm_90     # on the GPU machine: a table of TFLOP/s
 
 Each candidate is a copy of variants.yaml whose head_dims are reduced to the ones asked for and
-whose tile for them is the candidate; a candidate the target cannot hold is
-reported and skipped. Shapes: [1, 32, 2048, D], causal and not."""
+whose target takes a tile table (inheriting its own) that gives them the candidate; a candidate
+the target cannot hold is reported and skipped. Shapes: [1, 32, 2048, D], causal and not."""
 
 from __future__ import annotations
 
@@ -25,27 +25,32 @@ SWEEP = ROOT / "build" / "sweep"
 
 
 def prepare(args: argparse.Namespace) -> int:
-    from rdnattention_gen import build
+    from rdnattention_gen import DEFAULT_VARIANTS, build
+    from rdnattention_gen.audit import AuditError
     from rdnattention_gen.matrix import load_matrix
     from rdnattention_gen.strict_yaml import VariantsError
 
-    base = yaml.safe_load((ROOT / "variants.yaml").read_text())
+    base = yaml.safe_load(DEFAULT_VARIANTS.read_text())
     head_dims = [int(h) for h in args.head_dims.split(",")]
     labels = []
     for tile in args.tile:
         br, bc, threads, tm = (int(x) for x in tile.split(","))
         label = f"br{br}_bc{bc}_nt{threads}_tm{tm}"
-        base["targets"] = {args.target: base["targets"][args.target]}  # other targets' budgets do not apply
-        kernel = base["kernels"]["f16"]
-        kernel["head_dims"] = head_dims
-        kernel["tiles"] = {h: {"br": br, "bc": bc, "threads": threads, "tm": tm} for h in head_dims}
+        target = dict(base["targets"][args.target])
+        base["tiles"]["sweep"] = {"inherit": target["tiles"],
+                                  "f16": {h: {"br": br, "bc": bc, "threads": threads, "tm": tm} for h in head_dims}}
+        target["tiles"] = "sweep"
+        base["targets"] = {args.target: target}  # other targets' budgets do not apply
+        base["kernels"]["f16"]["head_dims"] = head_dims
+        for table in base["tiles"].values():  # tile tables may only list head_dims that are built
+            table["f16"] = {h: t for h, t in table.get("f16", {}).items() if h == "default" or h in head_dims}
         out = SWEEP / label
         out.mkdir(parents=True, exist_ok=True)
         (out / "variants.yaml").write_text(yaml.safe_dump(base, sort_keys=False))
         try:
-            matrix = load_matrix(out / "variants.yaml")
+            matrix = load_matrix(out / "variants.yaml", tuned_dir=None)
             build.build(matrix, matrix.select(args.target), out, log=lambda *_: None)
-        except (VariantsError, build.BuildError, Exception) as e:  # a candidate that fails scores nothing
+        except (VariantsError, build.BuildError, AuditError) as e:  # a candidate that fails scores nothing
             print(f"{label}: skipped ({str(e).splitlines()[0]})")
             continue
         labels.append(label)

@@ -12,7 +12,17 @@ import torch
 
 from ..errors import LaunchError
 
+PLATFORM = "cuda"
 _lock = threading.Lock()
+
+
+def serves(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.version.hip is None
+
+
+def target(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,8 +73,9 @@ def _function(path: Path, device: int, name: str, shared_bytes: int) -> ctypes.c
     return fn
 
 
-def launch(code_object: Path, name: str, grid: tuple[int, int, int], threads: int, args: ctypes.Structure,
-           device: torch.device, shared_bytes: int = 0) -> None:
+def launch_kernel(code_object: Path, name: str, grid: tuple[int, int, int], threads: int, args: ctypes.Structure,
+                  device: torch.device, shared_bytes: int = 0) -> None:
+    """Launches kernel ``name`` of a cubin on torch's current stream of ``device``."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
         fn = _function(code_object, index, name, shared_bytes)
@@ -73,3 +84,8 @@ def launch(code_object: Path, name: str, grid: tuple[int, int, int], threads: in
         stream = torch.cuda.current_stream().cuda_stream
         _check(_libcuda().cuLaunchKernel(fn, *grid, threads, 1, 1, shared_bytes, ctypes.c_void_p(stream), params, None),
                f"launching {name}")
+
+
+def launch(code_object: Path, launch, device: torch.device) -> None:
+    """Runs one planned launch (rdnattention.plan.Launch)."""
+    launch_kernel(code_object, launch.kernel.name, launch.grid, launch.block, launch.args, device, launch.shared_bytes)

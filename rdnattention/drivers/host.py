@@ -7,7 +7,11 @@ import functools
 import os
 from pathlib import Path
 
+import torch
+
 from ..errors import LaunchError
+
+PLATFORM = "host"
 
 _shuffle_seed = int(os.environ.get("RDNATTENTION_HOST_SHUFFLE", "0") or 0)
 
@@ -36,10 +40,20 @@ def _library(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def launch(code_object: Path, name: str, grid: tuple[int, int, int], threads: int, args: ctypes.Structure) -> None:
+def serves(device: torch.device) -> bool:
+    return device.type == "cpu"
+
+
+def target(device: torch.device) -> str:
+    return os.environ.get("RDNATTENTION_HOST_TARGET", "host")
+
+
+def launch(code_object: Path, launch, device: torch.device) -> None:
+    """Runs one planned launch (rdnattention.plan.Launch) in the emulator library."""
     lib = _library(code_object)
-    grid_c = (ctypes.c_uint * 3)(*grid)
-    rc = lib.rdna_host_launch(name.encode(), grid_c, threads, ctypes.byref(args), ctypes.sizeof(args),
-                              _shuffle_seed)
+    grid_c = (ctypes.c_uint * 3)(*launch.grid)
+    name = launch.kernel.name
+    rc = lib.rdna_host_launch(name.encode(), grid_c, launch.block, ctypes.byref(launch.args),
+                              ctypes.sizeof(launch.args), _shuffle_seed)
     if rc != 0:
         raise LaunchError(f"host launch of {name} failed: {lib.rdna_host_last_error().decode()}")

@@ -1,1 +1,0 @@
-"""rdnattention kernel generator: variants.yaml -> specs -> sources -> ninja -> audit."""

@@ -1,0 +1,108 @@
+"""The fp16 FlashAttention-2 forward family, runtime side: its argument struct and its launches.
+
+One launch: a workgroup per (row block, GQA head group, batch), BR rows of the block spread over
+the G query heads that share a K/V head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..abi import ArgStruct
+from ..dispatch import TargetTable
+from ..errors import InvalidArgumentError
+from ..plan import Launch, Plan
+
+NAME = "f16"
+
+# Strides are in elements; the last dimension is contiguous.
+ARGS = ArgStruct("Fa2Args", (
+    ("q", "const half_t*"),
+    ("k", "const half_t*"),
+    ("v", "const half_t*"),
+    ("o", "half_t*"),
+    ("q_stride_b", "long long"), ("q_stride_h", "long long"), ("q_stride_s", "long long"),
+    ("k_stride_b", "long long"), ("k_stride_h", "long long"), ("k_stride_s", "long long"),
+    ("v_stride_b", "long long"), ("v_stride_h", "long long"), ("v_stride_s", "long long"),
+    ("o_stride_b", "long long"), ("o_stride_h", "long long"), ("o_stride_s", "long long"),
+    ("batch", "int"),
+    ("heads_q", "int"),
+    ("heads_kv", "int"),
+    ("seq_q", "int"),
+    ("seq_k", "int"),
+    ("window_left", "int"),   # keys visible before the query's diagonal; -1: unbounded
+    ("window_right", "int"),  # keys visible after it; -1: unbounded, 0: causal
+    ("scale_log2", "float"),  # softmax scale times log2(e)
+    # Log-sum-exp per query row (natural log), fp32 [batch, heads_q, seq_q]; null: not written.
+    ("lse", "float*"),
+    ("lse_stride_b", "long long"), ("lse_stride_h", "long long"),
+    # RoPE tables [positions, rotary_dim/2] in fp32; rotary_dim 0: no rotation.
+    ("rotary_cos", "const float*"),
+    ("rotary_sin", "const float*"),
+    ("rotary_stride", "long long"),
+    ("rotary_dim", "int"),
+    ("rotary_interleaved", "int"),  # 1: rotate pairs (2i, 2i+1); 0: rotate halves (i, i + rotary_dim/2)
+    ("heavy_first", "int"),  # 1: workgroups take row blocks longest first (causal-like masks)
+))
+Fa2Args = ARGS.ctype
+
+_LOG2E = 1.4426950408889634
+_GRID_YZ_MAX = 65535
+
+
+@dataclass(frozen=True)
+class Call:
+    """A validated call: tensors [batch, heads, seq, head_dim], outputs allocated."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    window: tuple[int, int]  # (left, right) after folding is_causal in; -1: unbounded
+    softmax_scale: float
+    rotary_cos: torch.Tensor | None = None
+    rotary_sin: torch.Tensor | None = None
+    rotary_interleaved: bool = False
+
+    @property
+    def causal_like(self) -> bool:
+        """Visible keys grow with the query position (no left bound, a right bound)."""
+        left, right = self.window
+        return left < 0 and right >= 0
+
+
+def plan(table: TargetTable, call: Call, *, heavy_first: bool | None = None, kernel: str | None = None) -> Plan:
+    """The launch of one call. ``heavy_first`` (default: on under causal-like masks) makes the
+    workgroups take row blocks longest first; ``kernel`` forces a dispatch entry by name."""
+    q, k, v, out = call.q, call.k, call.v, call.out
+    batch, heads_q, seq_q, head_dim = q.shape
+    heads_kv, seq_k = k.shape[1], k.shape[2]
+    entry = table.select(NAME, head_dim=head_dim, heads_per_kv=heads_q // heads_kv, causal=call.causal_like,
+                         seq_q=seq_q, kernel=kernel)
+    left, right = call.window
+    args = Fa2Args(
+        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(),
+        batch=batch, heads_q=heads_q, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
+        window_left=left, window_right=right, scale_log2=float(call.softmax_scale) * _LOG2E)
+    if call.lse is not None:
+        args.lse, args.lse_stride_b, args.lse_stride_h = call.lse.data_ptr(), call.lse.stride(0), call.lse.stride(1)
+    if call.rotary_cos is not None:
+        args.rotary_cos, args.rotary_sin = call.rotary_cos.data_ptr(), call.rotary_sin.data_ptr()
+        args.rotary_stride, args.rotary_dim = call.rotary_cos.stride(0), 2 * call.rotary_cos.shape[1]
+        args.rotary_interleaved = int(call.rotary_interleaved)
+    for prefix, t in (("q", q), ("k", k), ("v", v), ("o", out)):
+        for axis, stride in zip("bhs", t.stride()[:3]):
+            setattr(args, f"{prefix}_stride_{axis}", stride)
+    # Under a causal-like mask row blocks differ in length; longest first leaves almost no tail.
+    args.heavy_first = int(call.causal_like if heavy_first is None else heavy_first)
+    rows_per_head = entry.br // entry.gqa_group
+    grid = (-(-seq_q // rows_per_head), heads_q // entry.gqa_group, batch)
+    if grid[1] > _GRID_YZ_MAX or grid[2] > _GRID_YZ_MAX:
+        raise InvalidArgumentError(f"at most {_GRID_YZ_MAX} head groups and batches per launch, "
+                                   f"got {grid[1]} and {grid[2]}")
+    shared = entry.lds_bytes if table.dynamic_lds else 0
+    launch = Launch(kernel=entry, grid=grid, block=entry.threads, shared_bytes=shared, args=args)
+    buffers = tuple(t for t in (q, k, v, out, call.lse, call.rotary_cos, call.rotary_sin) if t is not None)
+    return Plan(table=table, device=q.device, launches=[launch], outputs=(out, call.lse), buffers=buffers)

@@ -1,0 +1,142 @@
+"""rdnattention-gen: list, generate, build, audit and probe the kernel matrix."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import DEFAULT_VARIANTS, TUNED_DIR, audit, build, docs, probe, toolchain
+from .families import family
+from .matrix import Matrix, Target, load_matrix
+from .render import generate, write_if_changed
+from .strict_yaml import VariantsError
+
+
+def _targets(matrix: Matrix, selector: str) -> list[Target]:
+    return matrix.select(selector)
+
+
+def cmd_list(matrix: Matrix, args: argparse.Namespace) -> int:
+    for target in _targets(matrix, args.targets):
+        flags = [f"wave{target.wave_size}", f"tier {target.tier.value}", f"hw tier {target.hw_tier}",
+                 "default" if target.default else "opt-in", target.status]
+        print(f"{target.name:8} {target.family:8} {', '.join(flags)}")
+        for v in matrix.variants_for(target):
+            when = f", when {v.when}" if v.when.to_json() else ""
+            tuned = f", {v.provenance}" if v.priority >= 2 else ""
+            print(f"    {v.spec.name}  (LDS {family(v.spec.family).lds_bytes(v.spec)} B{when}{tuned})")
+    return 0
+
+
+def cmd_generate(matrix: Matrix, args: argparse.Namespace) -> int:
+    targets = _targets(matrix, args.targets)
+    written, total = generate(matrix, targets, args.build_dir.resolve() / "gen")
+    print(f"generate: {total} files for {len(targets)} target(s), {written} changed")
+    return 0
+
+
+def cmd_build(matrix: Matrix, args: argparse.Namespace) -> int:
+    rows = build.build(matrix, _targets(matrix, args.targets), args.build_dir, jobs=args.jobs)
+    if rows:
+        print(audit.table(rows))
+        print(f"audit: {len(rows)} kernels, no spills, no scratch, LDS within budget, tier instructions present")
+    return 0
+
+
+def cmd_audit(matrix: Matrix, args: argparse.Namespace) -> int:
+    rows = []
+    for target in _targets(matrix, args.targets):
+        rows += build.audit_target(matrix, target, args.build_dir.resolve())
+    if args.json:
+        print(json.dumps([r.to_json() for r in rows], indent=2))
+    else:
+        print(audit.table(rows))
+    return 0
+
+
+def cmd_probe(matrix: Matrix, args: argparse.Namespace) -> int:
+    targets = _targets(matrix, args.targets)
+    results = probe.probe(toolchain.find(), targets)
+    features = list(probe.PROBES)
+    print(f"{'target':8}  " + "  ".join(f"{f:>7}" for f in features))
+    mismatches = []
+    for target in targets:
+        if target.name not in results:
+            continue
+        got, want = results[target.name], probe.claimed(target)
+        cells = []
+        for f in features:
+            mark = "yes" if got[f] else "no"
+            if got[f] != want[f]:
+                mark += "!"
+                mismatches.append(f"{target.name}: {f} is {'accepted' if got[f] else 'rejected'} by the "
+                                  f"compiler but variants.yaml says {'yes' if want[f] else 'no'}")
+            cells.append(f"{mark:>7}")
+        print(f"{target.name:8}  " + "  ".join(cells))
+    if mismatches:
+        print("probe: variants.yaml disagrees with the compiler:\n  " + "\n  ".join(mismatches), file=sys.stderr)
+        return 1
+    print("probe: every claim in variants.yaml matches the compiler")
+    return 0
+
+
+def cmd_docs(matrix: Matrix, args: argparse.Namespace) -> int:
+    targets = [t for t in _targets(matrix, args.targets) if t.platform != "host"]
+    rows = build.build(matrix, targets, args.build_dir, jobs=args.jobs)
+    text = docs.hardware_md(matrix, rows, toolchain.find().identity)
+    if args.check:
+        current = args.out.read_text() if args.out.is_file() else ""
+        if current != text:
+            print(f"rdnattention-gen: error: {args.out} is out of date; run: rdnattention-gen docs", file=sys.stderr)
+            return 1
+        print(f"docs: {args.out} is up to date")
+        return 0
+    changed = write_if_changed(args.out, text)
+    print(f"docs: {args.out} {'written' if changed else 'unchanged'}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rdnattention-gen", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(name: str, fn, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help)
+        sp.set_defaults(fn=fn)
+        sp.add_argument("--targets", default="default",
+                        help="default, all (every GPU target), host, or a comma list such as gfx1030,gfx906")
+        sp.add_argument("--variants", type=Path, default=DEFAULT_VARIANTS, help="the matrix file (default: %(default)s)")
+        sp.add_argument("--tuned", type=Path, default=TUNED_DIR,
+                        help="directory of tuned/<target>.yaml overlays (default: %(default)s)")
+        sp.add_argument("--build-dir", type=Path, default=Path("build"), help="output directory (default: %(default)s)")
+        return sp
+
+    add("list", cmd_list, "show targets and the kernels each gets")
+    add("generate", cmd_generate, "render kernel sources into BUILD_DIR/gen")
+    b = add("build", cmd_build, "generate, compile with ninja, audit, write dispatch tables")
+    b.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles (default: ninja's choice)")
+    a = add("audit", cmd_audit, "report the resources of built kernels and enforce the rules")
+    a.add_argument("--json", action="store_true", help="print a JSON list, one object per kernel")
+    d = add("docs", cmd_docs, "build every GPU target and regenerate docs/hardware.md from the matrix and audit")
+    d.set_defaults(targets="all")
+    d.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles (default: ninja's choice)")
+    d.add_argument("--out", type=Path, default=Path("docs") / "hardware.md", help="output file (default: %(default)s)")
+    d.add_argument("--check", action="store_true", help="fail if the file differs instead of writing it")
+    add("probe", cmd_probe, "compile tiny probes per target and check variants.yaml's feature claims")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        matrix = load_matrix(args.variants, args.tuned)
+        return args.fn(matrix, args)
+    except (VariantsError, toolchain.ToolchainError, build.BuildError, audit.AuditError) as e:
+        print(f"rdnattention-gen: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

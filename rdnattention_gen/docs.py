@@ -1,0 +1,40 @@
+"""docs/hardware.md, generated from the matrix and the audit."""
+
+from __future__ import annotations
+
+from .audit import KernelAudit
+from .families import FAMILIES
+from .matrix import Matrix, Tier
+from .platforms import PLATFORMS, platform
+from .render import environment
+
+
+def hardware_md(matrix: Matrix, rows: list[KernelAudit], compiler: str) -> str:
+    amdgcn = PLATFORMS["amdgcn"].instructions
+    fp16 = FAMILIES["f16"].signatures
+    tiers = []
+    for tier in Tier:
+        names = [f"`{t.name}`" for t in matrix.targets if t.tier == tier]
+        tiers.append((tier.value, amdgcn[fp16[tier.value]], ", ".join(names) or "none"))
+    table = []
+    for r in rows:
+        target = matrix.target(r.target)
+        plat = platform(target.platform)
+        spec_family = next(f for f in FAMILIES.values() if f.from_name(r.name) is not None)
+        field = spec_family.signatures[spec_family.from_name(r.name).tier]
+        sig = f"{getattr(r, field)} × `{plat.instructions[field]}`" if field in plat.instructions else "-"
+        table.append({**r.to_json(), "signature": sig})
+    tile_tables, tile_rows = [], []
+    for name, t in matrix.tile_tables.items():
+        users = ", ".join(f"`{x.name}`" for x in matrix.targets if x.tiles == name) or "(inherited only)"
+        tile_tables.append({"name": name, "inherit": f"`{t.inherit}`" if t.inherit else "-", "targets": users})
+        for fam, per in t.choices.items():
+            for key in sorted(per, key=lambda k: (k != "default", k if k != "default" else 0)):
+                for c in per[key]:
+                    tile_rows.append({"table": name, "family": fam, "head_dim": key,
+                                      "tile": f"{c.tile.br} × {c.tile.bc}, {c.tile.threads}, {c.tile.tm}",
+                                      "when": str(c.when) if c.when.to_json() else "-"})
+    tuned = "; ".join(f"`{target}`: {len(entries)} entries" for target, entries in sorted(matrix.tuned.items()))
+    return environment().get_template("docs/hardware.md.j2").render(
+        tiers=tiers, targets=matrix.targets, rows=table, compiler=compiler, tile_tables=tile_tables, tile_rows=tile_rows,
+        tuned=tuned or "none yet (a tuner run on the GPU writes them)")

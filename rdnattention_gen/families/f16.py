@@ -1,0 +1,124 @@
+"""fp16 FlashAttention-2 forward: fp16 Q, K, V and output; both products and the softmax in fp32.
+
+Kernel body: templates/include/fa2_f16.h, composed from the policies in fa2_policies.h."""
+
+from __future__ import annotations
+
+from rdnattention.families import f16 as runtime
+
+from ..family import Family, OracleCase, Rule
+from ..matrix import Target
+from ..spec import KernelSpec, NameField, NameSchema, Tile
+from ..strict_yaml import Node
+
+
+def thread_grid(spec: KernelSpec) -> dict[str, int]:
+    """Thread rows, threads per row, keys and output columns per thread (TRW, TCW, TN, TD)."""
+    t = spec.tile
+    trw = t.br // t.tm if t.tm else 0
+    tcw = t.threads // trw if trw else 0
+    return {"trw": trw, "tcw": tcw, "tn": t.bc // tcw if tcw else 0, "td": spec.head_dim // tcw if tcw else 0}
+
+
+def _tcw(spec: KernelSpec) -> int:
+    return thread_grid(spec)["tcw"]
+
+
+RULES = (
+    Rule("head_dim_range",
+         lambda s, t: s.head_dim % 32 == 0 and 32 <= s.head_dim <= 512,
+         lambda s, t: f"head_dim {s.head_dim} must be a multiple of 32 in 32..512"),
+    Rule("group_divides_rows",
+         lambda s, t: s.gqa_group >= 1 and s.tile.br % s.gqa_group == 0,
+         lambda s, t: f"br {s.tile.br} must be a multiple of the GQA group {s.gqa_group}"),
+    Rule("whole_waves",
+         lambda s, t: s.tile.threads % s.wave_size == 0,
+         lambda s, t: f"threads {s.tile.threads} must be a multiple of the wave size {s.wave_size}"),
+    Rule("thread_grid",
+         lambda s, t: s.tile.tm <= s.tile.br and s.tile.br % s.tile.tm == 0 and s.tile.threads % (s.tile.br // s.tile.tm) == 0,
+         lambda s, t: f"threads {s.tile.threads} must be a multiple of br/tm = {s.tile.br / s.tile.tm:g}",
+         stop=True),
+    Rule("row_lanes",
+         lambda s, t: _tcw(s) & (_tcw(s) - 1) == 0 and _tcw(s) <= s.wave_size,
+         lambda s, t: f"threads per row (threads*tm/br = {_tcw(s)}) must be a power of two no larger than "
+                      f"the wave size {s.wave_size}"),
+    Rule("keys_per_lane",
+         lambda s, t: s.tile.bc % (2 * _tcw(s)) == 0,
+         lambda s, t: f"bc {s.tile.bc} must be a multiple of 2 * threads per row = {2 * _tcw(s)}"),
+    Rule("columns_per_lane",
+         lambda s, t: s.head_dim % (2 * _tcw(s)) == 0,
+         lambda s, t: f"head_dim {s.head_dim} must be a multiple of 2 * threads per row = {2 * _tcw(s)}"),
+    Rule("lds_budget",
+         lambda s, t: FAMILY.lds_bytes(s) <= t.lds_bytes,
+         lambda s, t: f"needs {FAMILY.lds_bytes(s)} bytes of LDS, over the {t.lds_bytes} budget"),
+)
+
+
+class F16(Family):
+    name = "f16"
+    template = "fa2_f16.hip.j2"
+    args = runtime.ARGS
+    schema = NameSchema("fa2_f16", (
+        NameField("head_dim", "_hd{}", r"\d+"),
+        NameField("gqa_group", "_g{}", r"\d+"),
+        NameField("tile.br", "_br{}", r"\d+"),
+        NameField("tile.bc", "_bc{}", r"\d+"),
+        NameField("tile.threads", "_nt{}", r"\d+"),
+        NameField("tile.tm", "_tm{}", r"\d+"),
+        NameField("wave_size", "_w{}", r"32|64"),
+        NameField("tier", "_{}", r"dot2|fma_mix|mad_mix|cvt_fma", str),
+        NameField("stage", "_s{}", r"f16|f32", str),
+    ))
+    rules = RULES
+    # The instruction each tier's kernels must contain (audit counts).
+    signatures = {"dot2": "dot2", "fma_mix": "fma_mix", "mad_mix": "mad_mix", "cvt_fma": "cvt_f32_f16"}
+    oracle_cases = {
+        "plain": OracleCase(2, 2, 2, 100, 100),
+        "causal": OracleCase(1, 2, 2, 150, 150, {"is_causal": True}),
+        "window_left": OracleCase(1, 2, 2, 150, 150, {"is_causal": True, "window_size": (37, -1)}),
+        "window_two_sided": OracleCase(1, 2, 2, 140, 140, {"window_size": (21, 9)}),
+        "gqa": OracleCase(1, 4, 2, 97, 97, {"is_causal": True}),
+        "mqa": OracleCase(1, 3, 1, 80, 80),
+        "cross": OracleCase(1, 2, 2, 45, 170, {"is_causal": True}),
+        "decode": OracleCase(2, 4, 2, 1, 203),
+        "rope": OracleCase(1, 4, 2, 90, 90, {"is_causal": True, "rope": True}),
+    }
+
+    def axes(self, node: Node) -> dict:
+        axes = {"head_dims": node.int_list("head_dims"), "gqa_groups": node.int_list("gqa_groups")}
+        node.finish()
+        return axes
+
+    def points(self, axes: dict) -> list[dict]:
+        return [{"head_dim": hd, "gqa_group": g} for hd in axes["head_dims"] for g in axes["gqa_groups"]]
+
+    def tier(self, target: Target) -> str | None:
+        return target.tier.value  # every target multiplies fp16 pairs, natively or not
+
+    def spec(self, target: Target, point: dict, tile: Tile) -> KernelSpec:
+        return KernelSpec(family=self.name, head_dim=point["head_dim"], gqa_group=point["gqa_group"], tile=tile,
+                          wave_size=target.wave_size, tier=self.tier(target), stage=target.stage)
+
+    def from_name(self, name: str) -> KernelSpec | None:
+        v = self.schema.parse(name)
+        if v is None:
+            return None
+        return KernelSpec(family=self.name, head_dim=v["head_dim"], gqa_group=v["gqa_group"],
+                          tile=Tile(br=v["tile.br"], bc=v["tile.bc"], threads=v["tile.threads"], tm=v["tile.tm"]),
+                          wave_size=v["wave_size"], tier=v["tier"], stage=v["stage"])
+
+    def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
+        d, t = spec.head_dim, spec.tile
+        pair = 4 if spec.stage == "f16" else 8
+        pad = 16 // pair  # pairs; keeps rows 16-byte aligned and off one bank
+        return {
+            "q_bytes": (d // 2) * (t.br + pad) * pair,
+            "kv_bytes": max((d // 2) * (t.bc + pad), (t.bc // 2) * d) * pair,
+            "p_bytes": (t.bc // 2) * (t.br + pad) * pair,
+        }
+
+    def context(self, spec: KernelSpec) -> dict:
+        return {"pairs": "F32Pairs" if spec.stage == "f32" else "F16Pairs", "lds_bytes": self.lds_bytes(spec)}
+
+
+FAMILY = F16()

@@ -1,0 +1,88 @@
+"""What a kernel family is to the generator. A family module under families/ defines one
+:class:`Family`: its axes in variants.yaml, its validation rules, its name schema, its LDS layout,
+its argument struct (imported from the runtime, which owns it), its audit signature per tier, its
+template, and the cases the oracle sweep runs it on. Nothing outside the module knows them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rdnattention.abi import ArgStruct
+
+from .matrix import Target
+from .spec import KernelSpec, NameSchema, Tile
+from .strict_yaml import Node
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One named validation rule: ``ok`` says whether a spec satisfies it on a target, ``message``
+    why not. ``stop``: later rules assume this one holds, so they are not evaluated after it fails."""
+
+    name: str
+    ok: Callable[[KernelSpec, Target], bool]
+    message: Callable[[KernelSpec, Target], str]
+    stop: bool = False
+
+
+@dataclass(frozen=True)
+class OracleCase:
+    """A shape and options the test sweep runs every kernel of the family on, against the oracle."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    options: dict = field(default_factory=dict)
+
+
+class Family:
+    name: str
+    template: str                     # the kernel template under templates/
+    args: ArgStruct                   # the runtime's argument struct for this family
+    schema: NameSchema
+    rules: tuple[Rule, ...]
+    signatures: dict[str, str]        # tier -> audit count that must be non-zero
+    oracle_cases: dict[str, OracleCase]
+
+    # --- the matrix
+    def axes(self, node: Node) -> dict:
+        """Parses this family's entry under ``kernels:`` (and finishes the node)."""
+        raise NotImplementedError
+
+    def points(self, axes: dict) -> list[dict]:
+        """Every (head_dim, gqa_group, ...) point of the axes."""
+        raise NotImplementedError
+
+    def tier(self, target: Target) -> str | None:
+        """This family's lowering on ``target``, or None when it has no kernels there."""
+        raise NotImplementedError
+
+    def spec(self, target: Target, point: dict, tile: Tile) -> KernelSpec:
+        raise NotImplementedError
+
+    def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
+        """Byte sizes of the kernel's LDS regions, in the order the kernel carves them."""
+        raise NotImplementedError
+
+    def lds_bytes(self, spec: KernelSpec) -> int:
+        return sum(self.lds_layout(spec).values())
+
+    def from_name(self, name: str) -> KernelSpec | None:
+        raise NotImplementedError
+
+    def problems(self, spec: KernelSpec, target: Target) -> list[str]:
+        out = []
+        for rule in self.rules:
+            if not rule.ok(spec, target):
+                out.append(rule.message(spec, target))
+                if rule.stop:
+                    break
+        return out
+
+    # --- rendering
+    def context(self, spec: KernelSpec) -> dict:
+        """Template variables beyond ``spec`` and ``family``."""
+        return {}

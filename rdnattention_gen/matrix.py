@@ -1,0 +1,339 @@
+"""The kernel matrix: targets, tile tables and kernel families, loaded and validated from
+variants.yaml (and tuned/<target>.yaml overlays), expanded into dispatch entries per target."""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from rdnattention.dispatch import Constraints
+
+from . import DEFAULT_VARIANTS, TUNED_DIR
+from .spec import KernelSpec, Tile
+from .strict_yaml import Node, VariantsError, load
+from .tuned import TunedEntry
+
+MIXED_FMAS = ("fma_mix", "mad_mix", "cvt_fma")
+STATUSES = ("tested", "builds")
+STAGES = ("f16", "f32")
+_TARGET_RE = re.compile(r"^(gfx[0-9a-f]{3,4}|sm_[0-9]{2,3}|host(_[a-z0-9]+)?)$")
+_TABLE_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class Tier(str, enum.Enum):
+    """How a target multiplies fp16 pairs into an fp32 accumulator (same result on all)."""
+
+    DOT2 = "dot2"        # v_dot2_f32_f16
+    FMA_MIX = "fma_mix"  # two v_fma_mix_f32, selected by the compiler
+    MAD_MIX = "mad_mix"  # two v_mad_mix_f32, by inline asm
+    CVT_FMA = "cvt_fma"  # convert both halves, then fp32 FMAs
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    platform: str
+    family: str
+    parts: str
+    wave_size: int
+    lds_bytes: int
+    lds_per_cu: int
+    vgprs_per_simd: int
+    vgpr_granule: int
+    max_waves_per_simd: int
+    simds_per_cu: int
+    fdot2: bool
+    int8_dot: str
+    mixed_fma: str
+    hw_tier: int
+    default: bool
+    status: str
+    stage: str  # LDS staging precision: f16 pairs, or f32 pairs converted once at staging
+    tiles: str  # the tile table its kernels take their tiles from
+
+    @property
+    def tier(self) -> Tier:
+        return Tier.DOT2 if self.fdot2 else Tier(self.mixed_fma)
+
+    def waves_per_simd(self, vgprs: int, lds: int, threads: int) -> int:
+        """Occupancy from VGPRs (LLVM's allocation rule) and from LDS."""
+        alloc = max(self.vgpr_granule, -(-max(vgprs, 1) // self.vgpr_granule) * self.vgpr_granule)
+        by_vgpr = min(self.max_waves_per_simd, self.vgprs_per_simd // alloc)
+        if lds == 0:
+            return by_vgpr
+        waves_per_group = -(-threads // self.wave_size)
+        groups = self.lds_per_cu // lds
+        by_lds = groups * waves_per_group // self.simds_per_cu
+        return min(by_vgpr, by_lds)
+
+
+@dataclass(frozen=True)
+class TileChoice:
+    """One tile a table assigns to (family, head_dim), optionally only under constraints."""
+
+    tile: Tile
+    when: Constraints
+    where: str        # "variants.yaml:LINE: tiles.lds64k.f16.128[1]", for error messages
+    provenance: str   # what the dispatch table records: the file it came from
+
+
+@dataclass(frozen=True)
+class TileTable:
+    name: str
+    inherit: str | None
+    # family -> head_dim (or "default") -> choices
+    choices: dict[str, dict[int | str, tuple[TileChoice, ...]]]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One dispatch entry of a target: a kernel and when it serves a call."""
+
+    spec: KernelSpec
+    when: Constraints
+    priority: int
+    provenance: str
+    where: str
+
+
+@dataclass(frozen=True)
+class Matrix:
+    source: Path
+    targets: tuple[Target, ...]
+    tile_tables: dict[str, TileTable]
+    kernels: dict[str, dict]  # family name -> its axes, as the family parsed them
+    tuned: dict[str, tuple[TunedEntry, ...]]  # target -> tuned entries
+
+    def target(self, name: str) -> Target:
+        for t in self.targets:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def tile_choices(self, table: str, family: str, head_dim: int) -> tuple[TileChoice, ...]:
+        """The choices of (family, head_dim): the nearest table in the inheritance chain that lists
+        the head_dim, else the nearest one with a ``default``."""
+        chain = []
+        name: str | None = table
+        while name is not None:
+            chain.append(self.tile_tables[name])
+            name = self.tile_tables[name].inherit
+        for key in (head_dim, "default"):
+            for t in chain:
+                if key in t.choices.get(family, {}):
+                    return t.choices[family][key]
+        raise VariantsError(f"{self.source.name}: tiles.{table}: no tile for {family} head_dim {head_dim} "
+                            "and no default in its inheritance chain")
+
+    def variants_for(self, target: Target) -> list[Variant]:
+        """Every dispatch entry of ``target``: the matrix's tiles, then tuned ones, which replace
+        any matrix entry they cover."""
+        from .families import family
+
+        out: list[Variant] = []
+        for fam_name, axes in self.kernels.items():
+            fam = family(fam_name)
+            if fam.tier(target) is None:
+                continue
+            for point in fam.points(axes):
+                hd, group = point["head_dim"], point["gqa_group"]
+                entries = []
+                for c in self.tile_choices(target.tiles, fam_name, hd):
+                    priority = 1 if c.when.to_json() else 0
+                    entries.append(Variant(fam.spec(target, point, c.tile), c.when, priority, c.provenance, c.where))
+                for t in self.tuned.get(target.name, ()):
+                    if (t.family, t.head_dim) == (fam_name, hd) and t.gqa_group in (None, group):
+                        priority = 3 if t.when.to_json() else 2
+                        entries.append(Variant(fam.spec(target, point, t.tile), t.when, priority, t.provenance, t.where))
+                # A tuned entry replaces every lower-priority entry it covers.
+                out += [v for v in entries
+                        if not any(o.priority >= 2 > v.priority and o.when.covers(v.when) for o in entries)]
+        return sorted(out, key=lambda v: (v.spec.family, v.spec.head_dim, -v.spec.gqa_group, v.priority, v.spec.name))
+
+    def specs_for(self, target: Target) -> list[KernelSpec]:
+        return sorted({v.spec for v in self.variants_for(target)}, key=lambda s: s.name)
+
+    def select(self, selector: str) -> list[Target]:
+        """A comma list of target names and the groups ``default`` and ``all`` (every GPU target)."""
+        groups = {"default": [t.name for t in self.targets if t.default],
+                  "all": [t.name for t in self.targets if t.platform != "host"]}
+        names = []
+        for item in (s.strip() for s in selector.split(",")):
+            names += groups.get(item, [item] if item else [])
+        known = {t.name for t in self.targets}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise VariantsError(
+                f"{self.source.name}: unknown target(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))} (add an entry under targets: to build a new one)")
+        return [self.target(n) for n in dict.fromkeys(names)]
+
+
+# --------------------------------------------------------------------------- loading
+
+def _positive(node: Node, key: str) -> int:
+    value = node.take(key, int)
+    node.check(key, value > 0, f"must be positive, got {value}")
+    return value
+
+
+def _target(name: str, node: object, parent: Node) -> Target:
+    from .platforms import PLATFORMS
+
+    if not _TARGET_RE.match(name):
+        raise parent.fail(name, "target names are gfxNNN[N] (lower-case hex), sm_NN, or host[_suffix]")
+    if not isinstance(node, Node):
+        raise parent.fail(name, "expected a mapping")
+    platform = node.choice("platform", tuple(PLATFORMS))
+    plat = PLATFORMS[platform]
+    wave = node.take("wave_size", int)
+    node.check("wave_size", wave in (32, 64), f"must be 32 or 64, got {wave}")
+    fields = dict(
+        name=name, platform=platform, family=node.take("family", str), parts=node.take("parts", str),
+        wave_size=wave, lds_bytes=_positive(node, "lds_bytes"), lds_per_cu=_positive(node, "lds_per_cu"),
+        vgprs_per_simd=_positive(node, "vgprs_per_simd"), vgpr_granule=_positive(node, "vgpr_granule"),
+        max_waves_per_simd=_positive(node, "max_waves_per_simd"), simds_per_cu=_positive(node, "simds_per_cu"),
+        fdot2=node.take("fdot2", bool),
+        int8_dot=node.choice("int8_dot", plat.int8_dots), mixed_fma=node.choice("mixed_fma", MIXED_FMAS),
+        hw_tier=node.take("hw_tier", int), default=node.take("default", bool),
+        status=node.choice("status", STATUSES), stage=node.choice("stage", STAGES),
+        tiles=node.take("tiles", str),
+    )
+    if fields["hw_tier"] not in (1, 2):
+        raise node.fail("hw_tier", f"must be 1 or 2, got {fields['hw_tier']}")
+    if fields["lds_bytes"] > fields["lds_per_cu"]:
+        raise node.fail("lds_bytes", "must not exceed lds_per_cu")
+    plat.validate_target(name, fields, node)
+    node.finish()
+    return Target(**fields)
+
+
+def _tile(item: object, parent: Node, key: str) -> tuple[Tile, Constraints]:
+    if not isinstance(item, Node):
+        raise parent.fail(key, "expected a mapping with br, bc, threads, tm (and optionally when), or a list of them")
+    tile = Tile(br=_positive(item, "br"), bc=_positive(item, "bc"), threads=_positive(item, "threads"),
+                tm=_positive(item, "tm"))
+    when = Constraints()
+    if "when" in item:
+        when = constraints(item.child("when"))
+    item.finish()
+    return tile, when
+
+
+def constraints(node: Node) -> Constraints:
+    """``when: {causal: bool, seq_q: [min, max or null]}``."""
+    causal = node.take("causal", bool, None)
+    seq_q = node.take("seq_q", list, None)
+    if seq_q is not None:
+        ok = (len(seq_q) == 2 and isinstance(seq_q[0], int) and not isinstance(seq_q[0], bool) and seq_q[0] >= 0
+              and (seq_q[1] is None or (isinstance(seq_q[1], int) and not isinstance(seq_q[1], bool)
+                                        and seq_q[1] >= seq_q[0])))
+        if not ok:
+            raise node.fail("seq_q", f"expected [min, max] with 0 <= min <= max (max null: open), got {seq_q!r}")
+        seq_q = (seq_q[0], seq_q[1])
+    node.finish()
+    return Constraints(causal=causal, seq_q=seq_q)
+
+
+def tile_choices(value: object, parent: Node, key: str, provenance: str) -> tuple[TileChoice, ...]:
+    """A tile, or a list of them: exactly one without ``when`` (the fallback), the others constrained."""
+    items = value if isinstance(value, list) else [value]
+    path = f"{parent.path}.{key}" if parent.path else key
+    out = []
+    for i, item in enumerate(items):
+        tile, when = _tile(item, parent, key)
+        line = item.line if isinstance(item, Node) else parent.key_lines.get(key, parent.line)
+        where = f"{parent.file}:{line}: {path}" + (f"[{i}]" if isinstance(value, list) else "")
+        out.append(TileChoice(tile=tile, when=when, where=where, provenance=provenance))
+    if sum(1 for c in out if not c.when.to_json()) != 1:
+        raise parent.fail(key, "needs exactly one tile without `when:` (the one every other call uses)")
+    return tuple(out)
+
+
+def _tile_table(name: str, node: object, parent: Node, kernels: dict[str, dict], provenance: str) -> TileTable:
+    if not _TABLE_RE.match(name):
+        raise parent.fail(name, "tile table names are lower-case identifiers")
+    if not isinstance(node, Node):
+        raise parent.fail(name, "expected a mapping")
+    inherit = node.take("inherit", str, None)
+    if inherit is not None and inherit not in parent.key_lines:
+        raise node.fail("inherit", f"no tile table {inherit!r}; tables: {', '.join(sorted(parent.key_lines))}")
+    families = set(kernels)
+    choices: dict[str, dict[int | str, tuple[TileChoice, ...]]] = {}
+    for fam in sorted(node, key=lambda k: node.key_lines[k]):
+        if fam not in families:
+            raise node.fail(fam, f"not a kernel family under kernels: ({', '.join(sorted(families))})")
+        fam_node = node.child(fam)
+        per: dict[int | str, tuple[TileChoice, ...]] = {}
+        for key in sorted(fam_node, key=lambda k: fam_node.key_lines[k]):
+            if key != "default" and not key.isdigit():
+                raise fam_node.fail(key, "keys are head_dims or `default`")
+            if key.isdigit() and int(key) not in kernels[fam]["head_dims"]:
+                raise fam_node.fail(key, f"is not one of {fam}'s head_dims {list(kernels[fam]['head_dims'])}")
+            per[key if key == "default" else int(key)] = tile_choices(fam_node.pop(key), fam_node, key, provenance)
+        choices[fam] = per
+    node.finish()
+    return TileTable(name=name, inherit=inherit, choices=choices)
+
+
+def load_matrix(path: Path | str = DEFAULT_VARIANTS, tuned_dir: Path | str | None = TUNED_DIR) -> Matrix:
+    """Load and validate a variants file and the tuned overlays in ``tuned_dir`` (None: none);
+    every error names the file, line and key path."""
+    from .families import FAMILIES
+    from .tuned import load_tuned
+
+    path = Path(path)
+    root = load(path)
+    kernels_node = root.child("kernels")
+    kernels = {}
+    for fam in sorted(kernels_node, key=lambda k: kernels_node.key_lines[k]):
+        if fam not in FAMILIES:
+            raise kernels_node.fail(fam, f"unknown kernel family; known: {', '.join(sorted(FAMILIES))}")
+        kernels[fam] = FAMILIES[fam].axes(kernels_node.child(fam))
+    tiles_node = root.child("tiles")
+    tile_tables = {t.name: t for t in tiles_node.items_in(
+        lambda k, v: _tile_table(k, v, tiles_node, kernels, path.name))}
+    for t in tile_tables.values():
+        seen = [t.name]
+        while t.inherit is not None:
+            if t.inherit in seen:
+                raise VariantsError(f"{path.name}: tiles.{seen[0]}: inheritance loop {' -> '.join(seen + [t.inherit])}")
+            seen.append(t.inherit)
+            t = tile_tables[t.inherit]
+    targets_node = root.child("targets")
+    target_lines = dict(targets_node.key_lines)
+    targets = tuple(targets_node.items_in(lambda k, v: _target(k, v, targets_node)))
+    for t in targets:
+        if t.tiles not in tile_tables:
+            raise VariantsError(f"{path.name}:{target_lines[t.name]}: targets.{t.name}.tiles: no tile table "
+                                f"{t.tiles!r}; tables: {', '.join(sorted(tile_tables))}")
+    root.finish()
+    tuned = {}
+    if tuned_dir is not None and Path(tuned_dir).is_dir():
+        names = {t.name for t in targets}
+        for file in sorted(Path(tuned_dir).glob("*.yaml")):
+            target, entries = load_tuned(file, names, kernels)
+            tuned[target] = entries
+    matrix = Matrix(source=path, targets=targets, tile_tables=tile_tables, kernels=kernels, tuned=tuned)
+    check_matrix(matrix, target_lines)
+    return matrix
+
+
+def check_matrix(matrix: Matrix, target_lines: dict[str, int]) -> None:
+    """Every entry of every target must be generable, fit the target, and be reachable."""
+    from . import dispatch
+    from .families import family
+
+    path = matrix.source
+    for target in matrix.targets:
+        variants = matrix.variants_for(target)
+        for v in sorted(variants, key=lambda v: v.spec.name):
+            problems = family(v.spec.family).problems(v.spec, target)
+            if problems:
+                raise VariantsError(f"{v.where}: kernel {v.spec.name} for {target.name}: {'; '.join(problems)}")
+        problems = dispatch.check_entries(variants)
+        if problems:
+            raise VariantsError(f"{path.name}:{target_lines[target.name]}: targets.{target.name}: "
+                                + "; ".join(problems))

@@ -1,0 +1,59 @@
+"""What a platform is to the generator: how its targets are named and validated, how their sources
+are compiled (ninja rules), what the code object is called, and how its resources are audited.
+One module per platform under platforms/; nothing else branches on a platform's name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ninja
+
+from .audit import KernelAudit
+from .matrix import Target
+from .spec import KernelSpec
+from .strict_yaml import Node
+from .toolchain import Toolchain
+
+# Always optimised: unoptimised builds of the V path are known to race (see docs/hardware.md).
+DEVICE_FLAGS = "-O3 -std=c++17 -fno-strict-aliasing -Wall -Werror=return-type"
+
+
+class Platform:
+    name: str
+    description: str
+    code_object: str               # file name of a target's code object in build/<target>/
+    target_prefix: str             # every target of this platform is named <prefix>...
+    target_names: str              # how to say it in an error
+    dynamic_lds: bool = False      # LDS is sized at launch rather than in the code object
+    int8_dots: tuple[str, ...]     # the int8 dot instructions its targets may claim
+    instructions: dict[str, str]   # audit count -> the instruction as this platform spells it
+    audit_version = 1              # bumped when the audit reader changes what it reports (cache key)
+
+    @property
+    def prelude(self) -> str:
+        return f"prelude_{self.name}.h.j2"
+
+    def validate_target(self, name: str, fields: dict, node: Node) -> None:
+        """Platform rules on a target entry (beyond the common ones); raise node.fail(...)."""
+        if not name.startswith(self.target_prefix):
+            raise node.fail("platform", f"{self.name} targets are named {self.target_names}")
+
+    def unavailable(self, target: Target) -> str | None:
+        """Why ``target`` cannot be built on this machine, or None."""
+        return None
+
+    def code_object_path(self, target: Target, build_dir: Path) -> Path:
+        return build_dir / target.name / self.code_object
+
+    def ninja_rules(self, w: ninja.Writer) -> None:
+        raise NotImplementedError
+
+    def ninja_build(self, w: ninja.Writer, target: Target, specs: list[KernelSpec], gen_dir: Path,
+                    out_dir: Path, stamp: str, headers: list[str]) -> None:
+        """Build statements for one target: ``gen_dir/kernels.cpp`` (which includes every kernel)
+        to ``out_dir/<code_object>``. A rebuild follows ``stamp`` (the toolchain identity) and the
+        generated ``headers``, where the compiler writes no depfile."""
+        raise NotImplementedError
+
+    def audit(self, tc: Toolchain, target: Target, specs: list[KernelSpec], build_dir: Path) -> list[KernelAudit]:
+        raise NotImplementedError

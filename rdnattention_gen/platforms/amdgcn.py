@@ -1,0 +1,110 @@
+"""amdgcn: HSA code objects for AMD GPUs, compiled by clang as device-only HIP with builtins only;
+audited from the AMDGPU metadata note (llvm-readelf) and the disassembly (llvm-objdump)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import ninja
+import yaml
+
+from ..audit import COUNTS, AuditError, KernelAudit
+from ..matrix import Target
+from ..platform import DEVICE_FLAGS, Platform
+from ..spec import KernelSpec
+from ..strict_yaml import Node
+from ..toolchain import Toolchain
+
+# Audit count -> mnemonic prefix in the disassembly.
+MNEMONICS = {
+    "dot2": "v_dot2",
+    "dot4": "v_dot4",
+    "fma_mix": "v_fma_mix",
+    "mad_mix": "v_mad_mix",
+    "cvt_f32_f16": "v_cvt_f32_f16",
+}
+_SYMBOL = re.compile(r"^[0-9a-f]+ <(?P<name>[^>]+)>:$")
+
+
+class Amdgcn(Platform):
+    name = "amdgcn"
+    description = "HSA code objects for AMD GPUs, one per gfx target"
+    code_object = "kernels.hsaco"
+    target_prefix = "gfx"
+    target_names = "gfxNNN[N]"
+    int8_dots = ("sdot4", "sudot4", "none")
+    instructions = {"dot2": "v_dot2", "dot4": "v_dot4", "fma_mix": "v_fma_mix_f32", "mad_mix": "v_mad_mix_f32",
+                    "cvt_f32_f16": "v_cvt_f32_f16"}
+    audit_version = 2  # 2: both operations of an RDNA3 dual-issue word are counted
+
+    def validate_target(self, name: str, fields: dict, node: Node) -> None:
+        super().validate_target(name, fields, node)
+        if fields["hw_tier"] == 1 and not fields["fdot2"]:
+            raise node.fail("hw_tier", "tier 1 needs fdot2: true")
+        if fields["hw_tier"] == 2 and fields["int8_dot"] != "none":
+            raise node.fail("hw_tier", "tier 2 targets have no int8 dot instruction (int8_dot: none)")
+
+    def ninja_rules(self, w: ninja.Writer) -> None:
+        # Device-only HIP compiles write no depfile, so every header is listed as an input instead.
+        w.rule("amdgcn", description="HIP $target ($kernels kernels)",
+               command="$clang -x hip --offload-device-only -nogpuinc -nogpulib --no-gpu-bundle-output "
+                       f"--offload-arch=$target {DEVICE_FLAGS} -I$inc_dir $in -o $out")
+
+    def ninja_build(self, w: ninja.Writer, target: Target, specs: list[KernelSpec], gen_dir: Path,
+                    out_dir: Path, stamp: str, headers: list[str]) -> None:
+        w.build(str(out_dir / self.code_object), "amdgcn", str(gen_dir / "kernels.cpp"), implicit=[stamp] + headers,
+                variables={"target": target.name, "kernels": str(len(specs))})
+
+    def audit(self, tc: Toolchain, target: Target, specs: list[KernelSpec], build_dir: Path) -> list[KernelAudit]:
+        code_object = self.code_object_path(target, build_dir)
+        meta = {k[".name"]: k for k in _metadata(tc, code_object)}
+        counts = _instruction_counts(tc, code_object)
+        rows = []
+        for spec in specs:
+            k = meta.get(spec.name)
+            if k is None:
+                raise AuditError(f"{code_object}: kernel {spec.name} is missing from the code object")
+            vgprs, lds = k[".vgpr_count"], k[".group_segment_fixed_size"]
+            rows.append(KernelAudit(
+                target=target.name, name=spec.name, vgprs=vgprs, sgprs=k[".sgpr_count"],
+                vgpr_spills=k.get(".vgpr_spill_count", 0), sgpr_spills=k.get(".sgpr_spill_count", 0),
+                scratch_bytes=k[".private_segment_fixed_size"], lds_bytes=lds, wave_size=k[".wavefront_size"],
+                waves_per_simd=target.waves_per_simd(vgprs, lds, spec.tile.threads),
+                **counts.get(spec.name, dict.fromkeys(COUNTS, 0)),
+            ))
+        return rows
+
+
+def _metadata(tc: Toolchain, code_object: Path) -> list[dict]:
+    out = subprocess.run([tc.readelf, "--notes", str(code_object)], capture_output=True, text=True, check=True).stdout
+    start = out.index("---")
+    end = out.index("...", start)
+    return yaml.safe_load(out[start:end])["amdhsa.kernels"]
+
+
+def _instruction_counts(tc: Toolchain, code_object: Path) -> dict[str, dict[str, int]]:
+    out = subprocess.run([tc.objdump, "-d", "--no-show-raw-insn", str(code_object)],
+                         capture_output=True, text=True, check=True).stdout
+    counts: dict[str, dict[str, int]] = {}
+    current = None
+    for line in out.splitlines():
+        m = _SYMBOL.match(line)
+        if m:
+            current = counts.setdefault(m["name"], dict.fromkeys(COUNTS, 0))
+            continue
+        if current is None:
+            continue
+        # An RDNA3 dual-issue (VOPD) word holds two operations: "v_dual_X ... :: v_dual_Y ...".
+        for op in line.split("::"):
+            mnemonic = op.strip().split(" ", 1)[0]
+            if mnemonic.startswith("v_dual_"):
+                mnemonic = "v_" + mnemonic[len("v_dual_"):]
+            for field, prefix in MNEMONICS.items():
+                if mnemonic.startswith(prefix):
+                    current[field] += 1
+    return counts
+
+
+PLATFORM = Amdgcn()

@@ -1,0 +1,147 @@
+// The seams of the FlashAttention-2 forward kernel, as small policies its main loop composes
+// (fa2_forward.h). A new variant replaces one of them: a split-KV slice is another schedule, a
+// paged cache another K/V source, softcap or ALiBi another score transform, a partial-output
+// epilogue for a combine kernel another epilogue.
+#pragma once
+
+// Rows of one tensor [batch, heads, seq, dim] with element strides; the last dimension is contiguous.
+struct StridedRows {
+  const half_t* base;
+  long long stride_b, stride_h, stride_s;
+  RDNA_METHOD const half_t* head(long long b, int h) const { return base + b * stride_b + h * stride_h; }
+};
+
+// --- work schedule -------------------------------------------------------------------------
+// A workgroup owns BR query rows: BR/G consecutive positions of each of the G query heads that
+// share one K/V head. Workgroups start in launch order (x fastest, then y); under a causal-like
+// mask the row blocks differ in length, so heavy_first renumbers them longest first across all
+// heads: a greedy schedule of longest-first jobs leaves almost no tail.
+template <int BR, int G>
+struct RowBlockSchedule {
+  static constexpr int RPH = BR / G;  // rows per head
+  int block_pos;  // first query position of the block
+  int head0;      // first query head of the group
+  int head_kv;
+  long long batch;
+
+  RDNA_METHOD RowBlockSchedule(int seq_q, int heads_q, int heads_kv, bool heavy_first) {
+    int row_block = rdna_block_id_x(), head_group = rdna_block_id_y();
+    if (heavy_first) {
+      const int blocks = (seq_q + RPH - 1) / RPH, groups = heads_q / G;
+      const long long order = (long long)head_group * blocks + row_block;
+      row_block = blocks - 1 - (int)(order / groups);
+      head_group = (int)(order % groups);
+    }
+    block_pos = row_block * RPH;
+    head0 = head_group * G;
+    batch = rdna_block_id_z();
+    head_kv = head0 / (heads_q / heads_kv);
+  }
+};
+
+// --- K/V source ------------------------------------------------------------------------------
+// Keys and values of one (batch, K/V head), addressed by key index through strides.
+struct StridedKv {
+  const half_t* k;
+  const half_t* v;
+  long long k_stride, v_stride;
+  int seq_k;
+
+  RDNA_METHOD const half_t* key(int i) const { return k + (long long)i * k_stride; }
+  RDNA_METHOD const half_t* value(int i) const { return v + (long long)i * v_stride; }
+};
+
+// --- score transform and mask ------------------------------------------------------------------
+// Scales scores into the log2 domain and hides keys outside the window around each query's
+// diagonal (query i sits at key position i + seq_k - seq_q). window_right 0 is causal; -1 on
+// either side is unbounded.
+struct WindowMask {
+  int seq_q, seq_k, left, right, offset;
+  float scale_log2;
+
+  RDNA_METHOD int diag(int pos) const { return pos + offset; }
+  // Keys any row in [first, last] may see; tiles outside [key_lo, key_hi) are never visited.
+  RDNA_METHOD int key_lo(int first) const { return left < 0 ? 0 : rdna_max(0, first + offset - left); }
+  RDNA_METHOD int key_hi(int last) const { return right < 0 ? seq_k : rdna_min(seq_k, last + offset + right + 1); }
+  // A tile every row in [first, last] sees whole skips the per-score tests.
+  template <int BC>
+  RDNA_METHOD bool whole(int k0, int first, int last) const {
+    return k0 + BC <= seq_k && (left < 0 || k0 >= last + offset - left) &&
+           (right < 0 || k0 + BC - 1 <= first + offset + right);
+  }
+  RDNA_METHOD bool visible(int key, int pos, int diag_pos) const {
+    return key < seq_k && pos < seq_q && (left < 0 || key >= diag_pos - left) && (right < 0 || key <= diag_pos + right);
+  }
+  RDNA_METHOD float scale(float s) const { return s * scale_log2; }
+};
+
+// --- Q/K transform: RoPE -----------------------------------------------------------------------
+// Tables [positions, dim/2] in fp32 with row stride `stride`; dim 0: no rotation.
+struct RotaryTables {
+  const float* cos;
+  const float* sin;
+  long long stride;
+  int dim, interleaved;
+
+  // In place on a transposed tile in LDS: element (r, d) of pair array `tile` (row stride
+  // `tile_stride` pairs) is component d % 2 of tile[(d / 2) * tile_stride + r]. Each thread owns
+  // whole (x1, x2) pairs and writes single elements. Row r holds position first + r % period and
+  // uses table row position + shift; rows at or past `limit` are padding and stay as they are.
+  template <typename P, int ROWS, int NT>
+  RDNA_METHOD void apply(typename P::pair_t* tile, int tile_stride, int first, int period, int limit,
+                         int shift) const {
+    typename P::elem_t* const elems = reinterpret_cast<typename P::elem_t*>(tile);
+    const int half_dim = dim / 2;
+    for (int i = rdna_thread_id(); i < ROWS * half_dim; i += NT) {
+      const int r = i % ROWS, j = i / ROWS;
+      const int pos = first + r % period;
+      if (pos >= limit) continue;
+      const long long t = (long long)(pos + shift) * stride + j;
+      const float c = cos[t], s = sin[t];
+      const int d1 = interleaved ? 2 * j : j;
+      const int d2 = interleaved ? 2 * j + 1 : j + half_dim;
+      typename P::elem_t* const e1 = elems + 2 * ((d1 / 2) * tile_stride + r) + d1 % 2;
+      typename P::elem_t* const e2 = elems + 2 * ((d2 / 2) * tile_stride + r) + d2 % 2;
+      const float x1 = (float)*e1, x2 = (float)*e2;
+      *e1 = (typename P::elem_t)(x1 * c - x2 * s);
+      *e2 = (typename P::elem_t)(x2 * c + x1 * s);
+    }
+  }
+};
+
+// --- online softmax ------------------------------------------------------------------------------
+// One row's running max m and sum l (log2 domain) meet a tile whose max is tile_max: m moves up,
+// l and the row's output are rescaled, and the reference the tile's probabilities are taken
+// against is returned. A row that has seen no key keeps m = -inf and exponentiates against 0.
+template <int TD>
+RDNA_DEVICE float fa2_softmax_update(float& m, float& l, float (&o)[TD], float tile_max) {
+  const float m_new = rdna_fmax(m, tile_max);
+  const float m_ref = m_new == -__builtin_inff() ? 0.f : m_new;
+  const float alpha = rdna_exp2(m - m_ref);
+  m = m_new;
+  l *= alpha;
+#pragma unroll
+  for (int c = 0; c < TD; ++c) o[c] *= alpha;
+  return m_ref;
+}
+
+// --- epilogue ----------------------------------------------------------------------------------
+// The final output: each row divided by its sum and stored as fp16, and the natural-log
+// log-sum-exp of the scaled scores (m and l live in the log2 domain) where asked for.
+struct NormalizeEpilogue {
+  half_t* o;
+  long long o_stride_b, o_stride_h, o_stride_s;
+  float* lse;  // null: not written
+  long long lse_stride_b, lse_stride_h;
+
+  template <int TD, int CD, int TCW>
+  RDNA_METHOD void store(long long b, int head, int pos, int tx, const float (&row)[TD], float m, float l) const {
+    const float inv = l > 0.f ? 1.f / l : 0.f;  // a row that saw no key is zero
+    half_t* out = o + b * o_stride_b + head * o_stride_h + (long long)pos * o_stride_s + tx * CD;
+    rdna_store_row<TD, CD>(out, TCW * CD, row, inv);
+    if (lse && tx == 0) {
+      const float ln2 = 0.6931471805599453f;
+      lse[b * lse_stride_b + head * lse_stride_h + pos] = l > 0.f ? (m + rdna_log2(l)) * ln2 : -__builtin_inff();
+    }
+  }
+};

@@ -1,0 +1,87 @@
+// Tile helpers shared by the attention kernels: 16-byte global and LDS moves, register-tile
+// products. Written against the intrinsics layer and a pairs policy P (pairs.h) only.
+#pragma once
+
+template <typename T>
+RDNA_DEVICE constexpr T rdna_min(T a, T b) { return a < b ? a : b; }
+template <typename T>
+RDNA_DEVICE constexpr T rdna_max(T a, T b) { return a < b ? b : a; }
+
+// 16-byte global loads; the runtime guarantees 16-byte aligned rows.
+RDNA_DEVICE u32x4 rdna_load16(const half_t* p) { return *reinterpret_cast<const u32x4*>(p); }
+
+RDNA_DEVICE unsigned rdna_pack_half2(float lo, float hi) {
+  return __builtin_bit_cast(unsigned short, (half_t)lo) |
+         ((unsigned)__builtin_bit_cast(unsigned short, (half_t)hi) << 16);
+}
+
+// Items per lane per access: the largest power of two up to C that divides N (C items = 16 bytes).
+template <int N, int C>
+constexpr int rdna_chunk = N % C == 0 ? C : rdna_chunk<N, C / 2>;
+template <int N>
+constexpr int rdna_chunk<N, 1> = 1;
+
+// N pairs in chunks of C (one access each): chunk c at src + c * stride. With src = base + lane * C
+// and stride = lanes * C, the lanes of a wave read consecutive addresses: no bank conflicts.
+template <int N, int C, typename T>
+RDNA_DEVICE void rdna_lds_read(T (&dst)[N], const T* src, int stride) {
+#pragma unroll
+  for (int c = 0; c < N / C; ++c) {
+    const void* chunk = __builtin_assume_aligned(src + c * stride, C * sizeof(T));
+    __builtin_memcpy(&dst[c * C], chunk, C * sizeof(T));
+  }
+}
+
+// acc[i][j] += a[i] . b[j]: one register tile step, every loaded pair used M or N times.
+template <typename P, int M, int N>
+RDNA_DEVICE void rdna_outer_product(float (&acc)[M][N], const typename P::pair_t (&a)[M],
+                                    const typename P::pair_t (&b)[N]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) acc[i][j] = P::dot(a[i], b[j], acc[i][j]);
+}
+
+// Eight consecutive fp16 values of one row (a 16-byte chunk) as four pairs down a column of a
+// transposed tile: dst[0], dst[stride], dst[2 * stride], dst[3 * stride].
+template <typename P>
+RDNA_DEVICE void rdna_store_column(typename P::pair_t* dst, int stride, u32x4 chunk) {
+  dst[0] = P::from_halves(chunk.x);
+  dst[stride] = P::from_halves(chunk.y);
+  dst[2 * stride] = P::from_halves(chunk.z);
+  dst[3 * stride] = P::from_halves(chunk.w);
+}
+
+// Two-row staging, split so the global loads of a tile can be in flight while the previous step
+// computes: columns [d, d + N) of key rows `key` and `key + 1` (zero where a row is absent) ...
+template <int N>
+RDNA_DEVICE void rdna_load_key_rows(half_t (&a)[N], half_t (&b)[N], const half_t* row0, const half_t* row1,
+                                    bool has0, bool has1) {
+#pragma unroll
+  for (int e = 0; e < N; ++e) a[e] = b[e] = (half_t)0.f;
+  if (has0) __builtin_memcpy(a, __builtin_assume_aligned(row0, N * sizeof(half_t)), N * sizeof(half_t));
+  if (has1) __builtin_memcpy(b, __builtin_assume_aligned(row1, N * sizeof(half_t)), N * sizeof(half_t));
+}
+
+// ... then stored as N (key, key + 1) pairs in one LDS store. N = 16 bytes / pair size, so
+// consecutive lanes taking consecutive column groups store to consecutive addresses.
+template <typename P, int N>
+RDNA_DEVICE void rdna_store_key_pairs(typename P::pair_t* dst, const half_t (&a)[N], const half_t (&b)[N]) {
+  typename P::pair_t pairs[N];
+#pragma unroll
+  for (int e = 0; e < N; ++e) pairs[e] = P::from_halves(rdna_pack_half2((float)a[e], (float)b[e]));
+  __builtin_memcpy(__builtin_assume_aligned(dst, 16), pairs, sizeof(pairs));
+}
+
+// One output row slice held in chunks of C columns: chunk c covers columns [c * stride, c * stride + C)
+// of `out`. Values are scaled by `scale` and stored as fp16, one store per chunk.
+template <int N, int C>
+RDNA_DEVICE void rdna_store_row(half_t* out, int stride, const float (&o)[N], float scale) {
+#pragma unroll
+  for (int c = 0; c < N / C; ++c) {
+    unsigned words[C / 2];
+#pragma unroll
+    for (int w = 0; w < C / 2; ++w) words[w] = rdna_pack_half2(o[c * C + 2 * w] * scale, o[c * C + 2 * w + 1] * scale);
+    __builtin_memcpy(__builtin_assume_aligned(out + c * stride, C * sizeof(half_t)), words, sizeof(words));
+  }
+}

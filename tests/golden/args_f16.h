@@ -1,0 +1,39 @@
+// @generated from templates/_args.h.j2 for family f16: the runtime's argument struct
+// (rdnattention/families/f16.py), layout digest b51f8d2c0fd3d9d0.
+#pragma once
+
+struct Fa2Args {
+  const half_t* q;
+  const half_t* k;
+  const half_t* v;
+  half_t* o;
+  long long q_stride_b;
+  long long q_stride_h;
+  long long q_stride_s;
+  long long k_stride_b;
+  long long k_stride_h;
+  long long k_stride_s;
+  long long v_stride_b;
+  long long v_stride_h;
+  long long v_stride_s;
+  long long o_stride_b;
+  long long o_stride_h;
+  long long o_stride_s;
+  int batch;
+  int heads_q;
+  int heads_kv;
+  int seq_q;
+  int seq_k;
+  int window_left;
+  int window_right;
+  float scale_log2;
+  float* lse;
+  long long lse_stride_b;
+  long long lse_stride_h;
+  const float* rotary_cos;
+  const float* rotary_sin;
+  long long rotary_stride;
+  int rotary_dim;
+  int rotary_interleaved;
+  int heavy_first;
+};

@@ -1,0 +1,142 @@
+"""The runtime's side of the family/platform design: the argument layout digest, dispatch tables
+with constraints, plans, and the import boundary between runtime and generator."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO_ROOT
+
+import rdnattention_gen
+from rdnattention import attention_reference, dispatch, flash_attn, plan_flash_attn
+from rdnattention.abi import ArgStruct
+from rdnattention.dispatch import Constraints, KernelEntry, TargetTable
+from rdnattention.errors import IncompatibleKernelsError, InvalidArgumentError, UnsupportedError
+from rdnattention.families import f16
+
+
+def test_import_does_not_load_the_generator():
+    code = ("import rdnattention, sys; "
+            "print([m for m in sys.modules if m.startswith(('rdnattention_gen', 'jinja2', 'yaml', 'ninja'))])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_generator_and_its_data_come_from_this_checkout():
+    assert rdnattention_gen.PACKAGE_DIR == REPO_ROOT / "rdnattention_gen"
+    assert rdnattention_gen.DEFAULT_VARIANTS.is_file() and (rdnattention_gen.TEMPLATES / "include").is_dir()
+
+
+def test_layout_digest_follows_the_fields():
+    a = ArgStruct("S", (("x", "int"), ("y", "float")))
+    assert a.digest == ArgStruct("S", (("x", "int"), ("y", "float"))).digest
+    assert a.digest != ArgStruct("S", (("y", "float"), ("x", "int"))).digest
+    assert a.digest != ArgStruct("S", (("x", "int"), ("y", "int"))).digest
+    with pytest.raises(TypeError, match="C types without a ctypes mapping: double"):
+        ArgStruct("S", (("x", "double"),))
+
+
+def test_dispatch_table_records_format_and_digest(host_build):
+    data = json.loads((host_build / "host" / "dispatch.json").read_text())
+    assert data["format"] == dispatch.TABLE_FORMAT and data["dynamic_lds"] is False
+    assert {e["args_digest"] for e in data["kernels"]} == {f16.ARGS.digest}
+    assert all(e["provenance"] == "variants.yaml" for e in data["kernels"])
+
+
+@pytest.fixture()
+def host_copy(host_build, tmp_path):
+    """A copy of the host build that a test may break."""
+    shutil.copytree(host_build / "host", tmp_path / "host", ignore=shutil.ignore_patterns("*.o", "*.d"))
+    return tmp_path / "host" / "dispatch.json"
+
+
+def test_a_foreign_argument_layout_is_refused(host_copy, monkeypatch):
+    data = json.loads(host_copy.read_text())
+    data["kernels"][0]["args_digest"] = "0123456789abcdef"
+    host_copy.write_text(json.dumps(data))
+    with pytest.raises(IncompatibleKernelsError) as err:
+        dispatch.load_table(host_copy)
+    msg = str(err.value)
+    assert "argument layout 0123456789abcdef" in msg and f"Fa2Args is {f16.ARGS.digest}" in msg
+    assert msg.endswith("rebuild with: rdnattention-gen build --targets host")
+    monkeypatch.setenv("RDNATTENTION_BUILD_DIR", str(host_copy.parent.parent))
+    dispatch.table_for.cache_clear()
+    try:
+        q = torch.randn(1, 2, 8, 64).half()
+        with pytest.raises(IncompatibleKernelsError):
+            flash_attn(q, q, q)
+    finally:
+        dispatch.table_for.cache_clear()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "unreadable dispatch table (JSONDecodeError"),
+    ('{"format": 1, "kernels": []}', "table format 1, this runtime reads format 2"),
+    ('{"format": 2, "kernels": [{"family": "f16"}]}', "unreadable dispatch table (KeyError"),
+])
+def test_a_malformed_table_is_a_typed_error(host_copy, text, message):
+    host_copy.write_text(text)
+    with pytest.raises(IncompatibleKernelsError, match=message.replace("(", r"\(")):
+        dispatch.load_table(host_copy)
+
+
+def _entry(name, group=1, priority=0, when=Constraints()):
+    return KernelEntry(name=name, family="f16", head_dim=64, gqa_group=group, tier="dot2", threads=256, br=128,
+                       bc=64, tm=8, lds_bytes=1024, priority=priority, when=when, provenance="test", args_digest="x")
+
+
+TABLE = TargetTable(target="t", platform="host", code_object=REPO_ROOT, dynamic_lds=False, kernels=(
+    _entry("base1"), _entry("base2", group=2), _entry("causal1", priority=1, when=Constraints(causal=True)),
+    _entry("short1", priority=1, when=Constraints(causal=False, seq_q=(0, 16))),
+))
+
+
+@pytest.mark.parametrize("heads_per_kv, causal, seq_q, chosen", [
+    (1, False, 100, "base1"), (1, True, 100, "causal1"), (1, False, 8, "short1"), (1, False, 17, "base1"),
+    (2, True, 100, "base2"), (4, False, 8, "base2"), (3, True, 5, "causal1"),
+])
+def test_select_honours_group_and_constraints(heads_per_kv, causal, seq_q, chosen):
+    assert TABLE.select("f16", head_dim=64, heads_per_kv=heads_per_kv, causal=causal, seq_q=seq_q).name == chosen
+
+
+def test_select_explains_what_it_cannot_serve():
+    with pytest.raises(UnsupportedError, match=r"no f16 kernel for head_dim 96 on t; built head_dims: \[64\]"):
+        TABLE.select("f16", head_dim=96, heads_per_kv=1, causal=False, seq_q=1)
+    with pytest.raises(UnsupportedError, match="kernel 'causal1' does not serve this call on t; kernels that do: "
+                                               "base1, short1"):
+        TABLE.select("f16", head_dim=64, heads_per_kv=1, causal=False, seq_q=4, kernel="causal1")
+    assert TABLE.select("f16", head_dim=64, heads_per_kv=2, causal=False, seq_q=4, kernel="base1").name == "base1"
+
+
+def test_plan_is_one_launch_and_reruns(host_build):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 70, 64, generator=g).half() for _ in range(3))
+    plan = plan_flash_attn(q[:, :, :, :], k[:, :2], v[:, :2], is_causal=True)
+    [launch] = plan.launches
+    assert launch.grid == (-(-70 // (launch.kernel.br // 2)), 2, 1) and launch.kernel.gqa_group == 2
+    assert launch.args.heavy_first == 1 and launch.block == launch.kernel.threads and launch.shared_bytes == 0
+    plan.run()
+    first = plan.outputs[0].clone()
+    plan.run()
+    assert torch.equal(plan.outputs[0], first)
+    ref = attention_reference(q, k[:, :2], v[:, :2], is_causal=True)
+    assert (first.double() - ref).abs().max() <= 2e-3
+
+
+def test_plan_options(host_build):
+    q = torch.randn(1, 4, 40, 64).half()
+    k = v = torch.randn(1, 2, 40, 64).half()
+    assert plan_flash_attn(q, k, v).launches[0].args.heavy_first == 0
+    assert plan_flash_attn(q, k, v, is_causal=True, heavy_first=False).launches[0].args.heavy_first == 0
+    group1 = next(e.name for e in dispatch.table_for("host").kernels if e.head_dim == 64 and e.gqa_group == 1)
+    plan = plan_flash_attn(q, k, v, is_causal=True, kernel=group1)
+    assert plan.launches[0].kernel.name == group1 and plan.launches[0].grid[1] == 4
+    plan.run()
+    assert (plan.outputs[0].double() - attention_reference(q, k, v, is_causal=True)).abs().max() <= 2e-3
+    with pytest.raises(InvalidArgumentError, match="heavy_first must be a bool or None, got 1"):
+        plan_flash_attn(q, k, v, heavy_first=1)
+    with pytest.raises(InvalidArgumentError, match="kernel must be a kernel name"):
+        plan_flash_attn(q, k, v, kernel=3)
