@@ -105,12 +105,18 @@ class TargetTable:
     dynamic_lds: bool  # LDS is sized at launch (cuda) rather than in the code object
     kernels: tuple[KernelEntry, ...]
 
+    def __post_init__(self) -> None:
+        by_key: dict[tuple[str, int], list[KernelEntry]] = {}
+        for e in self.kernels:
+            by_key.setdefault((e.family, e.head_dim), []).append(e)
+        object.__setattr__(self, "_by_key", {k: tuple(v) for k, v in by_key.items()})
+
     def select(self, family: str, *, head_dim: int, heads_per_kv: int, causal: bool, seq_q: int,
                kernel: str | None = None) -> KernelEntry:
         """The entry that serves a call: among those of the family and head_dim whose GQA group
         divides the query heads per K/V head and whose constraints admit the call, the largest
         group, then the highest priority. ``kernel`` forces one entry by name (it must fit)."""
-        same = [e for e in self.kernels if e.family == family and e.head_dim == head_dim]
+        same = self._by_key.get((family, head_dim), ())
         if not same:
             dims = sorted({e.head_dim for e in self.kernels if e.family == family})
             raise UnsupportedError(f"no {family} kernel for head_dim {head_dim} on {self.target}; "

@@ -82,23 +82,17 @@ def run(args: argparse.Namespace) -> int:
 def _time(head_dims: str) -> int:
     import torch
 
-    from rdnattention import flash_attn
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench import time_ms
+
+    from rdnattention import plan_flash_attn
 
     for hd in (int(h) for h in head_dims.split(",")):
         q, k, v = (torch.randn(1, 32, 2048, hd, device="cuda", dtype=torch.float16) for _ in range(3))
         for causal in (False, True):
-            for _ in range(3):
-                flash_attn(q, k, v, is_causal=causal)
-            times = []
-            for _ in range(20):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                flash_attn(q, k, v, is_causal=causal)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
+            ms = time_ms(plan_flash_attn(q, k, v, is_causal=causal).run, reps=20)
             flops = 4 * 32 * 2048 * 2048 * hd / (2 if causal else 1)
-            print(hd, causal, flops / statistics.median(times) / 1e9)
+            print(hd, causal, flops / ms / 1e9)
     return 0
 
 

@@ -4,22 +4,12 @@ here and edits nothing else in the runtime."""
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from types import ModuleType
 
+from ..discovery import modules
 from ..errors import UnsupportedError
 
-
-def _discover() -> dict[str, ModuleType]:
-    found = {}
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        found[module.NAME] = module
-    return found
-
-
-FAMILIES: dict[str, ModuleType] = _discover()
+FAMILIES: dict[str, ModuleType] = {m.NAME: m for m in modules(__name__, __path__)}
 
 
 def family(name: str) -> ModuleType:

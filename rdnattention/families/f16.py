@@ -82,21 +82,22 @@ def plan(table: TargetTable, call: Call, *, heavy_first: bool | None = None, ker
     entry = table.select(NAME, head_dim=head_dim, heads_per_kv=heads_q // heads_kv, causal=call.causal_like,
                          seq_q=seq_q, kernel=kernel)
     left, right = call.window
-    args = Fa2Args(
+    fields = dict(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(),
         batch=batch, heads_q=heads_q, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
-        window_left=left, window_right=right, scale_log2=float(call.softmax_scale) * _LOG2E)
-    if call.lse is not None:
-        args.lse, args.lse_stride_b, args.lse_stride_h = call.lse.data_ptr(), call.lse.stride(0), call.lse.stride(1)
-    if call.rotary_cos is not None:
-        args.rotary_cos, args.rotary_sin = call.rotary_cos.data_ptr(), call.rotary_sin.data_ptr()
-        args.rotary_stride, args.rotary_dim = call.rotary_cos.stride(0), 2 * call.rotary_cos.shape[1]
-        args.rotary_interleaved = int(call.rotary_interleaved)
+        window_left=left, window_right=right, scale_log2=float(call.softmax_scale) * _LOG2E,
+        # Under a causal-like mask row blocks differ in length; longest first leaves almost no tail.
+        heavy_first=int(call.causal_like if heavy_first is None else heavy_first))
     for prefix, t in (("q", q), ("k", k), ("v", v), ("o", out)):
-        for axis, stride in zip("bhs", t.stride()[:3]):
-            setattr(args, f"{prefix}_stride_{axis}", stride)
-    # Under a causal-like mask row blocks differ in length; longest first leaves almost no tail.
-    args.heavy_first = int(call.causal_like if heavy_first is None else heavy_first)
+        sb, sh, ss = t.stride()[:3]
+        fields[f"{prefix}_stride_b"], fields[f"{prefix}_stride_h"], fields[f"{prefix}_stride_s"] = sb, sh, ss
+    if call.lse is not None:
+        fields.update(lse=call.lse.data_ptr(), lse_stride_b=call.lse.stride(0), lse_stride_h=call.lse.stride(1))
+    if call.rotary_cos is not None:
+        fields.update(rotary_cos=call.rotary_cos.data_ptr(), rotary_sin=call.rotary_sin.data_ptr(),
+                      rotary_stride=call.rotary_cos.stride(0), rotary_dim=2 * call.rotary_cos.shape[1],
+                      rotary_interleaved=int(call.rotary_interleaved))
+    args = Fa2Args(**fields)
     rows_per_head = entry.br // entry.gqa_group
     grid = (-(-seq_q // rows_per_head), heads_q // entry.gqa_group, batch)
     if grid[1] > _GRID_YZ_MAX or grid[2] > _GRID_YZ_MAX:

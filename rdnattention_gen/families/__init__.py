@@ -3,21 +3,11 @@ discovery, so a new family is a new module (plus its template and its runtime mo
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
+from rdnattention.discovery import modules
 
 from ..family import Family
 
-
-def _discover() -> dict[str, Family]:
-    found = {}
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        fam = importlib.import_module(f"{__name__}.{info.name}").FAMILY
-        found[fam.name] = fam
-    return found
-
-
-FAMILIES: dict[str, Family] = _discover()
+FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in modules(__name__, __path__)}
 
 
 def family(name: str) -> Family:

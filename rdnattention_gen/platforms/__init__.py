@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
+from rdnattention.discovery import modules
 
 from ..platform import Platform
 
-
-def _discover() -> dict[str, Platform]:
-    found = {}
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        plat = importlib.import_module(f"{__name__}.{info.name}").PLATFORM
-        found[plat.name] = plat
-    return found
-
-
-PLATFORMS: dict[str, Platform] = _discover()
+PLATFORMS: dict[str, Platform] = {m.PLATFORM.name: m.PLATFORM for m in modules(__name__, __path__)}
 
 
 def platform(name: str) -> Platform:

@@ -12,14 +12,14 @@
 // The family's lds_layout (Python) states the same sizes; LDS_BYTES is checked against them.
 //
 // What varies between kernels lives in the policies (fa2_policies.h): which rows a workgroup
-// owns (Schedule), where keys and values come from (Kv), how scores are scaled and masked (Mask),
-// the RoPE tables, and what is written at the end (Epilogue).
+// owns (Schedule), where queries (Q) and keys and values (Kv) come from, how scores are scaled
+// and masked (Mask), the RoPE tables (Rope), and what is written at the end (Epilogue).
 #pragma once
 
-template <class P, int D, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, class Schedule, class Kv,
-          class Mask, class Epilogue>
-RDNA_DEVICE void fa2_forward(unsigned char* lds, const StridedRows& q_rows, const Schedule& sched, const Kv& kv,
-                             const Mask& mask, const RotaryTables& rope, const Epilogue& epi) {
+template <class P, int D, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, class Schedule, class Q, class Kv,
+          class Mask, class Rope, class Epilogue>
+RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q& q_rows, const Kv& kv,
+                             const Mask& mask, const Rope& rope, const Epilogue& epi) {
   using pair_t = typename P::pair_t;
   constexpr int TRW = BR / TM;
   constexpr int TCW = NT / TRW;
@@ -55,7 +55,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const StridedRows& q_rows, cons
   const int head0 = sched.head0;
   const long long b = sched.batch;
 
-  const int last_pos = rdna_min(mask.seq_q, block_pos + RPH) - 1;
+  const int last_pos = rdna_min(mask.seq_q(), block_pos + RPH) - 1;
   const int key_lo = mask.key_lo(block_pos);
   const int key_hi = mask.key_hi(last_pos);
   const u32x4 zero = {0u, 0u, 0u, 0u};
@@ -64,12 +64,12 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const StridedRows& q_rows, cons
   for (int i = tid; i < BR * D / 8; i += NT) {
     const int r = i % BR, c = i / BR;
     const int pos = block_pos + r % RPH;
-    const half_t* src = q_rows.head(b, head0 + r / RPH) + (long long)pos * q_rows.stride_s;
-    rdna_store_column<P>(qt + 4 * c * QS + r, QS, pos < mask.seq_q ? rdna_load16(src + 8 * c) : zero);
+    const half_t* src = q_rows.row(b, head0 + r / RPH, pos);
+    rdna_store_column<P>(qt + 4 * c * QS + r, QS, pos < mask.seq_q() ? rdna_load16(src + 8 * c) : zero);
   }
-  if (rope.dim) {
+  if (rope.enabled()) {
     rdna_block_sync();
-    rope.template apply<P, BR, NT>(qt, QS, block_pos, RPH, mask.seq_q, mask.offset);
+    rope.template apply<P, BR, NT>(qt, QS, block_pos, RPH, mask.seq_q(), mask.offset());
   }
 
   int pos[TM], diag[TM];
@@ -93,7 +93,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const StridedRows& q_rows, cons
 #pragma unroll
     for (int t = 0; t < KI; ++t) {
       const int i = tid + t * NT, key = k0 + i % BC;
-      k_stage[t] = i < K_ITEMS && key < kv.seq_k ? rdna_load16(kv.key(key) + 8 * (i / BC)) : zero;
+      k_stage[t] = i < K_ITEMS && key < kv.seq_k() ? rdna_load16(kv.key(key) + 8 * (i / BC)) : zero;
     }
   };
   auto load_v = [&](int k0) {
@@ -101,8 +101,8 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const StridedRows& q_rows, cons
     for (int t = 0; t < VI; ++t) {
       const int i = tid + t * NT, key = k0 + 2 * (i / (D / VW));
       const half_t* row = kv.value(key) + i % (D / VW) * VW;
-      rdna_load_key_rows<VW>(v_stage0[t], v_stage1[t], row, row + kv.v_stride, i < V_ITEMS && key < kv.seq_k,
-                             i < V_ITEMS && key + 1 < kv.seq_k);
+      rdna_load_key_rows<VW>(v_stage0[t], v_stage1[t], row, row + kv.value_stride(), i < V_ITEMS && key < kv.seq_k(),
+                             i < V_ITEMS && key + 1 < kv.seq_k());
     }
   };
 
@@ -117,8 +117,8 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const StridedRows& q_rows, cons
     }
     load_v(k0);
     rdna_block_sync();
-    if (rope.dim) {
-      rope.template apply<P, BC, NT>(kvt, KS, k0, BC, kv.seq_k, 0);
+    if (rope.enabled()) {
+      rope.template apply<P, BC, NT>(kvt, KS, k0, BC, kv.seq_k(), 0);
       rdna_block_sync();
     }
 
@@ -189,7 +189,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const StridedRows& q_rows, cons
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
     for (int x = 1; x < TCW; x <<= 1) l[i] += rdna_shfl_xor(l[i], x);
-    if (pos[i] >= mask.seq_q) continue;
+    if (pos[i] >= mask.seq_q()) continue;
     epi.template store<TD, CD, TCW>(b, head0 + (row0 + i) / RPH, pos[i], tx, o[i], m[i], l[i]);
   }
 }

@@ -1,0 +1,56 @@
+"""A/B two builds of the same kernels on a GPU, interleaved (A B A B ...), launches only.
+
+    python3 tuning/ab_builds.py --a build --b path/to/other/build
+
+Both builds must hold the same target's kernels under the same names (a code object from another
+revision with this revision's dispatch.json beside it, for instance). For each bench.py shape the
+call is planned once against A's table; B runs the same launches from B's code object. Medians of
+--rounds rounds, each timing A then B (bench.time_ms)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import SHAPES, flops, time_ms  # noqa: E402
+
+from rdnattention import dispatch, drivers, plan_flash_attn  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--a", type=Path, required=True)
+    p.add_argument("--b", type=Path, required=True)
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    target = drivers.target_of(device)
+    table_a = dispatch.load_table(args.a / target / "dispatch.json")
+    table_b = dispatch.load_table(args.b / target / "dispatch.json")
+    print(f"GPU: {torch.cuda.get_device_name(device)}; A {table_a.code_object}, B {table_b.code_object}\n")
+    print("| shape | causal | A TFLOP/s | B TFLOP/s | A / B |\n|---|---|---|---|---|")
+    for label, b, hq, hk, sq, sk, d, causal in SHAPES:
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(b, hq, sq, d, device=device, dtype=torch.float16, generator=g)
+        k = torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g)
+        v = torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g)
+        plan = plan_flash_attn(q, k, v, is_causal=causal)
+        plans = {"a": dataclasses.replace(plan, table=table_a), "b": dataclasses.replace(plan, table=table_b)}
+        times: dict[str, list[float]] = {"a": [], "b": []}
+        for _ in range(args.rounds):
+            for key, pl in plans.items():
+                times[key].append(time_ms(pl.run, reps=10))
+        f = flops(b, hq, sq, sk, d, causal)
+        ta, tb = (f / statistics.median(times[x]) / 1e9 for x in "ab")
+        print(f"| {label} | {causal} | {ta:.2f} | {tb:.2f} | {ta / tb:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
