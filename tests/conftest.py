@@ -8,6 +8,19 @@ from rdnattention_gen.matrix import load_matrix
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+
+def pytest_configure(config):
+    # The tests of one checkout must test its own code: an editable install of another checkout
+    # would otherwise be imported silently (plain `pytest` does not put the checkout on sys.path).
+    import rdnattention
+    import rdnattention_gen
+
+    for module in (rdnattention, rdnattention_gen):
+        where = Path(module.__file__).resolve().parent.parent
+        if where != REPO_ROOT:
+            raise pytest.UsageError(f"these tests are {REPO_ROOT}'s but import {module.__name__} from {where}; "
+                                    f"run `python -m pytest` in {REPO_ROOT} or reinstall it with pip install -e")
+
 BUILD_DIR = Path(os.environ.get("RDNATTENTION_BUILD_DIR", REPO_ROOT / "build"))
 
 
