@@ -1,34 +1,62 @@
-"""The public entry points. Every argument is checked before anything is launched."""
+"""The public entry points. Every argument is checked before anything is launched.
+
+Three layouts of one forward pass: `flash_attn` on [batch, heads, seq, head_dim] (the native
+layout), `flash_attn_func` on flash-attn's token-major [batch, seq, heads, head_dim], and
+`scaled_dot_product_attention` with torch's signature and semantics. All three run the
+`rdnattention::flash_attn_fwd` custom op (ops.py): called directly in eager mode, through the
+dispatcher under torch.compile or on tensor subclasses, so compiled graphs need no break."""
 
 from __future__ import annotations
 
 import math
+import warnings
+from dataclasses import dataclass
 
 import torch
 
 from . import dispatch, drivers
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, KernelsNotBuiltError, UnsupportedError
 from .families import f16
 from .plan import Plan
 
 _INT32_MAX = 2**31 - 1
+_NATIVE = "[batch, heads, seq, head_dim]"
+_TOKEN_MAJOR = "[batch, seq, heads, head_dim]"
+_warned_layout = False
 
 
-def _check_tensor(name: str, t: object, rank: int = 4) -> torch.Tensor:
+@dataclass(frozen=True)
+class Options:
+    """A validated call's options, in the kernel's terms."""
+
+    window_left: int
+    window_right: int
+    softmax_scale: float
+    rotary_cos: torch.Tensor | None
+    rotary_sin: torch.Tensor | None
+    rotary_interleaved: bool
+    return_lse: bool
+
+
+def _check_tensor(name: str, t: object, layout: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.float16:
         raise InvalidArgumentError(f"{name} must be float16, got {t.dtype}")
-    if t.dim() != rank:
-        raise InvalidArgumentError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise InvalidArgumentError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
-    # Kernels move rows in 16-byte pieces.
-    if any(s % 8 for s in t.stride()[:3]) or t.data_ptr() % 16:
-        raise InvalidArgumentError(
-            f"{name} rows must start on 16-byte boundaries: strides {t.stride()[:3]} must be multiples of 8 "
-            f"elements and the data pointer 16-byte aligned")
+    if t.dim() != 4:
+        raise InvalidArgumentError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}")
     return t
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    """The kernel's view [batch, heads, seq, head_dim]: contiguous rows on 16-byte multiples."""
+    stride = t.stride()
+    if stride[3] != 1 and t.shape[3] > 1:
+        raise InvalidArgumentError(f"{name} must be contiguous in its last dimension, got strides {stride}")
+    if stride[0] % 8 or stride[1] % 8 or stride[2] % 8:
+        raise InvalidArgumentError(
+            f"{name} rows must start on 16-byte boundaries: strides {stride[:3]} must be multiples of 8 "
+            f"elements and the data pointer 16-byte aligned")
 
 
 def _check_window(window_size: object) -> tuple[int, int]:
@@ -55,10 +83,10 @@ def rotary_tables(positions: int, rotary_dim: int, base: float = 10000.0,
     return angles.cos().float().to(device), angles.sin().float().to(device)
 
 
-def _check_rotary(cos: object, sin: object, interleaved: object, q: torch.Tensor, seq_k: int) -> int:
-    """Validates the RoPE tables; returns rotary_dim (0 when RoPE is off)."""
+def _check_rotary(cos: object, sin: object, interleaved: object, q: torch.Tensor, seq_k: int) -> bool:
+    """Validates the RoPE tables (float32 or q's dtype); returns whether RoPE is on."""
     if cos is None and sin is None:
-        return 0
+        return False
     if cos is None or sin is None:
         raise InvalidArgumentError("rotary_cos and rotary_sin must be given together")
     if not isinstance(interleaved, bool):
@@ -66,56 +94,32 @@ def _check_rotary(cos: object, sin: object, interleaved: object, q: torch.Tensor
     for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
         if not isinstance(t, torch.Tensor):
             raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.float32:
-            raise InvalidArgumentError(f"{name} must be float32, got {t.dtype}")
+        if t.dtype not in (torch.float32, q.dtype):
+            raise InvalidArgumentError(f"{name} must be float32 or q's dtype ({q.dtype}), got {t.dtype}")
         if t.dim() != 2 or t.shape[1] == 0:
             raise InvalidArgumentError(f"{name} must be 2-D [positions, rotary_dim/2], got shape {tuple(t.shape)}")
         if t.device != q.device:
             raise InvalidArgumentError(f"{name} is on {t.device}, q on {q.device}")
         if t.stride(1) != 1:
             raise InvalidArgumentError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
-    if cos.shape != sin.shape or cos.stride() != sin.stride():
-        raise InvalidArgumentError(f"rotary_cos {tuple(cos.shape)} and rotary_sin {tuple(sin.shape)} "
-                                   "must have the same shape and strides")
+    if cos.shape != sin.shape or cos.stride() != sin.stride() or cos.dtype != sin.dtype:
+        raise InvalidArgumentError(f"rotary_cos {tuple(cos.shape)} {cos.dtype} and rotary_sin {tuple(sin.shape)} "
+                                   f"{sin.dtype} must have the same shape, strides and dtype")
     rotary_dim = 2 * cos.shape[1]
     if rotary_dim > q.shape[3]:
         raise InvalidArgumentError(f"rotary_dim {rotary_dim} (2 * table width) exceeds head_dim {q.shape[3]}")
     if cos.shape[0] < seq_k:
         raise InvalidArgumentError(f"rotary tables have {cos.shape[0]} positions; keys need {seq_k} "
                                    "(positions 0..seq_k-1, queries at the last seq_q of them)")
-    return rotary_dim
+    return True
 
 
-def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
-               window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
-               rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
-               rotary_interleaved: bool = False, return_lse: bool = False):
-    """FlashAttention-2 forward on fp16 tensors [batch, heads, seq, head_dim]; returns a new tensor,
-    or ``(out, lse)`` with ``return_lse=True`` (lse: float32 [batch, heads_q, seq_q], natural log).
-
-    K and V may have fewer heads than Q (GQA/MQA: Q heads per K/V head must be a whole number) and a
-    different sequence length (query i sits at key position i + Sk - Sq). ``is_causal`` hides keys after
-    each query's position; ``window_size=(left, right)`` limits how far before/after it keys are seen
-    (-1: unbounded). ``softmax_scale`` defaults to 1/sqrt(head_dim). ``rotary_cos``/``rotary_sin``
-    (float32 [positions, rotary_dim/2], see :func:`rotary_tables`) apply RoPE to Q and K in the kernel."""
-    plan = plan_flash_attn(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
-                           rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-                           return_lse=return_lse)
-    plan.run()
-    out, lse = plan.outputs
-    return (out, lse) if return_lse else out
-
-
-def plan_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
-                    window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
-                    rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
-                    rotary_interleaved: bool = False, return_lse: bool = False,
-                    heavy_first: bool | None = None, kernel: str | None = None) -> Plan:
-    """Validates a :func:`flash_attn` call and plans it without running it: the returned
-    :class:`~rdnattention.plan.Plan` holds the outputs and launches; ``plan.run()`` executes it
-    (again and again, for timing). ``heavy_first`` overrides the row-block order (default: longest
-    first under causal-like masks); ``kernel`` forces a dispatch entry by name."""
-    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
+def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: object, window_size: object,
+              softmax_scale: object, rotary_cos: object, rotary_sin: object, rotary_interleaved: object,
+              return_lse: object) -> Options:
+    """Everything but the data pointers, so it runs on fake tensors too. q, k, v: the kernel's view."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_rows(name, t)
     if not isinstance(is_causal, bool):
         raise InvalidArgumentError(f"is_causal must be a bool, got {is_causal!r}")
     left, right = _check_window(window_size)
@@ -130,7 +134,7 @@ def plan_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cau
         raise InvalidArgumentError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
     if heads_kv == 0 or heads_q % heads_kv:
         raise InvalidArgumentError(f"q heads ({heads_q}) must be a multiple of k/v heads ({heads_kv})")
-    if len({q.device, k.device, v.device}) != 1:
+    if q.device != k.device or q.device != v.device:
         raise InvalidArgumentError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if max(seq_q, seq_k) > _INT32_MAX:
         raise InvalidArgumentError(f"sequence lengths must be below 2^31, got {seq_q} and {seq_k}")
@@ -140,22 +144,181 @@ def plan_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cau
         raise InvalidArgumentError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
     if not isinstance(return_lse, bool):
         raise InvalidArgumentError(f"return_lse must be a bool, got {return_lse!r}")
-    rotary_dim = _check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, seq_k)
+    rope = _check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, seq_k)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise UnsupportedError("rdnattention is forward-only and q, k or v requires grad: run it under "
+                               "torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+    return Options(window_left=left, window_right=right, softmax_scale=float(softmax_scale),
+                   rotary_cos=rotary_cos if rope else None, rotary_sin=rotary_sin if rope else None,
+                   rotary_interleaved=bool(rotary_interleaved) if rope else False, return_lse=return_lse)
+
+
+def _allocate(q: torch.Tensor, token_major: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output in the caller's layout, as the kernel's [batch, heads, seq, head_dim] view, and the
+    log-sum-exp (an empty tensor when not asked for)."""
+    batch, heads, seq, dim = q.shape
+    if token_major:
+        out = torch.empty((batch, seq, heads, dim), dtype=q.dtype, device=q.device).transpose(1, 2)
+    else:
+        out = torch.empty((batch, heads, seq, dim), dtype=q.dtype, device=q.device)
+    lse_shape = (batch, heads, seq) if return_lse else (0,)
+    return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+
+
+def _table(device: torch.device) -> dispatch.TargetTable:
+    target = drivers.target_of(device)
+    try:
+        return dispatch.table_for(target)
+    except KernelsNotBuiltError:
+        if device.type != "cuda":
+            raise
+        return dispatch.table_for(target, torch.cuda.get_device_name(device))
+
+
+def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token_major: bool,
+          heavy_first: bool | None = None, kernel: str | None = None) -> Plan:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.data_ptr() % 16:
+            raise InvalidArgumentError(
+                f"{name} rows must start on 16-byte boundaries: strides {t.stride()[:3]} must be multiples of 8 "
+                f"elements and the data pointer 16-byte aligned")
+    cos, sin = o.rotary_cos, o.rotary_sin
+    if cos is not None and cos.dtype != torch.float32:  # q's dtype: the kernel reads fp32 tables
+        cos, sin = cos.float(), sin.float()
+    out, lse = _allocate(q, token_major, o.return_lse)
+    call = f16.Call(q=q, k=k, v=v, out=out, lse=lse if o.return_lse else None,
+                    window=(o.window_left, o.window_right), softmax_scale=o.softmax_scale,
+                    rotary_cos=cos, rotary_sin=sin, rotary_interleaved=o.rotary_interleaved)
+    plan = f16.plan(_table(q.device), call, heavy_first=heavy_first, kernel=kernel)
+    plan.outputs = (out, lse)
+    if out.numel() == 0 or k.shape[2] == 0:
+        out.zero_()
+        lse.fill_(-math.inf)
+        plan.launches.clear()
+    return plan
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options,
+            token_major: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs a validated call: directly in eager mode, through the custom op where torch traces."""
+    if torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor):
+        from . import ops
+        return ops.flash_attn_fwd(q, k, v, o.rotary_cos, o.rotary_sin, o.window_left, o.window_right,
+                                  o.softmax_scale, o.rotary_interleaved, o.return_lse, token_major)
+    plan = _plan(q, k, v, o, token_major)
+    plan.run()
+    return plan.outputs
+
+
+def _warn_if_token_major(q: torch.Tensor) -> None:
+    global _warned_layout
+    _, heads, seq, _ = q.shape
+    if not _warned_layout and heads > 512 and seq < heads and not torch.compiler.is_compiling():
+        _warned_layout = True
+        warnings.warn(f"flash_attn takes {_NATIVE}; q has shape {tuple(q.shape)}, {heads} heads for {seq} positions, "
+                      f"which looks like {_TOKEN_MAJOR}: use rdnattention.flash_attn_func for that layout",
+                      stacklevel=3)
+
+
+def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
+               window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
+               rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
+               rotary_interleaved: bool = False, return_lse: bool = False):
+    """FlashAttention-2 forward on fp16 tensors [batch, heads, seq, head_dim]; returns a new tensor,
+    or ``(out, lse)`` with ``return_lse=True`` (lse: float32 [batch, heads_q, seq_q], natural log).
+
+    K and V may have fewer heads than Q (GQA/MQA: Q heads per K/V head must be a whole number) and a
+    different sequence length (query i sits at key position i + Sk - Sq). ``is_causal`` hides keys after
+    each query's position; ``window_size=(left, right)`` limits how far before/after it keys are seen
+    (-1: unbounded). ``softmax_scale`` defaults to 1/sqrt(head_dim). ``rotary_cos``/``rotary_sin``
+    ([positions, rotary_dim/2], float32 or q's dtype; see :func:`rotary_tables`) apply RoPE to Q and K
+    in the kernel."""
+    q, k, v = (_check_tensor(n, t, _NATIVE) for n, t in (("q", q), ("k", k), ("v", v)))
+    o = _validate(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
+                  rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                  return_lse=return_lse)
+    _warn_if_token_major(q)
+    out, lse = forward(q, k, v, o, token_major=False)
+    return (out, lse) if return_lse else out
+
+
+def plan_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
+                    window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
+                    rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
+                    rotary_interleaved: bool = False, return_lse: bool = False,
+                    heavy_first: bool | None = None, kernel: str | None = None) -> Plan:
+    """Validates a :func:`flash_attn` call and plans it without running it: the returned
+    :class:`~rdnattention.plan.Plan` holds the outputs and launches; ``plan.run()`` executes it
+    (again and again, for timing). ``heavy_first`` overrides the row-block order (default: longest
+    first under causal-like masks); ``kernel`` forces a dispatch entry by name."""
+    q, k, v = (_check_tensor(n, t, _NATIVE) for n, t in (("q", q), ("k", k), ("v", v)))
+    o = _validate(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
+                  rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                  return_lse=return_lse)
     if heavy_first is not None and not isinstance(heavy_first, bool):
         raise InvalidArgumentError(f"heavy_first must be a bool or None, got {heavy_first!r}")
     if kernel is not None and not isinstance(kernel, str):
         raise InvalidArgumentError(f"kernel must be a kernel name (str) or None, got {kernel!r}")
+    return _plan(q, k, v, o, token_major=False, heavy_first=heavy_first, kernel=kernel)
 
-    out = torch.empty((batch, heads_q, seq_q, head_dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=q.device) if return_lse else None
-    call = f16.Call(q=q, k=k, v=v, out=out, lse=lse, window=(left, right), softmax_scale=float(softmax_scale),
-                    rotary_cos=rotary_cos if rotary_dim else None, rotary_sin=rotary_sin if rotary_dim else None,
-                    rotary_interleaved=bool(rotary_interleaved) if rotary_dim else False)
-    table = dispatch.table_for(drivers.target_of(q.device))
-    plan = f16.plan(table, call, heavy_first=heavy_first, kernel=kernel)
-    if out.numel() == 0 or seq_k == 0:
-        out.zero_()
-        if lse is not None:
-            lse.fill_(-math.inf)
-        plan.launches.clear()
-    return plan
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    softmax_scale: float | None = None, causal: bool = False,
+                    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                    deterministic: bool = False, return_attn_probs: bool = False, *,
+                    rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
+                    rotary_interleaved: bool = False):
+    """flash-attn's ``flash_attn_func``: fp16 q [batch, seq_q, heads, head_dim], k and v
+    [batch, seq_k, heads_kv, head_dim]; returns out [batch, seq_q, heads, head_dim], or
+    ``(out, softmax_lse, None)`` with ``return_attn_probs=True`` (lse float32 [batch, heads, seq_q];
+    the attention probabilities themselves are not materialised). Causal masks align to the end of
+    the keys, as flash-attn's do. dropout, softcap and ALiBi raise UnsupportedError; the kernels are
+    deterministic, so ``deterministic`` needs nothing. RoPE options as in :func:`flash_attn`."""
+    if dropout_p != 0.0:
+        raise UnsupportedError(f"dropout_p={dropout_p!r}: rdnattention has no dropout (inference only); pass 0.0")
+    if softcap != 0.0:
+        raise UnsupportedError(f"softcap={softcap!r}: logit softcapping is not implemented; pass 0.0")
+    if alibi_slopes is not None:
+        raise UnsupportedError("alibi_slopes: ALiBi is not implemented; pass None")
+    if not isinstance(deterministic, bool) or not isinstance(return_attn_probs, bool):
+        raise InvalidArgumentError(f"deterministic and return_attn_probs must be bools, got {deterministic!r} "
+                                   f"and {return_attn_probs!r}")
+    q, k, v = (_check_tensor(n, t, _TOKEN_MAJOR).transpose(1, 2) for n, t in (("q", q), ("k", k), ("v", v)))
+    o = _validate(q, k, v, is_causal=causal, window_size=window_size, softmax_scale=softmax_scale,
+                  rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                  return_lse=return_attn_probs)
+    out, lse = forward(q, k, v, o, token_major=True)
+    out = out.transpose(1, 2)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False) -> torch.Tensor:
+    """torch.nn.functional.scaled_dot_product_attention's signature and semantics on fp16
+    [batch, heads, seq, head_dim]. As torch defines it, ``is_causal`` is top-left aligned: query i
+    sees keys 0..i whatever the lengths. ``enable_gqa`` allows fewer K/V heads. An ``attn_mask`` or
+    dropout raises UnsupportedError (use is_causal, or flash_attn's window_size)."""
+    if attn_mask is not None:
+        raise UnsupportedError("attn_mask: arbitrary masks are not supported; use is_causal, or "
+                               "rdnattention.flash_attn with window_size for sliding windows")
+    if dropout_p != 0.0:
+        raise UnsupportedError(f"dropout_p={dropout_p!r}: rdnattention has no dropout (inference only); pass 0.0")
+    if not isinstance(enable_gqa, bool) or not isinstance(is_causal, bool):
+        raise InvalidArgumentError(f"is_causal and enable_gqa must be bools, got {is_causal!r} and {enable_gqa!r}")
+    q, k, v = (_check_tensor(n, t, _NATIVE) for n, t in (("query", query), ("key", key), ("value", value)))
+    if not enable_gqa and q.shape[1] != k.shape[1]:
+        raise InvalidArgumentError(f"query has {q.shape[1]} heads and key {k.shape[1]}: pass enable_gqa=True for "
+                                   "grouped-query attention")
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    window = (-1, -1)
+    if is_causal and seq_k > seq_q:
+        # Top-left: no query sees a key at or past seq_q, and on the first seq_q keys the
+        # kernel's end-aligned diagonal is the top-left one.
+        k, v = k[:, :, :seq_q], v[:, :, :seq_q]
+        window = (-1, 0)
+    elif is_causal:
+        window = (-1, seq_q - seq_k)  # query i, end-aligned at i - (seq_q - seq_k), sees keys up to i
+    o = _validate(q, k, v, is_causal=False, window_size=window, softmax_scale=scale, rotary_cos=None,
+                  rotary_sin=None, rotary_interleaved=False, return_lse=False)
+    return forward(q, k, v, o, token_major=False)[0]

@@ -104,6 +104,7 @@ class TargetTable:
     code_object: Path
     dynamic_lds: bool  # LDS is sized at launch (cuda) rather than in the code object
     kernels: tuple[KernelEntry, ...]
+    isa_targets: tuple[str, ...] = ()  # targets whose GPUs run this code object unchanged
 
     def __post_init__(self) -> None:
         by_key: dict[tuple[str, int], list[KernelEntry]] = {}
@@ -170,6 +171,7 @@ def load_table(path: Path) -> TargetTable:
         kernels = tuple(_entry(e) for e in data["kernels"] if e["family"] in FAMILIES)
         platform, code_object = data["platform"], path.parent / data["code_object"]
         dynamic_lds = bool(data["dynamic_lds"])
+        isa_targets = tuple(data.get("isa_targets", ()))
     except (OSError, ValueError, KeyError, TypeError) as e:
         if isinstance(e, IncompatibleKernelsError):
             raise
@@ -181,18 +183,39 @@ def load_table(path: Path) -> TargetTable:
                 f"{path}: kernel {e.name} was built for argument layout {e.args_digest}, this runtime's "
                 f"{FAMILIES[e.family].ARGS.name} is {ours}; {rebuild}")
     return TargetTable(target=path.parent.name, platform=platform, code_object=code_object,
-                       dynamic_lds=dynamic_lds, kernels=kernels)
+                       dynamic_lds=dynamic_lds, kernels=kernels, isa_targets=isa_targets)
+
+
+def built_tables() -> list[Path]:
+    """Every dispatch.json on the search path, in search order."""
+    return [p for root in search_path() if root.is_dir() for p in sorted(root.glob("*/dispatch.json"))]
+
+
+def fallback_chain(target: str) -> list[Path]:
+    """The tables that could serve ``target``, best first: its own (by search order), then those of
+    ISA-identical targets that list it (documented per target in docs/hardware.md)."""
+    own = [root / target / "dispatch.json" for root in search_path() if (root / target / "dispatch.json").is_file()]
+    others = []
+    for path in built_tables():
+        if path in own:
+            continue
+        try:
+            if target in json.loads(path.read_text()).get("isa_targets", ()):
+                others.append(path)
+        except (OSError, ValueError, AttributeError):
+            continue  # an unreadable table is reported when it is the one chosen
+    return own + others
 
 
 @functools.lru_cache(maxsize=None)
-def table_for(target: str) -> TargetTable:
-    for root in search_path():
-        path = root / target / "dispatch.json"
-        if path.is_file():
-            table = load_table(path)
-            if table.code_object.is_file():
-                return table
-    looked = ", ".join(str(p / target) for p in search_path())
+def table_for(target: str, device_name: str | None = None) -> TargetTable:
+    for path in fallback_chain(target):
+        table = load_table(path)
+        if table.code_object.is_file():
+            return table
+    built = sorted({p.parent.name for p in built_tables()})
+    gpu = f"{device_name} ({target})" if device_name else f"target {target!r}"
+    looked = ", ".join(str(p) for p in search_path())
     raise KernelsNotBuiltError(
-        f"no kernels built for target {target!r} (looked in {looked}); "
+        f"no kernels built for {gpu} (looked in {looked}; built targets there: {', '.join(built) or 'none'}); "
         f"build them with: rdnattention-gen build --targets {target}")

@@ -79,7 +79,9 @@ def build(matrix: Matrix, targets: list[Target], build_dir: Path, jobs: int | No
     rows = []
     for target in targets:
         plat = platform(target.platform)
-        table = dispatch.table(target, matrix.variants_for(target), plat.code_object, plat.dynamic_lds, tc.identity)
+        isa_targets = sorted(t.name for t in matrix.targets if t.isa == target.isa)
+        table = dispatch.table(target, matrix.variants_for(target), plat.code_object, plat.dynamic_lds, tc.identity,
+                               isa_targets)
         write_if_changed(build_dir / target.name / "dispatch.json", dispatch.dumps(table))
         rows += audit_target(matrix, target, build_dir, tc)
     return rows

@@ -11,7 +11,8 @@ from . import __version__
 from .matrix import Target, Variant
 
 
-def table(target: Target, variants: list[Variant], code_object: str, dynamic_lds: bool, toolchain: str) -> dict:
+def table(target: Target, variants: list[Variant], code_object: str, dynamic_lds: bool, toolchain: str,
+          isa_targets: list[str]) -> dict:
     from .families import family
 
     entries = []
@@ -37,6 +38,8 @@ def table(target: Target, variants: list[Variant], code_object: str, dynamic_lds
         })
     data = {"format": TABLE_FORMAT, "target": target.name, "platform": target.platform,
             "wave_size": target.wave_size, "code_object": code_object, "dynamic_lds": dynamic_lds,
+            # Targets whose GPUs run this code object unchanged (the same ISA): the runtime's fallback.
+            "isa": target.isa, "isa_targets": isa_targets,
             "generator_version": __version__, "toolchain": toolchain, "kernels": entries}
     problems = check_entries(variants)
     if problems:

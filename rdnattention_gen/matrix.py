@@ -52,6 +52,7 @@ class Target:
     status: str
     stage: str  # LDS staging precision: f16 pairs, or f32 pairs converted once at staging
     tiles: str  # the tile table its kernels take their tiles from
+    isa: str    # targets with the same isa run each other's code objects (default: its own name)
 
     @property
     def tier(self) -> Tier:
@@ -199,7 +200,7 @@ def _target(name: str, node: object, parent: Node) -> Target:
         int8_dot=node.choice("int8_dot", plat.int8_dots), mixed_fma=node.choice("mixed_fma", MIXED_FMAS),
         hw_tier=node.take("hw_tier", int), default=node.take("default", bool),
         status=node.choice("status", STATUSES), stage=node.choice("stage", STAGES),
-        tiles=node.take("tiles", str),
+        tiles=node.take("tiles", str), isa=node.take("isa", str, name),
     )
     if fields["hw_tier"] not in (1, 2):
         raise node.fail("hw_tier", f"must be 1 or 2, got {fields['hw_tier']}")
@@ -305,7 +306,12 @@ def load_matrix(path: Path | str = DEFAULT_VARIANTS, tuned_dir: Path | str | Non
     targets_node = root.child("targets")
     target_lines = dict(targets_node.key_lines)
     targets = tuple(targets_node.items_in(lambda k, v: _target(k, v, targets_node)))
+    by_name = {t.name: t for t in targets}
     for t in targets:
+        anchor = by_name.get(t.isa)
+        if anchor is None or anchor.isa != anchor.name or (anchor.platform, anchor.wave_size) != (t.platform, t.wave_size):
+            raise VariantsError(f"{path.name}:{target_lines[t.name]}: targets.{t.name}.isa: {t.isa!r} must name a "
+                                "target of the same platform and wave size whose isa is itself")
         if t.tiles not in tile_tables:
             raise VariantsError(f"{path.name}:{target_lines[t.name]}: targets.{t.name}.tiles: no tile table "
                                 f"{t.tiles!r}; tables: {', '.join(sorted(tile_tables))}")

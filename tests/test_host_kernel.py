@@ -133,8 +133,11 @@ def _rope_inputs():
 
 @pytest.mark.parametrize("change, message", [
     (lambda c, s: {"rotary_cos": c}, "rotary_cos and rotary_sin must be given together"),
-    (lambda c, s: {"rotary_cos": c.double(), "rotary_sin": s.double()}, "rotary_cos must be float32, got torch.float64"),
-    (lambda c, s: {"rotary_cos": c.half(), "rotary_sin": s}, "rotary_cos must be float32, got torch.float16"),
+    (lambda c, s: {"rotary_cos": c.double(), "rotary_sin": s.double()},
+     r"rotary_cos must be float32 or q's dtype \(torch.float16\), got torch.float64"),
+    (lambda c, s: {"rotary_cos": c.bfloat16(), "rotary_sin": s.bfloat16()},
+     r"rotary_cos must be float32 or q's dtype \(torch.float16\), got torch.bfloat16"),
+    (lambda c, s: {"rotary_cos": c.half(), "rotary_sin": s}, "rotary_cos .* and rotary_sin .* must have the same shape, strides and dtype"),
     (lambda c, s: {"rotary_cos": c[:19], "rotary_sin": s[:19]}, "rotary tables have 19 positions; keys need 20"),
     (lambda c, s: {"rotary_cos": c[0], "rotary_sin": s[0]}, r"rotary_cos must be 2-D \[positions, rotary_dim/2\]"),
     (lambda c, s: {"rotary_cos": torch.ones(20, 40), "rotary_sin": torch.ones(20, 40)},

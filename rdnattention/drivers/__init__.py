@@ -4,29 +4,38 @@ launch(code_object, launch, device)."""
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 import torch
 
 from ..errors import UnsupportedError
-from . import cuda, host
+from . import cuda, hip, host
 
-DRIVERS: dict[str, ModuleType] = {d.PLATFORM: d for d in (host, cuda)}
+DRIVERS: dict[str, ModuleType] = {d.PLATFORM: d for d in (host, cuda, hip)}
+TARGET_ENV = "RDNATTENTION_TARGET"
 
 
 def for_platform(platform: str) -> ModuleType:
     try:
         return DRIVERS[platform]
     except KeyError:
-        raise UnsupportedError(f"no driver for platform {platform!r} in this version; "
-                               f"drivers: {', '.join(sorted(DRIVERS))}") from None
+        raise UnsupportedError(f"no driver for platform {platform!r}; drivers: {', '.join(sorted(DRIVERS))}") from None
+
+
+def for_device(device: torch.device) -> ModuleType:
+    for driver in DRIVERS.values():
+        if driver.serves(device):
+            return driver
+    raise UnsupportedError(f"tensors on {device} are not served: rdnattention runs CPU tensors on the host "
+                           "emulator and GPU tensors of ROCm (AMD) and CUDA (NVIDIA) builds of torch")
 
 
 def target_of(device: torch.device) -> str:
-    """The build target whose kernels run tensors on ``device``."""
-    for driver in DRIVERS.values():
-        if driver.serves(device):
-            return driver.target(device)
-    raise UnsupportedError(
-        f"tensors on {device} are not served: this version runs CPU tensors on the host emulator and "
-        "NVIDIA GPUs through the cuda platform; the HIP driver for AMD GPUs is not part of it yet")
+    """The build target whose kernels run tensors on ``device``: $RDNATTENTION_TARGET for GPU
+    devices where set, else what the device's driver resolves."""
+    driver = for_device(device)
+    forced = os.environ.get(TARGET_ENV)
+    if forced and driver is not host:
+        return forced.strip()
+    return driver.target(device)

@@ -1,0 +1,131 @@
+"""The module-launch API that the CUDA driver API and HIP's module API share: load a code object
+from bytes, look a kernel up by name, allow it large dynamic shared memory, launch it with its
+argument struct on torch's current stream, and say what an error code means. One implementation
+serves both vendors; each driver gives the symbol names and how to find its library."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..errors import LaunchError
+
+
+@dataclass(frozen=True)
+class ModuleApi:
+    vendor: str                 # "CUDA", "HIP": for messages
+    load: str                   # (module*, const void* image) -> status
+    get_function: str           # (function*, module, const char* name) -> status
+    launch: str                 # (function, grid xyz, block xyz, shared bytes, stream, void** params, void** extra)
+    error_string: str
+    error_string_returns: bool  # True: const char* f(status); False: status f(status, const char**)
+    set_attribute: str | None   # (function, attribute, value) -> status; None: no dynamic shared memory
+    max_dynamic_shared: int     # the attribute that lets a kernel use more than 48 KiB of dynamic LDS
+
+    @property
+    def symbols(self) -> tuple[str, ...]:
+        return tuple(s for s in (self.load, self.get_function, self.launch, self.error_string, self.set_attribute) if s)
+
+
+_P = ctypes.POINTER
+
+
+class ModuleDriver:
+    """Loads code objects per device into the context torch uses, and launches their kernels."""
+
+    def __init__(self, api: ModuleApi, library: Callable[[], str]):
+        self.api, self._library_path = api, library
+        self._lib: ctypes.CDLL | None = None
+        self._lock = threading.Lock()
+        self._modules: dict[tuple[Path, int], ctypes.c_void_p] = {}
+        self._functions: dict[tuple[Path, int, str, int], ctypes.c_void_p] = {}
+
+    def library(self) -> ctypes.CDLL:
+        """The runtime library with every symbol the driver uses bound; LaunchError names a missing one."""
+        if self._lib is None:
+            path = self._library_path()
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError as e:
+                raise LaunchError(f"cannot load the {self.api.vendor} library {path}: {e}") from None
+            missing = [s for s in self.api.symbols if not hasattr(lib, s)]
+            if missing:
+                raise LaunchError(f"{path} lacks {', '.join(missing)}: not a {self.api.vendor} runtime this "
+                                  "driver can use")
+            a = self.api
+            getattr(lib, a.load).argtypes = [_P(ctypes.c_void_p), ctypes.c_void_p]
+            getattr(lib, a.get_function).argtypes = [_P(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+            getattr(lib, a.launch).argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
+                ctypes.c_void_p, _P(ctypes.c_void_p), _P(ctypes.c_void_p)]
+            if a.error_string_returns:
+                getattr(lib, a.error_string).argtypes = [ctypes.c_int]
+                getattr(lib, a.error_string).restype = ctypes.c_char_p
+            else:
+                getattr(lib, a.error_string).argtypes = [ctypes.c_int, _P(ctypes.c_char_p)]
+            if a.set_attribute:
+                getattr(lib, a.set_attribute).argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+            self._lib = lib
+        return self._lib
+
+    def error_text(self, rc: int) -> str:
+        fn = getattr(self.library(), self.api.error_string)
+        if self.api.error_string_returns:
+            text = fn(rc)
+        else:
+            out = ctypes.c_char_p()
+            fn(rc, ctypes.byref(out))
+            text = out.value
+        return (text or b"unknown").decode(errors="replace")
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise LaunchError(f"{what} failed: {self.api.vendor} error {rc} ({self.error_text(rc)})")
+
+    def _module(self, path: Path, device: int) -> ctypes.c_void_p:
+        key = (path, device)
+        if key not in self._modules:
+            # torch's context on this device is made current; the module is loaded into it.
+            with torch.cuda.device(device):
+                torch.cuda.init()
+                module = ctypes.c_void_p()
+                self.check(getattr(self.library(), self.api.load)(ctypes.byref(module), path.read_bytes()),
+                           f"loading {path}")
+            self._modules[key] = module
+        return self._modules[key]
+
+    def function(self, path: Path, device: int, name: str, shared_bytes: int) -> ctypes.c_void_p:
+        key = (path, device, name, shared_bytes)
+        fn = self._functions.get(key)
+        if fn is None:
+            with self._lock:
+                fn = ctypes.c_void_p()
+                self.check(getattr(self.library(), self.api.get_function)(ctypes.byref(fn), self._module(path, device),
+                                                                          name.encode()),
+                           f"looking up {name} in {path}")
+                if shared_bytes > 48 * 1024 and self.api.set_attribute:
+                    self.check(getattr(self.library(), self.api.set_attribute)(fn, self.api.max_dynamic_shared,
+                                                                               shared_bytes),
+                               f"allowing {name} {shared_bytes} bytes of shared memory")
+                self._functions[key] = fn
+        return fn
+
+    def launch_kernel(self, code_object: Path, name: str, grid: tuple[int, int, int], threads: int,
+                      args: ctypes.Structure, device: torch.device, shared_bytes: int = 0) -> None:
+        """Launches kernel ``name`` on torch's current stream of ``device``, without synchronising."""
+        current = torch.cuda.current_device()
+        index = current if device.index is None else device.index
+        fn = self.function(code_object, index, name, shared_bytes)
+        params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+        launch = getattr(self._lib, self.api.launch)
+        if index == current:
+            rc = launch(fn, *grid, threads, 1, 1, shared_bytes, torch.cuda.current_stream(index).cuda_stream, params, None)
+        else:  # the launch goes to the context of the tensors' device
+            with torch.cuda.device(index):
+                rc = launch(fn, *grid, threads, 1, 1, shared_bytes, torch.cuda.current_stream(index).cuda_stream,
+                            params, None)
+        self.check(rc, f"launching {name}")

@@ -1,0 +1,125 @@
+"""PyTorch integration on the host platform: the custom op (opcheck, torch.compile without graph
+breaks), autograd refusal, flash-attn's token-major entry point, torch's SDPA semantics, fp16 RoPE
+tables and the layout warning."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rdnattention
+from rdnattention import (attention_reference, flash_attn, flash_attn_func, rotary_tables,
+                          scaled_dot_product_attention)
+from rdnattention.errors import InvalidArgumentError, UnsupportedError
+
+TOL = 2e-3
+
+
+def _qkv(b=1, hq=4, hk=2, sq=40, sk=50, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, hq, sq, d, generator=g).half(), torch.randn(b, hk, sk, d, generator=g).half(),
+            torch.randn(b, hk, sk, d, generator=g).half())
+
+
+def _err(out, ref):
+    return (out.double() - ref).abs().max().item()
+
+
+@pytest.mark.parametrize("token_major, return_lse", [(False, False), (False, True), (True, True)])
+def test_opcheck(host_build, token_major, return_lse):
+    q, k, v = _qkv()
+    cos, sin = rotary_tables(50, 32)
+    op = torch.ops.rdnattention.flash_attn_fwd.default
+    for args in [(q, k, v, None, None, -1, 0, 0.125, False, return_lse, token_major),
+                 (q, k, v, cos, sin, 20, -1, 0.1, True, return_lse, token_major)]:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_compile_fullgraph_has_no_graph_break(host_build):
+    q, k, v = _qkv()
+    cos, sin = rotary_tables(50, 32)
+
+    def layer(q, k, v):
+        a = flash_attn(q, k, v, is_causal=True, rotary_cos=cos, rotary_sin=sin)
+        b = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        return a * 2 + b.transpose(1, 2)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(q, k, v), layer(q, k, v))
+    explain = torch._dynamo.explain(layer)(q, k, v)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+
+
+def test_inputs_that_require_grad_are_refused(host_build):
+    q, k, v = _qkv()
+    q.requires_grad_(True)
+    with pytest.raises(UnsupportedError, match="forward-only and q, k or v requires grad"):
+        flash_attn(q, k, v)
+    with torch.no_grad():
+        out = flash_attn(q, k, v)
+    with torch.inference_mode():
+        assert torch.equal(flash_attn(q, k, v), out)
+
+
+def test_flash_attn_func_is_token_major(host_build):
+    q, k, v = _qkv(sq=33, sk=70)
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    out, lse, probs = flash_attn_func(qt, kt, vt, causal=True, window_size=(20, 0), return_attn_probs=True)
+    ref, ref_lse = attention_reference(q, k, v, is_causal=True, window_size=(20, 0), return_lse=True)
+    assert out.shape == qt.shape and out.is_contiguous() and probs is None
+    assert _err(out.transpose(1, 2), ref) <= TOL and _err(lse, ref_lse) <= TOL
+    assert torch.equal(flash_attn_func(qt, kt, vt, softmax_scale=0.2), flash_attn(q, k, v, softmax_scale=0.2).transpose(1, 2))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"dropout_p": 0.1}, "dropout_p=0.1: rdnattention has no dropout"),
+    ({"softcap": 30.0}, "softcap=30.0: logit softcapping is not implemented"),
+    ({"alibi_slopes": torch.ones(4)}, "alibi_slopes: ALiBi is not implemented"),
+])
+def test_flash_attn_func_refuses_what_it_lacks(host_build, kwargs, message):
+    q, k, v = (t.transpose(1, 2) for t in _qkv())
+    with pytest.raises(UnsupportedError, match=message):
+        flash_attn_func(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("sq, sk, hk", [(40, 50, 4), (50, 40, 4), (37, 37, 2), (1, 30, 1), (30, 1, 2)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_matches_torch(host_build, sq, sk, hk, causal):
+    q, k, v = _qkv(hk=hk, sq=sq, sk=sk)
+    gqa = hk != q.shape[1]
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal, scale=0.11,
+                                         enable_gqa=gqa)
+    out = scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.11, enable_gqa=gqa)
+    assert _err(out, ref) <= TOL
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"attn_mask": torch.ones(40, 50, dtype=torch.bool)}, UnsupportedError, "attn_mask: arbitrary masks"),
+    ({"dropout_p": 0.5}, UnsupportedError, "dropout_p=0.5"),
+    ({}, InvalidArgumentError, "query has 4 heads and key 2: pass enable_gqa=True"),
+])
+def test_sdpa_refuses_what_it_lacks(host_build, kwargs, error, message):
+    q, k, v = _qkv()
+    with pytest.raises(error, match=message):
+        scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def test_rotary_tables_in_q_dtype(host_build):
+    q, k, v = _qkv()
+    cos, sin = rotary_tables(50, 64)
+    half = flash_attn(q, k, v, rotary_cos=cos.half(), rotary_sin=sin.half(), rotary_interleaved=True)
+    ref = attention_reference(q, k, v, rotary_cos=cos.half().float(), rotary_sin=sin.half().float(),
+                              rotary_interleaved=True)
+    assert _err(half, ref) <= TOL
+
+
+def test_token_major_input_to_the_native_entry_warns_once(host_build, monkeypatch):
+    monkeypatch.setattr(rdnattention.api, "_warned_layout", False)
+    q = torch.randn(1, 8, 600, 64).half().transpose(1, 2)  # [b, s, h, d] passed as [b, h, s, d]
+    with pytest.warns(UserWarning, match="use rdnattention.flash_attn_func for that layout"):
+        flash_attn(q, q, q)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flash_attn(q, q, q)
