@@ -36,6 +36,10 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is
     q64, k64, v64 = (t.detach().to("cpu", torch.float64) for t in (q, k, v))
     batch, heads_q, seq_q, head_dim = q64.shape
     heads_kv, seq_k = k64.shape[1], k64.shape[2]
+    if seq_k == 0:  # no key at all: every row is zero, its log-sum-exp -inf
+        out = torch.zeros(batch, heads_q, seq_q, head_dim, dtype=torch.float64)
+        lse = torch.full((batch, heads_q, seq_q), -math.inf, dtype=torch.float64)
+        return (out, lse) if return_lse else out
     if rotary_cos is not None:
         cos, sin = rotary_cos.detach().cpu(), rotary_sin.detach().cpu()
         q64 = rotate(q64, cos, sin, torch.arange(seq_q) + (seq_k - seq_q), rotary_interleaved)

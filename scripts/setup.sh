@@ -14,6 +14,12 @@ if ! command -v clang-22 >/dev/null || ! command -v ld.lld-22 >/dev/null; then
   $SUDO apt-get install -y -qq clang-22 lld-22 llvm-22 >/dev/null
 fi
 
+# A HIP runtime that loads without an AMD GPU: the tests bind the HIP driver's symbols against it.
+if ! { ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null; } | grep -q "libamdhip64.so"; then
+  echo "== installing libamdhip64-5 (HIP runtime, for the HIP driver's tests)"
+  $SUDO apt-get install -y -qq libamdhip64-5 >/dev/null || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libamdhip64-5 >/dev/null; }
+fi
+
 PYTHON="${PYTHON:-python3}"
 if "$PYTHON" -c 'import os, sys, sysconfig
 sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")) else 1)'; then

@@ -119,3 +119,40 @@ def test_gpu_runs_on_the_current_stream():
     ref = attention_reference(q, k, v, is_causal=True)
     assert (out.cpu().double() - ref).abs().max().item() <= TOL
     assert not math.isnan(out.float().sum().item())
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_fullgraph():
+    device = _gpu()
+    q, k, v, _ = make_case("gqa", 128)
+    qd, kd, vd = q.to(device), k.to(device), v.to(device)
+
+    def layer(q, k, v):
+        return flash_attn(q, k, v, is_causal=True).float().sum(-1)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch.inference_mode():
+        assert torch.equal(compiled(qd, kd, vd), layer(qd, kd, vd))
+    torch.library.opcheck(torch.ops.rdnattention.flash_attn_fwd.default,
+                          (qd, kd, vd, None, None, -1, 0, 0.1, False, True, False),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_and_replay():
+    device = _gpu()
+    q, k, v, _ = make_case("decode", 128)
+    qd, kd, vd = q.to(device), k.to(device), v.to(device)
+    with torch.inference_mode():
+        flash_attn(qd, kd, vd)  # loads the module before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = flash_attn(qd, kd, vd)
+        for scale in (1.0, 0.5):
+            qd.copy_(q.to(device) * scale)
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = attention_reference((q.double() * scale).half(), k, v)
+            assert (out.cpu().double() - ref).abs().max().item() <= TOL

@@ -144,11 +144,15 @@ def _rope_inputs():
      "rotary_dim 80 \\(2 \\* table width\\) exceeds head_dim 64"),
     (lambda c, s: {"rotary_cos": c, "rotary_sin": s[:, :8]}, "rotary_cos .* and rotary_sin .* must have the same shape"),
     (lambda c, s: {"rotary_cos": c, "rotary_sin": s, "rotary_interleaved": "yes"}, "rotary_interleaved must be a bool"),
+    (lambda c, s: {"rotary_cos": c[:, :8], "rotary_sin": s[:, :8], "q": torch.randn(1, 2, 21, 64).half()},
+     r"with RoPE, seq_q \(21\) must not exceed seq_k \(20\)"),
 ])
 def test_bad_rotary_arguments(host_build, change, message):
     q, k, v, cos, sin = _rope_inputs()
+    options = change(cos, sin)
+    q = options.pop("q", q)
     with pytest.raises(InvalidArgumentError, match=message):
-        flash_attn(q, k, v, **change(cos, sin))
+        flash_attn(q, k, v, **options)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -123,3 +123,23 @@ def test_token_major_input_to_the_native_entry_warns_once(host_build, monkeypatc
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         flash_attn(q, q, q)
+
+
+def test_repeated_calls_replay_the_plan_and_still_check_every_argument(host_build):
+    from rdnattention import api
+    q, k, v = _qkv(sq=20, sk=20)
+    api._replays.clear()
+    first = flash_attn(q, k, v, is_causal=True)
+    assert len(api._replays) == 1
+    again, lse = flash_attn(q.clone(), k.clone(), v.clone(), is_causal=True, return_lse=True)
+    assert torch.equal(again, first) and len(api._replays) == 2
+    assert torch.equal(flash_attn(q, k, v, is_causal=True), first)
+    with pytest.raises(InvalidArgumentError, match="is_causal must be a bool"):
+        flash_attn(q, k, v, is_causal=1)  # equal to True as a key, but not a bool
+    with pytest.raises(InvalidArgumentError, match="window_size must be a pair of ints"):
+        flash_attn(q, k, v, window_size=(True, -1))
+    buf = torch.zeros(q.numel() + 8, dtype=torch.float16)
+    shifted = buf[4:4 + q.numel()].view(q.shape)  # same shape and strides, pointer 8 bytes off
+    shifted.copy_(q)
+    with pytest.raises(InvalidArgumentError, match="rows must start on 16-byte boundaries"):
+        flash_attn(shifted, k, v, is_causal=True)

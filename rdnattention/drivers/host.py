@@ -48,12 +48,16 @@ def target(device: torch.device) -> str:
     return os.environ.get("RDNATTENTION_HOST_TARGET", "host")
 
 
-def launch(code_object: Path, launch, device: torch.device) -> None:
-    """Runs one planned launch (rdnattention.plan.Launch) in the emulator library."""
+def launch_kernel(code_object: Path, name: str, grid: tuple[int, int, int], threads: int, args: ctypes.Structure,
+                  device: torch.device, shared_bytes: int = 0) -> None:
+    """Runs kernel ``name`` of the emulator library over ``grid``; returns when it is done."""
     lib = _library(code_object)
-    grid_c = (ctypes.c_uint * 3)(*launch.grid)
-    name = launch.kernel.name
-    rc = lib.rdna_host_launch(name.encode(), grid_c, launch.block, ctypes.byref(launch.args),
-                              ctypes.sizeof(launch.args), _shuffle_seed)
+    rc = lib.rdna_host_launch(name.encode(), (ctypes.c_uint * 3)(*grid), threads, ctypes.byref(args),
+                              ctypes.sizeof(args), _shuffle_seed)
     if rc != 0:
         raise LaunchError(f"host launch of {name} failed: {lib.rdna_host_last_error().decode()}")
+
+
+def launch(code_object: Path, launch, device: torch.device) -> None:
+    """Runs one planned launch (rdnattention.plan.Launch) in the emulator library."""
+    launch_kernel(code_object, launch.kernel.name, launch.grid, launch.block, launch.args, device)

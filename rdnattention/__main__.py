@@ -1,0 +1,7 @@
+"""python -m rdnattention: the rdnattention command (info, doctor)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
