@@ -44,6 +44,7 @@ def test_override_and_forced_target_take_precedence(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.2.0")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: type("P", (), {"gcnArchName": "gfx1032:sramecc-:xnack-"})())
+    hip._device_arch.cache_clear()
     monkeypatch.delenv("HSA_OVERRIDE_GFX_VERSION", raising=False)
     monkeypatch.delenv("RDNATTENTION_TARGET", raising=False)
     assert drivers.for_device(device) is hip and drivers.target_of(device) == "gfx1032"
@@ -51,6 +52,7 @@ def test_override_and_forced_target_take_precedence(monkeypatch):
     assert drivers.target_of(device) == "gfx1030"
     monkeypatch.setenv("RDNATTENTION_TARGET", "gfx1031")
     assert drivers.target_of(device) == "gfx1031"
+    hip._device_arch.cache_clear()
 
 
 def test_cpu_tensors_ignore_the_forced_gpu_target(monkeypatch):

@@ -15,8 +15,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rdnattention import flash_attn
+from rdnattention import dispatch, drivers, flash_attn
 from rdnattention.drivers import host
+from rdnattention.errors import KernelsNotBuiltError
 
 
 def per_call_us(fn, calls: int, sync) -> float:
@@ -33,6 +34,7 @@ def per_call_us(fn, calls: int, sync) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--profile", action="store_true", help="also print where the time of the GPU calls goes")
     args = p.parse_args()
     shape_q, shape_kv = (1, 32, 1, 128), (1, 32, 64, 128)
     print("| device | flash_attn us/call | torch sdpa us/call | ratio |\n|---|---|---|---|")
@@ -44,8 +46,19 @@ def main() -> int:
             ours = per_call_us(lambda: flash_attn(q, k, v), args.calls, torch.cuda.synchronize)
             sdpa = per_call_us(lambda: F.scaled_dot_product_attention(q, k, v), args.calls, torch.cuda.synchronize)
         print(f"| {torch.cuda.get_device_name(dev)} | {ours:.1f} | {sdpa:.1f} | {ours / sdpa:.2f}x |")
+        if args.profile:
+            import cProfile
+            import pstats
+            with torch.inference_mode():
+                cProfile.runctx("for _ in range(2000): flash_attn(q, k, v)", globals(), locals(), "/tmp/overhead.prof")
+            pstats.Stats("/tmp/overhead.prof").sort_stats("tottime").print_stats(15)
     q = torch.randn(shape_q, dtype=torch.float16)
     k, v = (torch.randn(shape_kv, dtype=torch.float16) for _ in range(2))
+    try:
+        dispatch.table_for(drivers.target_of(q.device))
+    except KernelsNotBuiltError as e:
+        print(f"| CPU | not measured: {e} | - | - |")
+        return 0
     launch = host.launch_kernel
     host.launch_kernel = lambda *a, **kw: None  # measure the Python around the launch
     try:

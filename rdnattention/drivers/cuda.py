@@ -3,11 +3,12 @@ on torch's current stream. No second context, no copies."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
-from .module_api import ModuleApi, ModuleDriver
+from .module_api import ModuleApi, ModuleDriver, current_device
 
 PLATFORM = "cuda"
 API = ModuleApi(vendor="CUDA", load="cuModuleLoadData", get_function="cuModuleGetFunction",
@@ -20,9 +21,14 @@ def serves(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None
 
 
-def target(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
+@functools.lru_cache(maxsize=None)
+def _target(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
     return f"sm_{major}{minor}"
+
+
+def target(device: torch.device) -> str:
+    return _target(device.index if device.index is not None else current_device())
 
 
 def library_path() -> str:

@@ -9,6 +9,7 @@ Target resolution: RDNATTENTION_TARGET if set, else HSA_OVERRIDE_GFX_VERSION as 
 from __future__ import annotations
 
 import ctypes.util
+import functools
 import glob
 import os
 import re
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LaunchError, UnsupportedError
-from .module_api import ModuleApi, ModuleDriver
+from .module_api import ModuleApi, ModuleDriver, current_device
 
 PLATFORM = "amdgcn"
 API = ModuleApi(vendor="HIP", load="hipModuleLoadData", get_function="hipModuleGetFunction",
@@ -50,11 +51,16 @@ def override_arch(value: str) -> str:
     return f"gfx{int(m[1])}{int(m[2]):x}{int(m[3]):x}"
 
 
+@functools.lru_cache(maxsize=None)
+def _device_arch(index: int) -> str:
+    return parse_arch(torch.cuda.get_device_properties(index).gcnArchName)
+
+
 def target(device: torch.device) -> str:
     override = os.environ.get("HSA_OVERRIDE_GFX_VERSION")
     if override:
         return override_arch(override)
-    return parse_arch(torch.cuda.get_device_properties(device).gcnArchName)
+    return _device_arch(device.index if device.index is not None else current_device())
 
 
 def mapped_libraries() -> list[str]:

@@ -15,6 +15,19 @@ import torch
 
 from ..errors import LaunchError
 
+# torch's raw current-stream handle and current device, without building Python objects per call
+# (torch.cuda.current_stream() constructs a Stream each time); the public calls where absent.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def current_stream_handle(index: int) -> int:
+    return _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+def current_device() -> int:
+    return _get_device() if _get_device is not None else torch.cuda.current_device()
+
 
 @dataclass(frozen=True)
 class ModuleApi:
@@ -117,15 +130,14 @@ class ModuleDriver:
     def launch_kernel(self, code_object: Path, name: str, grid: tuple[int, int, int], threads: int,
                       args: ctypes.Structure, device: torch.device, shared_bytes: int = 0) -> None:
         """Launches kernel ``name`` on torch's current stream of ``device``, without synchronising."""
-        current = torch.cuda.current_device()
+        current = current_device()
         index = current if device.index is None else device.index
         fn = self.function(code_object, index, name, shared_bytes)
         params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
         launch = getattr(self._lib, self.api.launch)
         if index == current:
-            rc = launch(fn, *grid, threads, 1, 1, shared_bytes, torch.cuda.current_stream(index).cuda_stream, params, None)
+            rc = launch(fn, *grid, threads, 1, 1, shared_bytes, current_stream_handle(index), params, None)
         else:  # the launch goes to the context of the tensors' device
             with torch.cuda.device(index):
-                rc = launch(fn, *grid, threads, 1, 1, shared_bytes, torch.cuda.current_stream(index).cuda_stream,
-                            params, None)
+                rc = launch(fn, *grid, threads, 1, 1, shared_bytes, current_stream_handle(index), params, None)
         self.check(rc, f"launching {name}")
