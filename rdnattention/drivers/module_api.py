@@ -46,6 +46,7 @@ class ModuleApi:
 
 
 _P = ctypes.POINTER
+_ONE_PARAM = ctypes.c_void_p * 1  # kernels take one argument: their struct
 
 
 class ModuleDriver:
@@ -133,7 +134,7 @@ class ModuleDriver:
         current = current_device()
         index = current if device.index is None else device.index
         fn = self.function(code_object, index, name, shared_bytes)
-        params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+        params = _ONE_PARAM(ctypes.addressof(args))
         launch = getattr(self._lib, self.api.launch)
         if index == current:
             rc = launch(fn, *grid, threads, 1, 1, shared_bytes, current_stream_handle(index), params, None)
