@@ -2,7 +2,6 @@
 (head-major, token-major and padded views), GQA ratios, windows, causal masks and RoPE, every
 call against the float64 oracle."""
 
-import pytest
 import torch
 from cases import HEAD_DIMS
 from hypothesis import HealthCheck, given, settings

@@ -4,7 +4,6 @@ on torch's current stream. No second context, no copies."""
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 
@@ -35,12 +34,5 @@ def library_path() -> str:
     return "libcuda.so.1"
 
 
-def launch_kernel(code_object: Path, name: str, grid: tuple[int, int, int], threads: int, args, device: torch.device,
-                  shared_bytes: int = 0) -> None:
-    DRIVER.launch_kernel(code_object, name, grid, threads, args, device, shared_bytes)
-
-
-def launch(code_object: Path, launch, device: torch.device) -> None:
-    """Runs one planned launch (rdnattention.plan.Launch)."""
-    DRIVER.launch_kernel(code_object, launch.kernel.name, launch.grid, launch.block, launch.args, device,
-                         launch.shared_bytes)
+launch_kernel = DRIVER.launch_kernel
+launch = DRIVER.launch

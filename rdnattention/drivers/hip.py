@@ -109,15 +109,8 @@ def library_path() -> str:
 DRIVER = ModuleDriver(API, library_path)
 
 
-def launch_kernel(code_object: Path, name: str, grid: tuple[int, int, int], threads: int, args, device: torch.device,
-                  shared_bytes: int = 0) -> None:
-    DRIVER.launch_kernel(code_object, name, grid, threads, args, device, shared_bytes)
-
-
-def launch(code_object: Path, launch, device: torch.device) -> None:
-    """Runs one planned launch (rdnattention.plan.Launch)."""
-    DRIVER.launch_kernel(code_object, launch.kernel.name, launch.grid, launch.block, launch.args, device,
-                         launch.shared_bytes)
+launch_kernel = DRIVER.launch_kernel
+launch = DRIVER.launch
 
 
 def device_count() -> int:

@@ -128,6 +128,11 @@ class ModuleDriver:
                 self._functions[key] = fn
         return fn
 
+    def launch(self, code_object: Path, launch, device: torch.device) -> None:
+        """Runs one planned launch (rdnattention.plan.Launch)."""
+        self.launch_kernel(code_object, launch.kernel.name, launch.grid, launch.block, launch.args, device,
+                           launch.shared_bytes)
+
     def launch_kernel(self, code_object: Path, name: str, grid: tuple[int, int, int], threads: int,
                       args: ctypes.Structure, device: torch.device, shared_bytes: int = 0) -> None:
         """Launches kernel ``name`` on torch's current stream of ``device``, without synchronising."""
