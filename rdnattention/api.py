@@ -20,6 +20,8 @@ from .families import f16
 from .plan import Plan
 
 _INT32_MAX = 2**31 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
+_LOG2E = 1.4426950408889634
 _CACHE_LIMIT = 1024
 _NATIVE = "[batch, heads, seq, head_dim]"
 _TOKEN_MAJOR = "[batch, seq, heads, head_dim]"
@@ -146,6 +148,15 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: o
         softmax_scale = 1.0 / math.sqrt(head_dim)
     elif not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool) or not math.isfinite(softmax_scale):
         raise InvalidArgumentError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    if abs(float(softmax_scale)) * _LOG2E > _FLOAT32_MAX:
+        raise InvalidArgumentError(f"softmax_scale {softmax_scale!r} times log2(e) is beyond float32's range; "
+                                   "the kernel scales scores in float32")
+    # Windows at least as long as the sequences change nothing: clamp them so any int packs into
+    # the kernel's 32-bit fields (INT_MAX or 2**40 for "unbounded" behave like -1).
+    if left >= seq_k:
+        left = -1
+    if right >= seq_q:
+        right = seq_q
     if not isinstance(return_lse, bool):
         raise InvalidArgumentError(f"return_lse must be a bool, got {return_lse!r}")
     rope = _check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, seq_k)
@@ -179,10 +190,30 @@ def _table(device: torch.device) -> dispatch.TargetTable:
         return dispatch.table_for(target, torch.cuda.get_device_name(device))
 
 
+def _check_memory(name: str, t: torch.Tensor) -> None:
+    """The tensor has memory the kernel can read: a real pointer, a storage covering every element
+    its shape and strides reach, no lazy negation or conjugation."""
+    if t.is_neg() or t.is_conj():
+        raise InvalidArgumentError(f"{name} is a lazily negated or conjugated view; pass {name}.resolve_neg() "
+                                   "(or .resolve_conj())")
+    if t.numel() == 0:
+        return
+    if t.data_ptr() == 0:
+        raise InvalidArgumentError(f"{name} has no memory behind it (null data pointer: a freed or resized-away "
+                                   "storage, or a meta tensor)")
+    extent = t.storage_offset() * t.element_size() + _reach(t)
+    if extent > t.untyped_storage().nbytes():
+        raise InvalidArgumentError(f"{name}'s shape {tuple(t.shape)} and strides {t.stride()} reach {extent} bytes "
+                                   f"but its storage holds {t.untyped_storage().nbytes()}")
+
+
 def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token_major: bool,
           heavy_first: bool | None = None, kernel: str | None = None) -> Plan:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.data_ptr() % 16:
+    for name, t in (("q", q), ("k", k), ("v", v), ("rotary_cos", o.rotary_cos), ("rotary_sin", o.rotary_sin)):
+        if t is None:
+            continue
+        _check_memory(name, t)
+        if name in "qkv" and t.data_ptr() % 16:
             raise InvalidArgumentError(
                 f"{name} rows must start on 16-byte boundaries: strides {t.stride()[:3]} must be multiples of 8 "
                 f"elements and the data pointer 16-byte aligned")
@@ -213,6 +244,7 @@ class _Replay:
     block: int
     shared_bytes: int
     args: object  # the argument struct; each call copies it and sets the pointers
+    reach: tuple[int, int, int]  # bytes q, k, v span from their first element (shape and strides)
 
 
 # Calls already validated and planned, by everything validation and planning read: the table, the
@@ -226,7 +258,7 @@ def _key(q, k, v, is_causal, window_size, softmax_scale, return_lse, token_major
             or type(is_causal) is not bool or type(return_lse) is not bool or type(window_size) is not tuple
             or len(window_size) != 2 or type(window_size[0]) is not int or type(window_size[1]) is not int
             or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-            or torch.compiler.is_compiling()):
+            or torch.compiler.is_compiling() or torch.jit.is_tracing()):
         return None
     device = q.device
     try:
@@ -243,8 +275,12 @@ def _replay(key: tuple, q, k, v, return_lse: bool, token_major: bool) -> tuple[t
     if r is None:
         return None
     qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
-    if (qp | kp | vp) & 15:
-        return None  # the full path raises the alignment error
+    rq, rk, rv = r.reach
+    if ((qp | kp | vp) & 15 or not (qp and kp and vp) or q.is_neg() or k.is_neg() or v.is_neg()
+            or 2 * q.storage_offset() + rq > q.untyped_storage().nbytes()
+            or 2 * k.storage_offset() + rk > k.untyped_storage().nbytes()
+            or 2 * v.storage_offset() + rv > v.untyped_storage().nbytes()):
+        return None  # the full path raises the error
     batch, heads, seq, dim = q.shape
     if token_major:
         out = torch.empty((batch, seq, heads, dim), dtype=q.dtype, device=q.device).transpose(1, 2)
@@ -259,29 +295,34 @@ def _replay(key: tuple, q, k, v, return_lse: bool, token_major: bool) -> tuple[t
     return out, lse
 
 
-def _remember(key: tuple, plan: Plan) -> None:
-    if len(plan.launches) != 1:
+def _reach(t: torch.Tensor) -> int:
+    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _remember(key: tuple, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if len(plan.launches) != 1 or q.element_size() != 2:
         return
     if len(_replays) >= _CACHE_LIMIT:
         _replays.clear()
     launch = plan.launches[0]
     _replays[key] = _Replay(table=plan.table, driver=drivers.for_platform(plan.table.platform),
                             name=launch.kernel.name, grid=launch.grid, block=launch.block,
-                            shared_bytes=launch.shared_bytes, args=launch.args)
+                            shared_bytes=launch.shared_bytes, args=launch.args, reach=(_reach(q), _reach(k), _reach(v)))
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token_major: bool,
             key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs a validated call: directly in eager mode, through the custom op where torch traces.
     With ``key`` (see _key), the plan is kept for later calls of the same geometry."""
-    if torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor):
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or not (type(q) is type(k) is type(v) is torch.Tensor)):
         from . import ops
         return ops.flash_attn_fwd(q, k, v, o.rotary_cos, o.rotary_sin, o.window_left, o.window_right,
                                   o.softmax_scale, o.rotary_interleaved, o.return_lse, token_major)
     plan = _plan(q, k, v, o, token_major)
     plan.run()
     if key is not None and o.rotary_cos is None:
-        _remember(key, plan)
+        _remember(key, plan, q, k, v)
     return plan.outputs
 
 

@@ -18,8 +18,8 @@ from .tuned import TunedEntry
 MIXED_FMAS = ("fma_mix", "mad_mix", "cvt_fma")
 STATUSES = ("tested", "builds")
 STAGES = ("f16", "f32")
-_TARGET_RE = re.compile(r"^(gfx[0-9a-f]{3,4}|sm_[0-9]{2,3}|host(_[a-z0-9]+)?)$")
-_TABLE_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+_TARGET_RE = re.compile(r"gfx[0-9a-f]{3,4}|sm_[0-9]{2,3}|host(_[a-z0-9]+)?")
+_TABLE_RE = re.compile(r"[a-z][a-z0-9_]*")
 
 
 class Tier(str, enum.Enum):
@@ -183,7 +183,7 @@ def _positive(node: Node, key: str) -> int:
 def _target(name: str, node: object, parent: Node) -> Target:
     from .platforms import PLATFORMS
 
-    if not _TARGET_RE.match(name):
+    if not _TARGET_RE.fullmatch(name):
         raise parent.fail(name, "target names are gfxNNN[N] (lower-case hex), sm_NN, or host[_suffix]")
     if not isinstance(node, Node):
         raise parent.fail(name, "expected a mapping")
@@ -254,7 +254,7 @@ def tile_choices(value: object, parent: Node, key: str, provenance: str) -> tupl
 
 
 def _tile_table(name: str, node: object, parent: Node, kernels: dict[str, dict], provenance: str) -> TileTable:
-    if not _TABLE_RE.match(name):
+    if not _TABLE_RE.fullmatch(name):
         raise parent.fail(name, "tile table names are lower-case identifiers")
     if not isinstance(node, Node):
         raise parent.fail(name, "expected a mapping")

@@ -28,6 +28,12 @@ def environment(templates: Path = TEMPLATES) -> jinja2.Environment:
     )
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_if_changed(path: Path, text: str) -> bool:
     """Write atomically, only when the content differs, so ninja sees no change otherwise."""
     data = text.encode()
@@ -37,6 +43,7 @@ def write_if_changed(path: Path, text: str) -> bool:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; generated files follow the umask like any other
     os.replace(tmp, path)
     return True
 

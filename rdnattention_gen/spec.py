@@ -83,7 +83,7 @@ class NameSchema:
             before, after = (re.escape(x) for x in f.text.split("{}"))
             group = f"{before}(?P<f{i}>{f.pattern}){after}"
             parts.append(f"(?:{group})?" if f.optional else group)
-        self._regex = re.compile("^" + "".join(parts) + "$")
+        self._regex = re.compile("".join(parts))
 
     def name(self, spec: KernelSpec) -> str:
         out = [self.prefix]
@@ -95,7 +95,7 @@ class NameSchema:
         return "".join(out)
 
     def parse(self, name: str) -> dict[str, object] | None:
-        m = self._regex.match(name)
+        m = self._regex.fullmatch(name)
         if not m:
             return None
         return {f.key: f.convert(m[f"f{i}"]) for i, f in enumerate(self.fields) if m[f"f{i}"] is not None}

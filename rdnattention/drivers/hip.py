@@ -25,7 +25,7 @@ API = ModuleApi(vendor="HIP", load="hipModuleLoadData", get_function="hipModuleG
                 launch="hipModuleLaunchKernel", error_string="hipGetErrorString", error_string_returns=True,
                 set_attribute=None, max_dynamic_shared=0)  # amdgcn kernels allocate their LDS statically
 LIBRARY_ENV = "RDNATTENTION_HIP_LIBRARY"
-_ARCH = re.compile(r"^gfx[0-9]{1,2}[0-9a-f]{2}$")
+_ARCH = re.compile(r"gfx[0-9]{1,2}[0-9a-f]{2}")
 
 
 def serves(device: torch.device) -> bool:
@@ -35,7 +35,7 @@ def serves(device: torch.device) -> bool:
 def parse_arch(gcn_arch_name: str) -> str:
     """gcnArchName without its feature flags: "gfx1030:sramecc-:xnack-" -> "gfx1030"."""
     arch = gcn_arch_name.split(":", 1)[0].strip()
-    if not _ARCH.match(arch):
+    if not _ARCH.fullmatch(arch):
         raise UnsupportedError(f"cannot read a gfx target from the device's gcnArchName {gcn_arch_name!r}; "
                                "set RDNATTENTION_TARGET=gfxNNNN to name it")
     return arch

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import torch
 
-from ..errors import LaunchError
+from ..errors import InvalidArgumentError, LaunchError
 
 PLATFORM = "host"
 
-_shuffle_seed = int(os.environ.get("RDNATTENTION_HOST_SHUFFLE", "0") or 0)
+_SHUFFLE_ENV = "RDNATTENTION_HOST_SHUFFLE"
+_shuffle_seed: int | None = None  # None: not read from the environment yet
 
 
 def set_shuffle(seed: int | None) -> None:
@@ -22,11 +23,21 @@ def set_shuffle(seed: int | None) -> None:
     With a seed, a missing barrier in a kernel changes its results; same seed, same order."""
     global _shuffle_seed
     if seed is not None and (not isinstance(seed, int) or seed < 0):
-        raise ValueError(f"shuffle seed must be a non-negative int or None, got {seed!r}")
+        raise InvalidArgumentError(f"shuffle seed must be a non-negative int or None, got {seed!r}")
     _shuffle_seed = seed or 0
 
 
 def shuffle_seed() -> int:
+    global _shuffle_seed
+    if _shuffle_seed is None:
+        text = os.environ.get(_SHUFFLE_ENV, "0") or "0"
+        try:
+            seed = int(text)
+        except ValueError:
+            seed = -1
+        if seed < 0:
+            raise InvalidArgumentError(f"{_SHUFFLE_ENV}={text!r} must be a non-negative integer seed (0: in order)")
+        _shuffle_seed = seed
     return _shuffle_seed
 
 
@@ -53,7 +64,7 @@ def launch_kernel(code_object: Path, name: str, grid: tuple[int, int, int], thre
     """Runs kernel ``name`` of the emulator library over ``grid``; returns when it is done."""
     lib = _library(code_object)
     rc = lib.rdna_host_launch(name.encode(), (ctypes.c_uint * 3)(*grid), threads, ctypes.byref(args),
-                              ctypes.sizeof(args), _shuffle_seed)
+                              ctypes.sizeof(args), shuffle_seed())
     if rc != 0:
         raise LaunchError(f"host launch of {name} failed: {lib.rdna_host_last_error().decode()}")
 

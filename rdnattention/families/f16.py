@@ -48,6 +48,7 @@ ARGS = ArgStruct("Fa2Args", (
 Fa2Args = ARGS.ctype
 
 _LOG2E = 1.4426950408889634
+_INT32 = (-2**31, 2**31 - 1)
 _GRID_YZ_MAX = 65535
 
 
@@ -97,6 +98,9 @@ def plan(table: TargetTable, call: Call, *, heavy_first: bool | None = None, ker
         fields.update(rotary_cos=call.rotary_cos.data_ptr(), rotary_sin=call.rotary_sin.data_ptr(),
                       rotary_stride=call.rotary_cos.stride(0), rotary_dim=2 * call.rotary_cos.shape[1],
                       rotary_interleaved=int(call.rotary_interleaved))
+    for key in ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "window_left", "window_right"):
+        if not _INT32[0] <= fields[key] <= _INT32[1]:
+            raise InvalidArgumentError(f"{key} = {fields[key]} does not fit the kernel's 32-bit field")
     args = Fa2Args(**fields)
     rows_per_head = entry.br // entry.gqa_group
     grid = (-(-seq_q // rows_per_head), heads_q // entry.gqa_group, batch)

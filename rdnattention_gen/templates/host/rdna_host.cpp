@@ -11,6 +11,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -165,8 +166,10 @@ float shfl_xor(float v, int mask) {
 
 using namespace rdna_host;
 
-extern "C" int rdna_host_launch(const char* name, const unsigned grid[3], int threads, const void* args,
-                                std::size_t args_size, unsigned long long shuffle_seed) {
+namespace {
+
+int launch(const char* name, const unsigned grid[3], int threads, const void* args, std::size_t args_size,
+           unsigned long long shuffle_seed) {
   auto it = registry().find(name);
   if (it == registry().end()) {
     last_error = std::string("no kernel named ") + name + " in this library";
@@ -188,30 +191,42 @@ extern "C" int rdna_host_launch(const char* name, const unsigned grid[3], int th
   std::atomic<bool> failed{false};
   std::mutex error_lock;
   std::string error;
+  auto fail = [&](const std::string& why) {
+    failed = true;
+    std::lock_guard<std::mutex> hold(error_lock);
+    if (error.empty()) error = std::string(name) + ": " + why;
+  };
+  // Runs workgroups until none is left; an exception (a fiber stack that cannot be allocated)
+  // fails the launch instead of leaving the thread.
   auto work = [&]() {
-    Block blk;
-    blk.kernel = &kernel;
-    blk.args = args;
-    blk.fibers.resize(kernel.threads);
-    for (Fiber& f : blk.fibers) f.stack.reset(new char[kStackBytes]);
-    blk.exchange.assign(kernel.threads, 0.f);
-    tls_block = &blk;
-    std::string why;
-    for (long long g; !failed && (g = next++) < total;) {
-      blk.id[0] = (int)(g % grid[0]);
-      blk.id[1] = (int)(g / grid[0] % grid[1]);
-      blk.id[2] = (int)(g / grid[0] / grid[1]);
-      std::mt19937_64 rng(shuffle_seed ^ (0x9e3779b97f4a7c15ULL * (unsigned long long)(g + 1)));
-      if (!run_block(blk, shuffle_seed ? &rng : nullptr, why)) {
-        failed = true;
-        std::lock_guard<std::mutex> hold(error_lock);
-        error = std::string(name) + ": " + why;
+    try {
+      Block blk;
+      blk.kernel = &kernel;
+      blk.args = args;
+      blk.fibers.resize(kernel.threads);
+      for (Fiber& f : blk.fibers) f.stack.reset(new char[kStackBytes]);
+      blk.exchange.assign(kernel.threads, 0.f);
+      tls_block = &blk;
+      std::string why;
+      for (long long g; !failed && (g = next++) < total;) {
+        blk.id[0] = (int)(g % grid[0]);
+        blk.id[1] = (int)(g / grid[0] % grid[1]);
+        blk.id[2] = (int)(g / grid[0] / grid[1]);
+        std::mt19937_64 rng(shuffle_seed ^ (0x9e3779b97f4a7c15ULL * (unsigned long long)(g + 1)));
+        if (!run_block(blk, shuffle_seed ? &rng : nullptr, why)) fail(why);
       }
+      tls_block = nullptr;
+    } catch (const std::exception& e) {
+      tls_block = nullptr;
+      fail(e.what());
     }
-    tls_block = nullptr;
   };
   std::vector<std::thread> pool;
-  for (int w = 1; w < workers; ++w) pool.emplace_back(work);
+  try {
+    for (int w = 1; w < workers; ++w) pool.emplace_back(work);
+  } catch (const std::system_error&) {
+    // Fewer OS threads than asked for: the ones started (and this one) take every workgroup.
+  }
   work();
   for (std::thread& t : pool) t.join();
   if (failed) {
@@ -219,6 +234,22 @@ extern "C" int rdna_host_launch(const char* name, const unsigned grid[3], int th
     return -1;
   }
   return 0;
+}
+
+}  // namespace
+
+// No C++ exception leaves the library (std::bad_alloc under a memory limit, a failed thread
+// start): each becomes an error code and a message.
+extern "C" int rdna_host_launch(const char* name, const unsigned grid[3], int threads, const void* args,
+                                std::size_t args_size, unsigned long long shuffle_seed) {
+  try {
+    return launch(name, grid, threads, args, args_size, shuffle_seed);
+  } catch (const std::exception& e) {
+    last_error = std::string(name ? name : "?") + ": " + e.what();
+  } catch (...) {
+    last_error = std::string(name ? name : "?") + ": unknown C++ exception";
+  }
+  return -1;
 }
 
 extern "C" const char* rdna_host_last_error(void) { return last_error.c_str(); }
