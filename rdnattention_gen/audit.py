@@ -51,7 +51,7 @@ def violations(target: Target, spec: KernelSpec, row: KernelAudit) -> list[str]:
         out.append(f"uses {row.scratch_bytes} bytes of scratch")
     if row.lds_bytes > target.lds_bytes:
         out.append(f"uses {row.lds_bytes} bytes of LDS, over the {target.lds_bytes} budget")
-    layout = family(spec.family).lds_bytes(spec)
+    layout = spec.lds_bytes
     if row.lds_bytes != layout:
         out.append(f"allocates {row.lds_bytes} bytes of LDS but its layout says {layout}")
     if row.wave_size != target.wave_size:

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from . import DEFAULT_VARIANTS, TUNED_DIR, audit, build, docs, probe, toolchain
-from .families import family
 from .matrix import Matrix, Target, load_matrix
 from .render import generate, write_if_changed
 from .strict_yaml import VariantsError
@@ -26,7 +25,7 @@ def cmd_list(matrix: Matrix, args: argparse.Namespace) -> int:
         for v in matrix.variants_for(target):
             when = f", when {v.when}" if v.when.to_json() else ""
             tuned = f", {v.provenance}" if v.priority >= 2 else ""
-            print(f"    {v.spec.name}  (LDS {family(v.spec.family).lds_bytes(v.spec)} B{when}{tuned})")
+            print(f"    {v.spec.name}  (LDS {v.spec.lds_bytes} B{when}{tuned})")
     return 0
 
 

@@ -28,7 +28,7 @@ def table(target: Target, variants: list[Variant], code_object: str, dynamic_lds
             "br": spec.tile.br,
             "bc": spec.tile.bc,
             "tm": spec.tile.tm,
-            "lds_bytes": fam.lds_bytes(spec),
+            "lds_bytes": spec.lds_bytes,
             # Within a (family, head_dim) the largest GQA group that divides the call's query heads
             # per K/V head wins, then the highest priority among the entries whose `when` admits it.
             "priority": v.priority,

@@ -49,9 +49,10 @@ def main() -> int:
         if args.profile:
             import cProfile
             import pstats
+            profile = cProfile.Profile()
             with torch.inference_mode():
-                cProfile.runctx("for _ in range(2000): flash_attn(q, k, v)", globals(), locals(), "/tmp/overhead.prof")
-            pstats.Stats("/tmp/overhead.prof").sort_stats("tottime").print_stats(15)
+                profile.runcall(lambda: [flash_attn(q, k, v) for _ in range(2000)])
+            pstats.Stats(profile).sort_stats("tottime").print_stats(15)
     q = torch.randn(shape_q, dtype=torch.float16)
     k, v = (torch.randn(shape_kv, dtype=torch.float16) for _ in range(2))
     try:

@@ -13,7 +13,6 @@ PLATFORM = "cuda"
 API = ModuleApi(vendor="CUDA", load="cuModuleLoadData", get_function="cuModuleGetFunction",
                 launch="cuLaunchKernel", error_string="cuGetErrorString", error_string_returns=False,
                 set_attribute="cuFuncSetAttribute", max_dynamic_shared=8)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-DRIVER = ModuleDriver(API, lambda: "libcuda.so.1")
 
 
 def serves(device: torch.device) -> bool:
@@ -32,6 +31,9 @@ def target(device: torch.device) -> str:
 
 def library_path() -> str:
     return "libcuda.so.1"
+
+
+DRIVER = ModuleDriver(API, library_path)
 
 
 launch_kernel = DRIVER.launch_kernel

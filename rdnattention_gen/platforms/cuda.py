@@ -58,8 +58,6 @@ class Cuda(Platform):
                 variables={"target": target.name, "ptxas": toolchain.find_ptxas(target.name)})
 
     def audit(self, tc: Toolchain, target: Target, specs: list[KernelSpec], build_dir: Path) -> list[KernelAudit]:
-        from ..families import family
-
         cubin = self.code_object_path(target, build_dir)
         report, ptx = Path(f"{cubin}.ptxas.txt"), cubin.with_suffix(".ptx")
         info: dict[str, dict[str, int]] = {}
@@ -86,7 +84,7 @@ class Cuda(Platform):
             if k is None:
                 raise AuditError(f"{report}: no ptxas report for kernel {spec.name}")
             # Shared memory is dynamic (sized by the launch), so the layout adds to any static use.
-            lds = k["smem"] + family(spec.family).lds_bytes(spec)
+            lds = k["smem"] + spec.lds_bytes
             c = counts.get(spec.name, dict.fromkeys(PTX_INSTRUCTIONS, 0))
             rows.append(KernelAudit(
                 target=target.name, name=spec.name, vgprs=k["regs"], sgprs=0, vgpr_spills=k["spills"], sgpr_spills=0,
