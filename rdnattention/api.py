@@ -181,13 +181,21 @@ def _allocate(q: torch.Tensor, token_major: bool, return_lse: bool) -> tuple[tor
 
 
 def _table(device: torch.device) -> dispatch.TargetTable:
-    target = drivers.target_of(device)
+    driver = drivers.for_device(device)
+    target = drivers.target_of(device, driver)
     try:
-        return dispatch.table_for(target)
+        table = dispatch.table_for(target)
     except KernelsNotBuiltError:
         if device.type != "cuda":
             raise
-        return dispatch.table_for(target, torch.cuda.get_device_name(device))
+        table = dispatch.table_for(target, torch.cuda.get_device_name(device))
+    if table.platform != driver.PLATFORM:  # a forced target of another platform: its kernels cannot read these tensors
+        env = drivers.env_naming_target(device)
+        chosen = f"{env}={target}" if env else f"target {target}"
+        raise UnsupportedError(f"{chosen} names a target of platform {table.platform}, but tensors on {device} "
+                               f"run on {driver.PLATFORM} targets; unset {env or 'it'} or name a {driver.PLATFORM} "
+                               "target")
+    return table
 
 
 def _check_memory(name: str, t: torch.Tensor) -> None:

@@ -8,16 +8,17 @@ why not."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from .errors import IncompatibleKernelsError, KernelsNotBuiltError, UnsupportedError
 
 _PACKAGE = Path(__file__).resolve().parent
 _CHECKOUT = _PACKAGE.parent
-TABLE_FORMAT = 2
+TABLE_FORMAT = 3  # 3: the code object's size and SHA-256 are recorded
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,8 @@ class TargetTable:
     dynamic_lds: bool  # LDS is sized at launch (cuda) rather than in the code object
     kernels: tuple[KernelEntry, ...]
     isa_targets: tuple[str, ...] = ()  # targets whose GPUs run this code object unchanged
+    code_object_bytes: int | None = None   # recorded at build time; None: not checked (tables made in code)
+    code_object_sha256: str | None = None
 
     def __post_init__(self) -> None:
         by_key: dict[tuple[str, int], list[KernelEntry]] = {}
@@ -138,6 +141,24 @@ class TargetTable:
         return max(fits, key=lambda e: (e.gqa_group, e.priority))
 
 
+    def verify_code_object(self) -> None:
+        """The code object is the file the table was built with: same size, same SHA-256. Loading
+        a truncated or replaced one would crash the process (SIGBUS) or run the wrong kernels."""
+        if self.code_object_bytes is None:
+            return
+        rebuild = f"rebuild with: rdnattention-gen build --targets {self.target}"
+        try:
+            data = self.code_object.read_bytes()
+        except OSError as e:
+            raise IncompatibleKernelsError(f"{self.code_object}: cannot be read ({e.strerror}); {rebuild}") from None
+        if len(data) != self.code_object_bytes:
+            raise IncompatibleKernelsError(f"{self.code_object}: {len(data)} bytes, its dispatch table records "
+                                           f"{self.code_object_bytes} (truncated or replaced); {rebuild}")
+        if hashlib.sha256(data).hexdigest() != self.code_object_sha256:
+            raise IncompatibleKernelsError(f"{self.code_object}: SHA-256 differs from the one its dispatch table "
+                                           f"records (modified or replaced); {rebuild}")
+
+
 def search_path() -> list[Path]:
     """Where built kernels are looked for: $RDNATTENTION_BUILD_DIR, the checkout's build/ (only when
     this runtime is imported from a source checkout), the package."""
@@ -150,40 +171,98 @@ def search_path() -> list[Path]:
     return paths
 
 
-def _entry(e: dict) -> KernelEntry:
+_INT_FIELDS = tuple(f.name for f in fields(KernelEntry) if f.type == "int")
+_STR_FIELDS = tuple(f.name for f in fields(KernelEntry) if f.type == "str")
+
+
+def _entry(e: dict, i: int) -> KernelEntry:
+    """One table entry, its fields typed (a wrong type is a ValueError naming entry and field)."""
+    if not isinstance(e, dict):
+        raise ValueError(f"kernels[{i}] is not an object")
+    missing = [key for key in _INT_FIELDS + _STR_FIELDS if key not in e]
+    if missing:
+        raise ValueError(f"kernels[{i}] has no {', '.join(missing)}")
+    for key in _INT_FIELDS:
+        if type(e.get(key)) is not int or e[key] < 0:
+            raise ValueError(f"kernels[{i}].{key} = {e.get(key)!r} is not a non-negative integer")
+    for key in _STR_FIELDS:
+        if type(e.get(key)) is not str:
+            raise ValueError(f"kernels[{i}].{key} = {e.get(key)!r} is not a string")
+    when = e.get("when", {})
+    if not isinstance(when, dict):
+        raise ValueError(f"kernels[{i}].when is not an object")
     return KernelEntry(
         name=e["name"], family=e["family"], head_dim=e["head_dim"], gqa_group=e["gqa_group"], tier=e["tier"],
         threads=e["threads"], br=e["br"], bc=e["bc"], tm=e["tm"], lds_bytes=e["lds_bytes"],
-        priority=e["priority"], when=Constraints.from_json(e.get("when", {})), provenance=e["provenance"],
+        priority=e["priority"], when=Constraints.from_json(when), provenance=e["provenance"],
         args_digest=e["args_digest"])
 
 
+def _check_entry(path: Path, i: int, e: KernelEntry, wave_size: object, rebuild: str) -> None:
+    """The entry says what its kernel's name says (a kernel launched with another tile or head_dim
+    than it was compiled for reads and writes out of bounds), and its arguments are ours."""
+    from .families import FAMILIES
+
+    fam = FAMILIES[e.family]
+    facts = fam.NAMES.parse(e.name)
+    if facts is None:
+        raise IncompatibleKernelsError(f"{path}: kernels[{i}].name {e.name!r} is not a {e.family} kernel name; "
+                                       f"{rebuild}")
+    if e.gqa_group < 1 or e.threads < 1 or e.br < 1 or e.bc < 1 or e.tm < 1 or e.br % e.gqa_group:
+        raise IncompatibleKernelsError(f"{path}: kernels[{i}] ({e.name}) has an impossible tile: group "
+                                       f"{e.gqa_group}, br {e.br}, bc {e.bc}, threads {e.threads}, tm {e.tm}; "
+                                       f"{rebuild}")
+    for key, value in facts.items():
+        field = key.rsplit(".", 1)[-1]
+        recorded = wave_size if field == "wave_size" else getattr(e, field, value)
+        if recorded != value:
+            where = "wave_size" if field == "wave_size" else f"kernels[{i}].{field}"
+            raise IncompatibleKernelsError(f"{path}: {where} is {recorded!r} but kernel {e.name} was built for "
+                                           f"{value!r}; {rebuild}")
+    if e.args_digest != fam.ARGS.digest:
+        raise IncompatibleKernelsError(
+            f"{path}: kernel {e.name} was built for argument layout {e.args_digest}, this runtime's "
+            f"{fam.ARGS.name} is {fam.ARGS.digest}; {rebuild}")
+
+
 def load_table(path: Path) -> TargetTable:
-    """Reads one dispatch.json; refuses a table this runtime cannot launch, saying why."""
+    """Reads one dispatch.json; refuses a table this runtime cannot launch, saying why and naming
+    the file and field."""
     from .families import FAMILIES
 
     rebuild = f"rebuild with: rdnattention-gen build --targets {path.parent.name}"
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
         if data.get("format") != TABLE_FORMAT:
             raise IncompatibleKernelsError(f"{path}: table format {data.get('format')!r}, this runtime reads "
                                            f"format {TABLE_FORMAT}; {rebuild}")
-        kernels = tuple(_entry(e) for e in data["kernels"] if e["family"] in FAMILIES)
-        platform, code_object = data["platform"], path.parent / data["code_object"]
-        dynamic_lds = bool(data["dynamic_lds"])
-        isa_targets = tuple(data.get("isa_targets", ()))
+        entries = data["kernels"]
+        if not isinstance(entries, list):
+            raise ValueError("kernels is not a list")
+        kernels = tuple(_entry(e, i) for i, e in enumerate(entries))
+        platform, code_object = data["platform"], data["code_object"]
+        if not isinstance(code_object, str) or Path(code_object).name != code_object or code_object in ("", ".", ".."):
+            raise ValueError(f"code_object {code_object!r} is not a file name beside the table")
+        size, sha = data["code_object_bytes"], data["code_object_sha256"]
+        if type(size) is not int or not isinstance(sha, str):
+            raise ValueError("code_object_bytes / code_object_sha256 have the wrong types")
+        isa_targets = data.get("isa_targets", [])
+        if not isinstance(isa_targets, list) or not all(isinstance(t, str) for t in isa_targets):
+            raise ValueError("isa_targets is not a list of target names")
+        table = TargetTable(target=path.parent.name, platform=str(platform), code_object=path.parent / code_object,
+                            dynamic_lds=bool(data["dynamic_lds"]),
+                            kernels=tuple(e for e in kernels if e.family in FAMILIES),
+                            isa_targets=tuple(isa_targets), code_object_bytes=size, code_object_sha256=sha)
     except (OSError, ValueError, KeyError, TypeError) as e:
         if isinstance(e, IncompatibleKernelsError):
             raise
         raise IncompatibleKernelsError(f"{path}: unreadable dispatch table ({type(e).__name__}: {e}); {rebuild}") from None
-    for e in kernels:
-        ours = FAMILIES[e.family].ARGS.digest
-        if e.args_digest != ours:
-            raise IncompatibleKernelsError(
-                f"{path}: kernel {e.name} was built for argument layout {e.args_digest}, this runtime's "
-                f"{FAMILIES[e.family].ARGS.name} is {ours}; {rebuild}")
-    return TargetTable(target=path.parent.name, platform=platform, code_object=code_object,
-                       dynamic_lds=dynamic_lds, kernels=kernels, isa_targets=isa_targets)
+    for i, e in enumerate(kernels):
+        if e.family in FAMILIES:
+            _check_entry(path, i, e, data.get("wave_size"), rebuild)
+    return table
 
 
 def built_tables() -> list[Path]:
@@ -212,6 +291,7 @@ def table_for(target: str, device_name: str | None = None) -> TargetTable:
     for path in fallback_chain(target):
         table = load_table(path)
         if table.code_object.is_file():
+            table.verify_code_object()
             return table
     built = sorted({p.parent.name for p in built_tables()})
     gpu = f"{device_name} ({target})" if device_name else f"target {target!r}"

@@ -32,7 +32,9 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is
     """Attention in float64 on the CPU. Shapes [batch, heads, seq, head_dim]; K/V may have fewer heads.
 
     Query i sits at key position i + (Sk - Sq); RoPE rotates queries at those positions and keys at
-    0..Sk-1. A row that sees no key is zero (and its log-sum-exp is -inf)."""
+    0..Sk-1. A row that sees no key is zero (and its log-sum-exp is -inf); a row with a NaN among
+    the scores of the keys it sees is NaN, and so is its log-sum-exp (the scores of keys it does
+    not see are masked out, NaN or not)."""
     q64, k64, v64 = (t.detach().to("cpu", torch.float64) for t in (q, k, v))
     batch, heads_q, seq_q, head_dim = q64.shape
     heads_kv, seq_k = k64.shape[1], k64.shape[2]
@@ -67,6 +69,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is
     row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
     weights = torch.exp(scores - row_max)
     total = weights.sum(dim=-1, keepdim=True)
-    weights = torch.where(total > 0, weights / total.clamp_min(1e-300), torch.zeros_like(weights))
+    # A row that sees no key is zero; a NaN among its visible scores makes it (and its LSE) NaN.
+    weights = torch.where(total == 0, torch.zeros_like(weights), weights / torch.where(total == 0, 1.0, total))
     out = torch.einsum("bhqk,bhkd->bhqd", weights, v64)
     return (out, lse) if return_lse else out

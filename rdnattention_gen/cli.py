@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import DEFAULT_VARIANTS, TUNED_DIR, audit, build, docs, probe, toolchain
 from .matrix import Matrix, Target, load_matrix
+from .ninja_paths import NinjaPathError
 from .render import generate, write_if_changed
 from .strict_yaml import VariantsError
 
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         matrix = load_matrix(args.variants, args.tuned)
         return args.fn(matrix, args)
-    except (VariantsError, toolchain.ToolchainError, build.BuildError, audit.AuditError) as e:
+    except (VariantsError, toolchain.ToolchainError, build.BuildError, audit.AuditError, NinjaPathError) as e:
         print(f"rdnattention-gen: error: {e}", file=sys.stderr)
         return 2
 

@@ -3,7 +3,9 @@ statically for duplicate and unreachable entries and for keys with no fallback."
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 
 from rdnattention.dispatch import TABLE_FORMAT
 
@@ -11,8 +13,10 @@ from . import __version__
 from .matrix import Target, Variant
 
 
-def table(target: Target, variants: list[Variant], code_object: str, dynamic_lds: bool, toolchain: str,
+def table(target: Target, variants: list[Variant], code_object: Path, dynamic_lds: bool, toolchain: str,
           isa_targets: list[str]) -> dict:
+    """The table of one built target; ``code_object`` is the built file, whose size and SHA-256 the
+    table records so that the runtime never loads a truncated or replaced one."""
     from .families import family
 
     entries = []
@@ -37,7 +41,9 @@ def table(target: Target, variants: list[Variant], code_object: str, dynamic_lds
             "args_digest": fam.args.digest,
         })
     data = {"format": TABLE_FORMAT, "target": target.name, "platform": target.platform,
-            "wave_size": target.wave_size, "code_object": code_object, "dynamic_lds": dynamic_lds,
+            "wave_size": target.wave_size, "code_object": code_object.name, "dynamic_lds": dynamic_lds,
+            "code_object_bytes": code_object.stat().st_size,
+            "code_object_sha256": hashlib.sha256(code_object.read_bytes()).hexdigest(),
             # Targets whose GPUs run this code object unchanged (the same ISA): the runtime's fallback.
             "isa": target.isa, "isa_targets": isa_targets,
             "generator_version": __version__, "toolchain": toolchain, "kernels": entries}

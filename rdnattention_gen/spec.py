@@ -1,13 +1,12 @@
 """Kernel specs and their names: one frozen spec per generated kernel, one name that is its file
 stem, symbol and dispatch id, and that parses back into the spec. Each family owns its name
-schema; optional fields appear in a name only when set, so adding one leaves every existing
-name unchanged."""
+schema (rdnattention.names, shared with the runtime, which checks tables against it)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
-from typing import Callable
+
+from rdnattention.names import NameField, NameSchema  # noqa: F401  (re-exported for families)
 
 
 @dataclass(frozen=True, order=True)
@@ -34,7 +33,7 @@ class KernelSpec:
     @property
     def name(self) -> str:
         from .families import family
-        return family(self.family).schema.name(self)
+        return family(self.family).schema.name(self.value)
 
     @classmethod
     def from_name(cls, name: str) -> "KernelSpec":
@@ -62,40 +61,3 @@ class KernelSpec:
         for part in key.split("."):
             obj = getattr(obj, part)
         return obj
-
-
-@dataclass(frozen=True)
-class NameField:
-    key: str                    # KernelSpec.value key
-    text: str                   # how it is spelled, "{}" for the value: "_hd{}"
-    pattern: str                # regular expression of the value
-    convert: Callable[[str], object] = int
-    optional: bool = False      # spelled only when set (truthy)
-
-
-class NameSchema:
-    """``prefix`` then each field in order; parse() inverts name()."""
-
-    def __init__(self, prefix: str, fields: tuple[NameField, ...]):
-        self.prefix, self.fields = prefix, fields
-        parts = [re.escape(prefix)]
-        for i, f in enumerate(fields):
-            before, after = (re.escape(x) for x in f.text.split("{}"))
-            group = f"{before}(?P<f{i}>{f.pattern}){after}"
-            parts.append(f"(?:{group})?" if f.optional else group)
-        self._regex = re.compile("".join(parts))
-
-    def name(self, spec: KernelSpec) -> str:
-        out = [self.prefix]
-        for f in self.fields:
-            value = spec.value(f.key)
-            if f.optional and not value:
-                continue
-            out.append(f.text.format(value))
-        return "".join(out)
-
-    def parse(self, name: str) -> dict[str, object] | None:
-        m = self._regex.fullmatch(name)
-        if not m:
-            return None
-        return {f.key: f.convert(m[f"f{i}"]) for i, f in enumerate(self.fields) if m[f"f{i}"] is not None}

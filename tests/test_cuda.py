@@ -156,3 +156,33 @@ def test_gpu_cuda_graph_capture_and_replay():
             torch.cuda.synchronize()
             ref = attention_reference((q.double() * scale).half(), k, v)
             assert (out.cpu().double() - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.gpu
+def test_gpu_nan_scores_make_their_rows_nan():
+    device = _gpu()
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 300, 128, generator=g).half() for _ in range(3))
+    k[0, 0, 250, 7] = float("nan")  # head 0: rows 250.. see key 250 under the causal mask
+    q[0, 1, 10, 3] = float("nan")   # head 1: row 10 only
+    out, lse = flash_attn(q.to(device), k.to(device), v.to(device), is_causal=True, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, is_causal=True, return_lse=True)
+    out, lse = out.cpu(), lse.cpu()
+    nan_rows = ref_lse[0].isnan()
+    assert nan_rows.sum() == 51 and torch.equal(lse[0].isnan(), nan_rows)
+    assert torch.equal(out[0].isnan().all(-1), nan_rows) and not out[0][~nan_rows].isnan().any()
+    assert (out[0][~nan_rows].double() - ref[0][~nan_rows]).abs().max().item() <= TOL
+
+
+@pytest.mark.gpu
+def test_gpu_tensors_refuse_a_forced_host_target(monkeypatch):
+    from rdnattention import dispatch
+    from rdnattention.errors import UnsupportedError
+    device = _gpu()
+    monkeypatch.setenv("RDNATTENTION_TARGET", "host")
+    dispatch.table_for.cache_clear()
+    q = torch.randn(1, 2, 8, 64, device=device).half()
+    with pytest.raises(UnsupportedError, match="RDNATTENTION_TARGET=host names a target of platform host, but "
+                                               "tensors on cuda:0 run on cuda targets"):
+        flash_attn(q, q, q)
+    dispatch.table_for.cache_clear()

@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from rdnattention_gen import HOST_DIR, toolchain
-from rdnattention_gen.platforms.host import HOST_FLAGS
+from rdnattention_gen.platforms.host import HOST_FLAGS, defines
 from rdnattention_gen.render import environment, render_prelude
 
 HEADER = """
@@ -38,20 +38,19 @@ def probe_lib(matrix, tmp_path_factory):
                    KERNEL.replace("{name}", "racy").replace("{sync}", ""))
     lib = tmp / "libprobe.so"
     tc = toolchain.find()
-    subprocess.run(tc.clangxx + HOST_FLAGS.split() + ["-shared", "-DRDNA_WAVE_SIZE=32", f"-I{HOST_DIR}",
-                    str(src), str(HOST_DIR / "rdna_host.cpp"), "-o", str(lib)], check=True)
-    cdll = ctypes.CDLL(str(lib))
-    cdll.rdna_host_last_error.restype = ctypes.c_char_p
-    return cdll
+    subprocess.run(tc.clangxx + HOST_FLAGS.split() + ["-shared"] + defines(matrix.target("host")) +
+                   [f"-I{HOST_DIR}", str(src), str(HOST_DIR / "rdna_host.cpp"), "-o", str(lib)], check=True)
+    return ctypes.CDLL(str(lib))
 
 
 def _run(lib, name, seed):
     out = (ctypes.c_float * 64)()
     args = ctypes.c_void_p(ctypes.addressof(out))
     grid = (ctypes.c_uint * 3)(1, 1, 1)
+    error = ctypes.create_string_buffer(256)
     rc = lib.rdna_host_launch(name.encode(), grid, 64, ctypes.byref(args), ctypes.sizeof(args),
-                              ctypes.c_ulonglong(seed))
-    assert rc == 0, lib.rdna_host_last_error()
+                              ctypes.c_ulonglong(seed), None, error, ctypes.c_size_t(256))
+    assert rc == 0, error.value
     return list(out)
 
 
@@ -69,7 +68,26 @@ def test_missing_barrier_is_caught_by_shuffling(probe_lib):
 def test_unknown_kernel_and_wrong_block_size(probe_lib):
     grid = (ctypes.c_uint * 3)(1, 1, 1)
     arg = ctypes.c_void_p(0)
-    assert probe_lib.rdna_host_launch(b"nope", grid, 64, ctypes.byref(arg), 8, ctypes.c_ulonglong(0)) == -1
-    assert probe_lib.rdna_host_last_error() == b"no kernel named nope in this library"
-    assert probe_lib.rdna_host_launch(b"probe_racy", grid, 32, ctypes.byref(arg), 8, ctypes.c_ulonglong(0)) == -1
-    assert b"launched with 32 threads" in probe_lib.rdna_host_last_error()
+    error = ctypes.create_string_buffer(256)
+
+    def launch(name, threads):
+        return probe_lib.rdna_host_launch(name, grid, threads, ctypes.byref(arg), 8, ctypes.c_ulonglong(0), None,
+                                          error, ctypes.c_size_t(256))
+    assert launch(b"nope", 64) == -1 and error.value == b"no kernel named nope in this library"
+    assert launch(b"probe_racy", 32) == -1 and b"launched with 32 threads" in error.value
+    small = ctypes.create_string_buffer(8)
+    assert probe_lib.rdna_host_launch(b"nope", grid, 64, ctypes.byref(arg), 8, ctypes.c_ulonglong(0), None,
+                                      small, ctypes.c_size_t(8)) == -1
+    assert small.value == b"no kern"  # truncated to the buffer, NUL-terminated
+
+
+def test_a_cancelled_launch_stops_and_says_so(probe_lib):
+    out = (ctypes.c_float * 64)()
+    args = ctypes.c_void_p(ctypes.addressof(out))
+    cancel = ctypes.c_int(1)
+    error = ctypes.create_string_buffer(256)
+    rc = probe_lib.rdna_host_launch(b"probe_synced", (ctypes.c_uint * 3)(4, 1, 1), 64, ctypes.byref(args),
+                                    ctypes.sizeof(args), ctypes.c_ulonglong(0), ctypes.byref(cancel), error,
+                                    ctypes.c_size_t(256))
+    assert rc == 1 and error.value == b"probe_synced: interrupted"
+    assert list(out) == [0.0] * 64  # no workgroup ran

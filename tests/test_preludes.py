@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from rdnattention_gen import HOST_DIR, toolchain
-from rdnattention_gen.platforms.host import HOST_FLAGS
+from rdnattention_gen.platforms.host import HOST_FLAGS, defines
 from rdnattention_gen.render import environment, render_prelude
 
 PROBE = """
@@ -45,8 +45,8 @@ def _write(tmp_path, matrix, target):
 def test_host_dot4_model_wraps_like_the_hardware(matrix, tc, tmp_path):
     src = _write(tmp_path, matrix, "host")
     lib = tmp_path / "libprobe.so"
-    subprocess.run(tc.clangxx + HOST_FLAGS.split() + ["-shared", "-DRDNA_WAVE_SIZE=32", f"-I{HOST_DIR}", str(src),
-                                                      str(HOST_DIR / "rdna_host.cpp"), "-o", str(lib)], check=True)
+    subprocess.run(tc.clangxx + HOST_FLAGS.split() + ["-shared"] + defines(matrix.target("host")) +
+                   [f"-I{HOST_DIR}", str(src), str(HOST_DIR / "rdna_host.cpp"), "-o", str(lib)], check=True)
     cdll = ctypes.CDLL(str(lib))
     rng = random.Random(7)
     edge = [-2**31, 2**31 - 1, 0, -1, 0x7F7F7F7F, -0x7F7F7F80]
@@ -57,7 +57,7 @@ def test_host_dot4_model_wraps_like_the_hardware(matrix, tc, tmp_path):
     args = (ctypes.c_void_p * 4)(*(ctypes.addressof(x) for x in (a, b, c, out)))
     grid = (ctypes.c_uint * 3)(1, 1, 1)
     assert cdll.rdna_host_launch(b"probe_dot4", grid, 64, ctypes.byref(args), ctypes.sizeof(args),
-                                 ctypes.c_ulonglong(0)) == 0
+                                 ctypes.c_ulonglong(0), None, None, ctypes.c_size_t(0)) == 0
     assert list(out) == [_dot4(x, y, z) for x, y, z in zip(*values)]
 
 

@@ -31,10 +31,18 @@ def for_device(device: torch.device) -> ModuleType:
                            "emulator and GPU tensors of ROCm (AMD) and CUDA (NVIDIA) builds of torch")
 
 
-def target_of(device: torch.device) -> str:
+def env_naming_target(device: torch.device) -> str | None:
+    """The environment variable that chose ``device``'s target, if one did."""
+    driver = for_device(device)
+    if driver is host:
+        return host.TARGET_ENV if os.environ.get(host.TARGET_ENV) else None
+    return TARGET_ENV if os.environ.get(TARGET_ENV) else None
+
+
+def target_of(device: torch.device, driver: ModuleType | None = None) -> str:
     """The build target whose kernels run tensors on ``device``: $RDNATTENTION_TARGET for GPU
     devices where set, else what the device's driver resolves."""
-    driver = for_device(device)
+    driver = driver or for_device(device)
     forced = os.environ.get(TARGET_ENV)
     if forced and driver is not host:
         return forced.strip()

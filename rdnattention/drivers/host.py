@@ -5,13 +5,15 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 from pathlib import Path
 
 import torch
 
-from ..errors import InvalidArgumentError, LaunchError
+from ..errors import IncompatibleKernelsError, InvalidArgumentError, LaunchError
 
 PLATFORM = "host"
+TARGET_ENV = "RDNATTENTION_HOST_TARGET"
 
 _SHUFFLE_ENV = "RDNATTENTION_HOST_SHUFFLE"
 _shuffle_seed: int | None = None  # None: not read from the environment yet
@@ -41,13 +43,33 @@ def shuffle_seed() -> int:
     return _shuffle_seed
 
 
+ABI_VERSION = 2  # rdna_host.h's RDNA_HOST_ABI_VERSION: the C interface this driver calls
+_SYMBOLS = ("rdna_host_abi_version", "rdna_host_launch")
+_ERROR_BYTES = 1024
+
+
 @functools.lru_cache(maxsize=None)
 def _library(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
+    """The emulator library at ``path`` with its C interface bound; IncompatibleKernelsError when
+    it cannot be loaded or is not an emulator library of this driver's interface version."""
+    rebuild = f"rebuild with: rdnattention-gen build --targets {path.parent.name}"
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise IncompatibleKernelsError(f"{path}: not a loadable host kernel library ({e}); {rebuild}") from None
+    missing = [s for s in _SYMBOLS if not hasattr(lib, s)]
+    if missing:
+        raise IncompatibleKernelsError(f"{path} lacks {', '.join(missing)}: not an rdnattention host kernel "
+                                       f"library of this version; {rebuild}")
+    lib.rdna_host_abi_version.restype = ctypes.c_int
+    version = lib.rdna_host_abi_version()
+    if version != ABI_VERSION:
+        raise IncompatibleKernelsError(f"{path}: host library interface version {version}, this runtime calls "
+                                       f"version {ABI_VERSION}; {rebuild}")
     lib.rdna_host_launch.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint), ctypes.c_int,
-                                     ctypes.c_void_p, ctypes.c_size_t, ctypes.c_ulonglong]
+                                     ctypes.c_void_p, ctypes.c_size_t, ctypes.c_ulonglong,
+                                     ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t]
     lib.rdna_host_launch.restype = ctypes.c_int
-    lib.rdna_host_last_error.restype = ctypes.c_char_p
     return lib
 
 
@@ -56,17 +78,50 @@ def serves(device: torch.device) -> bool:
 
 
 def target(device: torch.device) -> str:
-    return os.environ.get("RDNATTENTION_HOST_TARGET", "host")
+    return os.environ.get(TARGET_ENV, "").strip() or "host"
 
 
 def launch_kernel(code_object: Path, name: str, grid: tuple[int, int, int], threads: int, args: ctypes.Structure,
                   device: torch.device, shared_bytes: int = 0) -> None:
     """Runs kernel ``name`` of the emulator library over ``grid``; returns when it is done."""
     lib = _library(code_object)
-    rc = lib.rdna_host_launch(name.encode(), (ctypes.c_uint * 3)(*grid), threads, ctypes.byref(args),
-                              ctypes.sizeof(args), shuffle_seed())
+    call = (name.encode(), (ctypes.c_uint * 3)(*grid), threads, ctypes.byref(args), ctypes.sizeof(args),
+            shuffle_seed())
+    if threading.current_thread() is not threading.main_thread():
+        rc, error = _run(lib, call, None)
+    else:
+        rc, error = _run_interruptible(lib, call)
     if rc != 0:
-        raise LaunchError(f"host launch of {name} failed: {lib.rdna_host_last_error().decode()}")
+        raise LaunchError(f"host launch failed: {error}")  # the library names the kernel
+
+
+def _run(lib: ctypes.CDLL, call: tuple, cancel: ctypes.c_int | None) -> tuple[int, str]:
+    error = ctypes.create_string_buffer(_ERROR_BYTES)
+    rc = lib.rdna_host_launch(*call, None if cancel is None else ctypes.byref(cancel), error, _ERROR_BYTES)
+    return rc, error.value.decode(errors="replace") if rc else ""
+
+
+def _run_interruptible(lib: ctypes.CDLL, call: tuple) -> tuple[int, str]:
+    """Runs the launch on a helper thread while the main thread waits, so that Ctrl-C (which
+    Python delivers to the main thread) cancels it at the workgroups' next sync point and
+    raises KeyboardInterrupt once the library has returned."""
+    cancel = ctypes.c_int(0)
+    result: list[tuple[int, str]] = []
+    worker = threading.Thread(target=lambda: result.append(_run(lib, call, cancel)), name="rdnattention-host",
+                              daemon=True)
+    try:
+        worker.start()
+    except RuntimeError:  # no thread to spare (a memory or thread limit): run here, not interruptible
+        return _run(lib, call, None)
+    try:
+        worker.join()
+    except BaseException:
+        cancel.value = 1
+        worker.join()
+        raise
+    if not result:
+        raise LaunchError("the host launch thread ended without a result")
+    return result[0]
 
 
 def launch(code_object: Path, launch, device: torch.device) -> None:

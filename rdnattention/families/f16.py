@@ -12,9 +12,24 @@ import torch
 from ..abi import ArgStruct
 from ..dispatch import TargetTable
 from ..errors import InvalidArgumentError
+from ..names import NameField, NameSchema
 from ..plan import Launch, Plan
 
 NAME = "f16"
+
+# How a kernel's name spells its facts: the generator names kernels with it, and every dispatch
+# table entry is checked against the name it carries.
+NAMES = NameSchema("fa2_f16", (
+    NameField("head_dim", "_hd{}", r"\d+"),
+    NameField("gqa_group", "_g{}", r"\d+"),
+    NameField("tile.br", "_br{}", r"\d+"),
+    NameField("tile.bc", "_bc{}", r"\d+"),
+    NameField("tile.threads", "_nt{}", r"\d+"),
+    NameField("tile.tm", "_tm{}", r"\d+"),
+    NameField("wave_size", "_w{}", r"32|64"),
+    NameField("tier", "_{}", r"dot2|fma_mix|mad_mix|cvt_fma", str),
+    NameField("stage", "_s{}", r"f16|f32", str),
+))
 
 # Strides are in elements; the last dimension is contiguous.
 ARGS = ArgStruct("Fa2Args", (

@@ -8,7 +8,7 @@ from rdnattention.families import f16 as runtime
 
 from ..family import Family, OracleCase, Rule
 from ..matrix import Target
-from ..spec import KernelSpec, NameField, NameSchema, Tile
+from ..spec import KernelSpec, Tile
 from ..strict_yaml import Node
 
 
@@ -58,17 +58,7 @@ class F16(Family):
     name = "f16"
     template = "fa2_f16.hip.j2"
     args = runtime.ARGS
-    schema = NameSchema("fa2_f16", (
-        NameField("head_dim", "_hd{}", r"\d+"),
-        NameField("gqa_group", "_g{}", r"\d+"),
-        NameField("tile.br", "_br{}", r"\d+"),
-        NameField("tile.bc", "_bc{}", r"\d+"),
-        NameField("tile.threads", "_nt{}", r"\d+"),
-        NameField("tile.tm", "_tm{}", r"\d+"),
-        NameField("wave_size", "_w{}", r"32|64"),
-        NameField("tier", "_{}", r"dot2|fma_mix|mad_mix|cvt_fma", str),
-        NameField("stage", "_s{}", r"f16|f32", str),
-    ))
+    schema = runtime.NAMES
     rules = RULES
     # The instruction each tier's kernels must contain (audit counts).
     signatures = {"dot2": "dot2", "fma_mix": "fma_mix", "mad_mix": "mad_mix", "cvt_fma": "cvt_f32_f16"}

@@ -11,6 +11,7 @@ import ninja
 from .. import toolchain
 from ..audit import AuditError, KernelAudit
 from ..matrix import Target
+from ..ninja_paths import command_path
 from ..platform import DEVICE_FLAGS, Platform
 from ..spec import KernelSpec
 from ..toolchain import Toolchain
@@ -55,7 +56,7 @@ class Cuda(Platform):
         w.build(ptx, "cuda_ptx", str(gen_dir / "kernels.cpp"), implicit=[stamp] + headers,
                 variables={"target": target.name, "kernels": str(len(specs))})
         w.build(str(out_dir / self.code_object), "cuda_cubin", ptx,
-                variables={"target": target.name, "ptxas": toolchain.find_ptxas(target.name)})
+                variables={"target": target.name, "ptxas": command_path(toolchain.find_ptxas(target.name))})
 
     def audit(self, tc: Toolchain, target: Target, specs: list[KernelSpec], build_dir: Path) -> list[KernelAudit]:
         cubin = self.code_object_path(target, build_dir)

@@ -8,8 +8,13 @@
 #define RDNA_WAVE_SIZE 32
 #define RDNA_DEVICE static inline
 #define RDNA_METHOD inline
-// One workgroup runs at a time per OS thread, so a thread-local static is its LDS.
-#define RDNA_LDS(name, bytes) alignas(16) static thread_local unsigned char name[bytes]
+#define RDNA_LDS_BYTES 65536
+// LDS is the running workgroup's buffer (rdna_host::shared_memory). The never-touched .bss array
+// beside it costs no memory: its symbol, "<kernel>::lds_extent", records the size for the audit.
+#define RDNA_LDS(name, bytes) \
+  static_assert((bytes) <= RDNA_LDS_BYTES, "LDS over the target's budget"); \
+  [[gnu::used]] static unsigned char name##_extent[bytes]; \
+  unsigned char* const name = rdna_host::shared_memory()
 #define RDNA_KERNEL(threads) extern "C"
 #define RDNA_REGISTER(name, args_type, threads) \
   static const rdna_host::Registrar name##_registrar( \

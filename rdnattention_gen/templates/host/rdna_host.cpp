@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -17,6 +19,9 @@
 
 #ifndef RDNA_WAVE_SIZE
 #error "compile with -DRDNA_WAVE_SIZE=<wave size of the host target>"
+#endif
+#ifndef RDNA_LDS_BYTES
+#error "compile with -DRDNA_LDS_BYTES=<LDS budget of the host target>"
 #endif
 
 namespace rdna_host {
@@ -51,11 +56,16 @@ struct Block {
   int id[3] = {0, 0, 0};
   std::vector<Fiber> fibers;
   std::vector<float> exchange;  // one slot per thread, for cross-lane operations
+  std::unique_ptr<unsigned char[]> lds_storage;
+  unsigned char* lds = nullptr;  // RDNA_LDS_BYTES, 64-byte aligned, inside lds_storage
   ucontext_t scheduler;
   Fiber* current = nullptr;
 };
 
-thread_local Block* tls_block = nullptr;
+// Initial-exec: a slot in the static TLS reserved when the library is loaded. The default model
+// would allocate the library's TLS lazily in each new thread, and glibc aborts the process when
+// that allocation fails.
+__attribute__((tls_model("initial-exec"))) thread_local Block* tls_block = nullptr;
 
 void fiber_main() {
   Block* blk = tls_block;
@@ -107,7 +117,11 @@ bool release(Block& blk, std::string& why) {
   return released;
 }
 
-bool run_block(Block& blk, std::mt19937_64* shuffle, std::string& why) {
+bool cancelled(const int* cancel) { return cancel && __atomic_load_n(cancel, __ATOMIC_RELAXED) != 0; }
+
+// Runs one workgroup to its end; false when it cannot finish (why says so) or is cancelled.
+// A cancelled workgroup's fibers are abandoned between sync points: their stacks belong to blk.
+bool run_block(Block& blk, std::mt19937_64* shuffle, const int* cancel, std::string& why) {
   const int n = blk.kernel->threads;
   for (int t = 0; t < n; ++t) {
     Fiber& f = blk.fibers[t];
@@ -121,6 +135,10 @@ bool run_block(Block& blk, std::mt19937_64* shuffle, std::string& why) {
   }
   std::vector<int> order(n);
   for (;;) {
+    if (cancelled(cancel)) {
+      why = "interrupted";
+      return false;
+    }
     order.clear();
     for (int t = 0; t < n; ++t)
       if (blk.fibers[t].state == State::Ready) order.push_back(t);
@@ -139,8 +157,6 @@ bool run_block(Block& blk, std::mt19937_64* shuffle, std::string& why) {
   }
 }
 
-thread_local std::string last_error;
-
 }  // namespace
 
 Registrar::Registrar(const char* name, int threads, std::size_t args_size, KernelEntry entry) {
@@ -149,6 +165,7 @@ Registrar::Registrar(const char* name, int threads, std::size_t args_size, Kerne
 
 int thread_id() { return tls_block->current->tid; }
 int block_id(int axis) { return tls_block->id[axis]; }
+unsigned char* shared_memory() { return tls_block->lds; }
 void block_sync() { yield(State::AtBarrier); }
 
 float shfl_xor(float v, int mask) {
@@ -169,7 +186,7 @@ using namespace rdna_host;
 namespace {
 
 int launch(const char* name, const unsigned grid[3], int threads, const void* args, std::size_t args_size,
-           unsigned long long shuffle_seed) {
+           unsigned long long shuffle_seed, const int* cancel, std::string& last_error) {
   auto it = registry().find(name);
   if (it == registry().end()) {
     last_error = std::string("no kernel named ") + name + " in this library";
@@ -206,6 +223,8 @@ int launch(const char* name, const unsigned grid[3], int threads, const void* ar
       blk.fibers.resize(kernel.threads);
       for (Fiber& f : blk.fibers) f.stack.reset(new char[kStackBytes]);
       blk.exchange.assign(kernel.threads, 0.f);
+      blk.lds_storage.reset(new unsigned char[RDNA_LDS_BYTES + 64]);
+      blk.lds = blk.lds_storage.get() + (64 - reinterpret_cast<std::uintptr_t>(blk.lds_storage.get()) % 64) % 64;
       tls_block = &blk;
       std::string why;
       for (long long g; !failed && (g = next++) < total;) {
@@ -213,7 +232,7 @@ int launch(const char* name, const unsigned grid[3], int threads, const void* ar
         blk.id[1] = (int)(g / grid[0] % grid[1]);
         blk.id[2] = (int)(g / grid[0] / grid[1]);
         std::mt19937_64 rng(shuffle_seed ^ (0x9e3779b97f4a7c15ULL * (unsigned long long)(g + 1)));
-        if (!run_block(blk, shuffle_seed ? &rng : nullptr, why)) fail(why);
+        if (!run_block(blk, shuffle_seed ? &rng : nullptr, cancel, why)) fail(why);
       }
       tls_block = nullptr;
     } catch (const std::exception& e) {
@@ -229,6 +248,10 @@ int launch(const char* name, const unsigned grid[3], int threads, const void* ar
   }
   work();
   for (std::thread& t : pool) t.join();
+  if (cancelled(cancel)) {
+    last_error = std::string(name) + ": interrupted";
+    return 1;
+  }
   if (failed) {
     last_error = error;
     return -1;
@@ -240,19 +263,29 @@ int launch(const char* name, const unsigned grid[3], int threads, const void* ar
 
 // No C++ exception leaves the library (std::bad_alloc under a memory limit, a failed thread
 // start): each becomes an error code and a message.
-extern "C" int rdna_host_launch(const char* name, const unsigned grid[3], int threads, const void* args,
-                                std::size_t args_size, unsigned long long shuffle_seed) {
-  try {
-    return launch(name, grid, threads, args, args_size, shuffle_seed);
-  } catch (const std::exception& e) {
-    last_error = std::string(name ? name : "?") + ": " + e.what();
-  } catch (...) {
-    last_error = std::string(name ? name : "?") + ": unknown C++ exception";
-  }
-  return -1;
-}
+extern "C" int rdna_host_abi_version(void) { return RDNA_HOST_ABI_VERSION; }
 
-extern "C" const char* rdna_host_last_error(void) { return last_error.c_str(); }
+extern "C" int rdna_host_launch(const char* name, const unsigned grid[3], int threads, const void* args,
+                                std::size_t args_size, unsigned long long shuffle_seed, const int* cancel, char* error,
+                                std::size_t error_size) {
+  int rc = -1;
+  const char* why = nullptr;
+  std::string message;
+  try {
+    rc = launch(name, grid, threads, args, args_size, shuffle_seed, cancel, message);
+    why = message.c_str();
+  } catch (const std::exception& e) {
+    why = e.what();  // the message could not be built (out of memory): say what was thrown
+  } catch (...) {
+    why = "unknown C++ exception";
+  }
+  if (rc != 0 && error && error_size) {
+    // Name first, then the reason, with no allocation: this path runs when memory has run out.
+    const bool named = message.empty() && name;
+    std::snprintf(error, error_size, "%s%s%s", named ? name : "", named ? ": " : "", why);
+  }
+  return rc;
+}
 
 extern "C" int rdna_host_kernel_count(void) { return (int)registry().size(); }
 

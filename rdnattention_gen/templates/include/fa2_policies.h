@@ -153,12 +153,14 @@ struct NormalizeEpilogue {
 
   template <int TD, int CD, int TCW>
   RDNA_METHOD void store(long long b, int head, int pos, int tx, const float (&row)[TD], float m, float l) const {
-    const float inv = l > 0.f ? 1.f / l : 0.f;  // a row that saw no key is zero
+    // A row that saw no key (l == 0) is zero, its LSE -inf; a NaN score made l NaN, and the
+    // row and its LSE stay NaN (never mistaken for "no visible key").
+    const float inv = l == 0.f ? 0.f : 1.f / l;
     half_t* out = a.o + b * a.o_stride_b + head * a.o_stride_h + (long long)pos * a.o_stride_s + tx * CD;
     rdna_store_row<TD, CD>(out, TCW * CD, row, inv);
     if (a.lse && tx == 0) {
       const float ln2 = 0.6931471805599453f;
-      a.lse[b * a.lse_stride_b + head * a.lse_stride_h + pos] = l > 0.f ? (m + rdna_log2(l)) * ln2 : -__builtin_inff();
+      a.lse[b * a.lse_stride_b + head * a.lse_stride_h + pos] = l == 0.f ? -__builtin_inff() : (m + rdna_log2(l)) * ln2;
     }
   }
 };
