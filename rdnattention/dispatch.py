@@ -219,6 +219,10 @@ def _check_entry(path: Path, i: int, e: KernelEntry, wave_size: object, rebuild:
             where = "wave_size" if field == "wave_size" else f"kernels[{i}].{field}"
             raise IncompatibleKernelsError(f"{path}: {where} is {recorded!r} but kernel {e.name} was built for "
                                            f"{value!r}; {rebuild}")
+    needed = fam.lds_bytes(facts)
+    if e.lds_bytes != needed:
+        raise IncompatibleKernelsError(f"{path}: kernels[{i}].lds_bytes is {e.lds_bytes} but kernel {e.name} uses "
+                                       f"{needed}; {rebuild}")
     if e.args_digest != fam.ARGS.digest:
         raise IncompatibleKernelsError(
             f"{path}: kernel {e.name} was built for argument layout {e.args_digest}, this runtime's "

@@ -106,6 +106,27 @@ def test_emulator_out_of_memory_is_a_launch_error(host_build):
     assert "LaunchError:" in out.stdout and "std::bad_alloc" in out.stdout
 
 
+def test_a_normal_call_fits_a_modest_address_space(host_build):
+    # Eight workers, each with 256 fiber stacks and the LDS, in 320 MiB of address space beyond what
+    # the process has mapped (256 KiB stacks without guard pages needed over 512 MiB).
+    out = _run("""
+        import resource, torch
+        from rdnattention import plan_flash_attn, attention_reference
+        from rdnattention.drivers import host
+        q = torch.randn(1, 8, 512, 128).half()
+        plan = plan_flash_attn(q, q, q, is_causal=True)
+        host._library(plan.table.code_object)
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize")) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (320 << 20), resource.RLIM_INFINITY))
+        plan.run()
+        ref = attention_reference(q, q, q, is_causal=True)
+        print("max error", (plan.outputs[0].double() - ref).abs().max().item())
+        """, env={"RDNATTENTION_HOST_THREADS": "8"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split()[-1]) <= 2e-3
+
+
 def test_generated_files_follow_the_umask(matrix, tmp_path):
     from rdnattention_gen.render import generate
     old = os.umask(0o022)
@@ -158,6 +179,8 @@ def _edit_table(table_dir, edit):
     ("name", "fa2_f16_hd32_bogus", "kernels[0].name 'fa2_f16_hd32_bogus' is not a f16 kernel name"),
     ("br", "128", "kernels[0].br = '128' is not a non-negative integer"),
     ("gqa_group", 0, "impossible tile: group 0"),
+    ("lds_bytes", 1024, "kernels[0].lds_bytes is 1024 but kernel fa2_f16_hd32_g1_br128_bc64_nt256_tm8_w32_cvt_fma_sf16 "
+                        "uses 29696"),
 ])
 def test_a_table_that_disagrees_with_its_kernel_names_is_refused(host_copy, field, value, message):
     from rdnattention import dispatch

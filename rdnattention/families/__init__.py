@@ -1,5 +1,6 @@
-"""Kernel families, runtime side: each module declares a family's argument struct (``ARGS``) and
-its launch planning (``plan``). Modules are found by discovery, so adding a family adds a module
+"""Kernel families, runtime side: each module declares a family's name (``NAME``), how its kernel
+names spell their facts (``NAMES``), its argument struct (``ARGS``), the LDS a kernel uses
+(``lds_bytes``) and its launch planning (``plan``). Modules are found by discovery, so adding a family adds a module
 here and edits nothing else in the runtime."""
 
 from __future__ import annotations

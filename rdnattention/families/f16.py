@@ -62,6 +62,24 @@ ARGS = ArgStruct("Fa2Args", (
 ))
 Fa2Args = ARGS.ctype
 
+
+def lds_layout(head_dim: int, br: int, bc: int, stage: str) -> dict[str, int]:
+    """Bytes of each LDS region of a kernel: the Q tile, the K/V tile, the P tile. The generator
+    sizes kernels with it and the runtime checks dispatch entries against it (on cuda the launch
+    requests exactly this much)."""
+    pair = 4 if stage == "f16" else 8
+    pad = 16 // pair  # pairs; keeps rows 16-byte aligned and off one bank
+    return {
+        "q_bytes": (head_dim // 2) * (br + pad) * pair,
+        "kv_bytes": max((head_dim // 2) * (bc + pad), (bc // 2) * head_dim) * pair,
+        "p_bytes": (bc // 2) * (br + pad) * pair,
+    }
+
+
+def lds_bytes(facts: dict[str, object]) -> int:
+    """LDS of the kernel whose name encodes ``facts`` (NAMES.parse)."""
+    return sum(lds_layout(facts["head_dim"], facts["tile.br"], facts["tile.bc"], facts["stage"]).values())
+
 _LOG2E = 1.4426950408889634
 _INT32 = (-2**31, 2**31 - 1)
 _GRID_YZ_MAX = 65535

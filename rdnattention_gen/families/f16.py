@@ -98,14 +98,7 @@ class F16(Family):
                           wave_size=v["wave_size"], tier=v["tier"], stage=v["stage"])
 
     def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
-        d, t = spec.head_dim, spec.tile
-        pair = 4 if spec.stage == "f16" else 8
-        pad = 16 // pair  # pairs; keeps rows 16-byte aligned and off one bank
-        return {
-            "q_bytes": (d // 2) * (t.br + pad) * pair,
-            "kv_bytes": max((d // 2) * (t.bc + pad), (t.bc // 2) * d) * pair,
-            "p_bytes": (t.bc // 2) * (t.br + pad) * pair,
-        }
+        return runtime.lds_layout(spec.head_dim, spec.tile.br, spec.tile.bc, spec.stage)
 
     def context(self, spec: KernelSpec) -> dict:
         return {"pairs": "F32Pairs" if spec.stage == "f32" else "F16Pairs", "lds_bytes": self.lds_bytes(spec)}

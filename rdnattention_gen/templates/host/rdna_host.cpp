@@ -1,6 +1,9 @@
 #include "rdna_host.h"
 
+#include <pthread.h>
+#include <sys/mman.h>
 #include <ucontext.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -40,26 +43,103 @@ std::map<std::string, Kernel>& registry() {
 
 enum class State { Ready, AtBarrier, AtWaveSync, Done };
 
-constexpr std::size_t kStackBytes = 256 * 1024;
+// A fiber's stack. The kernels use under 3 KiB at -O2 (measured over every shipped kernel); 64 KiB
+// leaves room for unoptimised builds, and a guard page below each stack turns an overflow into a
+// fault instead of a silent overwrite of the next one.
+constexpr std::size_t kStackBytes = 64 * 1024;
+
+// The stacks of one worker's fibers: a single mapping, a guard page below each stack. Mappings are
+// kept in a pool across launches, so a launch maps nothing once the pool holds enough.
+class Stacks {
+ public:
+  explicit Stacks(int count) : count_(count), guard_((std::size_t)sysconf(_SC_PAGESIZE)) {
+    bytes_ = (std::size_t)count * (guard_ + kStackBytes);
+    void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    base_ = static_cast<char*>(p);
+    for (int i = 0; i < count; ++i) {
+      if (mprotect(base_ + (std::size_t)i * (guard_ + kStackBytes), guard_, PROT_NONE) != 0) {
+        munmap(base_, bytes_);
+        throw std::bad_alloc();
+      }
+    }
+  }
+  ~Stacks() { munmap(base_, bytes_); }
+  Stacks(const Stacks&) = delete;
+  Stacks& operator=(const Stacks&) = delete;
+  int count() const { return count_; }
+  char* stack(int i) const { return base_ + (std::size_t)i * (guard_ + kStackBytes) + guard_; }
+
+ private:
+  int count_;
+  std::size_t guard_, bytes_ = 0;
+  char* base_ = nullptr;
+};
+
+std::mutex stack_pool_lock;
+std::vector<std::unique_ptr<Stacks>> stack_pool;
+
+// Stacks for `count` fibers: from the pool when it holds a large enough set, else newly mapped.
+std::unique_ptr<Stacks> take_stacks(int count) {
+  {
+    std::lock_guard<std::mutex> hold(stack_pool_lock);
+    for (auto it = stack_pool.begin(); it != stack_pool.end(); ++it) {
+      if ((*it)->count() >= count) {
+        std::unique_ptr<Stacks> s = std::move(*it);
+        stack_pool.erase(it);
+        return s;
+      }
+    }
+  }
+  return std::make_unique<Stacks>(count);
+}
+
+void give_back(std::unique_ptr<Stacks> s) {
+  std::lock_guard<std::mutex> hold(stack_pool_lock);
+  stack_pool.push_back(std::move(s));
+}
 
 struct Fiber {
   ucontext_t ctx;
-  std::unique_ptr<char[]> stack;
+  char* stack = nullptr;
   int tid = 0;
   State state = State::Ready;
 };
 
-// One workgroup in flight on this OS thread.
+// One worker's workgroup in flight. Everything in it is allocated by the launching thread before
+// the worker starts, so a worker never allocates (glibc would give each worker thread its own
+// malloc arena, 64 MiB of address space apiece).
 struct Block {
   const Kernel* kernel = nullptr;
   const void* args = nullptr;
   int id[3] = {0, 0, 0};
   std::vector<Fiber> fibers;
+  std::vector<int> order;       // fibers to run next; capacity: one per thread
   std::vector<float> exchange;  // one slot per thread, for cross-lane operations
   std::unique_ptr<unsigned char[]> lds_storage;
   unsigned char* lds = nullptr;  // RDNA_LDS_BYTES, 64-byte aligned, inside lds_storage
+  std::unique_ptr<Stacks> stacks;
   ucontext_t scheduler;
   Fiber* current = nullptr;
+
+  Block(const Kernel& k, const void* a) : kernel(&k), args(a) {
+    fibers.resize(k.threads);
+    order.reserve(k.threads);
+    exchange.assign(k.threads, 0.f);
+    lds_storage.reset(new unsigned char[RDNA_LDS_BYTES + 64]);
+    lds = lds_storage.get() + (64 - reinterpret_cast<std::uintptr_t>(lds_storage.get()) % 64) % 64;
+    stacks = take_stacks(k.threads);
+    for (int t = 0; t < k.threads; ++t) fibers[t].stack = stacks->stack(t);
+  }
+  ~Block() {
+    try {
+      give_back(std::move(stacks));
+    } catch (const std::exception&) {
+      // The pool could not grow: the stacks are unmapped instead of kept.
+    }
+  }
+  Block(const Block&) = delete;
+  Block& operator=(const Block&) = delete;
 };
 
 // Initial-exec: a slot in the static TLS reserved when the library is loaded. The default model
@@ -128,12 +208,12 @@ bool run_block(Block& blk, std::mt19937_64* shuffle, const int* cancel, std::str
     f.tid = t;
     f.state = State::Ready;
     getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack.get();
+    f.ctx.uc_stack.ss_sp = f.stack;
     f.ctx.uc_stack.ss_size = kStackBytes;
     f.ctx.uc_link = &blk.scheduler;
     makecontext(&f.ctx, fiber_main, 0);
   }
-  std::vector<int> order(n);
+  std::vector<int>& order = blk.order;
   for (;;) {
     if (cancelled(cancel)) {
       why = "interrupted";
@@ -185,6 +265,76 @@ using namespace rdna_host;
 
 namespace {
 
+// One launch's shared state: workers take workgroup numbers from `next` until none is left.
+struct Launch {
+  const Kernel* kernel;
+  const char* name;
+  const unsigned* grid;
+  long long total;
+  unsigned long long shuffle_seed;
+  const int* cancel;
+  std::atomic<long long> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex error_lock;
+  std::string error;
+
+  Launch(const Kernel* k, const char* n, const unsigned* g, long long t, unsigned long long seed, const int* c)
+      : kernel(k), name(n), grid(g), total(t), shuffle_seed(seed), cancel(c) {}
+
+  void fail(const std::string& why) noexcept {
+    failed = true;
+    try {
+      std::lock_guard<std::mutex> hold(error_lock);
+      if (error.empty()) error = std::string(name) + ": " + why;
+    } catch (const std::exception&) {
+      // No memory for the message: the launch still fails, with the generic one below.
+    }
+  }
+
+  // Runs workgroups on `blk` until none is left or the launch fails.
+  void work(Block& blk) noexcept {
+    tls_block = &blk;
+    try {
+      std::string why;
+      for (long long g; !failed && (g = next++) < total;) {
+        blk.id[0] = (int)(g % grid[0]);
+        blk.id[1] = (int)(g / grid[0] % grid[1]);
+        blk.id[2] = (int)(g / grid[0] / grid[1]);
+        std::mt19937_64 rng(shuffle_seed ^ (0x9e3779b97f4a7c15ULL * (unsigned long long)(g + 1)));
+        if (!run_block(blk, shuffle_seed ? &rng : nullptr, cancel, why)) fail(why);
+      }
+    } catch (const std::exception& e) {
+      fail(e.what());
+    }
+    tls_block = nullptr;
+  }
+};
+
+// Workers are POSIX threads with small stacks: their own frames are a few calls deep (kernels run on
+// fiber stacks), and the default stack would reserve 8 MiB of address space each.
+constexpr std::size_t kWorkerStackBytes = 256 * 1024;
+
+struct Worker {
+  Launch* run;
+  Block* blk;
+  pthread_t thread;
+};
+
+void* worker_main(void* p) {
+  Worker* w = static_cast<Worker*>(p);
+  w->run->work(*w->blk);
+  return nullptr;
+}
+
+bool start_worker(Worker& w) {
+  pthread_attr_t attr;
+  if (pthread_attr_init(&attr) != 0) return false;
+  pthread_attr_setstacksize(&attr, kWorkerStackBytes);
+  const bool ok = pthread_create(&w.thread, &attr, worker_main, &w) == 0;
+  pthread_attr_destroy(&attr);
+  return ok;
+}
+
 int launch(const char* name, const unsigned grid[3], int threads, const void* args, std::size_t args_size,
            unsigned long long shuffle_seed, const int* cancel, std::string& last_error) {
   auto it = registry().find(name);
@@ -204,56 +354,24 @@ int launch(const char* name, const unsigned grid[3], int threads, const void* ar
   if (const char* env = std::getenv("RDNATTENTION_HOST_THREADS")) workers = std::atoi(env);
   workers = (int)std::max(1LL, std::min<long long>(std::max(workers, 1), total));
 
-  std::atomic<long long> next{0};
-  std::atomic<bool> failed{false};
-  std::mutex error_lock;
-  std::string error;
-  auto fail = [&](const std::string& why) {
-    failed = true;
-    std::lock_guard<std::mutex> hold(error_lock);
-    if (error.empty()) error = std::string(name) + ": " + why;
-  };
-  // Runs workgroups until none is left; an exception (a fiber stack that cannot be allocated)
-  // fails the launch instead of leaving the thread.
-  auto work = [&]() {
-    try {
-      Block blk;
-      blk.kernel = &kernel;
-      blk.args = args;
-      blk.fibers.resize(kernel.threads);
-      for (Fiber& f : blk.fibers) f.stack.reset(new char[kStackBytes]);
-      blk.exchange.assign(kernel.threads, 0.f);
-      blk.lds_storage.reset(new unsigned char[RDNA_LDS_BYTES + 64]);
-      blk.lds = blk.lds_storage.get() + (64 - reinterpret_cast<std::uintptr_t>(blk.lds_storage.get()) % 64) % 64;
-      tls_block = &blk;
-      std::string why;
-      for (long long g; !failed && (g = next++) < total;) {
-        blk.id[0] = (int)(g % grid[0]);
-        blk.id[1] = (int)(g / grid[0] % grid[1]);
-        blk.id[2] = (int)(g / grid[0] / grid[1]);
-        std::mt19937_64 rng(shuffle_seed ^ (0x9e3779b97f4a7c15ULL * (unsigned long long)(g + 1)));
-        if (!run_block(blk, shuffle_seed ? &rng : nullptr, cancel, why)) fail(why);
-      }
-      tls_block = nullptr;
-    } catch (const std::exception& e) {
-      tls_block = nullptr;
-      fail(e.what());
-    }
-  };
-  std::vector<std::thread> pool;
-  try {
-    for (int w = 1; w < workers; ++w) pool.emplace_back(work);
-  } catch (const std::system_error&) {
-    // Fewer OS threads than asked for: the ones started (and this one) take every workgroup.
+  Launch run{&kernel, name, grid, total, shuffle_seed, cancel};
+  // Every worker's memory first, on this thread: running out fails the launch here, cleanly.
+  std::vector<std::unique_ptr<Block>> blocks;
+  for (int w = 0; w < workers; ++w) blocks.push_back(std::make_unique<Block>(kernel, args));
+  std::vector<Worker> pool(workers - 1);
+  int started = 0;
+  for (; started < workers - 1; ++started) {
+    pool[started] = Worker{&run, blocks[started + 1].get(), {}};
+    if (!start_worker(pool[started])) break;  // fewer OS threads: those started and this one share the grid
   }
-  work();
-  for (std::thread& t : pool) t.join();
+  run.work(*blocks[0]);
+  for (int w = 0; w < started; ++w) pthread_join(pool[w].thread, nullptr);
   if (cancelled(cancel)) {
     last_error = std::string(name) + ": interrupted";
     return 1;
   }
-  if (failed) {
-    last_error = error;
+  if (run.failed) {
+    last_error = run.error.empty() ? std::string(name) + ": failed (no memory for the reason)" : run.error;
     return -1;
   }
   return 0;
