@@ -1,12 +1,16 @@
-"""rdnattention: FlashAttention-2 forward kernels for GPUs without matrix cores."""
+"""rdnattention: FlashAttention-2 forward kernels for GPUs without matrix cores.
 
-from . import ops  # noqa: F401  (registers rdnattention::flash_attn_fwd)
-from .api import flash_attn, flash_attn_func, plan_flash_attn, rotary_tables, scaled_dot_product_attention
-from .drivers.host import set_shuffle as set_host_shuffle
-from .errors import (IncompatibleKernelsError, InvalidArgumentError, KernelsNotBuiltError, LaunchError,
-                     RdnaAttentionError, UnsupportedError)
-from .reference import attention_reference
+Where torch is already imported, importing the package loads the API (and registers the custom
+op), raising ImportError if that torch is too old. Otherwise the API is loaded on first use, so
+the generator reads the kernel-argument layouts and names from this package without importing
+torch. torch is not an install requirement (see _torch.py); without a usable one, every API name
+raises ImportError saying which torch to install."""
 
+from __future__ import annotations
+
+import sys as _sys
+
+__version__ = "0.1.0"
 __all__ = [
     "flash_attn",
     "flash_attn_func",
@@ -20,6 +24,37 @@ __all__ = [
     "UnsupportedError",
     "KernelsNotBuiltError",
     "IncompatibleKernelsError",
+    "StaleKernelsError",
     "LaunchError",
 ]
-__version__ = "0.1.0"
+
+
+def _load_api() -> None:
+    from ._torch import problem
+
+    why = problem()
+    if why:
+        raise ImportError(why)
+    from . import ops  # noqa: F401  (registers rdnattention::flash_attn_fwd)
+    from .api import flash_attn, flash_attn_func, plan_flash_attn, rotary_tables, scaled_dot_product_attention
+    from .drivers.host import set_shuffle as set_host_shuffle
+    from .errors import (IncompatibleKernelsError, InvalidArgumentError, KernelsNotBuiltError, LaunchError,
+                         RdnaAttentionError, StaleKernelsError, UnsupportedError)
+    from .reference import attention_reference
+
+    globals().update({name: value for name, value in locals().items() if name in __all__})
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        _load_api()
+        return globals()[name]
+    raise AttributeError(f"module 'rdnattention' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if "torch" in _sys.modules:
+    _load_api()

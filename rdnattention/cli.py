@@ -19,6 +19,7 @@ from .errors import IncompatibleKernelsError, KernelsNotBuiltError, LaunchError,
 from .families import FAMILIES
 
 ENV = ("RDNATTENTION_TARGET", "RDNATTENTION_HOST_TARGET", "HSA_OVERRIDE_GFX_VERSION", "RDNATTENTION_BUILD_DIR",
+       "XDG_DATA_HOME",
        "RDNATTENTION_HIP_LIBRARY", "RDNATTENTION_HOST_THREADS", "ROCM_PATH")
 
 
@@ -86,7 +87,9 @@ def info() -> dict:
         "torch_cuda": torch.version.cuda,
         "torch_hip": torch.version.hip,
         "environment": {k: os.environ[k] for k in ENV if k in os.environ},
-        "kernel_search_path": [str(p) for p in dispatch.search_path()],
+        "kernel_search_path": [{"path": str(r.path), "source": r.source,
+                                "targets": sorted(p.parent.name for p in r.path.glob("*/dispatch.json"))}
+                               for r in dispatch.kernel_roots()],
         "built_targets": sorted({p.parent.name for p in dispatch.built_tables()}),
         "devices": [device_info(d) for d in _devices()],
     }
@@ -97,7 +100,9 @@ def _print_info(data: dict) -> None:
           f"HIP {data['torch_hip']}), Python {data['python']}")
     env = ", ".join(f"{k}={v}" for k, v in data["environment"].items()) or "none set"
     print(f"environment: {env}")
-    print("kernel search path: " + "; ".join(data["kernel_search_path"]))
+    print("kernels are looked for in, in order:")
+    for r in data["kernel_search_path"]:
+        print(f"  {r['path']} ({r['source']}): {', '.join(r['targets']) or 'nothing built'}")
     print("built targets: " + (", ".join(data["built_targets"]) or "none"))
     for d in data["devices"]:
         print(f"\n{d['device']}: {d['name']} ({d['arch']})")

@@ -11,13 +11,16 @@ import functools
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .errors import IncompatibleKernelsError, KernelsNotBuiltError, UnsupportedError
+from .errors import IncompatibleKernelsError, KernelsNotBuiltError, StaleKernelsError, UnsupportedError
 
 _PACKAGE = Path(__file__).resolve().parent
 _CHECKOUT = _PACKAGE.parent
+# AMD code-object versions a table may record (None: not an AMD code object). The generator pins v5.
+LOADABLE_CODE_OBJECT_VERSIONS = (None, 4, 5)
 TABLE_FORMAT = 3  # 3: the code object's size and SHA-256 are recorded
 
 
@@ -108,6 +111,7 @@ class TargetTable:
     isa_targets: tuple[str, ...] = ()  # targets whose GPUs run this code object unchanged
     code_object_bytes: int | None = None   # recorded at build time; None: not checked (tables made in code)
     code_object_sha256: str | None = None
+    code_object_version: int | None = None  # the AMD code object ABI it is built for; None: not pinned
 
     def __post_init__(self) -> None:
         by_key: dict[tuple[str, int], list[KernelEntry]] = {}
@@ -159,16 +163,60 @@ class TargetTable:
                                            f"records (modified or replaced); {rebuild}")
 
 
+BUILD_DIR_ENV = "RDNATTENTION_BUILD_DIR"
+ENTRY_POINT_GROUP = "rdnattention.kernels"  # kernel distributions: name = package holding <target>/ dirs
+
+
+def user_kernel_dir() -> Path:
+    """Where `rdnattention-gen build --user` writes: $XDG_DATA_HOME/rdnattention/kernels (default
+    ~/.local/share/rdnattention/kernels)."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "rdnattention" / "kernels"
+
+
+@dataclass(frozen=True)
+class KernelRoot:
+    path: Path    # holds <target>/dispatch.json and the code object beside it
+    source: str   # where it comes from, for messages and `rdnattention info`
+
+
+def kernel_roots() -> list[KernelRoot]:
+    """Every place built kernels are looked for, in order: $RDNATTENTION_BUILD_DIR; the source
+    checkout's build/ (only when this runtime is imported from a checkout); the per-user directory;
+    each installed kernel distribution (entry-point group ``rdnattention.kernels``); the package."""
+    roots = []
+    if os.environ.get(BUILD_DIR_ENV):
+        roots.append(KernelRoot(Path(os.environ[BUILD_DIR_ENV]), BUILD_DIR_ENV))
+    if (_CHECKOUT / "rdnattention_gen" / "variants.yaml").is_file() and (_CHECKOUT / "pyproject.toml").is_file():
+        roots.append(KernelRoot(_CHECKOUT / "build", "source checkout"))
+    roots.append(KernelRoot(user_kernel_dir(), "user directory (rdnattention-gen build --user)"))
+    roots += _distributions()
+    roots.append(KernelRoot(_PACKAGE / "lib", "rdnattention package"))
+    return roots
+
+
+def _distributions() -> list[KernelRoot]:
+    """Installed kernel distributions, by name. One whose package cannot be found is skipped (it is
+    reported by `rdnattention info`); it never stops the others."""
+    from importlib.metadata import entry_points
+    from importlib.util import find_spec
+
+    roots = []
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        try:
+            spec = find_spec(ep.value)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else ep.name
+        roots.append(KernelRoot(Path(list(spec.submodule_search_locations)[0]), f"distribution {dist}"))
+    return roots
+
+
 def search_path() -> list[Path]:
-    """Where built kernels are looked for: $RDNATTENTION_BUILD_DIR, the checkout's build/ (only when
-    this runtime is imported from a source checkout), the package."""
-    paths = []
-    if os.environ.get("RDNATTENTION_BUILD_DIR"):
-        paths.append(Path(os.environ["RDNATTENTION_BUILD_DIR"]))
-    if (_CHECKOUT / "rdnattention_gen" / "variants.yaml").is_file():
-        paths.append(_CHECKOUT / "build")
-    paths.append(_PACKAGE / "lib")
-    return paths
+    """The directories of kernel_roots(), in order."""
+    return [r.path for r in kernel_roots()]
 
 
 _INT_FIELDS = tuple(f.name for f in fields(KernelEntry) if f.type == "int")
@@ -224,7 +272,7 @@ def _check_entry(path: Path, i: int, e: KernelEntry, wave_size: object, rebuild:
         raise IncompatibleKernelsError(f"{path}: kernels[{i}].lds_bytes is {e.lds_bytes} but kernel {e.name} uses "
                                        f"{needed}; {rebuild}")
     if e.args_digest != fam.ARGS.digest:
-        raise IncompatibleKernelsError(
+        raise StaleKernelsError(
             f"{path}: kernel {e.name} was built for argument layout {e.args_digest}, this runtime's "
             f"{fam.ARGS.name} is {fam.ARGS.digest}; {rebuild}")
 
@@ -240,7 +288,7 @@ def load_table(path: Path) -> TargetTable:
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
         if data.get("format") != TABLE_FORMAT:
-            raise IncompatibleKernelsError(f"{path}: table format {data.get('format')!r}, this runtime reads "
+            raise StaleKernelsError(f"{path}: table format {data.get('format')!r}, this runtime reads "
                                            f"format {TABLE_FORMAT}; {rebuild}")
         entries = data["kernels"]
         if not isinstance(entries, list):
@@ -255,12 +303,19 @@ def load_table(path: Path) -> TargetTable:
         isa_targets = data.get("isa_targets", [])
         if not isinstance(isa_targets, list) or not all(isinstance(t, str) for t in isa_targets):
             raise ValueError("isa_targets is not a list of target names")
+        code_object_version = data.get("code_object_version")
+        if code_object_version is not None and type(code_object_version) is not int:
+            raise ValueError(f"code_object_version {code_object_version!r} is not an integer or null")
+        if code_object_version not in LOADABLE_CODE_OBJECT_VERSIONS:
+            raise StaleKernelsError(f"{path}: AMD code object v{code_object_version}; this runtime launches v4 and "
+                                    f"v5 (which every ROCm from 5.2 loads; v6 needs ROCm 6.2 or later); {rebuild}")
         table = TargetTable(target=path.parent.name, platform=str(platform), code_object=path.parent / code_object,
                             dynamic_lds=bool(data["dynamic_lds"]),
                             kernels=tuple(e for e in kernels if e.family in FAMILIES),
-                            isa_targets=tuple(isa_targets), code_object_bytes=size, code_object_sha256=sha)
+                            isa_targets=tuple(isa_targets), code_object_bytes=size, code_object_sha256=sha,
+                            code_object_version=code_object_version)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        if isinstance(e, IncompatibleKernelsError):
+        if isinstance(e, StaleKernelsError):
             raise
         raise IncompatibleKernelsError(f"{path}: unreadable dispatch table ({type(e).__name__}: {e}); {rebuild}") from None
     for i, e in enumerate(kernels):
@@ -292,11 +347,24 @@ def fallback_chain(target: str) -> list[Path]:
 
 @functools.lru_cache(maxsize=None)
 def table_for(target: str, device_name: str | None = None) -> TargetTable:
+    """The first table on the search path that serves ``target`` and that this runtime can use.
+    Tables of another version (StaleKernelsError) are skipped with a warning; a damaged or
+    inconsistent table or code object is an error, never skipped."""
+    stale: list[str] = []
     for path in fallback_chain(target):
-        table = load_table(path)
+        try:
+            table = load_table(path)
+        except StaleKernelsError as e:
+            stale.append(str(e))
+            continue
         if table.code_object.is_file():
             table.verify_code_object()
+            if stale:
+                warnings.warn("skipped kernels this runtime cannot use: " + " | ".join(stale) +
+                              f"; using {path}", RuntimeWarning, stacklevel=2)
             return table
+    if stale:
+        raise StaleKernelsError(" | ".join(stale))
     built = sorted({p.parent.name for p in built_tables()})
     gpu = f"{device_name} ({target})" if device_name else f"target {target!r}"
     looked = ", ".join(str(p) for p in search_path())

@@ -18,7 +18,14 @@ class KernelsNotBuiltError(RdnaAttentionError, FileNotFoundError):
 
 
 class IncompatibleKernelsError(KernelsNotBuiltError):
-    """Built kernels exist but this runtime cannot use them (argument layout or table format differ)."""
+    """Built kernels exist but this runtime cannot use them: damaged or inconsistent files, or
+    kernels of another version (see StaleKernelsError)."""
+
+
+class StaleKernelsError(IncompatibleKernelsError):
+    """Kernels built by another version (table format or argument layout differ). Another table on
+    the search path that serves the target is used instead, with a warning; this is raised when
+    none does."""
 
 
 class LaunchError(RdnaAttentionError, RuntimeError):

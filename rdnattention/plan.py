@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from . import drivers
 from .dispatch import KernelEntry, TargetTable
+
+if TYPE_CHECKING:  # the generator imports the families, and with them this module, without torch
+    import torch
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Plan:
     buffers: tuple[torch.Tensor, ...] = field(default=())
 
     def run(self) -> None:
+        from . import drivers
+
         driver = drivers.for_platform(self.table.platform)
         for launch in self.launches:
             driver.launch(self.table.code_object, launch, self.device)

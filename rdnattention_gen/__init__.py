@@ -4,9 +4,15 @@ through importlib.resources, so the generator runs the same from a checkout and 
 from __future__ import annotations
 
 import importlib.resources
+import importlib.util
 from pathlib import Path
 
 __version__ = "0.1.0"
+
+_MISSING = [m for m in ("jinja2", "yaml", "ninja") if importlib.util.find_spec(m) is None]
+if _MISSING:
+    raise ImportError(f"the generator needs {', '.join(_MISSING)}: pip install 'rdnattention[gen]' "
+                      "(and clang-22, lld-22 and llvm-22 from your distribution)")
 
 
 def _package_dir() -> Path:

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import DEFAULT_VARIANTS, TUNED_DIR, audit, build, docs, probe, toolchain
+from . import DEFAULT_VARIANTS, TUNED_DIR, audit, build, docs, packaging, probe, toolchain
 from .matrix import Matrix, Target, load_matrix
 from .ninja_paths import NinjaPathError
 from .render import generate, write_if_changed
@@ -38,6 +38,10 @@ def cmd_generate(matrix: Matrix, args: argparse.Namespace) -> int:
 
 
 def cmd_build(matrix: Matrix, args: argparse.Namespace) -> int:
+    if args.user:
+        from rdnattention.dispatch import user_kernel_dir
+        args.build_dir = user_kernel_dir()
+        print(f"build: into the per-user kernel directory {args.build_dir}")
     rows = build.build(matrix, _targets(matrix, args.targets), args.build_dir, jobs=args.jobs)
     if rows:
         print(audit.table(rows))
@@ -82,6 +86,25 @@ def cmd_probe(matrix: Matrix, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_package(matrix: Matrix, args: argparse.Namespace) -> int:
+    if args.family:
+        targets = [t for t in matrix.targets if t.family == args.family and not t.default and t.platform != "host"]
+        if not targets:
+            families = sorted({t.family for t in matrix.targets if not t.default and t.platform != "host"})
+            raise packaging.PackagingError(f"family {args.family!r} has no opt-in GPU targets; families that do: "
+                                           f"{', '.join(families)}")
+        name = args.name or args.family
+    else:
+        if not args.name:
+            raise packaging.PackagingError("name the distribution: --family FAMILY, or --targets LIST --name NAME")
+        targets, name = _targets(matrix, args.targets), args.name
+    packaging.refuse_host(targets)
+    build.build(matrix, targets, args.build_dir, jobs=args.jobs)
+    wheel = packaging.kernel_wheel(name, targets, args.build_dir.resolve(), args.out)
+    print(f"package: {wheel} ({wheel.stat().st_size // 1024} KiB; {', '.join(t.name for t in targets)})")
+    return 0
+
+
 def cmd_docs(matrix: Matrix, args: argparse.Namespace) -> int:
     targets = [t for t in _targets(matrix, args.targets) if t.platform != "host"]
     rows = build.build(matrix, targets, args.build_dir, jobs=args.jobs)
@@ -117,6 +140,14 @@ def parser() -> argparse.ArgumentParser:
     add("generate", cmd_generate, "render kernel sources into BUILD_DIR/gen")
     b = add("build", cmd_build, "generate, compile with ninja, audit, write dispatch tables")
     b.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles (default: ninja's choice)")
+    b.add_argument("--user", action="store_true",
+                   help="build into the per-user kernel directory the runtime searches (instead of --build-dir)")
+    k = add("package", cmd_package, "build targets and pack them as a kernel wheel, rdnattention-kernels-NAME")
+    k.set_defaults(targets="")
+    k.add_argument("--family", help="every opt-in target of this family (rdna1, rdna3, gcn5, ...); NAME defaults to it")
+    k.add_argument("--name", help="the distribution's name: rdnattention-kernels-NAME")
+    k.add_argument("--out", type=Path, default=Path("dist"), help="where the wheel goes (default: %(default)s)")
+    k.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles (default: ninja's choice)")
     a = add("audit", cmd_audit, "report the resources of built kernels and enforce the rules")
     a.add_argument("--json", action="store_true", help="print a JSON list, one object per kernel")
     d = add("docs", cmd_docs, "build every GPU target and regenerate docs/hardware.md from the matrix and audit")
@@ -133,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         matrix = load_matrix(args.variants, args.tuned)
         return args.fn(matrix, args)
-    except (VariantsError, toolchain.ToolchainError, build.BuildError, audit.AuditError, NinjaPathError) as e:
+    except (VariantsError, toolchain.ToolchainError, build.BuildError, audit.AuditError, NinjaPathError,
+            packaging.PackagingError) as e:
         print(f"rdnattention-gen: error: {e}", file=sys.stderr)
         return 2
 

@@ -11,6 +11,7 @@ from rdnattention.dispatch import TABLE_FORMAT
 
 from . import __version__
 from .matrix import Target, Variant
+from .platforms import platform
 
 
 def table(target: Target, variants: list[Variant], code_object: Path, dynamic_lds: bool, toolchain: str,
@@ -44,6 +45,8 @@ def table(target: Target, variants: list[Variant], code_object: Path, dynamic_ld
             "wave_size": target.wave_size, "code_object": code_object.name, "dynamic_lds": dynamic_lds,
             "code_object_bytes": code_object.stat().st_size,
             "code_object_sha256": hashlib.sha256(code_object.read_bytes()).hexdigest(),
+            # The ABI the code object is built for (amdgcn; null where the platform pins none).
+            "code_object_version": platform(target.platform).code_object_version,
             # Targets whose GPUs run this code object unchanged (the same ISA): the runtime's fallback.
             "isa": target.isa, "isa_targets": isa_targets,
             "generator_version": __version__, "toolchain": toolchain, "kernels": entries}

@@ -22,6 +22,7 @@ class Platform:
     name: str
     description: str
     code_object: str               # file name of a target's code object in build/<target>/
+    code_object_version: int | None = None  # the ABI version its code objects are built for (None: no such pin)
     target_prefix: str             # every target of this platform is named <prefix>...
     target_names: str              # how to say it in an error
     dynamic_lds: bool = False      # LDS is sized at launch rather than in the code object

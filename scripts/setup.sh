@@ -20,21 +20,29 @@ if ! { ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null; } | grep -q "li
   $SUDO apt-get install -y -qq libamdhip64-5 >/dev/null || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libamdhip64-5 >/dev/null; }
 fi
 
+# torch: an installed one is reused (a ROCm build included, even from the system site-packages);
+# otherwise $TORCH_SPEC is installed, from $TORCH_INDEX_URL when set. ROCm users:
+#   TORCH_INDEX_URL=https://download.pytorch.org/whl/rocm6.4 TORCH_SPEC=torch bash scripts/setup.sh
 PYTHON="${PYTHON:-python3}"
 if "$PYTHON" -c 'import os, sys, sysconfig
 sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")) else 1)'; then
-  # Debian's own Python refuses pip installs outside a virtual environment: use one.
+  # Debian's own Python refuses pip installs outside a virtual environment: use one, seeing the
+  # system's torch when it has one.
   if [ ! -x .venv/bin/python ]; then
-    echo "== creating .venv (the system Python is externally managed)"
-    "$PYTHON" -m venv .venv 2>/dev/null || { $SUDO apt-get install -y -qq python3-venv >/dev/null && "$PYTHON" -m venv .venv; }
+    SITE=""
+    if "$PYTHON" -c "import torch" 2>/dev/null; then SITE="--system-site-packages"; fi
+    echo "== creating .venv (the system Python is externally managed) ${SITE:+(seeing the system torch)}"
+    "$PYTHON" -m venv $SITE .venv 2>/dev/null || { $SUDO apt-get install -y -qq python3-venv >/dev/null && "$PYTHON" -m venv $SITE .venv; }
   fi
   PYTHON=.venv/bin/python
 fi
-if ! "$PYTHON" -c "import torch" 2>/dev/null; then
-  echo "== installing torch (${TORCH_SPEC:=torch==2.13.0})"
-  "$PYTHON" -m pip install -q "$TORCH_SPEC"
+if "$PYTHON" -c "import torch" 2>/dev/null; then
+  echo "== using the installed torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"
+else
+  echo "== installing torch (${TORCH_SPEC:=torch==2.13.0}${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL})"
+  "$PYTHON" -m pip install -q "$TORCH_SPEC" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
-echo "== installing rdnattention (editable, with test extras)"
+echo "== installing rdnattention (editable, with the generator and test extras)"
 "$PYTHON" -m pip install -q -e ".[test]"
 
 echo "== build + audit: default targets"

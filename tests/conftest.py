@@ -9,6 +9,12 @@ from rdnattention_gen.matrix import load_matrix
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+# RDNATTENTION_TEST_INSTALLED=1: test an installed (non-editable) rdnattention from a copy of these
+# tests outside any checkout (scripts/test_install.sh); kernels come from the install's search path
+# and the host targets are built into the per-user kernel directory.
+INSTALLED = os.environ.get("RDNATTENTION_TEST_INSTALLED") == "1"
+
+
 def pytest_configure(config):
     # The tests of one checkout must test its own code: an editable install of another checkout
     # would otherwise be imported silently (plain `pytest` does not put the checkout on sys.path).
@@ -17,11 +23,25 @@ def pytest_configure(config):
 
     for module in (rdnattention, rdnattention_gen):
         where = Path(module.__file__).resolve().parent.parent
-        if where != REPO_ROOT:
+        if INSTALLED:
+            if where == REPO_ROOT or (where / "pyproject.toml").is_file():
+                raise pytest.UsageError(f"RDNATTENTION_TEST_INSTALLED=1 but {module.__name__} comes from the "
+                                        f"source tree {where}, not from an installed wheel")
+        elif where != REPO_ROOT:
             raise pytest.UsageError(f"these tests are {REPO_ROOT}'s but import {module.__name__} from {where}; "
                                     f"run `python -m pytest` in {REPO_ROOT} or reinstall it with pip install -e")
 
-BUILD_DIR = Path(os.environ.get("RDNATTENTION_BUILD_DIR", REPO_ROOT / "build"))
+
+def _build_dir() -> Path:
+    if os.environ.get("RDNATTENTION_BUILD_DIR"):
+        return Path(os.environ["RDNATTENTION_BUILD_DIR"])
+    if INSTALLED:
+        from rdnattention.dispatch import user_kernel_dir
+        return user_kernel_dir()
+    return REPO_ROOT / "build"
+
+
+BUILD_DIR = _build_dir()
 
 
 def pytest_addoption(parser):

@@ -15,7 +15,7 @@ import rdnattention_gen
 from rdnattention import attention_reference, dispatch, flash_attn, plan_flash_attn
 from rdnattention.abi import ArgStruct
 from rdnattention.dispatch import Constraints, KernelEntry, TargetTable
-from rdnattention.errors import IncompatibleKernelsError, InvalidArgumentError, UnsupportedError
+from rdnattention.errors import IncompatibleKernelsError, InvalidArgumentError, StaleKernelsError, UnsupportedError
 from rdnattention.families import f16
 
 
@@ -58,16 +58,23 @@ def test_a_foreign_argument_layout_is_refused(host_copy, monkeypatch):
     data = json.loads(host_copy.read_text())
     data["kernels"][0]["args_digest"] = "0123456789abcdef"
     host_copy.write_text(json.dumps(data))
-    with pytest.raises(IncompatibleKernelsError) as err:
+    with pytest.raises(StaleKernelsError) as err:
         dispatch.load_table(host_copy)
     msg = str(err.value)
     assert "argument layout 0123456789abcdef" in msg and f"Fa2Args is {f16.ARGS.digest}" in msg
     assert msg.endswith("rebuild with: rdnattention-gen build --targets host")
+    q = torch.randn(1, 2, 8, 64).half()
+    # First on the search path, beside a usable table: skipped with a warning, never launched.
     monkeypatch.setenv("RDNATTENTION_BUILD_DIR", str(host_copy.parent.parent))
     dispatch.table_for.cache_clear()
     try:
-        q = torch.randn(1, 2, 8, 64).half()
-        with pytest.raises(IncompatibleKernelsError):
+        with pytest.warns(RuntimeWarning, match="skipped kernels this runtime cannot use: .*argument layout "
+                                                "0123456789abcdef.*; using "):
+            assert dispatch.table_for("host").code_object != host_copy.parent / "librdnattention_host.so"
+        # The only table: the call is refused.
+        monkeypatch.setattr(dispatch, "search_path", lambda: [host_copy.parent.parent])
+        dispatch.table_for.cache_clear()
+        with pytest.raises(StaleKernelsError, match="argument layout 0123456789abcdef"):
             flash_attn(q, q, q)
     finally:
         dispatch.table_for.cache_clear()

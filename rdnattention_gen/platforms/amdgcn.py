@@ -26,6 +26,10 @@ MNEMONICS = {
     "cvt_f32_f16": "v_cvt_f32_f16",
 }
 _SYMBOL = re.compile(r"^[0-9a-f]+ <(?P<name>[^>]+)>:$")
+# e_ident[EI_ABIVERSION] of an HSA code object, by code object version (LLVM's ELF.h:
+# ELFABIVERSION_AMDGPU_HSA_V4 = 2, _V5 = 3, _V6 = 4).
+_ELFOSABI_AMDGPU_HSA = 64
+_ELF_ABI_VERSION = {4: 2, 5: 3, 6: 4}
 
 
 class Amdgcn(Platform):
@@ -37,7 +41,11 @@ class Amdgcn(Platform):
     int8_dots = ("sdot4", "sudot4", "none")
     instructions = {"dot2": "v_dot2", "dot4": "v_dot4", "fma_mix": "v_fma_mix_f32", "mad_mix": "v_mad_mix_f32",
                     "cvt_f32_f16": "v_cvt_f32_f16"}
-    audit_version = 2  # 2: both operations of an RDNA3 dual-issue word are counted
+    # Pinned below clang 22's default (v6), which ROCm loaders accept only from 6.2 on and which adds
+    # nothing a per-gfx build uses (generic targets); every ROCm since 5.2 loads v5. The sources are
+    # in docs/hardware.md, "Code objects".
+    code_object_version = 5
+    audit_version = 3  # 2: both operations of an RDNA3 dual-issue word are counted; 3: code object version checked
 
     def validate_target(self, name: str, fields: dict, node: Node) -> None:
         super().validate_target(name, fields, node)
@@ -50,7 +58,8 @@ class Amdgcn(Platform):
         # Device-only HIP compiles write no depfile, so every header is listed as an input instead.
         w.rule("amdgcn", description="HIP $target ($kernels kernels)",
                command="$clang -x hip --offload-device-only -nogpuinc -nogpulib --no-gpu-bundle-output "
-                       f"--offload-arch=$target {DEVICE_FLAGS} -I$inc_dir $in -o $out")
+                       f"--offload-arch=$target -mcode-object-version={self.code_object_version} {DEVICE_FLAGS} "
+                       "-I$inc_dir $in -o $out")
 
     def ninja_build(self, w: ninja.Writer, target: Target, specs: list[KernelSpec], gen_dir: Path,
                     out_dir: Path, stamp: str, headers: list[str]) -> None:
@@ -59,6 +68,7 @@ class Amdgcn(Platform):
 
     def audit(self, tc: Toolchain, target: Target, specs: list[KernelSpec], build_dir: Path) -> list[KernelAudit]:
         code_object = self.code_object_path(target, build_dir)
+        _check_code_object_version(code_object, self.code_object_version)
         meta = {k[".name"]: k for k in _metadata(tc, code_object)}
         counts = _instruction_counts(tc, code_object)
         rows = []
@@ -75,6 +85,21 @@ class Amdgcn(Platform):
                 **counts.get(spec.name, dict.fromkeys(COUNTS, 0)),
             ))
         return rows
+
+
+def _check_code_object_version(code_object: Path, version: int) -> None:
+    """The ELF header says ``version``: a runtime older than the version a code object is built for
+    refuses to load it, so a compiler that ignored the flag must fail the build, not the user."""
+    with code_object.open("rb") as f:
+        ident = f.read(16)
+    if ident[:4] != b"\x7fELF" or ident[7] != _ELFOSABI_AMDGPU_HSA:
+        raise AuditError(f"{code_object}: not an AMDGPU HSA code object (ELF ident {ident.hex()})")
+    expected = _ELF_ABI_VERSION[version]
+    if ident[8] != expected:
+        found = {abi: v for v, abi in _ELF_ABI_VERSION.items()}.get(ident[8])
+        raise AuditError(f"{code_object}: ELF ABI version {ident[8]} (code object "
+                         f"{f'v{found}' if found else 'version unknown'}), expected {expected} (code object "
+                         f"v{version}, -mcode-object-version={version})")
 
 
 def _metadata(tc: Toolchain, code_object: Path) -> list[dict]:

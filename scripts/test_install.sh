@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The install a user gets: builds the main wheel (the default targets' kernels inside) and one kernel
+# wheel, installs both into a clean virtual environment (not editable, not from the checkout), and
+# from a directory outside the checkout runs `rdnattention info`, the installed generator, and the
+# host-emulator tests against that install. Run after scripts/setup.sh (it reuses build/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PYTHON="${PYTHON:-python3}"
+[ -x .venv/bin/python ] && PYTHON=.venv/bin/python
+OUT="$ROOT/.whl"
+rm -rf "$OUT" && mkdir -p "$OUT"
+
+echo "== wheel: rdnattention (the default targets' kernels, from build/)"
+RDNATTENTION_WHEEL_BUILD_DIR="$ROOT/build" "$PYTHON" -m pip wheel --no-deps -q -w "$OUT" .
+echo "== wheel: rdnattention-kernels-gcn4"
+"$PYTHON" -m rdnattention_gen.cli package --family gcn4 --out "$OUT"
+ls -l "$OUT"
+
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+echo "== clean environment in $WORK"
+"$PYTHON" -m venv "$WORK/venv"
+VPY="$WORK/venv/bin/python"
+"$VPY" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+MAIN=$(ls "$OUT"/rdnattention-*-py3-none-any.whl)
+"$VPY" -m pip install -q "$MAIN[gen]" "$OUT"/rdnattention_kernels_gcn4-*.whl pytest hypothesis
+cp -r tests "$WORK/tests"
+cd "$WORK"
+export XDG_DATA_HOME="$WORK/data"  # the per-user kernel directory of this test only
+
+echo "== rdnattention info --json"
+"$WORK/venv/bin/rdnattention" info --json > info.json
+"$VPY" - <<'PY'
+import json
+info = json.load(open("info.json"))
+roots = {r["source"]: r for r in info["kernel_search_path"]}
+print("\n".join(f"  {r['path']} ({r['source']}): {', '.join(r['targets']) or '-'}" for r in info["kernel_search_path"]))
+assert not any(s == "source checkout" for s in roots), "an installed runtime must not search a checkout"
+package = roots["rdnattention package"]["targets"]
+assert package == sorted(["gfx1011", "gfx1012", "gfx1030", "gfx1031", "gfx1032", "gfx1033", "gfx1034", "gfx1035",
+                          "gfx1036", "gfx906"]), package
+dist = [r for s, r in roots.items() if s.startswith("distribution rdnattention-kernels-gcn4")]
+assert dist and dist[0]["targets"] == ["gfx803"], roots
+print("installed kernels found: package", ", ".join(package), "| kernel wheel gfx803")
+PY
+echo "== rdnattention-gen list (the [gen] extra)"
+"$WORK/venv/bin/rdnattention-gen" list --targets gfx1030 | head -3
+echo "== rdnattention-gen build --user --targets host"
+"$WORK/venv/bin/rdnattention-gen" build --user --targets host | tail -1
+"$WORK/venv/bin/rdnattention" info | head -8
+echo "== host-emulator tests against the install"
+RDNATTENTION_TEST_INSTALLED=1 "$VPY" -m pytest -q -p no:cacheprovider tests/test_host_kernel.py tests/test_torch.py
