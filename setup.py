@@ -28,7 +28,8 @@ class BuildPyWithKernels(build_py):
         matrix = load_matrix()
         targets = matrix.select(os.environ.get("RDNATTENTION_WHEEL_TARGETS", "default"))
         packaging.refuse_host(targets)
-        build_dir = Path(os.environ.get("RDNATTENTION_WHEEL_BUILD_DIR") or Path(self.build_temp) / "kernels")
+        build_temp = self.get_finalized_command("build").build_temp
+        build_dir = Path(os.environ.get("RDNATTENTION_WHEEL_BUILD_DIR") or Path(build_temp) / "kernels")
         print(f"rdnattention: building kernels for {', '.join(t.name for t in targets)} in {build_dir}", flush=True)
         build.build(matrix, targets, build_dir)  # audits every target it packs
         packaging.pack(targets, build_dir.resolve(), Path(self.build_lib) / "rdnattention" / "lib")

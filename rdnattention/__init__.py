@@ -56,5 +56,5 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-if "torch" in _sys.modules:
+if _sys.modules.get("torch") is not None:  # torch already imported: load the API now
     _load_api()

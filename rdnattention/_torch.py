@@ -4,7 +4,6 @@ checked here, once, when the API is first touched."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
 MINIMUM = (2, 4)
@@ -14,11 +13,11 @@ _HOW = ("install the torch build for your GPU first: ROCm (AMD): pip install tor
 
 
 def problem() -> str | None:
-    """None when a usable torch is importable; otherwise what is wrong and what to install. Does not
-    import torch when it is absent."""
-    if importlib.util.find_spec("torch") is None:
-        return f"rdnattention needs PyTorch >= {MINIMUM[0]}.{MINIMUM[1]}, and none is installed; {_HOW}"
-    import torch
+    """None when a usable torch is importable; otherwise what is wrong and what to install."""
+    try:
+        import torch
+    except ImportError as e:
+        return f"rdnattention needs PyTorch >= {MINIMUM[0]}.{MINIMUM[1]}, and it cannot be imported ({e}); {_HOW}"
 
     m = re.match(r"(\d+)\.(\d+)", torch.__version__)
     if m is None or (int(m[1]), int(m[2])) < MINIMUM:

@@ -180,6 +180,11 @@ class KernelRoot:
     source: str   # where it comes from, for messages and `rdnattention info`
 
 
+def _in_checkout() -> bool:
+    """Whether this runtime is imported from a source checkout (not from an installed wheel)."""
+    return (_CHECKOUT / "rdnattention_gen" / "variants.yaml").is_file() and (_CHECKOUT / "pyproject.toml").is_file()
+
+
 def kernel_roots() -> list[KernelRoot]:
     """Every place built kernels are looked for, in order: $RDNATTENTION_BUILD_DIR; the source
     checkout's build/ (only when this runtime is imported from a checkout); the per-user directory;
@@ -187,7 +192,7 @@ def kernel_roots() -> list[KernelRoot]:
     roots = []
     if os.environ.get(BUILD_DIR_ENV):
         roots.append(KernelRoot(Path(os.environ[BUILD_DIR_ENV]), BUILD_DIR_ENV))
-    if (_CHECKOUT / "rdnattention_gen" / "variants.yaml").is_file() and (_CHECKOUT / "pyproject.toml").is_file():
+    if _in_checkout():
         roots.append(KernelRoot(_CHECKOUT / "build", "source checkout"))
     roots.append(KernelRoot(user_kernel_dir(), "user directory (rdnattention-gen build --user)"))
     roots += _distributions()
@@ -368,6 +373,12 @@ def table_for(target: str, device_name: str | None = None) -> TargetTable:
     built = sorted({p.parent.name for p in built_tables()})
     gpu = f"{device_name} ({target})" if device_name else f"target {target!r}"
     looked = ", ".join(str(p) for p in search_path())
+    if _in_checkout():
+        how = f"build them with: rdnattention-gen build --targets {target}"
+    elif target.startswith("host"):  # the emulator is built on the machine that runs it
+        how = f"build them with clang-22 and rdnattention[gen]: rdnattention-gen build --user --targets {target}"
+    else:  # an installed runtime: a kernel wheel, or the per-user directory
+        how = (f"install the rdnattention-kernels wheel that carries {target} (docs/hardware.md), or build them "
+               f"with clang-22 and rdnattention[gen]: rdnattention-gen build --user --targets {target}")
     raise KernelsNotBuiltError(
-        f"no kernels built for {gpu} (looked in {looked}; built targets there: {', '.join(built) or 'none'}); "
-        f"build them with: rdnattention-gen build --targets {target}")
+        f"no kernels built for {gpu} (looked in {looked}; built targets there: {', '.join(built) or 'none'}); {how}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import packaging
 from .audit import KernelAudit
 from .families import FAMILIES
 from .matrix import Matrix, Tier
@@ -34,7 +35,9 @@ def hardware_md(matrix: Matrix, rows: list[KernelAudit], compiler: str) -> str:
                     tile_rows.append({"table": name, "family": fam, "head_dim": key,
                                       "tile": f"{c.tile.br} × {c.tile.bc}, {c.tile.threads}, {c.tile.tm}",
                                       "when": str(c.when) if c.when.to_json() else "-"})
+    distribution = {name: f"`{dist}`" for dist, names in packaging.distributions(matrix).items()
+                    for name in names.split(", ")}
     tuned = "; ".join(f"`{target}`: {len(entries)} entries" for target, entries in sorted(matrix.tuned.items()))
     return environment().get_template("docs/hardware.md.j2").render(
-        tiers=tiers, targets=matrix.targets, rows=table, compiler=compiler, tile_tables=tile_tables, tile_rows=tile_rows,
+        tiers=tiers, targets=matrix.targets, distribution=distribution, rows=table, compiler=compiler, tile_tables=tile_tables, tile_rows=tile_rows,
         tuned=tuned or "none yet (a tuner run on the GPU writes them)")

@@ -24,7 +24,7 @@ echo "== clean environment in $WORK"
 VPY="$WORK/venv/bin/python"
 "$VPY" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 MAIN=$(ls "$OUT"/rdnattention-*-py3-none-any.whl)
-"$VPY" -m pip install -q "$MAIN[gen]" "$OUT"/rdnattention_kernels_gcn4-*.whl pytest hypothesis
+"$VPY" -m pip install -q "$MAIN[gen]" "$OUT"/rdnattention_kernels_gcn4-*.whl pytest hypothesis numpy
 cp -r tests "$WORK/tests"
 cd "$WORK"
 export XDG_DATA_HOME="$WORK/data"  # the per-user kernel directory of this test only
@@ -45,9 +45,11 @@ assert dist and dist[0]["targets"] == ["gfx803"], roots
 print("installed kernels found: package", ", ".join(package), "| kernel wheel gfx803")
 PY
 echo "== rdnattention-gen list (the [gen] extra)"
-"$WORK/venv/bin/rdnattention-gen" list --targets gfx1030 | head -3
+"$WORK/venv/bin/rdnattention-gen" list --targets gfx1030 > list.txt
+head -3 list.txt
 echo "== rdnattention-gen build --user --targets host"
 "$WORK/venv/bin/rdnattention-gen" build --user --targets host | tail -1
-"$WORK/venv/bin/rdnattention" info | head -8
+"$WORK/venv/bin/rdnattention" info > info.txt
+head -8 info.txt
 echo "== host-emulator tests against the install"
 RDNATTENTION_TEST_INSTALLED=1 "$VPY" -m pytest -q -p no:cacheprovider tests/test_host_kernel.py tests/test_torch.py

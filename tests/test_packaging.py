@@ -2,6 +2,9 @@
 a maintainer builds, and the runtime's lookup through installed kernel distributions."""
 
 import re
+import subprocess
+import sys
+import textwrap
 import zipfile
 
 import pytest
@@ -44,3 +47,67 @@ def test_kernel_wheel_is_found_through_its_entry_point(matrix, default_audit, bu
     assert roots[dist].path == tmp_path / "site" / "rdnattention_kernels_test_only"
     table = dispatch.load_table(roots[dist].path / "gfx1030" / "dispatch.json")
     table.verify_code_object()
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=120)
+
+
+def test_without_torch_the_api_says_which_torch_to_install():
+    out = _python("""
+        import sys
+        sys.modules["torch"] = None  # as if torch were not installed
+        import rdnattention
+        from rdnattention.families import f16  # the generator's view: layouts and names, no torch
+        print("digest", f16.ARGS.digest)
+        try:
+            from rdnattention import flash_attn
+        except ImportError as e:
+            print("ImportError:", e)
+        """)
+    assert out.returncode == 0, out.stderr
+    assert "digest " in out.stdout
+    assert "ImportError: rdnattention needs PyTorch >= 2.4, and it cannot be imported" in out.stdout
+    assert "pip install torch --index-url https://download.pytorch.org/whl/rocm" in out.stdout
+
+
+def test_a_torch_too_old_is_named(monkeypatch):
+    import torch
+
+    from rdnattention import _torch
+    monkeypatch.setattr(torch, "__version__", "2.3.1+rocm6.0")
+    assert _torch.problem().startswith("rdnattention needs PyTorch >= 2.4, found 2.3.1+rocm6.0")
+
+
+def test_the_command_without_torch_is_one_error_line():
+    out = _python("""
+        import sys
+        sys.modules["torch"] = None
+        from rdnattention.__main__ import main
+        sys.exit(main(["info"]))
+        """)
+    assert out.returncode == 2 and out.stderr.startswith("rdnattention: error: rdnattention needs PyTorch")
+    assert "Traceback" not in out.stderr
+
+
+def test_the_generator_imports_no_torch():
+    out = _python("""
+        import sys
+        import rdnattention_gen.build, rdnattention_gen.cli, rdnattention_gen.packaging
+        print("torch" in sys.modules)
+        """)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_an_installed_runtime_suggests_a_wheel_or_a_user_build(monkeypatch, tmp_path):
+    from rdnattention.errors import KernelsNotBuiltError
+    monkeypatch.setattr(dispatch, "_in_checkout", lambda: False)
+    monkeypatch.setattr(dispatch, "search_path", lambda: [tmp_path])
+    dispatch.table_for.cache_clear()
+    try:
+        with pytest.raises(KernelsNotBuiltError, match="install the rdnattention-kernels wheel that carries gfx1013 "
+                                                       r".*rdnattention-gen build --user --targets gfx1013"):
+            dispatch.table_for("gfx1013")
+    finally:
+        dispatch.table_for.cache_clear()
