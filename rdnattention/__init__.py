@@ -14,6 +14,11 @@ __version__ = "0.1.0"
 __all__ = [
     "flash_attn",
     "flash_attn_func",
+    "flash_attn_int8qk",
+    "flash_attn_int8qk_quantized",
+    "plan_flash_attn_int8qk",
+    "quantize_per_token",
+    "quantize_per_channel",
     "scaled_dot_product_attention",
     "plan_flash_attn",
     "attention_reference",
@@ -40,6 +45,8 @@ def _load_api() -> None:
     from .drivers.host import set_shuffle as set_host_shuffle
     from .errors import (IncompatibleKernelsError, InvalidArgumentError, KernelsNotBuiltError, LaunchError,
                          RdnaAttentionError, StaleKernelsError, UnsupportedError)
+    from .int8 import (flash_attn_int8qk, flash_attn_int8qk_quantized, plan_flash_attn_int8qk, quantize_per_channel,
+                       quantize_per_token)
     from .reference import attention_reference
 
     globals().update({name: value for name, value in locals().items() if name in __all__})

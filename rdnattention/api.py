@@ -54,11 +54,12 @@ def _check_tensor(name: str, t: object, layout: str) -> torch.Tensor:
 def _check_rows(name: str, t: torch.Tensor) -> None:
     """The kernel's view [batch, heads, seq, head_dim]: contiguous rows on 16-byte multiples."""
     stride = t.stride()
+    per16 = 16 // t.element_size()
     if stride[3] != 1 and t.shape[3] > 1:
         raise InvalidArgumentError(f"{name} must be contiguous in its last dimension, got strides {stride}")
-    if stride[0] % 8 or stride[1] % 8 or stride[2] % 8:
+    if stride[0] % per16 or stride[1] % per16 or stride[2] % per16:
         raise InvalidArgumentError(
-            f"{name} rows must start on 16-byte boundaries: strides {stride[:3]} must be multiples of 8 "
+            f"{name} rows must start on 16-byte boundaries: strides {stride[:3]} must be multiples of {per16} "
             f"elements and the data pointer 16-byte aligned")
 
 

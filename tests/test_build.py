@@ -23,11 +23,16 @@ def test_default_targets_pass_the_audit(matrix, default_audit):
     for row in default_audit:
         assert (row.vgpr_spills, row.sgpr_spills, row.scratch_bytes) == (0, 0, 0), row
         assert row.lds_bytes <= matrix.target(row.target).lds_bytes
-        assert row.dot2 > 0, f"{row.target}/{row.name} has no v_dot2"
+        if row.name.startswith("fa2_i8_"):
+            assert row.dot4 > 0, f"{row.target}/{row.name} has no v_dot4"
+        else:
+            assert row.dot2 > 0, f"{row.target}/{row.name} has no v_dot2"
         assert row.waves_per_simd >= 1
+    # Every default target has an int8 dot: the INT8 family is built on all of them.
+    assert {r.target for r in default_audit if r.name.startswith("fa2_i8_")} == targets
 
 
-def test_default_code_objects_contain_dot2(matrix, default_audit, build_dir):
+def test_default_code_objects_contain_their_dot_instructions(matrix, default_audit, build_dir):
     """Read the built files independently of the audit: llvm-objdump on each code object."""
     tc = toolchain.find()
     for target in matrix.select("default"):
@@ -37,7 +42,7 @@ def test_default_code_objects_contain_dot2(matrix, default_audit, build_dir):
         names = kernels[0::2]
         assert sorted(names) == sorted(s.name for s in matrix.specs_for(target))
         for name, body in zip(names, kernels[1::2]):
-            assert "v_dot2" in body, f"{target.name}/{name}"
+            assert ("v_dot4" if name.startswith("fa2_i8_") else "v_dot2") in body, f"{target.name}/{name}"
 
 
 def test_waves_per_simd_follows_llvm_rules(matrix):
@@ -161,10 +166,10 @@ def test_audit_covers_the_host_platform(matrix, host_build, build_dir):
     out = subprocess.run(CLI + ["audit", "--json", "--targets", "host,host_f32", "--build-dir", str(build_dir)],
                          capture_output=True, text=True, check=True, cwd=REPO_ROOT)
     rows = json.loads(out.stdout)
-    specs = {s.name: s for t in ("host", "host_f32") for s in matrix.specs_for(matrix.target(t))}
+    specs = {(t, s.name): s for t in ("host", "host_f32") for s in matrix.specs_for(matrix.target(t))}
     assert len(rows) == len(specs) and {r["target"] for r in rows} == {"host", "host_f32"}
     for r in rows:
-        assert r["lds_bytes"] == specs[r["name"]].lds_bytes and r["vgprs"] is None, r
+        assert r["lds_bytes"] == specs[r["target"], r["name"]].lds_bytes and r["vgprs"] is None, r
 
 
 def test_audit_table_prints_cuda_rows(matrix, build_dir):

@@ -29,9 +29,11 @@ def test_cuda_targets_build_without_spills(matrix, cuda_audit, target):
     budget = matrix.target(target).lds_bytes
     for r in rows:
         assert (r.vgpr_spills, r.scratch_bytes) == (0, 0), r
-        assert r.lds_bytes <= budget and r.cvt_f32_f16 > 0, r
+        assert r.lds_bytes <= budget and (r.dot4 if r.name.startswith("fa2_i8_") else r.cvt_f32_f16) > 0, r
     # sm_90 converts each fp16 value once into fp32 LDS; Pascal, with 48 KiB, keeps fp16 pairs.
-    assert all(r.name.endswith("_sf32" if target == "sm_90" else "_sf16") for r in rows)
+    assert all(r.name.endswith("_sf32" if target == "sm_90" else "_sf16") for r in rows if r.name.startswith("fa2_f16_"))
+    # dp4a on every Pascal-and-later target that has it: sm_60 has none, so no int8 kernels there.
+    assert any(r.name.startswith("fa2_i8_") for r in rows) == (target != "sm_60")
 
 
 # ----------------------------------------------------------------------------- on a GPU
@@ -186,3 +188,18 @@ def test_gpu_tensors_refuse_a_forced_host_target(monkeypatch):
                                                "tensors on cuda:0 run on cuda targets"):
         flash_attn(q, q, q)
     dispatch.table_for.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("variant", ["plain", "causal", "window_two_sided", "gqa", "mqa", "cross", "decode"])
+def test_gpu_int8_matches_the_dequantized_oracle(head_dim, variant):
+    from rdnattention import flash_attn_int8qk, quantize_per_channel, quantize_per_token
+    device = _gpu()
+    q, k, v, options = make_case(variant, head_dim)
+    (qi, qs), (ki, ks), (vi, vs) = quantize_per_token(q), quantize_per_token(k), quantize_per_channel(v)
+    out, lse = flash_attn_int8qk(*(t.to(device) for t in (qi, ki, vi, qs, ks, vs)), return_lse=True, **options)
+    ref, ref_lse = attention_reference(qi.double() * qs.double()[..., None], ki.double() * ks.double()[..., None],
+                                       vi.double() * vs.double()[:, :, None, :], return_lse=True, **options)
+    assert ((out.cpu().double() - ref).norm() / ref.norm()).item() <= 0.03
+    assert (lse.cpu().double() - ref_lse).abs().max().item() <= 1e-3

@@ -10,7 +10,8 @@ import sys
 
 import torch
 
-from rdnattention import attention_reference, flash_attn, rotary_tables
+from rdnattention import (attention_reference, flash_attn, flash_attn_int8qk, quantize_per_channel,
+                          quantize_per_token, rotary_tables)
 
 # name: (batch, heads_q, heads_kv, seq_q, seq_k, head_dim, options)
 CASES = {
@@ -40,6 +41,18 @@ def main() -> int:
         ok = err <= 2e-3
         failures += not ok
         print(f"{name:8} {list(q.shape)} / {list(k.shape)}  max abs err {err:.2e}  {'ok' if ok else 'FAIL'}")
+        if options.get("rotary_cos") is not None or d not in (64, 128):
+            continue
+        # The INT8 family on the same shape, against the oracle on its dequantized inputs.
+        (qi, qs), (ki, ks), (vi, vs) = quantize_per_token(q), quantize_per_token(k), quantize_per_channel(v)
+        out = flash_attn_int8qk(*(t.to(device) for t in (qi, ki, vi, qs, ks, vs)), **options)
+        torch.cuda.synchronize()
+        ref = attention_reference(qi.double() * qs.double()[..., None], ki.double() * ks.double()[..., None],
+                                  vi.double() * vs.double()[:, :, None, :], **options)
+        rel = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+        ok = rel <= 0.03
+        failures += not ok
+        print(f"{name:8} int8  relative RMS err {rel:.2e}  {'ok' if ok else 'FAIL'}")
     return 1 if failures else 0
 
 

@@ -20,8 +20,8 @@ if TYPE_CHECKING:  # the generator imports this module (names, layout, arguments
 NAME = "f16"
 
 # How a kernel's name spells its facts: the generator names kernels with it, and every dispatch
-# table entry is checked against the name it carries.
-NAMES = NameSchema("fa2_f16", (
+# table entry is checked against the name it carries. TILE_NAME_FIELDS are every fa2 family's.
+TILE_NAME_FIELDS = (
     NameField("head_dim", "_hd{}", r"\d+"),
     NameField("gqa_group", "_g{}", r"\d+"),
     NameField("tile.br", "_br{}", r"\d+"),
@@ -29,20 +29,15 @@ NAMES = NameSchema("fa2_f16", (
     NameField("tile.threads", "_nt{}", r"\d+"),
     NameField("tile.tm", "_tm{}", r"\d+"),
     NameField("wave_size", "_w{}", r"32|64"),
+)
+NAMES = NameSchema("fa2_f16", TILE_NAME_FIELDS + (
     NameField("tier", "_{}", r"dot2|fma_mix|mad_mix|cvt_fma", str),
     NameField("stage", "_s{}", r"f16|f32", str),
 ))
 
-# Strides are in elements; the last dimension is contiguous.
-ARGS = ArgStruct("Fa2Args", (
-    ("q", "const half_t*"),
-    ("k", "const half_t*"),
-    ("v", "const half_t*"),
-    ("o", "half_t*"),
-    ("q_stride_b", "long long"), ("q_stride_h", "long long"), ("q_stride_s", "long long"),
-    ("k_stride_b", "long long"), ("k_stride_h", "long long"), ("k_stride_s", "long long"),
-    ("v_stride_b", "long long"), ("v_stride_h", "long long"), ("v_stride_s", "long long"),
-    ("o_stride_b", "long long"), ("o_stride_h", "long long"), ("o_stride_s", "long long"),
+# Argument fields every fa2 family shares. Strides are in elements; the last dimension is contiguous.
+STRIDE_FIELDS = tuple((f"{t}_stride_{d}", "long long") for t in "qkvo" for d in "bhs")
+SHAPE_FIELDS = (
     ("batch", "int"),
     ("heads_q", "int"),
     ("heads_kv", "int"),
@@ -51,9 +46,18 @@ ARGS = ArgStruct("Fa2Args", (
     ("window_left", "int"),   # keys visible before the query's diagonal; -1: unbounded
     ("window_right", "int"),  # keys visible after it; -1: unbounded, 0: causal
     ("scale_log2", "float"),  # softmax scale times log2(e)
-    # Log-sum-exp per query row (natural log), fp32 [batch, heads_q, seq_q]; null: not written.
-    ("lse", "float*"),
-    ("lse_stride_b", "long long"), ("lse_stride_h", "long long"),
+)
+# Log-sum-exp per query row (natural log), fp32 [batch, heads_q, seq_q]; null: not written.
+LSE_FIELDS = (("lse", "float*"), ("lse_stride_b", "long long"), ("lse_stride_h", "long long"))
+
+ARGS = ArgStruct("Fa2Args", (
+    ("q", "const half_t*"),
+    ("k", "const half_t*"),
+    ("v", "const half_t*"),
+    ("o", "half_t*"),
+    *STRIDE_FIELDS,
+    *SHAPE_FIELDS,
+    *LSE_FIELDS,
     # RoPE tables [positions, rotary_dim/2] in fp32; rotary_dim 0: no rotation.
     ("rotary_cos", "const float*"),
     ("rotary_sin", "const float*"),
@@ -109,40 +113,51 @@ class Call:
         return left < 0 and right >= 0
 
 
-def plan(table: TargetTable, call: Call, *, heavy_first: bool | None = None, kernel: str | None = None) -> Plan:
-    """The launch of one call. ``heavy_first`` (default: on under causal-like masks) makes the
-    workgroups take row blocks longest first; ``kernel`` forces a dispatch entry by name."""
-    q, k, v, out = call.q, call.k, call.v, call.out
-    batch, heads_q, seq_q, head_dim = q.shape
-    heads_kv, seq_k = k.shape[1], k.shape[2]
-    entry = table.select(NAME, head_dim=head_dim, heads_per_kv=heads_q // heads_kv, causal=call.causal_like,
-                         seq_q=seq_q, kernel=kernel)
-    left, right = call.window
+def common_fields(q, k, v, out, lse, window: tuple[int, int], softmax_scale: float, causal_like: bool,
+                  heavy_first: bool | None) -> dict:
+    """The argument fields every fa2 family fills the same way: pointers, shape, mask, scale,
+    strides, LSE and the row-block order."""
+    batch, heads_q, seq_q, _ = q.shape
+    left, right = window
     fields = dict(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(),
-        batch=batch, heads_q=heads_q, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
-        window_left=left, window_right=right, scale_log2=float(call.softmax_scale) * _LOG2E,
+        batch=batch, heads_q=heads_q, heads_kv=k.shape[1], seq_q=seq_q, seq_k=k.shape[2],
+        window_left=left, window_right=right, scale_log2=float(softmax_scale) * _LOG2E,
         # Under a causal-like mask row blocks differ in length; longest first leaves almost no tail.
-        heavy_first=int(call.causal_like if heavy_first is None else heavy_first))
+        heavy_first=int(causal_like if heavy_first is None else heavy_first))
     for prefix, t in (("q", q), ("k", k), ("v", v), ("o", out)):
-        sb, sh, ss = t.stride()[:3]
-        fields[f"{prefix}_stride_b"], fields[f"{prefix}_stride_h"], fields[f"{prefix}_stride_s"] = sb, sh, ss
-    if call.lse is not None:
-        fields.update(lse=call.lse.data_ptr(), lse_stride_b=call.lse.stride(0), lse_stride_h=call.lse.stride(1))
-    if call.rotary_cos is not None:
-        fields.update(rotary_cos=call.rotary_cos.data_ptr(), rotary_sin=call.rotary_sin.data_ptr(),
-                      rotary_stride=call.rotary_cos.stride(0), rotary_dim=2 * call.rotary_cos.shape[1],
-                      rotary_interleaved=int(call.rotary_interleaved))
+        fields[f"{prefix}_stride_b"], fields[f"{prefix}_stride_h"], fields[f"{prefix}_stride_s"] = t.stride()[:3]
+    if lse is not None:
+        fields.update(lse=lse.data_ptr(), lse_stride_b=lse.stride(0), lse_stride_h=lse.stride(1))
+    return fields
+
+
+def row_block_launch(table: TargetTable, entry, args_type, fields: dict) -> Launch:
+    """One launch of a workgroup per (row block, GQA head group, batch), its 32-bit fields checked."""
     for key in ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "window_left", "window_right"):
         if not _INT32[0] <= fields[key] <= _INT32[1]:
             raise InvalidArgumentError(f"{key} = {fields[key]} does not fit the kernel's 32-bit field")
-    args = Fa2Args(**fields)
     rows_per_head = entry.br // entry.gqa_group
-    grid = (-(-seq_q // rows_per_head), heads_q // entry.gqa_group, batch)
+    grid = (-(-fields["seq_q"] // rows_per_head), fields["heads_q"] // entry.gqa_group, fields["batch"])
     if grid[1] > _GRID_YZ_MAX or grid[2] > _GRID_YZ_MAX:
         raise InvalidArgumentError(f"at most {_GRID_YZ_MAX} head groups and batches per launch, "
                                    f"got {grid[1]} and {grid[2]}")
     shared = entry.lds_bytes if table.dynamic_lds else 0
-    launch = Launch(kernel=entry, grid=grid, block=entry.threads, shared_bytes=shared, args=args)
-    buffers = tuple(t for t in (q, k, v, out, call.lse, call.rotary_cos, call.rotary_sin) if t is not None)
-    return Plan(table=table, device=q.device, launches=[launch], outputs=(out, call.lse), buffers=buffers)
+    return Launch(kernel=entry, grid=grid, block=entry.threads, shared_bytes=shared, args=args_type(**fields))
+
+
+def plan(table: TargetTable, call: Call, *, heavy_first: bool | None = None, kernel: str | None = None) -> Plan:
+    """The launch of one call. ``heavy_first`` (default: on under causal-like masks) makes the
+    workgroups take row blocks longest first; ``kernel`` forces a dispatch entry by name."""
+    q, k = call.q, call.k
+    entry = table.select(NAME, head_dim=q.shape[3], heads_per_kv=q.shape[1] // k.shape[1], causal=call.causal_like,
+                         seq_q=q.shape[2], kernel=kernel)
+    fields = common_fields(q, k, call.v, call.out, call.lse, call.window, call.softmax_scale, call.causal_like,
+                           heavy_first)
+    if call.rotary_cos is not None:
+        fields.update(rotary_cos=call.rotary_cos.data_ptr(), rotary_sin=call.rotary_sin.data_ptr(),
+                      rotary_stride=call.rotary_cos.stride(0), rotary_dim=2 * call.rotary_cos.shape[1],
+                      rotary_interleaved=int(call.rotary_interleaved))
+    launch = row_block_launch(table, entry, Fa2Args, fields)
+    buffers = tuple(t for t in (q, k, call.v, call.out, call.lse, call.rotary_cos, call.rotary_sin) if t is not None)
+    return Plan(table=table, device=q.device, launches=[launch], outputs=(call.out, call.lse), buffers=buffers)

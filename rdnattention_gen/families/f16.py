@@ -20,14 +20,12 @@ def thread_grid(spec: KernelSpec) -> dict[str, int]:
     return {"trw": trw, "tcw": tcw, "tn": t.bc // tcw if tcw else 0, "td": spec.head_dim // tcw if tcw else 0}
 
 
-def _tcw(spec: KernelSpec) -> int:
+def threads_per_row(spec: KernelSpec) -> int:
     return thread_grid(spec)["tcw"]
 
 
-RULES = (
-    Rule("head_dim_range",
-         lambda s, t: s.head_dim % 32 == 0 and 32 <= s.head_dim <= 512,
-         lambda s, t: f"head_dim {s.head_dim} must be a multiple of 32 in 32..512"),
+# The thread-grid rules every fa2 family shares; a family adds its head_dim and key rules.
+GRID_RULES = (
     Rule("group_divides_rows",
          lambda s, t: s.gqa_group >= 1 and s.tile.br % s.gqa_group == 0,
          lambda s, t: f"br {s.tile.br} must be a multiple of the GQA group {s.gqa_group}"),
@@ -39,18 +37,27 @@ RULES = (
          lambda s, t: f"threads {s.tile.threads} must be a multiple of br/tm = {s.tile.br / s.tile.tm:g}",
          stop=True),
     Rule("row_lanes",
-         lambda s, t: _tcw(s) & (_tcw(s) - 1) == 0 and _tcw(s) <= s.wave_size,
-         lambda s, t: f"threads per row (threads*tm/br = {_tcw(s)}) must be a power of two no larger than "
+         lambda s, t: threads_per_row(s) & (threads_per_row(s) - 1) == 0 and threads_per_row(s) <= s.wave_size,
+         lambda s, t: f"threads per row (threads*tm/br = {threads_per_row(s)}) must be a power of two no larger than "
                       f"the wave size {s.wave_size}"),
+)
+COLUMNS_RULE = Rule("columns_per_lane",
+                    lambda s, t: s.head_dim % (2 * threads_per_row(s)) == 0,
+                    lambda s, t: f"head_dim {s.head_dim} must be a multiple of 2 * threads per row = {2 * threads_per_row(s)}")
+LDS_RULE = Rule("lds_budget",
+                lambda s, t: s.lds_bytes <= t.lds_bytes,
+                lambda s, t: f"needs {s.lds_bytes} bytes of LDS, over the {t.lds_bytes} budget")
+
+RULES = (
+    Rule("head_dim_range",
+         lambda s, t: s.head_dim % 32 == 0 and 32 <= s.head_dim <= 512,
+         lambda s, t: f"head_dim {s.head_dim} must be a multiple of 32 in 32..512"),
+    *GRID_RULES,
     Rule("keys_per_lane",
-         lambda s, t: s.tile.bc % (2 * _tcw(s)) == 0,
-         lambda s, t: f"bc {s.tile.bc} must be a multiple of 2 * threads per row = {2 * _tcw(s)}"),
-    Rule("columns_per_lane",
-         lambda s, t: s.head_dim % (2 * _tcw(s)) == 0,
-         lambda s, t: f"head_dim {s.head_dim} must be a multiple of 2 * threads per row = {2 * _tcw(s)}"),
-    Rule("lds_budget",
-         lambda s, t: FAMILY.lds_bytes(s) <= t.lds_bytes,
-         lambda s, t: f"needs {FAMILY.lds_bytes(s)} bytes of LDS, over the {t.lds_bytes} budget"),
+         lambda s, t: s.tile.bc % (2 * threads_per_row(s)) == 0,
+         lambda s, t: f"bc {s.tile.bc} must be a multiple of 2 * threads per row = {2 * threads_per_row(s)}"),
+    COLUMNS_RULE,
+    LDS_RULE,
 )
 
 

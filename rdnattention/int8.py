@@ -1,0 +1,190 @@
+"""The INT8 entry points: attention with both products in int8, and the quantizers that make its
+inputs.
+
+Scale contract (checked on every call): q, k, v are int8 [batch, heads, seq, head_dim] (q with
+heads_q heads, k and v with heads_kv), and they stand for
+
+    q_real[b, h, s, :] = q[b, h, s, :] * q_scale[b, h, s]      (per token, fp32 [batch, heads_q, seq_q])
+    k_real[b, h, s, :] = k[b, h, s, :] * k_scale[b, h, s]      (per token, fp32 [batch, heads_kv, seq_k])
+    v_real[b, h, s, d] = v[b, h, s, d] * v_scale[b, h, d]      (per channel, fp32 [batch, heads_kv, head_dim])
+
+Scales are positive and finite. The output is fp16 attention over (q_real, k_real, v_real), with
+P quantized to 0..127 inside the kernel (the accuracy this costs is in docs/api.md)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import api
+from .errors import InvalidArgumentError, UnsupportedError
+from .families import i8
+from .plan import Plan
+
+_LEVELS = 127.0
+
+
+def _check_float(name: str, x: object) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise InvalidArgumentError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.dim() != 4:
+        raise InvalidArgumentError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(x.shape)}")
+    return x
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of each token's head_dim vector: (int8 [b, h, s, d], fp32 scale
+    [b, h, s]) with x ~= x_i8 * scale[..., None]. An all-zero token gets scale 1."""
+    x = _check_float("x", x)
+    amax = x.detach().float().abs().amax(dim=-1)
+    if not torch.isfinite(amax).all():
+        raise InvalidArgumentError("x holds a NaN or an infinity; it cannot be quantized")
+    scale = torch.where(amax > 0, amax / _LEVELS, torch.ones_like(amax))
+    q = torch.round(x.detach().float() / scale[..., None]).clamp_(-_LEVELS, _LEVELS).to(torch.int8)
+    return q, scale.contiguous()
+
+
+def quantize_per_channel(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of each channel over the sequence: (int8 [b, h, s, d], fp32 scale
+    [b, h, d]) with v ~= v_i8 * scale[:, :, None, :]. An all-zero channel gets scale 1."""
+    v = _check_float("v", v)
+    amax = v.detach().float().abs().amax(dim=2)
+    if not torch.isfinite(amax).all():
+        raise InvalidArgumentError("v holds a NaN or an infinity; it cannot be quantized")
+    scale = torch.where(amax > 0, amax / _LEVELS, torch.ones_like(amax))
+    q = torch.round(v.detach().float() / scale[:, :, None, :]).clamp_(-_LEVELS, _LEVELS).to(torch.int8)
+    return q, scale.contiguous()
+
+
+def _check_int8(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int8:
+        raise InvalidArgumentError(f"{name} must be int8, got {t.dtype} (quantize with quantize_per_token / "
+                                   "quantize_per_channel, or call flash_attn_int8qk_quantized)")
+    if t.dim() != 4:
+        raise InvalidArgumentError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+    return t
+
+
+def _check_scale(name: str, s: object, shape: tuple[int, ...], device: torch.device, what: str) -> torch.Tensor:
+    if not isinstance(s, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(s).__name__}")
+    if s.dtype != torch.float32:
+        raise InvalidArgumentError(f"{name} must be float32, got {s.dtype}")
+    if tuple(s.shape) != shape:
+        raise InvalidArgumentError(f"{name} must have shape {shape} ({what}), got {tuple(s.shape)}")
+    if s.device != device:
+        raise InvalidArgumentError(f"{name} is on {s.device}, q on {device}")
+    if s.numel() and s.stride(-1) != 1 and s.shape[-1] > 1:
+        raise InvalidArgumentError(f"{name} must be contiguous in its last dimension, got strides {s.stride()}")
+    return s
+
+
+def _validate(q, k, v, q_scale, k_scale, v_scale, *, is_causal, window_size, softmax_scale,
+              return_lse) -> api.Options:
+    """Everything that does not read the tensors' values, so it runs on fake tensors too."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_int8(name, t)
+    options = api._validate(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
+                            rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_lse)
+    batch, heads_q, seq_q, head_dim = q.shape
+    heads_kv, seq_k = k.shape[1], k.shape[2]
+    _check_scale("q_scale", q_scale, (batch, heads_q, seq_q), q.device, "per token of q")
+    _check_scale("k_scale", k_scale, (batch, heads_kv, seq_k), q.device, "per token of k")
+    _check_scale("v_scale", v_scale, (batch, heads_kv, head_dim), q.device, "per channel of v")
+    return options
+
+
+def _allocate(q: torch.Tensor, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, heads_q, seq_q, head_dim = q.shape
+    out = torch.empty((batch, heads_q, seq_q, head_dim), dtype=torch.float16, device=q.device)
+    lse = torch.empty((batch, heads_q, seq_q) if return_lse else (0,), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _plan(q, k, v, q_scale, k_scale, v_scale, o: api.Options, heavy_first=None, kernel=None) -> Plan:
+    """A validated call (see _validate) planned: memory and scale values checked, kernel chosen."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+        api._check_memory(name, t)
+        if name in "qkv" and t.numel() and t.data_ptr() % 16:
+            raise InvalidArgumentError(f"{name}'s data pointer must be 16-byte aligned")
+    for name, t in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if t.numel() and not bool(((t > 0) & torch.isfinite(t)).all()):
+            raise InvalidArgumentError(f"{name} must hold positive finite scales; it has a zero, negative, NaN or "
+                                       "infinite value")
+    table = api._table(q.device)
+    if not any(e.family == i8.NAME for e in table.kernels):
+        raise UnsupportedError(f"target {table.target} has no int8 kernels (it has no int8 dot instruction, or they "
+                               "were not built); use flash_attn, the fp16 kernel")
+    out, lse = _allocate(q, o.return_lse)
+    call = i8.Call(q=q, k=k, v=v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
+                   lse=lse if o.return_lse else None, window=(o.window_left, o.window_right),
+                   softmax_scale=o.softmax_scale)
+    plan = i8.plan(table, call, heavy_first=heavy_first, kernel=kernel)
+    plan.outputs = (out, lse)
+    if out.numel() == 0 or k.shape[2] == 0:
+        out.zero_()
+        lse.fill_(-math.inf)
+        plan.launches.clear()
+    return plan
+
+
+def flash_attn_int8qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
+                      k_scale: torch.Tensor, v_scale: torch.Tensor, *, is_causal: bool = False,
+                      window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
+                      return_lse: bool = False):
+    """Attention over int8 q, k, v with their scales (the module docstring states the contract):
+    is_causal, window_size, softmax_scale and return_lse as in flash_attn. Returns fp16
+    [batch, heads_q, seq_q, head_dim] (and the fp32 log-sum-exp). Runs the custom op
+    rdnattention::flash_attn_int8qk_fwd (through the dispatcher where torch traces)."""
+    o = _validate(q, k, v, q_scale, k_scale, v_scale, is_causal=is_causal, window_size=window_size,
+                  softmax_scale=softmax_scale, return_lse=return_lse)
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or not all(type(t) is torch.Tensor for t in (q, k, v, q_scale, k_scale, v_scale))):
+        from . import ops
+        out, lse = ops.flash_attn_int8qk_fwd(q, k, v, q_scale, k_scale, v_scale, o.window_left, o.window_right,
+                                             o.softmax_scale, o.return_lse)
+    else:
+        plan = _plan(q, k, v, q_scale, k_scale, v_scale, o)
+        plan.run()
+        out, lse = plan.outputs
+    return (out, lse) if return_lse else out
+
+
+def plan_flash_attn_int8qk(q, k, v, q_scale, k_scale, v_scale, *, is_causal: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
+                           return_lse: bool = False, heavy_first: bool | None = None, kernel: str | None = None) -> Plan:
+    """Validates and plans a flash_attn_int8qk call without running it (benchmarks, forcing a kernel)."""
+    o = _validate(q, k, v, q_scale, k_scale, v_scale, is_causal=is_causal, window_size=window_size,
+                  softmax_scale=softmax_scale, return_lse=return_lse)
+    if heavy_first is not None and not isinstance(heavy_first, bool):
+        raise InvalidArgumentError(f"heavy_first must be a bool or None, got {heavy_first!r}")
+    if kernel is not None and not isinstance(kernel, str):
+        raise InvalidArgumentError(f"kernel must be a kernel name (str) or None, got {kernel!r}")
+    return _plan(q, k, v, q_scale, k_scale, v_scale, o, heavy_first=heavy_first, kernel=kernel)
+
+
+def flash_attn_int8qk_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
+                                window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
+                                rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
+                                rotary_interleaved: bool = False, return_lse: bool = False):
+    """flash_attn's arguments in fp16; RoPE (if given) is applied in fp32, then q and k are quantized
+    per token and v per channel, and flash_attn_int8qk runs."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        api._check_tensor(name, t, api._NATIVE)
+    if api._check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k.shape[2]):
+        from .reference import rotate
+        seq_q, seq_k = q.shape[2], k.shape[2]
+        positions_q = torch.arange(seq_q, device=q.device) + (seq_k - seq_q)
+        keys = torch.arange(seq_k, device=q.device)
+        q = rotate(q.float(), rotary_cos.float(), rotary_sin.float(), positions_q, rotary_interleaved).float()
+        k = rotate(k.float(), rotary_cos.float(), rotary_sin.float(), keys, rotary_interleaved).float()
+    q_i8, q_scale = quantize_per_token(q)
+    k_i8, k_scale = quantize_per_token(k)
+    v_i8, v_scale = quantize_per_channel(v)
+    return flash_attn_int8qk(q_i8, k_i8, v_i8, q_scale, k_scale, v_scale, is_causal=is_causal,
+                             window_size=window_size, softmax_scale=softmax_scale, return_lse=return_lse)

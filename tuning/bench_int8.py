@@ -1,0 +1,53 @@
+"""INT8 against fp16, both ours, on an NVIDIA GPU (cuda platform), in the same run.
+
+    python3 tuning/bench_int8.py [--rounds 5]
+
+For each tuning/bench.py shape: the fp16 kernel (flash_attn) and the int8 kernel
+(flash_attn_int8qk on inputs quantized beforehand), launches only, interleaved (fp16 then int8,
+--rounds times, medians). TFLOP/s-equivalent uses the fp16 FLOP count for both; the ratio is
+int8 / fp16. Also the int8 kernel's error against the float64 oracle on the first shape."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import SHAPES, flops, time_ms  # noqa: E402
+
+from rdnattention import plan_flash_attn, plan_flash_attn_int8qk, quantize_per_channel, quantize_per_token  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    print(f"GPU: {torch.cuda.get_device_name(device)}; torch {torch.__version__}\n")
+    print("| shape | causal | fp16 ms | fp16 TFLOP/s | int8 ms | int8 TFLOP/s-eq | int8 / fp16 |")
+    print("|---|---|---|---|---|---|---|")
+    for label, b, hq, hk, sq, sk, d, causal in SHAPES:
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(b, hq, sq, d, device=device, dtype=torch.float16, generator=g)
+        k = torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g)
+        v = torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g)
+        (qi, qs), (ki, ks), (vi, vs) = quantize_per_token(q), quantize_per_token(k), quantize_per_channel(v)
+        plans = {"fp16": plan_flash_attn(q, k, v, is_causal=causal),
+                 "int8": plan_flash_attn_int8qk(qi, ki, vi, qs, ks, vs, is_causal=causal)}
+        times: dict[str, list[float]] = {"fp16": [], "int8": []}
+        for _ in range(args.rounds):
+            for key, plan in plans.items():
+                times[key].append(time_ms(plan.run, reps=10))
+        f = flops(b, hq, sq, sk, d, causal)
+        t16, t8 = statistics.median(times["fp16"]), statistics.median(times["int8"])
+        print(f"| {label} | {causal} | {t16:.3f} | {f / t16 / 1e9:.2f} | {t8:.3f} | {f / t8 / 1e9:.2f} | "
+              f"{t16 / t8:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
