@@ -54,8 +54,9 @@ def _table_facts(table: dispatch.TargetTable) -> dict:
         }
     return {"target": table.target, "platform": table.platform, "code_object": str(table.code_object),
             "isa_targets": list(table.isa_targets), "families": families,
-            "dtypes": ["float16"], "features": ["causal", "sliding window", "GQA/MQA", "cross-attention and decode",
-                                                "RoPE (rotate-half, interleaved)", "log-sum-exp", "any strides"]}
+            "dtypes": ["float16"] + (["int8 (flash_attn_int8qk)"] if "i8" in families else []),
+            "features": ["causal", "sliding window", "GQA/MQA", "cross-attention and decode",
+                         "RoPE (rotate-half, interleaved)", "log-sum-exp", "any strides"]}
 
 
 def device_info(device: torch.device) -> dict:
