@@ -39,6 +39,7 @@ class Options:
     rotary_sin: torch.Tensor | None
     rotary_interleaved: bool
     return_lse: bool
+    seqused_k: torch.Tensor | None = None  # int32 [batch]: keys each batch uses (a preallocated cache)
 
 
 def _check_tensor(name: str, t: object, layout: str) -> torch.Tensor:
@@ -121,9 +122,25 @@ def _check_rotary(cos: object, sin: object, interleaved: object, q: torch.Tensor
     return True
 
 
+def _check_seqused(seqused_k: object, q: torch.Tensor) -> torch.Tensor | None:
+    """Cache lengths: int32 [batch] on q's device (their values are checked when planned)."""
+    if seqused_k is None:
+        return None
+    if not isinstance(seqused_k, torch.Tensor):
+        raise InvalidArgumentError(f"seqused_k must be a torch.Tensor or None, got {type(seqused_k).__name__}")
+    if seqused_k.dtype != torch.int32 or tuple(seqused_k.shape) != (q.shape[0],):
+        raise InvalidArgumentError(f"seqused_k must be int32 [batch] = ({q.shape[0]},), got {seqused_k.dtype} "
+                                   f"{tuple(seqused_k.shape)}")
+    if seqused_k.device != q.device:
+        raise InvalidArgumentError(f"seqused_k is on {seqused_k.device}, q on {q.device}")
+    if seqused_k.numel() > 1 and seqused_k.stride(0) != 1:
+        raise InvalidArgumentError(f"seqused_k must be contiguous, got stride {seqused_k.stride()}")
+    return seqused_k
+
+
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: object, window_size: object,
               softmax_scale: object, rotary_cos: object, rotary_sin: object, rotary_interleaved: object,
-              return_lse: object) -> Options:
+              return_lse: object, seqused_k: object = None) -> Options:
     """Everything but the data pointers, so it runs on fake tensors too. q, k, v: the kernel's view."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_rows(name, t)
@@ -166,7 +183,8 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: o
                                "torch.no_grad() or torch.inference_mode(), or pass detached tensors")
     return Options(window_left=left, window_right=right, softmax_scale=float(softmax_scale),
                    rotary_cos=rotary_cos if rope else None, rotary_sin=rotary_sin if rope else None,
-                   rotary_interleaved=bool(rotary_interleaved) if rope else False, return_lse=return_lse)
+                   rotary_interleaved=bool(rotary_interleaved) if rope else False, return_lse=return_lse,
+                   seqused_k=_check_seqused(seqused_k, q))
 
 
 def _allocate(q: torch.Tensor, token_major: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,7 +248,12 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token_m
     if cos is not None and cos.dtype != torch.float32:  # q's dtype: the kernel reads fp32 tables
         cos, sin = cos.float(), sin.float()
     out, lse = _allocate(q, token_major, o.return_lse)
-    call = f16.Call(q=q, k=k, v=v, out=out, lse=lse if o.return_lse else None,
+    if o.seqused_k is not None:
+        _check_memory("seqused_k", o.seqused_k)
+        if o.seqused_k.numel() and not bool(((o.seqused_k >= 0) & (o.seqused_k <= k.shape[2])).all()):
+            raise InvalidArgumentError(f"seqused_k values must lie in [0, seq_k = {k.shape[2]}], got "
+                                       f"{o.seqused_k.tolist()}")
+    call = f16.Call(q=q, k=k, v=v, out=out, lse=lse if o.return_lse else None, seqused_k=o.seqused_k,
                     window=(o.window_left, o.window_right), softmax_scale=o.softmax_scale,
                     rotary_cos=cos, rotary_sin=sin, rotary_interleaved=o.rotary_interleaved)
     plan = f16.plan(_table(q.device), call, heavy_first=heavy_first, kernel=kernel)
@@ -327,7 +350,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token
             or not (type(q) is type(k) is type(v) is torch.Tensor)):
         from . import ops
         return ops.flash_attn_fwd(q, k, v, o.rotary_cos, o.rotary_sin, o.window_left, o.window_right,
-                                  o.softmax_scale, o.rotary_interleaved, o.return_lse, token_major)
+                                  o.softmax_scale, o.rotary_interleaved, o.return_lse, token_major, o.seqused_k)
     plan = _plan(q, k, v, o, token_major)
     plan.run()
     if key is not None and o.rotary_cos is None:
@@ -348,7 +371,7 @@ def _warn_if_token_major(q: torch.Tensor) -> None:
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
                window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
                rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
-               rotary_interleaved: bool = False, return_lse: bool = False):
+               rotary_interleaved: bool = False, return_lse: bool = False, seqused_k: torch.Tensor | None = None):
     """FlashAttention-2 forward on fp16 tensors [batch, heads, seq, head_dim]; returns a new tensor,
     or ``(out, lse)`` with ``return_lse=True`` (lse: float32 [batch, heads_q, seq_q], natural log).
 
@@ -357,9 +380,10 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: 
     each query's position; ``window_size=(left, right)`` limits how far before/after it keys are seen
     (-1: unbounded). ``softmax_scale`` defaults to 1/sqrt(head_dim). ``rotary_cos``/``rotary_sin``
     ([positions, rotary_dim/2], float32 or q's dtype; see :func:`rotary_tables`) apply RoPE to Q and K
-    in the kernel."""
+    in the kernel. ``seqused_k`` (int32 [batch]) gives the keys each batch uses, the first
+    seqused_k[b] of a preallocated cache of seq_k rows; queries align to the end of those."""
     key = None
-    if rotary_cos is None and rotary_sin is None:
+    if rotary_cos is None and rotary_sin is None and seqused_k is None:
         key = _key(q, k, v, is_causal, window_size, softmax_scale, return_lse, False)
         hit = _replay(key, q, k, v, return_lse, False) if key is not None else None
         if hit is not None:
@@ -367,7 +391,7 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: 
     q, k, v = (_check_tensor(n, t, _NATIVE) for n, t in (("q", q), ("k", k), ("v", v)))
     o = _validate(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
                   rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-                  return_lse=return_lse)
+                  return_lse=return_lse, seqused_k=seqused_k)
     _warn_if_token_major(q)
     out, lse = forward(q, k, v, o, token_major=False, key=key)
     return (out, lse) if return_lse else out
@@ -377,6 +401,7 @@ def plan_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cau
                     window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
                     rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
                     rotary_interleaved: bool = False, return_lse: bool = False,
+                    seqused_k: torch.Tensor | None = None,
                     heavy_first: bool | None = None, kernel: str | None = None) -> Plan:
     """Validates a :func:`flash_attn` call and plans it without running it: the returned
     :class:`~rdnattention.plan.Plan` holds the outputs and launches; ``plan.run()`` executes it
@@ -385,7 +410,7 @@ def plan_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cau
     q, k, v = (_check_tensor(n, t, _NATIVE) for n, t in (("q", q), ("k", k), ("v", v)))
     o = _validate(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
                   rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-                  return_lse=return_lse)
+                  return_lse=return_lse, seqused_k=seqused_k)
     if heavy_first is not None and not isinstance(heavy_first, bool):
         raise InvalidArgumentError(f"heavy_first must be a bool or None, got {heavy_first!r}")
     if kernel is not None and not isinstance(kernel, str):

@@ -18,10 +18,11 @@ from . import api
 @torch.library.custom_op("rdnattention::flash_attn_fwd", mutates_args=())
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary_cos: Optional[torch.Tensor],
                    rotary_sin: Optional[torch.Tensor], window_left: int, window_right: int, softmax_scale: float,
-                   rotary_interleaved: bool, return_lse: bool, token_major: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   rotary_interleaved: bool, return_lse: bool, token_major: bool,
+                   seqused_k: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     o = api.Options(window_left=window_left, window_right=window_right, softmax_scale=softmax_scale,
                     rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-                    return_lse=return_lse)
+                    return_lse=return_lse, seqused_k=seqused_k)
     plan = api._plan(q, k, v, o, token_major)
     plan.run()
     return plan.outputs
@@ -29,7 +30,7 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary_cos
 
 @flash_attn_fwd.register_fake
 def _(q, k, v, rotary_cos, rotary_sin, window_left, window_right, softmax_scale, rotary_interleaved, return_lse,
-      token_major):
+      token_major, seqused_k=None):
     return api._allocate(q, token_major, return_lse)
 
 

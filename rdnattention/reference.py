@@ -28,13 +28,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: tor
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
                         window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
                         rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
-                        rotary_interleaved: bool = False, return_lse: bool = False):
+                        rotary_interleaved: bool = False, return_lse: bool = False,
+                        seqused_k: torch.Tensor | None = None):
     """Attention in float64 on the CPU. Shapes [batch, heads, seq, head_dim]; K/V may have fewer heads.
 
     Query i sits at key position i + (Sk - Sq); RoPE rotates queries at those positions and keys at
     0..Sk-1. A row that sees no key is zero (and its log-sum-exp is -inf); a row with a NaN among
     the scores of the keys it sees is NaN, and so is its log-sum-exp (the scores of keys it does
-    not see are masked out, NaN or not)."""
+    not see are masked out, NaN or not). ``seqused_k`` (int [batch]): batch b uses its first
+    seqused_k[b] keys only, as if seq_k were that."""
+    if seqused_k is not None:  # each batch on its first seqused_k[b] keys, on its own
+        outs = [attention_reference(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], is_causal=is_causal,
+                                    window_size=window_size, softmax_scale=softmax_scale, rotary_cos=rotary_cos,
+                                    rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, return_lse=True)
+                for b, n in enumerate(seqused_k.tolist())]
+        out, lse = torch.cat([o for o, _ in outs]), torch.cat([x for _, x in outs])
+        return (out, lse) if return_lse else out
     q64, k64, v64 = (t.detach().to("cpu", torch.float64) for t in (q, k, v))
     batch, heads_q, seq_q, head_dim = q64.shape
     heads_kv, seq_k = k64.shape[1], k64.shape[2]

@@ -46,6 +46,7 @@ class Family:
     rules: tuple[Rule, ...]
     signatures: dict[str, str]        # tier -> audit count that must be non-zero
     oracle_cases: dict[str, OracleCase]
+    tiles_family: str | None = None   # take another family's tiles (a variant of it); None: its own
 
     # --- the matrix
     def axes(self, node: Node) -> dict:

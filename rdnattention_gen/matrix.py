@@ -141,7 +141,7 @@ class Matrix:
             for point in fam.points(axes):
                 hd, group = point["head_dim"], point["gqa_group"]
                 entries = []
-                for c in self.tile_choices(target.tiles, fam_name, hd):
+                for c in self.tile_choices(target.tiles, fam.tiles_family or fam_name, hd):
                     priority = 1 if c.when.to_json() else 0
                     entries.append(Variant(fam.spec(target, point, c.tile), c.when, priority, c.provenance, c.where))
                 for t in self.tuned.get(target.name, ()):

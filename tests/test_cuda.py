@@ -203,3 +203,20 @@ def test_gpu_int8_matches_the_dequantized_oracle(head_dim, variant):
                                        vi.double() * vs.double()[:, :, None, :], return_lse=True, **options)
     assert ((out.cpu().double() - ref).norm() / ref.norm()).item() <= 0.03
     assert (lse.cpu().double() - ref_lse).abs().max().item() <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq", [1, 5])
+def test_gpu_cache_lengths(sq):
+    device = _gpu()
+    g = torch.Generator().manual_seed(sq)
+    q = torch.randn(3, 8, sq, 128, generator=g).half()
+    k, v = (torch.randn(3, 2, 300, 128, generator=g).half() for _ in range(2))
+    seqused = torch.tensor([300, 77, 0], dtype=torch.int32)
+    out, lse = flash_attn(q.to(device), k.to(device), v.to(device), is_causal=True, seqused_k=seqused.to(device),
+                          return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, is_causal=True, seqused_k=seqused, return_lse=True)
+    assert (out.cpu().double() - ref).abs().max().item() <= TOL
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite)
+    assert (lse.cpu().double()[finite] - ref_lse[finite]).abs().max().item() <= LSE_TOL

@@ -49,6 +49,8 @@ SHAPE_FIELDS = (
 )
 # Log-sum-exp per query row (natural log), fp32 [batch, heads_q, seq_q]; null: not written.
 LSE_FIELDS = (("lse", "float*"), ("lse_stride_b", "long long"), ("lse_stride_h", "long long"))
+# Cache lengths, int32 [batch]: batch b uses its first seqused_k[b] keys; null: all seq_k.
+SEQUSED_FIELDS = (("seqused_k", "const int*"),)
 
 ARGS = ArgStruct("Fa2Args", (
     ("q", "const half_t*"),
@@ -58,6 +60,7 @@ ARGS = ArgStruct("Fa2Args", (
     *STRIDE_FIELDS,
     *SHAPE_FIELDS,
     *LSE_FIELDS,
+    *SEQUSED_FIELDS,
     # RoPE tables [positions, rotary_dim/2] in fp32; rotary_dim 0: no rotation.
     ("rotary_cos", "const float*"),
     ("rotary_sin", "const float*"),
@@ -105,6 +108,7 @@ class Call:
     rotary_cos: torch.Tensor | None = None
     rotary_sin: torch.Tensor | None = None
     rotary_interleaved: bool = False
+    seqused_k: torch.Tensor | None = None  # int32 [batch]
 
     @property
     def causal_like(self) -> bool:
@@ -114,7 +118,7 @@ class Call:
 
 
 def common_fields(q, k, v, out, lse, window: tuple[int, int], softmax_scale: float, causal_like: bool,
-                  heavy_first: bool | None) -> dict:
+                  heavy_first: bool | None, seqused_k=None) -> dict:
     """The argument fields every fa2 family fills the same way: pointers, shape, mask, scale,
     strides, LSE and the row-block order."""
     batch, heads_q, seq_q, _ = q.shape
@@ -129,6 +133,8 @@ def common_fields(q, k, v, out, lse, window: tuple[int, int], softmax_scale: flo
         fields[f"{prefix}_stride_b"], fields[f"{prefix}_stride_h"], fields[f"{prefix}_stride_s"] = t.stride()[:3]
     if lse is not None:
         fields.update(lse=lse.data_ptr(), lse_stride_b=lse.stride(0), lse_stride_h=lse.stride(1))
+    if seqused_k is not None:
+        fields["seqused_k"] = seqused_k.data_ptr()
     return fields
 
 
@@ -150,14 +156,17 @@ def plan(table: TargetTable, call: Call, *, heavy_first: bool | None = None, ker
     """The launch of one call. ``heavy_first`` (default: on under causal-like masks) makes the
     workgroups take row blocks longest first; ``kernel`` forces a dispatch entry by name."""
     q, k = call.q, call.k
-    entry = table.select(NAME, head_dim=q.shape[3], heads_per_kv=q.shape[1] // k.shape[1], causal=call.causal_like,
+    # Calls with cache lengths run the f16len variant (families/f16len.py): same struct and layout.
+    name = NAME if call.seqused_k is None else "f16len"
+    entry = table.select(name, head_dim=q.shape[3], heads_per_kv=q.shape[1] // k.shape[1], causal=call.causal_like,
                          seq_q=q.shape[2], kernel=kernel)
     fields = common_fields(q, k, call.v, call.out, call.lse, call.window, call.softmax_scale, call.causal_like,
-                           heavy_first)
+                           heavy_first, call.seqused_k)
     if call.rotary_cos is not None:
         fields.update(rotary_cos=call.rotary_cos.data_ptr(), rotary_sin=call.rotary_sin.data_ptr(),
                       rotary_stride=call.rotary_cos.stride(0), rotary_dim=2 * call.rotary_cos.shape[1],
                       rotary_interleaved=int(call.rotary_interleaved))
     launch = row_block_launch(table, entry, Fa2Args, fields)
-    buffers = tuple(t for t in (q, k, call.v, call.out, call.lse, call.rotary_cos, call.rotary_sin) if t is not None)
+    buffers = tuple(t for t in (q, k, call.v, call.out, call.lse, call.rotary_cos, call.rotary_sin, call.seqused_k)
+                    if t is not None)
     return Plan(table=table, device=q.device, launches=[launch], outputs=(call.out, call.lse), buffers=buffers)

@@ -108,7 +108,8 @@ class F16(Family):
         return runtime.lds_layout(spec.head_dim, spec.tile.br, spec.tile.bc, spec.stage)
 
     def context(self, spec: KernelSpec) -> dict:
-        return {"pairs": "F32Pairs" if spec.stage == "f32" else "F16Pairs", "lds_bytes": self.lds_bytes(spec)}
+        return {"pairs": "F32Pairs" if spec.stage == "f32" else "F16Pairs", "lds_bytes": self.lds_bytes(spec),
+                "lengths": False}
 
 
 FAMILY = F16()

@@ -1,5 +1,5 @@
 // @generated from templates/_args.h.j2 for family f16: the runtime's argument struct
-// (rdnattention/families/f16.py), layout digest b51f8d2c0fd3d9d0.
+// (rdnattention/families/f16.py), layout digest 017d62bea6a9cd49.
 #pragma once
 
 struct Fa2Args {
@@ -30,6 +30,7 @@ struct Fa2Args {
   float* lse;
   long long lse_stride_b;
   long long lse_stride_h;
+  const int* seqused_k;
   const float* rotary_cos;
   const float* rotary_sin;
   long long rotary_stride;

@@ -1,0 +1,24 @@
+"""The fp16 family's cache-length variant (``seqused_k``): the same template and tiles as f16, the
+kernel compiled with LENGTHS, so that batch b attends to its first seqused_k[b] keys. A family of its
+own so the plain f16 kernels stay as they are (a per-batch key count held in registers cost 5% at
+head_dim 64 on the H200)."""
+
+from __future__ import annotations
+
+from rdnattention.families import f16len as runtime
+
+from ..spec import KernelSpec
+from .f16 import F16
+
+
+class F16Len(F16):
+    name = "f16len"
+    schema = runtime.NAMES
+    tiles_family = "f16"  # takes f16's tiles from every tile table
+    oracle_cases: dict = {}  # tests/test_seqused.py runs its own sweep
+
+    def context(self, spec: KernelSpec) -> dict:
+        return {**super().context(spec), "lengths": True}
+
+
+FAMILY = F16Len()
