@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "flash_attn",
     "flash_attn_func",
+    "flash_attn_with_kvcache",
     "flash_attn_int8qk",
     "flash_attn_int8qk_quantized",
     "plan_flash_attn_int8qk",
@@ -47,6 +48,7 @@ def _load_api() -> None:
                          RdnaAttentionError, StaleKernelsError, UnsupportedError)
     from .int8 import (flash_attn_int8qk, flash_attn_int8qk_quantized, plan_flash_attn_int8qk, quantize_per_channel,
                        quantize_per_token)
+    from .kvcache import flash_attn_with_kvcache
     from .reference import attention_reference
 
     globals().update({name: value for name, value in locals().items() if name in __all__})

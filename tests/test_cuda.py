@@ -220,3 +220,22 @@ def test_gpu_cache_lengths(sq):
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse.cpu()), finite)
     assert (lse.cpu().double()[finite] - ref_lse[finite]).abs().max().item() <= LSE_TOL
+
+
+@pytest.mark.gpu
+def test_gpu_kvcache_decode_step():
+    from rdnattention import flash_attn_with_kvcache
+    device = _gpu()
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 1, 8, 128, generator=g).half()
+    k_cache, v_cache = (torch.randn(2, 256, 2, 128, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(2, 1, 2, 128, generator=g).half() for _ in range(2))
+    lengths = torch.tensor([100, 3], dtype=torch.int32)
+    kc, vc = k_cache.to(device), v_cache.to(device)
+    out = flash_attn_with_kvcache(q.to(device), kc, vc, k.to(device), v.to(device), cache_seqlens=lengths.to(device),
+                                  causal=True)
+    k_cache[0, 100], k_cache[1, 3], v_cache[0, 100], v_cache[1, 3] = k[0, 0], k[1, 0], v[0, 0], v[1, 0]
+    assert torch.equal(kc.cpu(), k_cache) and torch.equal(vc.cpu(), v_cache)
+    ref = attention_reference(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), is_causal=True,
+                              seqused_k=lengths + 1)
+    assert (out.cpu().double() - ref.transpose(1, 2)).abs().max().item() <= TOL
