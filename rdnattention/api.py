@@ -256,7 +256,11 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token_m
     call = f16.Call(q=q, k=k, v=v, out=out, lse=lse if o.return_lse else None, seqused_k=o.seqused_k,
                     window=(o.window_left, o.window_right), softmax_scale=o.softmax_scale,
                     rotary_cos=cos, rotary_sin=sin, rotary_interleaved=o.rotary_interleaved)
-    plan = f16.plan(_table(q.device), call, heavy_first=heavy_first, kernel=kernel)
+    return _with_outputs(f16.plan(_table(q.device), call, heavy_first=heavy_first, kernel=kernel), out, lse, k)
+
+
+def _with_outputs(plan: Plan, out: torch.Tensor, lse: torch.Tensor, k: torch.Tensor) -> Plan:
+    """The plan returning (out, lse); with no output or no key it launches nothing: zero rows, LSE -inf."""
     plan.outputs = (out, lse)
     if out.numel() == 0 or k.shape[2] == 0:
         out.zero_()

@@ -13,8 +13,6 @@ P quantized to 0..127 inside the kernel (the accuracy this costs is in docs/api.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import api
@@ -124,13 +122,7 @@ def _plan(q, k, v, q_scale, k_scale, v_scale, o: api.Options, heavy_first=None, 
     call = i8.Call(q=q, k=k, v=v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
                    lse=lse if o.return_lse else None, window=(o.window_left, o.window_right),
                    softmax_scale=o.softmax_scale)
-    plan = i8.plan(table, call, heavy_first=heavy_first, kernel=kernel)
-    plan.outputs = (out, lse)
-    if out.numel() == 0 or k.shape[2] == 0:
-        out.zero_()
-        lse.fill_(-math.inf)
-        plan.launches.clear()
-    return plan
+    return api._with_outputs(i8.plan(table, call, heavy_first=heavy_first, kernel=kernel), out, lse, k)
 
 
 def flash_attn_int8qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
