@@ -223,7 +223,7 @@ def test_a_damaged_code_object_is_refused_before_loading(host_copy, damage, mess
     data = lib.read_bytes()
     lib.write_bytes({"truncate": data[:len(data) // 2], "empty": b"",
                      "flip": data[:-100] + bytes([data[-100] ^ 1]) + data[-99:]}[damage])
-    out = _run(f"""
+    out = _run("""
         import torch
         from rdnattention import flash_attn
         from rdnattention.errors import IncompatibleKernelsError
