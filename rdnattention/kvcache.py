@@ -2,8 +2,8 @@
 cache with per-sequence lengths, appending the new keys and values in place.
 
 The attention itself is the fp16 kernel with cache lengths (the f16len family, through
-``seqused_k``). The in-place append and RoPE on the new keys and the queries are torch operations,
-so torch.compile traces them as they are."""
+``seqused_k``). The in-place append and RoPE on the new keys and the queries (reference.rotate, in
+float64) are torch operations, so torch.compile traces them as they are."""
 
 from __future__ import annotations
 
@@ -11,25 +11,7 @@ import torch
 
 from . import api
 from .errors import InvalidArgumentError, UnsupportedError
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-            interleaved: bool) -> torch.Tensor:
-    """RoPE on the first 2 * cos.shape[1] features of x [batch, seq, heads, dim] at positions
-    [batch, seq], in fp32; returns x's dtype."""
-    half = cos.shape[1]
-    c = cos.float()[positions][:, :, None, :]
-    s = sin.float()[positions][:, :, None, :]
-    out = x.float().clone()
-    if interleaved:
-        x1, x2 = out[..., 0:2 * half:2].clone(), out[..., 1:2 * half:2].clone()
-        out[..., 0:2 * half:2] = x1 * c - x2 * s
-        out[..., 1:2 * half:2] = x2 * c + x1 * s
-    else:
-        x1, x2 = out[..., :half].clone(), out[..., half:2 * half].clone()
-        out[..., :half] = x1 * c - x2 * s
-        out[..., half:2 * half] = x2 * c + x1 * s
-    return out.to(x.dtype)
+from .reference import rotate
 
 
 def _check_tables(cos: object, sin: object, interleaved: object, q: torch.Tensor) -> None:
@@ -110,10 +92,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if rotary_cos.shape[0] < needed:
                 raise InvalidArgumentError(f"rotary tables have {rotary_cos.shape[0]} positions; the new keys and "
                                            f"queries need {needed}")
-            k = _rotate(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
+            k = rotate(k.transpose(1, 2), rotary_cos, rotary_sin, positions, rotary_interleaved).transpose(1, 2)
             local = causal or tuple(window_size) != (-1, -1)
             q_pos = lengths.long()[:, None] + (torch.arange(q.shape[1], device=q.device) if local else 0)
-            q_in = _rotate(q, rotary_cos, rotary_sin, q_pos.expand(batch, q.shape[1]), rotary_interleaved)
+            q_in = rotate(q.transpose(1, 2), rotary_cos, rotary_sin, q_pos.expand(batch, q.shape[1]),
+                          rotary_interleaved).transpose(1, 2)
         rows = torch.arange(batch, device=q.device)[:, None]
         k_cache[rows, positions] = k
         v_cache[rows, positions] = v

@@ -9,10 +9,14 @@ import torch
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
            interleaved: bool) -> torch.Tensor:
-    """RoPE on the first 2*cos.shape[1] features of x [..., seq, dim] at the given positions."""
+    """RoPE on the first 2*cos.shape[1] features of x [..., seq, dim] at the given positions: [seq],
+    or [batch, seq] for x [batch, heads, seq, dim] (each sequence at its own positions). Computed in
+    float64, returned in x's dtype."""
     half = cos.shape[1]
     c = cos.to(torch.float64)[positions]
     s = sin.to(torch.float64)[positions]
+    if positions.dim() == 2:
+        c, s = c[:, None], s[:, None]
     out = x.clone()
     if interleaved:
         x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]

@@ -109,13 +109,11 @@ def kernel_wheel(name: str, targets: list[Target], build_dir: Path, out_dir: Pat
             """))
         out_dir = out_dir.resolve()
         out_dir.mkdir(parents=True, exist_ok=True)
-        before = set(out_dir.glob("*.whl"))
         proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out_dir), str(project)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise PackagingError(f"pip wheel failed for rdnattention-kernels-{name}:\n{proc.stdout}{proc.stderr}")
-    wheels = sorted(set(out_dir.glob(f"rdnattention_kernels_{name.replace('.', '_')}-{__version__}-*.whl")) - before) or \
-        sorted(out_dir.glob(f"rdnattention_kernels_{name.replace('.', '_')}-{__version__}-*.whl"))
-    if not wheels:
-        raise PackagingError(f"pip wheel wrote no rdnattention-kernels-{name} wheel into {out_dir}")
-    return wheels[-1]
+    wheel = out_dir / f"{package}-{__version__}-py3-none-any.whl"  # the normalised name pip writes
+    if not wheel.is_file():
+        raise PackagingError(f"pip wheel wrote no {wheel.name} into {out_dir}")
+    return wheel

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import SHAPES, flops, time_ms  # noqa: E402
+from bench import SHAPES, flops, interleaved_ms, shape_inputs  # noqa: E402
 
 from rdnattention import dispatch, drivers, plan_flash_attn  # noqa: E402
 
@@ -36,18 +35,12 @@ def main() -> int:
     print(f"GPU: {torch.cuda.get_device_name(device)}; A {table_a.code_object}, B {table_b.code_object}\n")
     print("| shape | causal | A TFLOP/s | B TFLOP/s | A / B |\n|---|---|---|---|---|")
     for label, b, hq, hk, sq, sk, d, causal in SHAPES:
-        g = torch.Generator(device=device).manual_seed(0)
-        q = torch.randn(b, hq, sq, d, device=device, dtype=torch.float16, generator=g)
-        k = torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g)
-        v = torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g)
+        q, k, v = shape_inputs(b, hq, hk, sq, sk, d, device)
         plan = plan_flash_attn(q, k, v, is_causal=causal)
         plans = {"a": dataclasses.replace(plan, table=table_a), "b": dataclasses.replace(plan, table=table_b)}
-        times: dict[str, list[float]] = {"a": [], "b": []}
-        for _ in range(args.rounds):
-            for key, pl in plans.items():
-                times[key].append(time_ms(pl.run, reps=10))
+        ms = interleaved_ms(plans, args.rounds)
         f = flops(b, hq, sq, sk, d, causal)
-        ta, tb = (f / statistics.median(times[x]) / 1e9 for x in "ab")
+        ta, tb = (f / ms[x] / 1e9 for x in "ab")
         print(f"| {label} | {causal} | {ta:.2f} | {tb:.2f} | {ta / tb:.3f} |")
     return 0
 

@@ -73,6 +73,23 @@ def fma_peak_tflops(device: torch.device) -> float:
     return flops / ms / 1e9
 
 
+def shape_inputs(b, hq, hk, sq, sk, d, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp16 q, k, v of one SHAPES row, N(0, 1), the same on every run."""
+    g = torch.Generator(device=device).manual_seed(0)
+    return (torch.randn(b, hq, sq, d, device=device, dtype=torch.float16, generator=g),
+            torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g),
+            torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g))
+
+
+def interleaved_ms(plans: dict, rounds: int) -> dict:
+    """Median ms per plan over ``rounds`` rounds, each timing every plan in turn (10 launches each)."""
+    times: dict = {key: [] for key in plans}
+    for _ in range(rounds):
+        for key, plan in plans.items():
+            times[key].append(time_ms(plan.run, reps=10))
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
 def flops(b, hq, sq, sk, d, causal) -> float:
     f = 4 * b * hq * sq * sk * d
     return f / 2 if causal and sq == sk else f
@@ -80,10 +97,7 @@ def flops(b, hq, sq, sk, d, causal) -> float:
 
 def run_shape(shape, device, with_peers=True, reps=25):
     label, b, hq, hk, sq, sk, d, causal = shape
-    g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(b, hq, sq, d, device=device, dtype=torch.float16, generator=g)
-    k = torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g)
-    v = torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g)
+    q, k, v = shape_inputs(b, hq, hk, sq, sk, d, device)
     row = {"shape": label, "causal": causal, "flops": flops(b, hq, sq, sk, d, causal)}
     torch.cuda.reset_peak_memory_stats(device)
     row["ours_ms"] = time_ms(lambda: flash_attn(q, k, v, is_causal=causal), reps=reps)

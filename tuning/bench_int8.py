@@ -5,19 +5,18 @@
 For each tuning/bench.py shape: the fp16 kernel (flash_attn) and the int8 kernel
 (flash_attn_int8qk on inputs quantized beforehand), launches only, interleaved (fp16 then int8,
 --rounds times, medians). TFLOP/s-equivalent uses the fp16 FLOP count for both; the ratio is
-int8 / fp16. Also the int8 kernel's error against the float64 oracle on the first shape."""
+int8 / fp16. Accuracy: tuning/int8_accuracy.py."""
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import SHAPES, flops, time_ms  # noqa: E402
+from bench import SHAPES, flops, interleaved_ms, shape_inputs  # noqa: E402
 
 from rdnattention import plan_flash_attn, plan_flash_attn_int8qk, quantize_per_channel, quantize_per_token  # noqa: E402
 
@@ -31,19 +30,13 @@ def main() -> int:
     print("| shape | causal | fp16 ms | fp16 TFLOP/s | int8 ms | int8 TFLOP/s-eq | int8 / fp16 |")
     print("|---|---|---|---|---|---|---|")
     for label, b, hq, hk, sq, sk, d, causal in SHAPES:
-        g = torch.Generator(device=device).manual_seed(0)
-        q = torch.randn(b, hq, sq, d, device=device, dtype=torch.float16, generator=g)
-        k = torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g)
-        v = torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g)
+        q, k, v = shape_inputs(b, hq, hk, sq, sk, d, device)
         (qi, qs), (ki, ks), (vi, vs) = quantize_per_token(q), quantize_per_token(k), quantize_per_channel(v)
         plans = {"fp16": plan_flash_attn(q, k, v, is_causal=causal),
                  "int8": plan_flash_attn_int8qk(qi, ki, vi, qs, ks, vs, is_causal=causal)}
-        times: dict[str, list[float]] = {"fp16": [], "int8": []}
-        for _ in range(args.rounds):
-            for key, plan in plans.items():
-                times[key].append(time_ms(plan.run, reps=10))
+        ms = interleaved_ms(plans, args.rounds)
         f = flops(b, hq, sq, sk, d, causal)
-        t16, t8 = statistics.median(times["fp16"]), statistics.median(times["int8"])
+        t16, t8 = ms["fp16"], ms["int8"]
         print(f"| {label} | {causal} | {t16:.3f} | {f / t16 / 1e9:.2f} | {t8:.3f} | {f / t8 / 1e9:.2f} | "
               f"{t16 / t8:.2f}x |")
     return 0
