@@ -24,18 +24,41 @@ LOADABLE_CODE_OBJECT_VERSIONS = (None, 4, 5)
 TABLE_FORMAT = 3  # 3: the code object's size and SHA-256 are recorded
 
 
+def _range_covers(outer: tuple | None, inner: tuple | None) -> bool:
+    if outer is None:
+        return True
+    if inner is None:
+        return False
+    (lo, hi), (ilo, ihi) = outer, inner
+    return lo <= ilo and (hi is None or (ihi is not None and ihi <= hi))
+
+
+def _range_overlaps(a: tuple | None, b: tuple | None) -> bool:
+    if a is None or b is None:
+        return True
+    (lo, hi), (blo, bhi) = a, b
+    return (hi is None or blo <= hi) and (bhi is None or lo <= bhi)
+
+
+def _range_admits(r: tuple | None, value: int) -> bool:
+    return r is None or (value >= r[0] and (r[1] is None or value <= r[1]))
+
+
 @dataclass(frozen=True)
 class Constraints:
     """When an entry applies. ``causal``: the call's mask hides keys after the query (a causal
-    or causal-like window) or not; ``seq_q``: query length within [min, max] (max None: open)."""
+    or causal-like window) or not; ``seq_q``: query length within [min, max] (max None: open);
+    ``rows``: query rows per K/V head (query heads per K/V head times seq_q) within [min, max]."""
 
     causal: bool | None = None
     seq_q: tuple[int, int | None] | None = None
+    rows: tuple[int, int | None] | None = None
 
     @classmethod
     def from_json(cls, data: dict) -> "Constraints":
-        seq_q = data.get("seq_q")
-        return cls(causal=data.get("causal"), seq_q=tuple(seq_q) if seq_q is not None else None)
+        seq_q, rows = data.get("seq_q"), data.get("rows")
+        return cls(causal=data.get("causal"), seq_q=tuple(seq_q) if seq_q is not None else None,
+                   rows=tuple(rows) if rows is not None else None)
 
     def to_json(self) -> dict:
         out: dict = {}
@@ -43,43 +66,36 @@ class Constraints:
             out["causal"] = self.causal
         if self.seq_q is not None:
             out["seq_q"] = list(self.seq_q)
+        if self.rows is not None:
+            out["rows"] = list(self.rows)
         return out
 
     def covers(self, other: "Constraints") -> bool:
         """Whether every call ``other`` admits is admitted by this one too."""
         if self.causal is not None and self.causal != other.causal:
             return False
-        if self.seq_q is None:
-            return True
-        if other.seq_q is None:
-            return False
-        (lo, hi), (olo, ohi) = self.seq_q, other.seq_q
-        return lo <= olo and (hi is None or (ohi is not None and ohi <= hi))
+        return _range_covers(self.seq_q, other.seq_q) and _range_covers(self.rows, other.rows)
 
     def overlaps(self, other: "Constraints") -> bool:
         """Whether some call is admitted by both."""
         if self.causal is not None and other.causal is not None and self.causal != other.causal:
             return False
-        if self.seq_q is None or other.seq_q is None:
-            return True
-        (lo, hi), (olo, ohi) = self.seq_q, other.seq_q
-        return (hi is None or olo <= hi) and (ohi is None or lo <= ohi)
+        return _range_overlaps(self.seq_q, other.seq_q) and _range_overlaps(self.rows, other.rows)
 
-    def admits(self, *, causal: bool, seq_q: int) -> bool:
+    def admits(self, *, causal: bool, seq_q: int, rows: int | None = None) -> bool:
+        """``rows`` defaults to seq_q (one query head per K/V head)."""
         if self.causal is not None and self.causal != causal:
             return False
-        if self.seq_q is not None:
-            lo, hi = self.seq_q
-            return seq_q >= lo and (hi is None or seq_q <= hi)
-        return True
+        return _range_admits(self.seq_q, seq_q) and _range_admits(self.rows, seq_q if rows is None else rows)
 
     def __str__(self) -> str:
         parts = []
         if self.causal is not None:
             parts.append("causal" if self.causal else "not causal")
-        if self.seq_q is not None:
-            lo, hi = self.seq_q
-            parts.append(f"seq_q {lo}..{'' if hi is None else hi}")
+        for name, r in (("seq_q", self.seq_q), ("rows", self.rows)):
+            if r is not None:
+                lo, hi = r
+                parts.append(f"{name} {lo}..{'' if hi is None else hi}")
         return ", ".join(parts) or "always"
 
 
@@ -119,8 +135,12 @@ class TargetTable:
             by_key.setdefault((e.family, e.head_dim), []).append(e)
         object.__setattr__(self, "_by_key", {k: tuple(v) for k, v in by_key.items()})
 
+    def entries(self, family: str, head_dim: int) -> tuple[KernelEntry, ...]:
+        """Every entry of ``family`` at ``head_dim`` (for families that choose among them themselves)."""
+        return self._by_key.get((family, head_dim), ())
+
     def select(self, family: str, *, head_dim: int, heads_per_kv: int, causal: bool, seq_q: int,
-               kernel: str | None = None) -> KernelEntry:
+               kernel: str | None = None, rows: int | None = None) -> KernelEntry:
         """The entry that serves a call: among those of the family and head_dim whose GQA group
         divides the query heads per K/V head and whose constraints admit the call, the largest
         group, then the highest priority. ``kernel`` forces one entry by name (it must fit)."""
@@ -129,7 +149,10 @@ class TargetTable:
             dims = sorted({e.head_dim for e in self.kernels if e.family == family})
             raise UnsupportedError(f"no {family} kernel for head_dim {head_dim} on {self.target}; "
                                    f"built head_dims: {dims}")
-        fits = [e for e in same if heads_per_kv % e.gqa_group == 0 and e.when.admits(causal=causal, seq_q=seq_q)]
+        if rows is None:
+            rows = heads_per_kv * seq_q
+        fits = [e for e in same
+                if heads_per_kv % e.gqa_group == 0 and e.when.admits(causal=causal, seq_q=seq_q, rows=rows)]
         if kernel is not None:
             forced = [e for e in fits if e.name == kernel]
             if not forced:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rdnattention import flash_attn, plan_flash_attn
+from rdnattention import dispatch, drivers, flash_attn, plan_flash_attn
 from rdnattention.drivers import cuda as cuda_driver
 
 # (label, batch, heads_q, heads_kv, seq_q, seq_k, head_dim, causal)
@@ -38,6 +38,15 @@ SHAPES = [
     ("decode 1/8192 H32 D128", 1, 32, 32, 1, 8192, 128, False),
 ]
 LONG = ("1x32x16384x128", 1, 32, 32, 16384, 16384, 128, True)
+# Decode: (label, batch, heads_q, heads_kv, seq_q, seq_k, head_dim, page size or None: contiguous)
+DECODE = [
+    ("decode H32 Sk8192 D128", 1, 32, 32, 1, 8192, 128, None),
+    ("decode GQA 32/8 Sk32768 D128", 1, 32, 8, 1, 32768, 128, None),
+    ("decode batch 8 H32 Sk8192 D128", 8, 32, 32, 1, 8192, 128, None),
+    ("speculative Sq4 H32 Sk8192 D128", 1, 32, 32, 4, 8192, 128, None),
+    ("decode H32 Sk8192 D128 paged 16", 1, 32, 32, 1, 8192, 128, 16),
+    ("decode H32 Sk8192 D128 paged 256", 1, 32, 32, 1, 8192, 128, 256),
+]
 
 
 def time_ms(fn, reps: int = 25, warmup: int = 3) -> float:
@@ -81,6 +90,34 @@ def shape_inputs(b, hq, hk, sq, sk, d, device) -> tuple[torch.Tensor, torch.Tens
             torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g))
 
 
+def decode_bytes(shape) -> int:
+    """K and V bytes a decode call reads."""
+    _, b, _, hk, _, sk, d, _ = shape
+    return 2 * b * hk * sk * d * 2
+
+
+def decode_inputs(shape, device):
+    """q, k, v [batch, heads, seq, head_dim] (k, v contiguous, as SDPA reads them) and the decode
+    call on them; a paged shape holds the same keys in shuffled pages of a [pages, page, heads_kv,
+    head_dim] cache read through a block table."""
+    from rdnattention.families import dec
+
+    _, b, hq, hk, sq, sk, d, page = shape
+    q, k, v = shape_inputs(b, hq, hk, sq, sk, d, device)
+    out = torch.empty_like(q)
+    common = dict(q=q, out=out, lse=None, window=(-1, -1), softmax_scale=d ** -0.5, batch=b, seq_q=sq, seq_k=sk)
+    if page is None:
+        return q, k, v, dec.Call(k=k, v=v, **common)
+    pages = b * sk // page
+    order = torch.randperm(pages, generator=torch.Generator().manual_seed(0)).to(device)
+    block_table = order.view(b, sk // page).to(torch.int32)
+    def paged(t):  # [b, hk, sk, d] -> [pages, page, hk, d], page i of batch b at block_table[b, i]
+        cache = torch.empty(pages, page, hk, d, dtype=t.dtype, device=device)
+        cache[block_table.long().flatten()] = t.transpose(1, 2).reshape(b * sk // page, page, hk, d)
+        return cache.transpose(1, 2)
+    return q, k, v, dec.Call(k=paged(k), v=paged(v), block_table=block_table, **common)
+
+
 def interleaved_ms(plans: dict, rounds: int) -> dict:
     """Median ms per plan over ``rounds`` rounds, each timing every plan in turn (10 launches each)."""
     times: dict = {key: [] for key in plans}
@@ -119,12 +156,51 @@ def run_shape(shape, device, with_peers=True, reps=25):
     return row
 
 
+def decode_section(device, rounds: int = 7) -> str:
+    """The decode table: GB/s (K and V bytes read) of each DECODE shape against torch SDPA (fp16,
+    its default backend) on the same contiguous tensors, timed in turn (interleaved_ms); paged
+    shapes against the contiguous plan of the same keys too. Slices chosen automatically."""
+    from rdnattention.families import dec
+
+    class Sdpa:
+        def __init__(self, q, k, v):
+            self.args = (q, k, v)
+
+        def run(self):
+            q, k, v = self.args
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
+
+    lines = [f"GPU: {torch.cuda.get_device_name(device)}; torch {torch.__version__}; decode GB/s counts the K and V "
+             "bytes read", "", "| shape | ours ms | ours GB/s | slices | sdpa ms | sdpa GB/s | ours / sdpa | "
+             "contiguous ms | paged / contiguous time |", "|---|---|---|---|---|---|---|---|---|"]
+    for shape in DECODE:
+        q, k, v, call = decode_inputs(shape, device)
+        table = dispatch.table_for(drivers.target_of(device))
+        plans = {"ours": dec.plan(table, call), "sdpa": Sdpa(q, k, v)}
+        if call.block_table is not None:
+            plans["contiguous"] = dec.plan(table, dec.Call(**{**call.__dict__, "k": k, "v": v, "block_table": None}))
+        ms = interleaved_ms(plans, rounds)
+        gb = decode_bytes(shape) / 1e9
+        contiguous = (f"{ms['contiguous']:.4f} | {ms['ours'] / ms['contiguous']:.3f}" if "contiguous" in ms
+                      else "- | -")
+        lines.append(f"| {shape[0]} | {ms['ours']:.4f} | {gb / ms['ours'] * 1e3:.0f} | "
+                     f"{plans['ours'].launches[0].args.splits} | {ms['sdpa']:.4f} | {gb / ms['sdpa'] * 1e3:.0f} | "
+                     f"{ms['sdpa'] / ms['ours']:.2f}x | {contiguous} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--decode-only", action="store_true", help="only the decode section")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
+    decode = decode_section(device)
+    print(decode)
+    (args.out / "bench_decode.md").write_text(decode + "\n")
+    if args.decode_only:
+        return 0
     peak = fma_peak_tflops(device)
     rows = [run_shape(s, device) for s in SHAPES]
     long_row = run_shape(LONG, device, with_peers=False, reps=5)

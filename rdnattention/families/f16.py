@@ -153,9 +153,20 @@ def row_block_launch(table: TargetTable, entry, args_type, fields: dict) -> Laun
 
 
 def plan(table: TargetTable, call: Call, *, heavy_first: bool | None = None, kernel: str | None = None) -> Plan:
-    """The launch of one call. ``heavy_first`` (default: on under causal-like masks) makes the
+    """The launches of one call. ``heavy_first`` (default: on under causal-like masks) makes the
     workgroups take row blocks longest first; ``kernel`` forces a dispatch entry by name."""
+    from . import dec  # dec builds on this module's fields
+
     q, k = call.q, call.k
+    # Few query rows per K/V head (decode): the split-KV kernels (families/dec.py), unless the call
+    # rotates in the kernel or asks for a row-block kernel.
+    rows = q.shape[2] * (q.shape[1] // k.shape[1])
+    forced_dec = kernel is not None and kernel.startswith(dec.NAMES.prefix + "_")
+    if forced_dec or (call.rotary_cos is None and heavy_first is None and kernel is None
+                      and dec.serves(table, q.shape[3], rows)):
+        return dec.plan(table, dec.Call(q=q, k=k, v=call.v, out=call.out, lse=call.lse, window=call.window,
+                                        softmax_scale=call.softmax_scale, batch=q.shape[0], seq_q=q.shape[2],
+                                        seq_k=k.shape[2], seqused_k=call.seqused_k), kernel=kernel)
     # Calls with cache lengths run the f16len variant (families/f16len.py): same struct and layout.
     name = NAME if call.seqused_k is None else "f16len"
     entry = table.select(name, head_dim=q.shape[3], heads_per_kv=q.shape[1] // k.shape[1], causal=call.causal_like,

@@ -64,12 +64,12 @@ class Host(Platform):
         lds = {m["kernel"]: int(m["size"], 16) for m in map(_LDS_SYMBOL.match, out.splitlines()) if m}
         rows = []
         for spec in specs:
-            if spec.name not in lds:
+            if spec.name not in lds and spec.lds_bytes:  # a kernel whose layout has no LDS declares none
                 raise AuditError(f"{obj}: no LDS symbol {spec.name}::lds_extent (kernels declare their LDS with RDNA_LDS "
                                  "in the kernel function)")
             rows.append(KernelAudit(
                 target=target.name, name=spec.name, vgprs=None, sgprs=None, vgpr_spills=0, sgpr_spills=0,
-                scratch_bytes=0, lds_bytes=lds[spec.name], wave_size=target.wave_size, waves_per_simd=None,
+                scratch_bytes=0, lds_bytes=lds.get(spec.name, 0), wave_size=target.wave_size, waves_per_simd=None,
                 dot2=0, dot4=0, fma_mix=0, mad_mix=0, cvt_f32_f16=0))
         return rows
 

@@ -1,7 +1,6 @@
 // The seams of the FlashAttention-2 forward kernel, as small policies its main loop composes
-// (fa2_forward.h). A new variant replaces one of them: a split-KV slice is another schedule, a
-// paged cache another K/V source, softcap or ALiBi another score transform, a partial-output
-// epilogue for a combine kernel another epilogue.
+// (fa2_forward.h), and that the split-KV decode kernel (fa2_decode.h) shares: the mask and the
+// online softmax. A new variant replaces one of them: softcap or ALiBi is another score transform.
 //
 // Policies hold a reference to the kernel's argument struct (Args: a family's struct with the
 // fields each policy names) and read an argument where it is used. Kernel arguments live in
@@ -76,16 +75,18 @@ struct StridedKv {
 
 // --- score transform and mask ------------------------------------------------------------------
 // Scales scores into the log2 domain and hides keys outside the window around each query's
-// diagonal (query i sits at key position i + keys - seq_q; keys: the batch's n with LENGTHS, as in
-// StridedKv, else seq_k). window_right 0 is causal; -1 on either side is unbounded.
-template <class Args, bool LENGTHS = false>
+// diagonal (query i sits at key position i + keys - queries; keys: the batch's n with LENGTHS, as in
+// StridedKv, else seq_k; queries: the batch's sq with QLENGTHS, packed batches, else seq_q).
+// window_right 0 is causal; -1 on either side is unbounded.
+template <class Args, bool LENGTHS = false, bool QLENGTHS = false>
 struct WindowMask {
   const Args& a;
   int n = 0;
+  int sq = 0;
 
-  RDNA_METHOD int seq_q() const { return a.seq_q; }
+  RDNA_METHOD int seq_q() const { return QLENGTHS ? sq : a.seq_q; }
   RDNA_METHOD int seq_k() const { return LENGTHS ? n : a.seq_k; }
-  RDNA_METHOD int offset() const { return seq_k() - a.seq_q; }
+  RDNA_METHOD int offset() const { return seq_k() - seq_q(); }
   RDNA_METHOD int diag(int pos) const { return pos + offset(); }
   // Keys any row in [first, last] may see; tiles outside [key_lo, key_hi) are never visited.
   RDNA_METHOD int key_lo(int first) const {
@@ -101,7 +102,7 @@ struct WindowMask {
            (a.window_right < 0 || k0 + BC - 1 <= first + offset() + a.window_right);
   }
   RDNA_METHOD bool visible(int key, int pos, int diag_pos) const {
-    return key < seq_k() && pos < a.seq_q && (a.window_left < 0 || key >= diag_pos - a.window_left) &&
+    return key < seq_k() && pos < seq_q() && (a.window_left < 0 || key >= diag_pos - a.window_left) &&
            (a.window_right < 0 || key <= diag_pos + a.window_right);
   }
   RDNA_METHOD float scale(float s) const { return s * a.scale_log2; }

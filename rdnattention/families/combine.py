@@ -1,0 +1,63 @@
+"""The combine step of split-KV decode, runtime side: merges the partial outputs of the key slices
+of a ``dec`` launch (families/dec.py) into the output and its LSE. One launch over the rows of
+[batch, heads_q, seq_q], ``br`` rows per workgroup."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..abi import ArgStruct
+from ..dispatch import TargetTable
+from ..names import NameField, NameSchema
+from ..plan import Launch
+from . import f16
+
+if TYPE_CHECKING:
+    import torch
+
+NAME = "combine"
+NAMES = NameSchema("fa2_combine", (
+    NameField("head_dim", "_hd{}", r"\d+"),
+    NameField("tile.threads", "_nt{}", r"\d+"),
+    NameField("wave_size", "_w{}", r"32|64"),
+    NameField("tier", "_{}", r"fp32", str),  # fp32 sums only, on every target
+))
+
+ARGS = ArgStruct("Fa2CombineArgs", (
+    ("part_o", "const float*"),    # fp32 [splits, batch, heads_q, seq_q, head_dim], each slice normalised
+    ("part_lse", "const float*"),  # fp32 [splits, batch, heads_q, seq_q], log2 domain; -inf: no key
+    ("o", "half_t*"),
+    ("o_stride_b", "long long"), ("o_stride_h", "long long"), ("o_stride_s", "long long"),
+    *f16.LSE_FIELDS,
+    ("cu_seqlens_q", "const int*"),  # packed batches: rows past a sequence's end are skipped
+    ("batch", "int"),
+    ("heads_q", "int"),
+    ("seq_q", "int"),
+    ("splits", "int"),
+))
+Fa2CombineArgs = ARGS.ctype
+
+
+def lds_layout(head_dim: int) -> dict[str, int]:
+    return {}  # no LDS
+
+
+def lds_bytes(facts: dict[str, object]) -> int:
+    return 0
+
+
+def launch(table: TargetTable, call, head_dim: int, splits: int, scratch: tuple[torch.Tensor, torch.Tensor]) -> Launch:
+    entry = table.select(NAME, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=1)
+    part_o, part_lse = scratch
+    fields = dict(part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr(), o=call.out.data_ptr(),
+                  batch=call.batch, heads_q=call.q.shape[1], seq_q=call.seq_q, splits=splits)
+    fields["o_stride_b"], fields["o_stride_h"], fields["o_stride_s"] = call.out.stride()[:3]
+    if call.lse is not None:
+        fields.update(lse=call.lse.data_ptr(), lse_stride_b=call.lse.stride(0), lse_stride_h=call.lse.stride(1))
+    if call.cu_seqlens_q is not None:
+        fields.update(cu_seqlens_q=call.cu_seqlens_q.data_ptr(), o_stride_b=0)
+        if call.lse is not None:
+            fields.update(lse_stride_b=0, lse_stride_h=call.lse.stride(0))
+    rows = call.batch * call.q.shape[1] * call.seq_q
+    grid = (-(-rows // entry.br), 1, 1)
+    return Launch(kernel=entry, grid=grid, block=entry.threads, shared_bytes=0, args=Fa2CombineArgs(**fields))

@@ -1,0 +1,194 @@
+"""Split-KV decode (flash-decoding), runtime side: few query rows per K/V head against many keys.
+
+Launch 1 (this family): a workgroup per (row chunk x key slice, K/V head, batch) reads its slice of
+the keys once for all the query rows of its chunk (the query heads of a GQA group times the query
+positions, up to ``br`` of them). With one slice it writes the output; with several, a normalised
+fp32 partial output and log2-domain LSE per slice into scratch, and launch 2 (the combine family)
+merges them. The same kernel reads strided caches (``cache_batch_idx``), packed variable-length
+batches (``cu_seqlens_q``/``cu_seqlens_k``) and paged caches (``block_table``)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..abi import ArgStruct
+from ..dispatch import KernelEntry, TargetTable
+from ..errors import InvalidArgumentError, UnsupportedError
+from ..names import NameSchema
+from ..plan import Launch, Plan
+from . import f16
+
+if TYPE_CHECKING:
+    import torch
+
+NAME = "dec"
+# br = tm: the query rows one workgroup holds (every thread holds all of them); bc: keys per step.
+NAMES = NameSchema("fa2_dec", f16.NAMES.fields)
+
+# Paged caches: key i of batch b lives in page block_table[b * block_table_stride + i >> page_shift],
+# row i & (2^page_shift - 1); k_stride_b and v_stride_b are then the page strides.
+PAGED_FIELDS = (("block_table", "const int*"), ("block_table_stride", "long long"), ("page_shift", "int"))
+# Packed batches: batch b's query rows start at row cu_seqlens_q[b] and number
+# cu_seqlens_q[b + 1] - cu_seqlens_q[b] (likewise keys); null: [batch, seq, ...] tensors.
+VARLEN_FIELDS = (("cu_seqlens_q", "const int*"), ("cu_seqlens_k", "const int*"))
+# Key slices: with splits > 1, each writes part_o fp32 [splits, batch, heads_q, seq_q, head_dim]
+# (normalised) and part_lse fp32 [splits, batch, heads_q, seq_q] (log2 domain) for the combine.
+SPLIT_FIELDS = (("splits", "int"), ("part_o", "float*"), ("part_lse", "float*"))
+
+ARGS = ArgStruct("Fa2DecArgs", (
+    ("q", "const half_t*"),
+    ("k", "const half_t*"),
+    ("v", "const half_t*"),
+    ("o", "half_t*"),
+    *f16.STRIDE_FIELDS,
+    *f16.SHAPE_FIELDS,
+    *f16.LSE_FIELDS,
+    *f16.SEQUSED_FIELDS,
+    ("cache_batch_idx", "const int*"),  # K/V batch row of each batch; null: b
+    *PAGED_FIELDS,
+    *VARLEN_FIELDS,
+    *SPLIT_FIELDS,
+))
+Fa2DecArgs = ARGS.ctype
+
+# Workgroups per compute unit the automatic split count aims for (tuning/bench.py --decode).
+WORKGROUPS_PER_UNIT = 4
+_GRID_YZ_MAX = 65535
+
+
+def lds_layout(head_dim: int, threads: int, rows: int) -> dict[str, int]:
+    """Bytes of each LDS region: every lane group's output rows, then their (max, sum) pairs."""
+    groups = threads // (head_dim // 8)
+    return {"o_bytes": groups * rows * head_dim * 4, "stat_bytes": groups * rows * 2 * 4}
+
+
+def lds_bytes(facts: dict[str, object]) -> int:
+    return sum(lds_layout(facts["head_dim"], facts["tile.threads"], facts["tile.br"]).values())
+
+
+@dataclass(frozen=True)
+class Call:
+    """A validated decode call in the kernel's view: q and out [batch, heads_q, seq_q, head_dim]
+    (packed: [1, heads_q, total_q, head_dim] with cu_seqlens_q), k and v [batch, heads_kv, seq_k,
+    head_dim] (packed: [1, heads_kv, total_k, head_dim] with cu_seqlens_k; paged: [num_pages,
+    heads_kv, page_size, head_dim] with block_table), lse [batch, heads_q, seq_q] (packed:
+    [heads_q, total_q])."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    window: tuple[int, int]
+    softmax_scale: float
+    batch: int
+    seq_q: int   # query rows per batch (packed: the longest)
+    seq_k: int   # keys per batch at most (paged: pages per row x page size)
+    seqused_k: torch.Tensor | None = None
+    cache_batch_idx: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    num_splits: int = 0  # 0: chosen from the grid and the device
+
+
+@functools.lru_cache(maxsize=None)
+def _units(device: torch.device) -> int:
+    """Compute units (CUs, SMs) of a GPU; worker threads of the host emulator."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return os.cpu_count() or 1
+
+
+def serves(table: TargetTable, head_dim: int, rows: int) -> bool:
+    """Whether a decode kernel holds ``rows`` query rows per K/V head in one workgroup: then it reads
+    each K/V head once, as the row-block kernels do, with a grid that fills the device."""
+    return any(e.br >= rows for e in table.entries(NAME, head_dim))
+
+
+def select(table: TargetTable, head_dim: int, rows: int, kernel: str | None = None,
+           paged: bool = False) -> KernelEntry:
+    """The entry for ``rows`` query rows per K/V head (tiles for few rows say so with
+    ``when: {rows: ...}``); rows beyond its br take several row chunks. ``paged``: the decpaged
+    variant."""
+    family = "decpaged" if paged else NAME
+    if not table.entries(family, head_dim):
+        dims = sorted({e.head_dim for e in table.kernels if e.family == family})
+        raise UnsupportedError(f"no {family} (split-KV decode{', paged' if paged else ''}) kernel for head_dim "
+                               f"{head_dim} on {table.target}; built head_dims: {dims}")
+    return table.select(family, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=rows, rows=rows,
+                        kernel=kernel)
+
+
+def splits_for(workgroups: int, seq_k: int, keys_per_step: int, units: int) -> int:
+    """Key slices that bring ``workgroups`` up to WORKGROUPS_PER_UNIT per compute unit, each slice at
+    least two steps of keys; every slice then non-empty (the slice length rounds up to whole steps)."""
+    want = -(-WORKGROUPS_PER_UNIT * units // max(workgroups, 1))
+    return slices(seq_k, keys_per_step, min(want, -(-seq_k // (2 * keys_per_step))))
+
+
+def slices(seq_k: int, keys_per_step: int, splits: int) -> int:
+    """The slices ``splits`` asks for once each is rounded up to whole steps (the kernel's rule)."""
+    splits = max(1, splits)
+    per = -(-(-(-seq_k // splits)) // keys_per_step) * keys_per_step
+    return max(1, -(-seq_k // per)) if seq_k else 1
+
+
+def plan(table: TargetTable, call: Call, *, kernel: str | None = None) -> Plan:
+    import torch
+
+    q, k, v = call.q, call.k, call.v
+    heads_q, head_dim = q.shape[1], q.shape[3]
+    heads_kv = k.shape[1]
+    group = heads_q // heads_kv
+    entry = select(table, head_dim, group * call.seq_q, kernel, paged=call.block_table is not None)
+    chunks = -(-group * call.seq_q // entry.br)
+    if call.num_splits:
+        splits = slices(call.seq_k, entry.bc, call.num_splits)
+    else:
+        splits = splits_for(chunks * heads_kv * call.batch, call.seq_k, entry.bc, _units(q.device))
+    fields = f16.common_fields(q, k, v, call.out, call.lse, call.window, call.softmax_scale, False, None,
+                               call.seqused_k)
+    del fields["heavy_first"]
+    fields.update(batch=call.batch, seq_q=call.seq_q, seq_k=call.seq_k, splits=splits)
+    if call.cu_seqlens_q is not None:
+        fields.update(cu_seqlens_q=call.cu_seqlens_q.data_ptr(), q_stride_b=0, o_stride_b=0)
+        if call.lse is not None:  # [heads_q, total_q]
+            fields.update(lse_stride_b=0, lse_stride_h=call.lse.stride(0))
+    if call.cu_seqlens_k is not None:
+        fields.update(cu_seqlens_k=call.cu_seqlens_k.data_ptr(), k_stride_b=0, v_stride_b=0)
+    if call.cache_batch_idx is not None:
+        fields["cache_batch_idx"] = call.cache_batch_idx.data_ptr()
+    if call.block_table is not None:
+        page = k.shape[2]
+        fields.update(block_table=call.block_table.data_ptr(), block_table_stride=call.block_table.stride(0),
+                      page_shift=page.bit_length() - 1)
+    scratch: tuple = ()
+    if splits > 1:
+        part_o = torch.empty((splits, call.batch, heads_q, call.seq_q, head_dim), dtype=torch.float32,
+                             device=q.device)
+        part_lse = torch.empty((splits, call.batch, heads_q, call.seq_q), dtype=torch.float32, device=q.device)
+        fields.update(part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr())
+        scratch = (part_o, part_lse)
+    for key in ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "window_left", "window_right"):
+        if not -2**31 <= fields[key] < 2**31:
+            raise InvalidArgumentError(f"{key} = {fields[key]} does not fit the kernel's 32-bit field")
+    grid = (chunks * splits, heads_kv, call.batch)
+    if grid[0] >= 2**31 or grid[1] > _GRID_YZ_MAX or grid[2] > _GRID_YZ_MAX:
+        raise InvalidArgumentError(f"the decode grid {grid} exceeds the launch limits (2^31 - 1, {_GRID_YZ_MAX}, "
+                                   f"{_GRID_YZ_MAX})")
+    shared = entry.lds_bytes if table.dynamic_lds else 0
+    launches = [Launch(kernel=entry, grid=grid, block=entry.threads, shared_bytes=shared,
+                       args=Fa2DecArgs(**fields))]
+    if splits > 1:
+        from . import combine
+        launches.append(combine.launch(table, call, head_dim, splits, scratch))
+    buffers = tuple(t for t in (q, k, v, call.out, call.lse, call.seqused_k, call.cache_batch_idx, call.block_table,
+                                call.cu_seqlens_q, call.cu_seqlens_k, *scratch) if t is not None)
+    return Plan(table=table, device=q.device, launches=launches, outputs=(call.out, call.lse), buffers=buffers)
+

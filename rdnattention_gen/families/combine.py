@@ -1,0 +1,64 @@
+"""The combine step of split-KV decode: merges the dec family's partial outputs (fp32, no products,
+no LDS). It takes the dec family's tiles: the same threads per workgroup, head_dim / 8 lanes per
+row, so br = threads / (head_dim / 8) rows per workgroup.
+
+Kernel body: templates/include/fa2_combine.h."""
+
+from __future__ import annotations
+
+from rdnattention.families import combine as runtime
+
+from ..family import Family, Rule
+from ..matrix import Target
+from ..spec import KernelSpec, Tile
+from ..strict_yaml import Node
+
+RULES = (
+    Rule("lanes_per_row",
+         lambda s, t: s.head_dim % 8 == 0 and s.tile.threads % (s.head_dim // 8) == 0,
+         lambda s, t: f"threads {s.tile.threads} must be a multiple of head_dim / 8 = {s.head_dim // 8}"),
+    Rule("whole_waves",
+         lambda s, t: s.tile.threads % s.wave_size == 0,
+         lambda s, t: f"threads {s.tile.threads} must be a multiple of the wave size {s.wave_size}"),
+)
+
+
+class Combine(Family):
+    name = "combine"
+    template = "fa2_combine.hip.j2"
+    args = runtime.ARGS
+    schema = runtime.NAMES
+    rules = RULES
+    signatures = {"fp32": "none"}  # fp32 only: no tier instruction to find
+    oracle_cases: dict = {}  # runs with the dec family (tests/test_decode.py)
+    tiles_family = "dec"
+
+    def axes(self, node: Node) -> dict:
+        axes = {"head_dims": node.int_list("head_dims")}
+        node.finish()
+        return axes
+
+    def points(self, axes: dict) -> list[dict]:
+        return [{"head_dim": hd, "gqa_group": 1} for hd in axes["head_dims"]]
+
+    def tier(self, target: Target) -> str | None:
+        return "fp32"
+
+    def _spec(self, head_dim: int, threads: int, wave_size: int) -> KernelSpec:
+        rows = max(1, threads // max(1, head_dim // 8))
+        return KernelSpec(family=self.name, head_dim=head_dim, gqa_group=1,
+                          tile=Tile(br=rows, bc=1, threads=threads, tm=1), wave_size=wave_size, tier="fp32",
+                          stage="f32")
+
+    def spec(self, target: Target, point: dict, tile: Tile) -> KernelSpec:
+        return self._spec(point["head_dim"], tile.threads, target.wave_size)
+
+    def from_name(self, name: str) -> KernelSpec | None:
+        v = self.schema.parse(name)
+        return None if v is None else self._spec(v["head_dim"], v["tile.threads"], v["wave_size"])
+
+    def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
+        return runtime.lds_layout(spec.head_dim)
+
+
+FAMILY = Combine()

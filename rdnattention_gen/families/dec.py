@@ -1,0 +1,90 @@
+"""Split-KV decode (flash-decoding): fp16 Q, K, V, fp32 softmax and products, for few query rows
+per K/V head against many keys. The tile: br = tm, the query rows one workgroup holds (every
+thread holds them all); bc, the keys a workgroup reads per step; threads, in lane groups of
+head_dim / 8 lanes per key.
+
+Kernel body: templates/include/fa2_decode.h. Its partial outputs are merged by the combine family."""
+
+from __future__ import annotations
+
+from rdnattention.families import dec as runtime
+
+from ..family import Family, Rule
+from ..matrix import Target
+from ..spec import KernelSpec, Tile
+from ..strict_yaml import Node
+from .f16 import F16, LDS_RULE
+
+
+# Waves per SIMD a kernel is compiled to keep resident (its register budget): a memory-bound loop
+# hides latency with waves, not with registers. One-row kernels: 4 (at most 128 registers on
+# sm_90), measured best on the H200 (tuning/results/h200_decode.md); several rows hold each row's
+# query and output in registers too: 3. GCN's wave64 SIMDs hold a quarter of RDNA's registers per
+# lane: 2 there (128 VGPRs) rather than 64 VGPRs and spills.
+def waves_per_simd(spec: KernelSpec) -> int:
+    if spec.wave_size == 64:
+        return 2
+    return 4 if spec.tile.br == 1 else 3
+
+
+def lanes_per_key(spec: KernelSpec) -> int:
+    return spec.head_dim // 8
+
+
+RULES = (
+    Rule("head_dim_range",
+         lambda s, t: s.head_dim % 8 == 0 and 8 <= s.head_dim <= 8 * s.wave_size
+         and lanes_per_key(s) & (lanes_per_key(s) - 1) == 0,
+         lambda s, t: f"head_dim {s.head_dim} must be 8 times a power of two, at most 8 * wave size = "
+                      f"{8 * s.wave_size} (head_dim / 8 lanes share each key)", stop=True),
+    Rule("whole_waves",
+         lambda s, t: s.tile.threads % s.wave_size == 0,
+         lambda s, t: f"threads {s.tile.threads} must be a multiple of the wave size {s.wave_size}"),
+    Rule("rows_per_thread",
+         lambda s, t: s.tile.tm == s.tile.br,
+         lambda s, t: f"tm {s.tile.tm} must equal br {s.tile.br}: every thread holds all of the workgroup's rows"),
+    Rule("keys_per_group",
+         lambda s, t: s.tile.bc % (s.tile.threads // lanes_per_key(s)) == 0,
+         lambda s, t: f"bc {s.tile.bc} must be a multiple of the lane groups threads / (head_dim / 8) = "
+                      f"{s.tile.threads // lanes_per_key(s)}"),
+    LDS_RULE,
+)
+
+
+class Dec(Family):
+    name = "dec"
+    template = "fa2_dec.hip.j2"
+    args = runtime.ARGS
+    schema = runtime.NAMES
+    rules = RULES
+    signatures = F16.signatures
+    oracle_cases: dict = {}  # tests/test_decode.py runs its own sweep
+
+    def axes(self, node: Node) -> dict:
+        axes = {"head_dims": node.int_list("head_dims")}
+        node.finish()
+        return axes
+
+    def points(self, axes: dict) -> list[dict]:
+        return [{"head_dim": hd, "gqa_group": 1} for hd in axes["head_dims"]]
+
+    def tier(self, target: Target) -> str | None:
+        return target.tier.value
+
+    def spec(self, target: Target, point: dict, tile: Tile) -> KernelSpec:
+        return KernelSpec(family=self.name, head_dim=point["head_dim"], gqa_group=1, tile=tile,
+                          wave_size=target.wave_size, tier=self.tier(target), stage=target.stage)
+
+    def from_name(self, name: str) -> KernelSpec | None:
+        spec = F16.from_name(self, name)
+        return None if spec is None else KernelSpec(**{**spec.__dict__, "family": self.name})
+
+    def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
+        return runtime.lds_layout(spec.head_dim, spec.tile.threads, spec.tile.br)
+
+    def context(self, spec: KernelSpec) -> dict:
+        return {"pairs": "F32Pairs" if spec.stage == "f32" else "F16Pairs", "lds_bytes": self.lds_bytes(spec),
+                "waves": waves_per_simd(spec), "paged": False}
+
+
+FAMILY = Dec()

@@ -1,0 +1,218 @@
+// Split-KV decode (flash-decoding): few query rows against many keys, read at memory speed.
+//
+// A workgroup owns up to R query rows of one K/V head (the query heads of its GQA group times the
+// query positions, in that order) and one slice of the keys; the grid is (row chunks x key slices,
+// K/V heads, batch), the slices of one chunk side by side (x = chunk * splits + slice). Nothing is
+// staged in LDS: each key is read from memory straight into the registers of a group of L = D/8
+// lanes, 16 bytes of K and 16 bytes of V per lane, and the L lanes reduce its score with shuffles.
+// The NG = NT/L lane groups take keys round robin, T of them per step (BC = NG * T keys per
+// workgroup step), and each keeps its own online softmax over the keys it saw; the groups meet
+// once, in LDS, at the end. With one slice the workgroup writes the output; with several it writes
+// a normalised fp32 partial output and its log2-domain LSE per row and slice, which the combine
+// kernel (fa2_combine.h) merges.
+//
+// The K/V source covers three layouts: strided [batch, keys, heads, dim] tensors (cache rows picked
+// by cache_batch_idx where given), packed variable-length batches (cu_seqlens_k) and a paged cache
+// (block_table: key i of batch b in page block_table[b][i / page], row i % page). Query rows are
+// strided or packed (cu_seqlens_q) the same way.
+#pragma once
+
+#include "tiles.h"
+#include "pairs.h"
+#include "fa2_policies.h"
+
+// Key rows of one (batch, K/V head) in any of the three layouts. Offsets in elements. PAGED: a
+// kernel variant of its own (family decpaged), so the others hold no page state.
+template <class Args, bool PAGED>
+struct DecodeKv {
+  const Args& a;
+  const half_t* k;
+  const half_t* v;
+  const int* pages;  // the batch's row of the block table; null: not paged
+
+  RDNA_METHOD DecodeKv(const Args& args, long long b, long long key0, int head_kv)
+      : a(args), pages(PAGED ? args.block_table + b * args.block_table_stride : nullptr) {
+    const long long kb = PAGED ? 0 : b * args.k_stride_b + key0 * args.k_stride_s;
+    const long long vb = PAGED ? 0 : b * args.v_stride_b + key0 * args.v_stride_s;
+    k = args.k + kb + head_kv * args.k_stride_h;
+    v = args.v + vb + head_kv * args.v_stride_h;
+  }
+  // Paged: the batch stride is the page stride, and K and V share their strides (the runtime
+  // checks), so one offset serves both.
+  RDNA_METHOD long long paged_offset(int i) const {
+    return pages[i >> a.page_shift] * a.k_stride_b + (long long)(i & ((1 << a.page_shift) - 1)) * a.k_stride_s;
+  }
+  RDNA_METHOD const half_t* key(int i) const { return k + (PAGED ? paged_offset(i) : (long long)i * a.k_stride_s); }
+  RDNA_METHOD const half_t* value(int i) const {
+    return v + (PAGED ? paged_offset(i) : (long long)i * a.v_stride_s);
+  }
+};
+
+template <class P, int D, int R, int BC, int NT, int LDS_BYTES, bool PAGED, class Args>
+RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
+  using pair_t = typename P::pair_t;
+  constexpr int L = D / 8;    // lanes per key: 8 fp16 values (16 bytes) each
+  constexpr int NG = NT / L;  // lane groups
+  constexpr int T = BC / NG;  // keys per group per step
+  static_assert(D % 8 == 0 && L <= RDNA_WAVE_SIZE && (L & (L - 1)) == 0 && NT % L == 0 && BC % NG == 0, "lane groups");
+  static_assert(LDS_BYTES == NG * R * (D + 2) * (int)sizeof(float), "LDS layout");
+
+  const int tid = rdna_thread_id(), grp = tid / L, lane = tid % L;
+  const int split = rdna_block_id_x() % a.splits, r0 = rdna_block_id_x() / a.splits * R;
+  const int head_kv = rdna_block_id_y();
+  const long long b = rdna_block_id_z();
+  const int group = a.heads_q / a.heads_kv;
+
+  // The batch's query rows and keys: packed (cu_seqlens), cache lengths, or the whole tensors.
+  const long long q0 = a.cu_seqlens_q ? a.cu_seqlens_q[b] : 0;
+  const int sq = a.cu_seqlens_q ? a.cu_seqlens_q[b + 1] - (int)q0 : a.seq_q;
+  const int rows = group * sq;
+  if (r0 >= rows) return;  // a short sequence of a packed batch: no row here (the combine skips them too)
+  // A paged cache is addressed through the block table alone (no packed keys, no batch indices).
+  const long long key0 = !PAGED && a.cu_seqlens_k ? a.cu_seqlens_k[b] : 0;
+  const int cap = !PAGED && a.cu_seqlens_k ? a.cu_seqlens_k[b + 1] - (int)key0 : a.seq_k;
+  const int n = a.seqused_k ? rdna_min(a.seqused_k[b], cap) : cap;
+  const DecodeKv<Args, PAGED> kv(a, !PAGED && a.cache_batch_idx ? a.cache_batch_idx[b] : b, key0, head_kv);
+  const WindowMask<Args, true, true> mask{a, n, sq};
+
+  // This workgroup's rows: query head head_kv * group + r / sq at position r % sq.
+  int pos[R];
+  int first = sq, last = -1;
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int r = rdna_min(r0 + i, rows - 1);
+    pos[i] = r % sq;
+    if (r0 + i < rows) first = rdna_min(first, pos[i]), last = rdna_max(last, pos[i]);
+  }
+  const int live = rdna_min(R, rows - r0);  // rows i < live exist (the same in every lane)
+
+  // Each lane's 8 values of each row of Q.
+  pair_t qf[R][4];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int r = rdna_min(r0 + i, rows - 1);
+    const half_t* src = a.q + b * a.q_stride_b + (head_kv * group + r / sq) * a.q_stride_h + (q0 + pos[i]) * a.q_stride_s;
+    const u32x4 c = rdna_load16(src + 8 * lane);
+    qf[i][0] = P::from_halves(c.x), qf[i][1] = P::from_halves(c.y);
+    qf[i][2] = P::from_halves(c.z), qf[i][3] = P::from_halves(c.w);
+  }
+
+  // This slice of the keys the rows can see.
+  const int lo = mask.key_lo(first), hi = mask.key_hi(last);
+  const int per = ((rdna_max(hi - lo, 0) + a.splits - 1) / a.splits + BC - 1) / BC * BC;
+  const int s_lo = lo + split * per, s_hi = rdna_min(hi, s_lo + per);
+
+  float m[R], l[R], o[R][8];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    m[i] = -__builtin_inff();
+    l[i] = 0.f;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) o[i][c] = 0.f;
+  }
+
+  const u32x4 zero = {0u, 0u, 0u, 0u};
+  // Each step's loads are issued one step ahead, so their latency overlaps the previous step.
+  u32x4 kc[T], vc[T];
+  auto load = [&](int k0, u32x4 (&kd)[T], u32x4 (&vd)[T]) {
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const int key = k0 + t * NG + grp;
+      kd[t] = key < s_hi ? rdna_load16(kv.key(key) + 8 * lane) : zero;
+      vd[t] = key < s_hi ? rdna_load16(kv.value(key) + 8 * lane) : zero;
+    }
+  };
+  if (s_lo < s_hi) load(s_lo, kc, vc);
+#pragma unroll 1
+  for (int k0 = s_lo; k0 < s_hi; k0 += BC) {
+    u32x4 kn[T], vn[T];
+    if (k0 + BC < s_hi) load(k0 + BC, kn, vn);
+    const bool whole = k0 + BC <= s_hi && mask.template whole<BC>(k0, first, last);
+    // Scores key by key (each key's K converted once for every row), then each row's softmax
+    // step, then P.V key by key.
+    float s[R][T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const pair_t kf[4] = {P::from_halves(kc[t].x), P::from_halves(kc[t].y), P::from_halves(kc[t].z),
+                            P::from_halves(kc[t].w)};
+      const int key = k0 + t * NG + grp;
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        if (i >= live) break;
+        float acc = P::dot(qf[i][0], kf[0], 0.f);
+        acc = P::dot(qf[i][1], kf[1], acc);
+        acc = P::dot(qf[i][2], kf[2], acc);
+        acc = P::dot(qf[i][3], kf[3], acc);
+#pragma unroll
+        for (int x = 1; x < L; x <<= 1) acc += rdna_shfl_xor(acc, x);
+        s[i][t] = whole || (key < s_hi && mask.visible(key, pos[i], mask.diag(pos[i]))) ? mask.scale(acc) : -__builtin_inff();
+      }
+    }
+    float m_ref[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (i >= live) break;
+      float tile_max = -__builtin_inff();
+#pragma unroll
+      for (int t = 0; t < T; ++t) tile_max = rdna_fmax(tile_max, s[i][t]);
+      m_ref[i] = fa2_softmax_update(m[i], l[i], o[i], tile_max);
+    }
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const half_t* vh = reinterpret_cast<const half_t*>(&vc[t]);
+      float vf[8];
+#pragma unroll
+      for (int c = 0; c < 8; ++c) vf[c] = (float)vh[c];
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        if (i >= live) break;
+        const float p = rdna_exp2(s[i][t] - m_ref[i]);
+        l[i] += p;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) o[i][c] = rdna_fma(p, vf[c], o[i][c]);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < T; ++t) kc[t] = kn[t], vc[t] = vn[t];
+  }
+
+  // The groups meet in LDS: o [NG][R][D], then (m, l) [NG][R].
+  float* const ol = reinterpret_cast<float*>(lds);
+  float* const ml = ol + NG * R * D;
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    __builtin_memcpy(__builtin_assume_aligned(ol + (grp * R + i) * D + 8 * lane, 16), o[i], sizeof(o[i]));
+    if (lane == 0) ml[2 * (grp * R + i)] = m[i], ml[2 * (grp * R + i) + 1] = l[i];
+  }
+  rdna_block_sync();
+  for (int item = tid; item < live * L; item += NT) {
+    const int i = item / L, c0 = item % L * 8, r = r0 + i;
+    const int head = head_kv * group + r / sq, p = r % sq;
+    float mx = -__builtin_inff();
+    for (int g = 0; g < NG; ++g) mx = rdna_fmax(mx, ml[2 * (g * R + i)]);
+    const float ref = mx == -__builtin_inff() ? 0.f : mx;
+    float sum = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int g = 0; g < NG; ++g) {
+      const float w = rdna_exp2(ml[2 * (g * R + i)] - ref);
+      sum += ml[2 * (g * R + i) + 1] * w;
+      const float* src = ol + (g * R + i) * D + c0;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[c] = rdna_fma(src[c], w, acc[c]);
+    }
+    // No visible key (sum 0): a zero row, LSE -inf; a NaN score made sum NaN, and NaN it stays.
+    const float inv = sum == 0.f ? 0.f : 1.f / sum;
+    const float lse2 = sum == 0.f ? -__builtin_inff() : ref + rdna_log2(sum);
+    if (a.part_o) {  // one slice of several: the normalised partial row and its log2-domain LSE
+      const long long row = ((split * a.batch + b) * a.heads_q + head) * (long long)a.seq_q + p;
+      float* dst = a.part_o + row * D + c0;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[c] *= inv;
+      __builtin_memcpy(__builtin_assume_aligned(dst, 16), acc, sizeof(acc));
+      if (c0 == 0) a.part_lse[row] = lse2;
+    } else {
+      half_t* out = a.o + b * a.o_stride_b + head * a.o_stride_h + (q0 + p) * a.o_stride_s + c0;
+      rdna_store_row<8, 8>(out, 0, acc, inv);
+      if (a.lse && c0 == 0) a.lse[b * a.lse_stride_b + head * a.lse_stride_h + q0 + p] = lse2 * 0.6931471805599453f;
+    }
+  }
+}

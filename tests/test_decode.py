@@ -1,0 +1,183 @@
+"""Split-KV decode (the dec, decpaged and combine families) on the host platform, against the float64
+oracle: key slices, cache lengths, GQA, windows, causal masks, paged caches and packed batches. Paged
+and contiguous calls of the same keys, and one slice against several, run the same arithmetic per
+slice, so they are compared exactly where the math is the same."""
+
+import pytest
+import torch
+
+from rdnattention import attention_reference, dispatch, drivers, plan_flash_attn
+from rdnattention.errors import UnsupportedError
+from rdnattention.families import dec
+
+TOL = 2e-3
+
+
+@pytest.fixture(scope="module", params=["host", "host_f32"])
+def table(request, host_build, monkeypatch_module):
+    monkeypatch_module.setenv("RDNATTENTION_HOST_TARGET", request.param)
+    return dispatch.table_for(drivers.target_of(torch.device("cpu")))
+
+
+def _inputs(b, hq, hk, sq, sk, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, hq, sq, d, generator=g).half(), torch.randn(b, hk, sk, d, generator=g).half(),
+            torch.randn(b, hk, sk, d, generator=g).half())
+
+
+def _window(options):
+    left, right = options.get("window_size", (-1, -1))
+    if options.get("is_causal"):
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def _call(q, k, v, options, **extra):
+    b, hq, sq, d = q.shape
+    fields = dict(q=q, k=k, v=v, out=torch.empty_like(q), lse=torch.empty(b, hq, sq), window=_window(options),
+                  softmax_scale=d ** -0.5, batch=b, seq_q=sq, seq_k=k.shape[2])
+    fields.update(extra)
+    return dec.Call(**fields)
+
+
+def _run(table, call):
+    plan = dec.plan(table, call)
+    plan.run()
+    return plan
+
+
+def _check(out, lse, ref, ref_lse):
+    assert (out.double() - ref).abs().max().item() <= TOL
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    if finite.any():
+        assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() <= TOL
+
+
+CASES = [  # (batch, heads_q, heads_kv, seq_q, seq_k, head_dim, options)
+    (1, 4, 4, 1, 300, 128, {}),
+    (2, 8, 2, 1, 257, 64, {"is_causal": True}),
+    (1, 4, 1, 1, 200, 256, {"window_size": (50, -1)}),
+    (2, 4, 2, 2, 190, 128, {"is_causal": True}),      # 4 rows per K/V head: one chunk
+    (1, 6, 2, 3, 150, 64, {"window_size": (20, 0)}),  # 9 rows: three chunks of the 4-row kernel
+    (1, 2, 2, 4, 120, 128, {"window_size": (16, 3)}),
+    (1, 2, 1, 17, 97, 64, {"is_causal": True}),       # a short prefill through the decode kernel
+]
+
+
+@pytest.mark.parametrize("splits", [1, 3, 0])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:6])) + "-" + str(c[6]))
+def test_matches_the_oracle(table, case, splits):
+    b, hq, hk, sq, sk, d, options = case
+    q, k, v = _inputs(b, hq, hk, sq, sk, d)
+    plan = _run(table, _call(q, k, v, options, num_splits=splits))
+    assert plan.launches[0].kernel.family == "dec"
+    assert (len(plan.launches) == 2) == (plan.launches[0].args.splits > 1)
+    if splits:
+        assert plan.launches[0].args.splits == dec.slices(sk, plan.launches[0].kernel.bc, splits)
+    ref, ref_lse = attention_reference(q, k, v, return_lse=True, **options)
+    _check(*plan.outputs, ref, ref_lse)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("lengths", [[300, 1, 77], [0, 5, 300]])
+def test_cache_lengths(table, lengths, splits):
+    q, k, v = _inputs(3, 4, 2, 1, 300, 128)
+    seqused = torch.tensor(lengths, dtype=torch.int32)
+    plan = _run(table, _call(q, k, v, {}, seqused_k=seqused, num_splits=splits))
+    ref, ref_lse = attention_reference(q, k, v, seqused_k=seqused, return_lse=True)
+    _check(*plan.outputs, ref, ref_lse)
+    assert plan.outputs[0][0].abs().max() == 0 if lengths[0] == 0 else True  # no key: a zero row
+
+
+def _paged(t, page, order):
+    """[b, hk, sk, d] as a [pages, page, hk, d] cache in the page order ``order``, viewed [pages, hk, page, d]."""
+    b, hk, sk, d = t.shape
+    cache = torch.zeros(len(order), page, hk, d, dtype=t.dtype)
+    cache[order.long()] = t.transpose(1, 2).reshape(b * sk // page, page, hk, d)
+    return cache.transpose(1, 2)
+
+
+@pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("options", [{}, {"is_causal": True}, {"window_size": (40, 0)}])
+def test_paged_is_contiguous_bit_for_bit(table, page, splits, options):
+    b, sk = 2, 512
+    q, k, v = _inputs(b, 4, 2, 2, sk, 64)
+    order = torch.randperm(b * sk // page, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+    block_table = order.view(b, sk // page)
+    seqused = torch.tensor([sk, 300], dtype=torch.int32)
+    contiguous = _run(table, _call(q, k, v, options, seqused_k=seqused, num_splits=splits))
+    paged = _run(table, _call(q, _paged(k, page, order), _paged(v, page, order), options, seqused_k=seqused,
+                              block_table=block_table, seq_k=sk, num_splits=splits))
+    assert paged.launches[0].kernel.family == "decpaged"
+    assert torch.equal(paged.outputs[0], contiguous.outputs[0])
+    assert torch.equal(paged.outputs[1], contiguous.outputs[1])
+    ref, ref_lse = attention_reference(q, k, v, seqused_k=seqused, return_lse=True, **options)
+    _check(*paged.outputs, ref, ref_lse)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_packed_batches(table, splits):
+    """Packed queries and keys (cu_seqlens): each sequence against its own keys only."""
+    lengths_q, lengths_k = [1, 3, 2], [40, 100, 7]
+    hq, hk, d = 4, 2, 64
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(sum(lengths_q), hq, d, generator=g).half()
+    k = torch.randn(sum(lengths_k), hk, d, generator=g).half()
+    v = torch.randn(sum(lengths_k), hk, d, generator=g).half()
+    cu_q = torch.tensor([0, 1, 4, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 40, 140, 147], dtype=torch.int32)
+    out, lse = torch.empty_like(q), torch.empty(hq, sum(lengths_q))
+    view = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731  [1, heads, total, d]
+    call = dec.Call(q=view(q), k=view(k), v=view(v), out=view(out), lse=lse, window=(-1, 0), softmax_scale=d ** -0.5,
+                    batch=3, seq_q=max(lengths_q), seq_k=max(lengths_k), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                    num_splits=splits)
+    _run(table, call)
+    for i in range(3):
+        qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        ref, ref_lse = attention_reference(view(q[qs]), view(k[ks]), view(v[ks]), is_causal=True, return_lse=True)
+        _check(view(out[qs]), lse[:, qs].unsqueeze(0), ref, ref_lse)
+
+
+def test_nan_scores_make_their_rows_nan(table):
+    q, k, v = _inputs(1, 2, 2, 1, 200, 64)
+    k[0, 1, 150] = float("nan")
+    plan = _run(table, _call(q, k, v, {}, num_splits=4))
+    out, lse = plan.outputs
+    assert torch.isnan(out[0, 1]).all() and torch.isnan(lse[0, 1]).all()
+    assert torch.isfinite(out[0, 0]).all() and torch.isfinite(lse[0, 0]).all()
+
+
+def test_one_slice_or_several_agree(table):
+    q, k, v = _inputs(1, 4, 4, 1, 1000, 128)
+    one = _run(table, _call(q, k, v, {}, num_splits=1)).outputs[0]
+    several = _run(table, _call(q, k, v, {}, num_splits=8)).outputs[0]
+    assert (one.double() - several.double()).abs().max() <= TOL
+
+
+def test_flash_attn_routes_few_rows_to_decode(table):
+    q, k, v = _inputs(1, 8, 2, 1, 100, 64)
+    assert plan_flash_attn(q, k, v).launches[0].kernel.family == "dec"
+    q, k, v = _inputs(1, 8, 2, 64, 100, 64)  # 256 rows per K/V head: the row-block kernel
+    assert plan_flash_attn(q, k, v).launches[0].kernel.family == "f16"
+    cos_sin = torch.ones(100, 8), torch.zeros(100, 8)
+    q, k, v = _inputs(1, 8, 2, 1, 100, 64)  # RoPE in the kernel: the row-block kernels rotate
+    assert plan_flash_attn(q, k, v, rotary_cos=cos_sin[0], rotary_sin=cos_sin[1]).launches[0].kernel.family == "f16"
+
+
+def test_automatic_slices_fill_the_device():
+    # 4 workgroups per unit over 32 asks for 17 slices; 8192 / 17 rounds up to 512 keys: 16 slices.
+    assert dec.splits_for(workgroups=32, seq_k=8192, keys_per_step=32, units=132) == 16
+    assert dec.splits_for(workgroups=4096, seq_k=8192, keys_per_step=32, units=132) == 1
+    assert dec.splits_for(workgroups=1, seq_k=100, keys_per_step=32, units=132) == 2  # two steps per slice at least
+    assert dec.slices(8192, 32, 17) == 16 and dec.slices(8192, 32, 16) == 16 and dec.slices(100, 32, 3) == 2 and dec.slices(0, 32, 5) == 1
+
+
+def test_a_table_without_decode_kernels_says_so(table):
+    bare = dispatch.TargetTable(target=table.target, platform=table.platform, code_object=table.code_object,
+                                dynamic_lds=table.dynamic_lds,
+                                kernels=tuple(e for e in table.kernels if e.family not in ("dec", "decpaged")))
+    q, k, v = _inputs(1, 2, 2, 1, 50, 64)
+    with pytest.raises(UnsupportedError, match="no dec .*head_dim 64"):
+        dec.plan(bare, _call(q, k, v, {}))
