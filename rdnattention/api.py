@@ -217,6 +217,13 @@ def _table(device: torch.device) -> dispatch.TargetTable:
     return table
 
 
+def can_read(t: torch.Tensor) -> bool:
+    """Whether a check may read ``t``'s values: not while torch.compile traces (a data-dependent
+    branch breaks the graph) nor while a CUDA graph is captured (a device read is not allowed).
+    Those calls rely on their eager run having been checked; the kernels clamp lengths."""
+    return not (torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
 def _check_memory(name: str, t: torch.Tensor) -> None:
     """The tensor has memory the kernel can read: a real pointer, a storage covering every element
     its shape and strides reach, no lazy negation or conjugation."""
@@ -250,7 +257,8 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token_m
     out, lse = _allocate(q, token_major, o.return_lse)
     if o.seqused_k is not None:
         _check_memory("seqused_k", o.seqused_k)
-        if o.seqused_k.numel() and not bool(((o.seqused_k >= 0) & (o.seqused_k <= k.shape[2])).all()):
+        if (o.seqused_k.numel() and can_read(o.seqused_k)
+                and not bool(((o.seqused_k >= 0) & (o.seqused_k <= k.shape[2])).all())):
             raise InvalidArgumentError(f"seqused_k values must lie in [0, seq_k = {k.shape[2]}], got "
                                        f"{o.seqused_k.tolist()}")
     call = f16.Call(q=q, k=k, v=v, out=out, lse=lse if o.return_lse else None, seqused_k=o.seqused_k,

@@ -1,16 +1,17 @@
 """flash-attn's ``flash_attn_with_kvcache``: decode and chunked prefill against a preallocated KV
 cache with per-sequence lengths, appending the new keys and values in place.
 
-The attention itself is the fp16 kernel with cache lengths (the f16len family, through
-``seqused_k``). The in-place append and RoPE on the new keys and the queries (reference.rotate, in
+The attention runs the split-KV decode kernels (decode.py) for paged caches, cache_batch_idx,
+explicit num_splits and calls with few query rows per K/V head, and the fp16 row-block kernels
+with cache lengths (the f16len family, through ``seqused_k``) otherwise. The in-place append and RoPE on the new keys and the queries (reference.rotate, in
 float64) are torch operations, so torch.compile traces them as they are."""
 
 from __future__ import annotations
 
 import torch
 
-from . import api
-from .errors import InvalidArgumentError, UnsupportedError
+from . import api, decode
+from .errors import InvalidArgumentError
 from .reference import rotate
 
 
@@ -29,35 +30,60 @@ def _check_tables(cos: object, sin: object, interleaved: object, q: torch.Tensor
                                    f"shape, with rotary_dim = 2 * width at most head_dim {q.shape[3]}")
 
 
+def _check_paged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: object, batch: int) -> torch.Tensor:
+    """A page pool [pages, page_size, heads_kv, head_dim] (page_size a power of two, K and V with
+    one layout) and its int32 [batch, pages per sequence] table."""
+    table = decode.check_int32("block_table", block_table, 2, k_cache.device)
+    if table.shape[0] != batch:
+        raise InvalidArgumentError(f"block_table has {table.shape[0]} rows; q has batch {batch}")
+    page = k_cache.shape[1]
+    if page < 1 or page & (page - 1):
+        raise InvalidArgumentError(f"the page size (k_cache.shape[1] = {page}) must be a power of two; "
+                                   "16 to 256 are the sizes tested")
+    if k_cache.stride() != v_cache.stride():
+        raise InvalidArgumentError(f"paged k_cache and v_cache must share one layout, got strides {k_cache.stride()} "
+                                   f"and {v_cache.stride()}")
+    return table
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), rotary_interleaved=True, num_splits=0,
                             return_softmax_lse=False):
     """flash-attn's semantics: q [batch, seq_q, heads, head_dim]; k_cache, v_cache
-    [batch, cache_len, heads_kv, head_dim]; cache_seqlens (int, or int32 [batch]) the valid length
-    of each sequence's cache (None: the whole cache). With k, v [batch, seq_new, heads_kv, head_dim],
-    they are written into the cache in place at cache_seqlens (after RoPE at their positions when
-    rotary_cos/rotary_sin are given; q is rotated at cache_seqlens + i under a causal or local mask,
-    else at cache_seqlens), and attention covers cache_seqlens + seq_new keys. Queries align to the
-    end of each sequence's keys. Returns out [batch, seq_q, heads, head_dim], with the LSE
-    [batch, heads, seq_q] if return_softmax_lse. cache_batch_idx and block_table (paged caches) and
-    num_splits > 1 (split-KV) raise UnsupportedError: not implemented yet."""
-    if cache_batch_idx is not None:
-        raise UnsupportedError("cache_batch_idx is not implemented yet; index the cache before the call")
-    if block_table is not None:
-        raise UnsupportedError("block_table (paged KV) is not implemented yet")
+    [batch_cache, cache_len, heads_kv, head_dim], or with ``block_table`` (int32 [batch, pages per
+    sequence]) a page pool [pages, page_size, heads_kv, head_dim] (page_size a power of two);
+    ``cache_batch_idx`` (int32 [batch]) the cache row of each sequence (default: its own);
+    cache_seqlens (int, or int32 [batch]) the valid length of each sequence's cache (None: the whole
+    cache). With k, v [batch, seq_new, heads_kv, head_dim], they are written into the cache in place
+    at cache_seqlens (after RoPE at their positions when rotary_cos/rotary_sin are given; q is
+    rotated at cache_seqlens + i under a causal or local mask, else at cache_seqlens), and attention
+    covers cache_seqlens + seq_new keys. Queries align to the end of each sequence's keys.
+    ``num_splits``: key slices of the split-KV kernels (0: chosen from the device). Returns out
+    [batch, seq_q, heads, head_dim], with the LSE [batch, heads, seq_q] if return_softmax_lse."""
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise InvalidArgumentError(f"num_splits must be a non-negative int, got {num_splits!r}")
-    if num_splits > 1:
-        raise UnsupportedError(f"num_splits={num_splits}: split-KV is not implemented yet; pass 0 or 1")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         api._check_tensor(name, t, api._TOKEN_MAJOR)
-    batch, cache_len = k_cache.shape[0], k_cache.shape[1]
+    batch = q.shape[0]
     if v_cache.shape != k_cache.shape:
         raise InvalidArgumentError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape "
                                    f"{tuple(k_cache.shape)}")
-    if q.shape[0] != batch:
-        raise InvalidArgumentError(f"q has batch {q.shape[0]}, the cache {batch}")
+    if block_table is not None and cache_batch_idx is not None:
+        raise InvalidArgumentError("cache_batch_idx and block_table exclude each other: a paged cache is addressed "
+                                   "through its block table")
+    if block_table is not None:
+        block_table = _check_paged(k_cache, v_cache, block_table, batch)
+        decode.check_values("block_table", block_table, 0, k_cache.shape[0] - 1)
+        cache_len = block_table.shape[1] * k_cache.shape[1]
+    else:
+        cache_len = k_cache.shape[1]
+        if cache_batch_idx is not None:
+            cache_batch_idx = decode.check_int32("cache_batch_idx", cache_batch_idx, (batch,), q.device)
+            decode.check_values("cache_batch_idx", cache_batch_idx, 0, k_cache.shape[0] - 1)
+        elif k_cache.shape[0] != batch:
+            raise InvalidArgumentError(f"q has batch {batch}, the cache {k_cache.shape[0]} (give cache_batch_idx to "
+                                       "pick cache rows)")
     if (k is None) != (v is None):
         raise InvalidArgumentError("k and v must be given together")
     if rotary_cos is not None and k is None:
@@ -79,7 +105,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 raise InvalidArgumentError(f"{name} shape {tuple(t.shape)} must be [batch, seq_new, heads_kv, "
                                            f"head_dim] matching the cache {tuple(k_cache.shape)}")
         new = k.shape[1]
-    if lengths.numel() and not bool(((lengths >= 0) & (lengths + new <= cache_len)).all()):
+    if lengths.numel() and decode.can_read(lengths) and not bool(((lengths >= 0) & (lengths + new <= cache_len)).all()):
         raise InvalidArgumentError(f"cache_seqlens + seq_new ({new}) must lie in [0, cache_len = {cache_len}], "
                                    f"got cache_seqlens {lengths.tolist()}")
 
@@ -88,7 +114,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         positions = lengths.long()[:, None] + torch.arange(new, device=q.device)
         if rotary_cos is not None:
             _check_tables(rotary_cos, rotary_sin, rotary_interleaved, q)
-            needed = int(lengths.max().item()) + max(new, q.shape[1]) if batch else 0
+            needed = int(lengths.max().item()) + max(new, q.shape[1]) if batch and decode.can_read(lengths) else 0
             if rotary_cos.shape[0] < needed:
                 raise InvalidArgumentError(f"rotary tables have {rotary_cos.shape[0]} positions; the new keys and "
                                            f"queries need {needed}")
@@ -97,15 +123,36 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             q_pos = lengths.long()[:, None] + (torch.arange(q.shape[1], device=q.device) if local else 0)
             q_in = rotate(q.transpose(1, 2), rotary_cos, rotary_sin, q_pos.expand(batch, q.shape[1]),
                           rotary_interleaved).transpose(1, 2)
-        rows = torch.arange(batch, device=q.device)[:, None]
-        k_cache[rows, positions] = k
-        v_cache[rows, positions] = v
+        if block_table is not None:  # page block_table[b, pos // page], row pos % page
+            page = k_cache.shape[1]
+            slots = block_table.long().gather(1, positions // page)
+            k_cache[slots, positions % page] = k
+            v_cache[slots, positions % page] = v
+        else:
+            rows = (cache_batch_idx.long() if cache_batch_idx is not None
+                    else torch.arange(batch, device=q.device))[:, None]
+            k_cache[rows, positions] = k
+            v_cache[rows, positions] = v
         lengths = lengths + new
+    lengths = lengths.to(torch.int32)
 
-    qv, kv, vv = (t.transpose(1, 2) for t in (q_in, k_cache, v_cache))
+    qv = q_in.transpose(1, 2)
+    if block_table is None and cache_batch_idx is None:
+        kv, vv = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    else:  # stand-ins of the logical [batch, heads_kv, cache_len, head_dim] shape: validation reads only shapes
+        kv = vv = k_cache.new_empty(k_cache.shape[-1]).as_strided(
+            (batch, k_cache.shape[2], cache_len, k_cache.shape[3]), (0, 0, 0, 1))
     o = api._validate(qv, kv, vv, is_causal=causal, window_size=window_size, softmax_scale=softmax_scale,
                       rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_softmax_lse,
-                      seqused_k=lengths.to(torch.int32))
-    out, lse = api.forward(qv, kv, vv, o, token_major=True)
-    out = out.transpose(1, 2)
+                      seqused_k=lengths)
+    # Plain caches with automatic slices go through flash_attn's planning, which picks the split-KV
+    # kernels for few query rows per K/V head and the row-block kernels otherwise.
+    if block_table is None and cache_batch_idx is None and num_splits == 0:
+        out, lse = api.forward(qv, kv, vv, o, token_major=True)
+        out = out.transpose(1, 2)
+        return (out, lse) if return_softmax_lse else out
+    out, lse = decode.forward(q_in, k_cache, v_cache, window=(o.window_left, o.window_right),
+                              softmax_scale=o.softmax_scale, return_lse=return_softmax_lse,
+                              layout=decode.Layout(batch=batch, seq_q=q.shape[1], seq_k=cache_len), seqused_k=lengths,
+                              block_table=block_table, cache_batch_idx=cache_batch_idx, num_splits=num_splits)
     return (out, lse) if return_softmax_lse else out

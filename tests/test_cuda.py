@@ -29,7 +29,9 @@ def test_cuda_targets_build_without_spills(matrix, cuda_audit, target):
     budget = matrix.target(target).lds_bytes
     for r in rows:
         assert (r.vgpr_spills, r.scratch_bytes) == (0, 0), r
-        assert r.lds_bytes <= budget and (r.dot4 if r.name.startswith("fa2_i8_") else r.cvt_f32_f16) > 0, r
+        assert r.lds_bytes <= budget, r
+        if not r.name.startswith("fa2_combine_"):  # fp32 sums only: no conversions to count
+            assert (r.dot4 if r.name.startswith("fa2_i8_") else r.cvt_f32_f16) > 0, r
     # sm_90 converts each fp16 value once into fp32 LDS; Pascal, with 48 KiB, keeps fp16 pairs.
     assert all(r.name.endswith("_sf32" if target == "sm_90" else "_sf16") for r in rows if r.name.startswith("fa2_f16_"))
     # dp4a on every Pascal-and-later target that has it: sm_60 has none, so no int8 kernels there.

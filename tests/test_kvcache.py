@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rdnattention import attention_reference, flash_attn_with_kvcache, rotary_tables
-from rdnattention.errors import InvalidArgumentError, UnsupportedError
+from rdnattention.errors import InvalidArgumentError
 from rdnattention.reference import rotate
 
 TOL = 2e-3
@@ -77,9 +77,14 @@ def test_an_int_length_and_the_whole_cache(host_build):
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    ({"block_table": torch.zeros(3, 4, dtype=torch.int32)}, UnsupportedError, "block_table (paged KV)"),
-    ({"cache_batch_idx": torch.arange(3)}, UnsupportedError, "cache_batch_idx is not implemented yet"),
-    ({"num_splits": 4}, UnsupportedError, "num_splits=4: split-KV is not implemented yet"),
+    ({"block_table": torch.zeros(3, 4, dtype=torch.int64)}, InvalidArgumentError, "block_table must be int32 2-D"),
+    ({"block_table": torch.zeros(2, 4, dtype=torch.int32)}, InvalidArgumentError, "block_table has 2 rows"),
+    ({"block_table": torch.zeros(3, 4, dtype=torch.int32), "cache_batch_idx": torch.zeros(3, dtype=torch.int32)},
+     InvalidArgumentError, "cache_batch_idx and block_table exclude each other"),
+    ({"cache_batch_idx": torch.arange(3)}, InvalidArgumentError, "cache_batch_idx must be int32 (3,)"),
+    ({"cache_batch_idx": torch.tensor([0, 1, 3], dtype=torch.int32)}, InvalidArgumentError,
+     "cache_batch_idx values must lie in [0, 2]"),
+    ({"num_splits": -1}, InvalidArgumentError, "num_splits must be a non-negative int"),
     ({"cache_seqlens": torch.tensor([10, 0, 64], dtype=torch.int32)}, InvalidArgumentError,
      "cache_seqlens + seq_new (1) must lie in [0, cache_len = 64]"),
     ({"k": None}, InvalidArgumentError, "k and v must be given together"),
@@ -90,3 +95,49 @@ def test_what_is_refused(host_build, kwargs, error, message):
     with pytest.raises(error) as err:
         flash_attn_with_kvcache(q, k_cache, v_cache, **args)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("page", [16, 32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_paged_cache_is_the_contiguous_one_bit_for_bit(host_build, page, causal):
+    """The same keys in shuffled pages of a pool: the same append (through the block table), the
+    same output and LSE, bit for bit, as the contiguous cache with the same number of slices."""
+    q, k_cache, v_cache, k, v, lengths = _setup(sq=2, new=2)
+    b, cache, hk, d = k_cache.shape
+    order = torch.randperm(b * cache // page, generator=torch.Generator().manual_seed(3)).to(torch.int32)
+    table = order.view(b, cache // page)
+    pool_k = torch.zeros(b * cache // page, page, hk, d, dtype=k_cache.dtype)
+    pool_v = torch.zeros_like(pool_k)
+    pool_k[order.long()] = k_cache.reshape(-1, page, hk, d)
+    pool_v[order.long()] = v_cache.reshape(-1, page, hk, d)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=causal, num_splits=2,
+                                       return_softmax_lse=True)
+    pout, plse = flash_attn_with_kvcache(q, pool_k, pool_v, k, v, cache_seqlens=lengths, block_table=table,
+                                         causal=causal, num_splits=2, return_softmax_lse=True)
+    assert torch.equal(pool_k[order.long()].reshape(k_cache.shape), k_cache)
+    assert torch.equal(pool_v[order.long()].reshape(v_cache.shape), v_cache)
+    assert torch.equal(pout, out) and torch.equal(plse, lse)
+    _, _, ref, _ = _expected(q, k_cache, v_cache, None, None, lengths + 2, causal, (-1, -1), None)
+    assert (pout.double() - ref).abs().max().item() <= TOL
+
+
+def test_cache_batch_idx_picks_cache_rows(host_build):
+    q, k_cache, v_cache, k, v, lengths = _setup()
+    big_k = torch.randn(5, *k_cache.shape[1:]).half()
+    big_v = torch.randn(5, *v_cache.shape[1:]).half()
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32)
+    big_k[idx.long()], big_v[idx.long()] = k_cache, v_cache
+    untouched = big_k[[1, 3]].clone()
+    out = flash_attn_with_kvcache(q, big_k, big_v, k, v, cache_seqlens=lengths, cache_batch_idx=idx)
+    ref = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, num_splits=1)
+    assert torch.equal(big_k[idx.long()], k_cache) and torch.equal(big_v[idx.long()], v_cache)
+    assert torch.equal(big_k[[1, 3]], untouched)
+    assert (out.double() - ref.double()).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_num_splits_changes_only_the_rounding(host_build, num_splits):
+    q, k_cache, v_cache, _, _, lengths = _setup(new=0, lengths=(64, 33, 1))
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=num_splits)
+    _, _, ref, _ = _expected(q, k_cache, v_cache, None, None, lengths, False, (-1, -1), None)
+    assert (out.double() - ref).abs().max().item() <= TOL

@@ -16,7 +16,7 @@ from rdnattention import attention_reference, dispatch, flash_attn, plan_flash_a
 from rdnattention.abi import ArgStruct
 from rdnattention.dispatch import Constraints, KernelEntry, TargetTable
 from rdnattention.errors import IncompatibleKernelsError, InvalidArgumentError, StaleKernelsError, UnsupportedError
-from rdnattention.families import f16, i8
+from rdnattention.families import combine, dec, f16, i8
 
 
 def test_import_does_not_load_the_generator():
@@ -43,7 +43,8 @@ def test_layout_digest_follows_the_fields():
 def test_dispatch_table_records_format_and_digest(host_build):
     data = json.loads((host_build / "host" / "dispatch.json").read_text())
     assert data["format"] == dispatch.TABLE_FORMAT and data["dynamic_lds"] is False
-    assert {e["args_digest"] for e in data["kernels"]} == {f16.ARGS.digest, i8.ARGS.digest}
+    assert {e["args_digest"] for e in data["kernels"]} == {f16.ARGS.digest, i8.ARGS.digest, dec.ARGS.digest,
+                                                           combine.ARGS.digest}
     assert all(e["provenance"] == "variants.yaml" for e in data["kernels"])
 
 
@@ -56,7 +57,8 @@ def host_copy(host_build, tmp_path):
 
 def test_a_foreign_argument_layout_is_refused(host_copy, monkeypatch):
     data = json.loads(host_copy.read_text())
-    data["kernels"][0]["args_digest"] = "0123456789abcdef"
+    first_f16 = next(i for i, e in enumerate(data["kernels"]) if e["family"] == "f16")
+    data["kernels"][first_f16]["args_digest"] = "0123456789abcdef"
     host_copy.write_text(json.dumps(data))
     with pytest.raises(StaleKernelsError) as err:
         dispatch.load_table(host_copy)
@@ -139,7 +141,8 @@ def test_plan_options(host_build):
     k = v = torch.randn(1, 2, 40, 64).half()
     assert plan_flash_attn(q, k, v).launches[0].args.heavy_first == 0
     assert plan_flash_attn(q, k, v, is_causal=True, heavy_first=False).launches[0].args.heavy_first == 0
-    group1 = next(e.name for e in dispatch.table_for("host").kernels if e.head_dim == 64 and e.gqa_group == 1)
+    group1 = next(e.name for e in dispatch.table_for("host").kernels
+                  if e.family == "f16" and e.head_dim == 64 and e.gqa_group == 1)
     plan = plan_flash_attn(q, k, v, is_causal=True, kernel=group1)
     assert plan.launches[0].kernel.name == group1 and plan.launches[0].grid[1] == 4
     plan.run()

@@ -143,3 +143,35 @@ def test_repeated_calls_replay_the_plan_and_still_check_every_argument(host_buil
     shifted.copy_(q)
     with pytest.raises(InvalidArgumentError, match="rows must start on 16-byte boundaries"):
         flash_attn(shifted, k, v, is_causal=True)
+
+
+def test_decode_op_opcheck(host_build):
+    q, k, v = (t.transpose(1, 2).contiguous() for t in _qkv(b=2, sq=1, sk=60))
+    lengths = torch.tensor([60, 17], dtype=torch.int32)
+    op = torch.ops.rdnattention.flash_attn_decode_fwd.default
+    for splits, lse in ((0, True), (3, False)):
+        args = (q, k, v, lengths, None, None, None, None, 2, 1, 60, -1, 0, 0.125, lse, splits)
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_cache_and_packed_entry_points_compile_without_a_break(host_build):
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1, 4, 64, generator=g).half()
+    pool_k, pool_v = (torch.randn(8, 16, 2, 64, generator=g).half() for _ in range(2))
+    table = torch.tensor([[3, 1, 4, 0], [7, 6, 5, 2]], dtype=torch.int32)
+    lengths = torch.tensor([50, 9], dtype=torch.int32)
+    packed_q = torch.randn(5, 4, 64, generator=g).half()
+    packed_k, packed_v = (torch.randn(70, 2, 64, generator=g).half() for _ in range(2))
+    cu_q, cu_k = torch.tensor([0, 1, 5], dtype=torch.int32), torch.tensor([0, 30, 70], dtype=torch.int32)
+
+    def step(q, pool_k, pool_v, packed_q, packed_k, packed_v):
+        a = rdnattention.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lengths, block_table=table)
+        b = rdnattention.varlen_attn(packed_q, packed_k, packed_v, cu_q, cu_k, 4, 40, enable_gqa=True,
+                                     window_size=(-1, 0))
+        return a.sum() + b.sum()
+
+    args = (q, pool_k, pool_v, packed_q, packed_k, packed_v)
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(step)(*args)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    assert torch.equal(torch.compile(step, fullgraph=True, backend="eager")(*args), step(*args))

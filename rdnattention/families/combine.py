@@ -30,6 +30,7 @@ ARGS = ArgStruct("Fa2CombineArgs", (
     ("o_stride_b", "long long"), ("o_stride_h", "long long"), ("o_stride_s", "long long"),
     *f16.LSE_FIELDS,
     ("cu_seqlens_q", "const int*"),  # packed batches: rows past a sequence's end are skipped
+    ("seqused_q", "const int*"),     # likewise rows past seqused_q[b] (padded batches)
     ("batch", "int"),
     ("heads_q", "int"),
     ("seq_q", "int"),
@@ -58,6 +59,8 @@ def launch(table: TargetTable, call, head_dim: int, splits: int, scratch: tuple[
         fields.update(cu_seqlens_q=call.cu_seqlens_q.data_ptr(), o_stride_b=0)
         if call.lse is not None:
             fields.update(lse_stride_b=0, lse_stride_h=call.lse.stride(0))
+    if call.seqused_q is not None:
+        fields["seqused_q"] = call.seqused_q.data_ptr()
     rows = call.batch * call.q.shape[1] * call.seq_q
     grid = (-(-rows // entry.br), 1, 1)
     return Launch(kernel=entry, grid=grid, block=entry.threads, shared_bytes=0, args=Fa2CombineArgs(**fields))

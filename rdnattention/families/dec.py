@@ -33,7 +33,8 @@ NAMES = NameSchema("fa2_dec", f16.NAMES.fields)
 PAGED_FIELDS = (("block_table", "const int*"), ("block_table_stride", "long long"), ("page_shift", "int"))
 # Packed batches: batch b's query rows start at row cu_seqlens_q[b] and number
 # cu_seqlens_q[b + 1] - cu_seqlens_q[b] (likewise keys); null: [batch, seq, ...] tensors.
-VARLEN_FIELDS = (("cu_seqlens_q", "const int*"), ("cu_seqlens_k", "const int*"))
+# seqused_q (int32 [batch]): batch b's query rows, where its offsets alone do not say (padding).
+VARLEN_FIELDS = (("cu_seqlens_q", "const int*"), ("cu_seqlens_k", "const int*"), ("seqused_q", "const int*"))
 # Key slices: with splits > 1, each writes part_o fp32 [splits, batch, heads_q, seq_q, head_dim]
 # (normalised) and part_lse fp32 [splits, batch, heads_q, seq_q] (log2 domain) for the combine.
 SPLIT_FIELDS = (("splits", "int"), ("part_o", "float*"), ("part_lse", "float*"))
@@ -92,6 +93,7 @@ class Call:
     block_table: torch.Tensor | None = None
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
+    seqused_q: torch.Tensor | None = None  # int32 [batch]: query rows of each batch (padded batches)
     num_splits: int = 0  # 0: chosen from the grid and the device
 
 
@@ -160,6 +162,8 @@ def plan(table: TargetTable, call: Call, *, kernel: str | None = None) -> Plan:
         fields.update(cu_seqlens_q=call.cu_seqlens_q.data_ptr(), q_stride_b=0, o_stride_b=0)
         if call.lse is not None:  # [heads_q, total_q]
             fields.update(lse_stride_b=0, lse_stride_h=call.lse.stride(0))
+    if call.seqused_q is not None:
+        fields["seqused_q"] = call.seqused_q.data_ptr()
     if call.cu_seqlens_k is not None:
         fields.update(cu_seqlens_k=call.cu_seqlens_k.data_ptr(), k_stride_b=0, v_stride_b=0)
     if call.cache_batch_idx is not None:
@@ -189,6 +193,6 @@ def plan(table: TargetTable, call: Call, *, kernel: str | None = None) -> Plan:
         from . import combine
         launches.append(combine.launch(table, call, head_dim, splits, scratch))
     buffers = tuple(t for t in (q, k, v, call.out, call.lse, call.seqused_k, call.cache_batch_idx, call.block_table,
-                                call.cu_seqlens_q, call.cu_seqlens_k, *scratch) if t is not None)
+                                call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q, *scratch) if t is not None)
     return Plan(table=table, device=q.device, launches=launches, outputs=(call.out, call.lse), buffers=buffers)
 

@@ -8,6 +8,11 @@
 #define RDNA_LDS(name, bytes) __attribute__((shared)) __attribute__((aligned(16))) unsigned char name[bytes]
 #define RDNA_KERNEL(threads) \
   extern "C" __attribute__((global)) __attribute__((amdgpu_flat_work_group_size(threads, threads)))
+// A kernel that needs `waves` waves per SIMD resident (latency-bound kernels): the register
+// budget follows from it.
+#define RDNA_KERNEL_WAVES(threads, waves)                                                        \
+  extern "C" __attribute__((global)) __attribute__((amdgpu_flat_work_group_size(threads, threads))) \
+  __attribute__((amdgpu_waves_per_eu(waves)))
 #define RDNA_REGISTER(name, args_type, threads)
 
 // Types every platform shares.

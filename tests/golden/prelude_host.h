@@ -16,6 +16,7 @@
   [[gnu::used]] static unsigned char name##_extent[bytes]; \
   unsigned char* const name = rdna_host::shared_memory()
 #define RDNA_KERNEL(threads) extern "C"
+#define RDNA_KERNEL_WAVES(threads, waves) extern "C"
 #define RDNA_REGISTER(name, args_type, threads) \
   static const rdna_host::Registrar name##_registrar( \
       #name, threads, sizeof(args_type), [](const void* a) { name(*static_cast<const args_type*>(a)); });

@@ -10,6 +10,11 @@
   static_assert((bytes) > 0, "LDS size"); \
   extern __attribute__((shared)) __attribute__((aligned(16))) unsigned char name[]
 #define RDNA_KERNEL(threads) extern "C" __attribute__((global)) __attribute__((launch_bounds(threads, 1)))
+// A kernel that needs `waves` warps per SM sub-partition resident (latency-bound kernels): the
+// register budget follows from it.
+#define RDNA_KERNEL_WAVES(threads, waves) \
+  extern "C" __attribute__((global)) \
+  __attribute__((launch_bounds(threads, (waves) * 4 * RDNA_WAVE_SIZE / (threads))))
 #define RDNA_REGISTER(name, args_type, threads)
 
 // Types every platform shares.

@@ -2,10 +2,11 @@
 // (fa2_decode.h) by their log2-domain LSEs into the fp16 output and the natural-log LSE.
 //
 // L = D/8 lanes per row, 8 fp32 values each; a workgroup takes NT/L consecutive rows of the
-// padded [batch, heads_q, seq_q] row space. Rows past a packed sequence's end do not exist.
+// padded [batch, heads_q, seq_q] row space. Rows past a sequence's query rows do not exist.
 #pragma once
 
 #include "tiles.h"
+#include "fa2_decode.h"  // fa2_query_rows
 
 template <int D, int NT, class Args>
 RDNA_DEVICE void fa2_combine(const Args& a) {
@@ -18,7 +19,7 @@ RDNA_DEVICE void fa2_combine(const Args& a) {
   const int p = (int)(row % a.seq_q), head = (int)(row / a.seq_q % a.heads_q);
   const long long b = row / ((long long)a.seq_q * a.heads_q);
   const long long q0 = a.cu_seqlens_q ? a.cu_seqlens_q[b] : 0;
-  if (a.cu_seqlens_q && p >= a.cu_seqlens_q[b + 1] - q0) return;
+  if (p >= fa2_query_rows(a, b)) return;
 
   float mx = -__builtin_inff();
   for (int s = 0; s < a.splits; ++s) mx = rdna_fmax(mx, a.part_lse[s * total + row]);

@@ -14,7 +14,9 @@
 // The K/V source covers three layouts: strided [batch, keys, heads, dim] tensors (cache rows picked
 // by cache_batch_idx where given), packed variable-length batches (cu_seqlens_k) and a paged cache
 // (block_table: key i of batch b in page block_table[b][i / page], row i % page). Query rows are
-// strided or packed (cu_seqlens_q) the same way.
+// strided or packed (cu_seqlens_q) the same way. cu_seqlens_q[b] and cu_seqlens_k[b] are where
+// batch b's rows start; their counts are the next offset's distance unless seqused_q / seqused_k
+// give them (so a padded batch is described by start offsets and lengths).
 #pragma once
 
 #include "tiles.h"
@@ -48,6 +50,14 @@ struct DecodeKv {
   }
 };
 
+// Query rows of batch b: seqused_q[b] where given (the rest of its rows are padding), else the
+// packed sequence's length, else seq_q.
+template <class Args>
+RDNA_DEVICE int fa2_query_rows(const Args& a, long long b) {
+  if (a.seqused_q) return rdna_min(a.seqused_q[b], a.seq_q);
+  return a.cu_seqlens_q ? a.cu_seqlens_q[b + 1] - a.cu_seqlens_q[b] : a.seq_q;
+}
+
 template <class P, int D, int R, int BC, int NT, int LDS_BYTES, bool PAGED, class Args>
 RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   using pair_t = typename P::pair_t;
@@ -65,7 +75,7 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
 
   // The batch's query rows and keys: packed (cu_seqlens), cache lengths, or the whole tensors.
   const long long q0 = a.cu_seqlens_q ? a.cu_seqlens_q[b] : 0;
-  const int sq = a.cu_seqlens_q ? a.cu_seqlens_q[b + 1] - (int)q0 : a.seq_q;
+  const int sq = fa2_query_rows(a, b);
   const int rows = group * sq;
   if (r0 >= rows) return;  // a short sequence of a packed batch: no row here (the combine skips them too)
   // A paged cache is addressed through the block table alone (no packed keys, no batch indices).

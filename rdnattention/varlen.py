@@ -1,0 +1,174 @@
+"""Packed variable-length batches: torch's `varlen_attn` and flash-attn's `flash_attn_varlen_func`,
+with their signatures and semantics, on the split-KV decode kernels (decode.py).
+
+Sequences are packed along the first dimension, [total, heads, head_dim], sequence b at rows
+cu_seqlens[b] .. cu_seqlens[b + 1] - 1. Causal masks and windows align each sequence's queries to
+the end of its keys, as both libraries do. A prefill-length sequence runs the decode kernel in
+chunks of its row count (correct for every length; a row-block kernel for packed batches is not
+built yet, so long packed prefills are slower than `flash_attn` on padded tensors)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import api, decode
+from .errors import InvalidArgumentError, UnsupportedError
+
+
+def _check_packed(name: str, t: object, dims: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float16:
+        raise InvalidArgumentError(f"{name} must be float16, got {t.dtype}")
+    layout = "[total, heads, head_dim]" if dims == 3 else "[pages, page_size, heads, head_dim]"
+    if t.dim() != dims:
+        raise InvalidArgumentError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise InvalidArgumentError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    if any(s % 8 for s in t.stride()[:-1]):
+        raise InvalidArgumentError(f"{name} rows must start on 16-byte boundaries: strides {t.stride()} must be "
+                                   "multiples of 8 elements")
+    return t
+
+
+def _check_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+def _lengths(name: str, cu: torch.Tensor, total: int, longest: int, longest_name: str) -> None:
+    """cu starts at 0, never decreases, ends within the packed rows, and no sequence exceeds ``longest``
+    (where its values can be read: decode.can_read)."""
+    if cu.numel() == 0 or not decode.can_read(cu):
+        return
+    api._check_memory(name, cu)
+    steps = cu[1:] - cu[:-1]
+    if int(cu[0]) != 0 or (steps.numel() and int(steps.min()) < 0):
+        raise InvalidArgumentError(f"{name} must start at 0 and never decrease")
+    if int(cu[-1]) > total:
+        raise InvalidArgumentError(f"{name} ends at {int(cu[-1])}, past the {total} packed rows")
+    if steps.numel() and int(steps.max()) > longest:
+        raise InvalidArgumentError(f"a sequence of {int(steps.max())} rows in {name} is longer than {longest_name} = "
+                                   f"{longest}")
+
+
+def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_size, gqa: bool, seqused_k,
+               block_table, num_splits: int, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    q = _check_packed("query", q, 3)
+    paged = block_table is not None
+    k = _check_packed("key", k, 4 if paged else 3)
+    v = _check_packed("value", v, 4 if paged else 3)
+    if v.shape != k.shape:
+        raise InvalidArgumentError(f"value shape {tuple(v.shape)} must equal key shape {tuple(k.shape)}")
+    max_q, max_k = _check_int("max_q", max_q), _check_int("max_k", max_k)
+    device = q.device
+    for name, t in (("key", k), ("value", v)):
+        if t.device != device:
+            raise InvalidArgumentError(f"{name} is on {t.device}, query on {device}")
+    heads_q, head_dim = q.shape[1], q.shape[2]
+    heads_kv = k.shape[-2]
+    if k.shape[-1] != head_dim:
+        raise InvalidArgumentError(f"key head_dim {k.shape[-1]} differs from query's {head_dim}")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise InvalidArgumentError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
+    if heads_q != heads_kv and not gqa:
+        raise InvalidArgumentError(f"query has {heads_q} heads and key {heads_kv}: pass enable_gqa=True for "
+                                   "grouped-query attention")
+    cu_q = decode.check_int32("cu_seq_q", cu_q, 1, device)
+    batch = cu_q.shape[0] - 1
+    if batch < 0:
+        raise InvalidArgumentError("cu_seq_q must hold batch + 1 offsets, got none")
+    _lengths("cu_seq_q", cu_q, q.shape[0], max_q, "max_q")
+    if seqused_k is not None:
+        seqused_k = decode.check_int32("seqused_k", seqused_k, (batch,), device)
+    if paged:
+        block_table = decode.check_int32("block_table", block_table, 2, device)
+        if block_table.shape[0] != batch:
+            raise InvalidArgumentError(f"block_table has {block_table.shape[0]} rows for {batch} sequences")
+        if seqused_k is None:
+            raise InvalidArgumentError("block_table needs seqused_k: the keys each sequence holds in its pages")
+        page = k.shape[1]
+        if page < 1 or page & (page - 1):
+            raise InvalidArgumentError(f"the page size (key.shape[1] = {page}) must be a power of two")
+        if k.stride() != v.stride():
+            raise InvalidArgumentError(f"paged key and value must share one layout, got strides {k.stride()} and "
+                                       f"{v.stride()}")
+        if cu_k is not None:
+            raise InvalidArgumentError("cu_seq_k must be None with a block table (keys are found through it)")
+        decode.check_values("block_table", block_table, 0, k.shape[0] - 1)
+        seq_k = block_table.shape[1] * page
+        decode.check_values("seqused_k", seqused_k, 0, seq_k)
+    else:
+        if cu_k is None:
+            raise InvalidArgumentError("cu_seq_k is required without a block table")
+        cu_k = decode.check_int32("cu_seq_k", cu_k, (batch + 1,), device)
+        _lengths("cu_seq_k", cu_k, k.shape[0], max_k, "max_k")
+        seq_k = max_k
+        decode.check_values("seqused_k", seqused_k, 0, seq_k)
+    left, right = api._check_window(window_size)
+    left, right = (-1 if left >= max(seq_k, 1) else left), (max_q if right >= max_q else right)
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise InvalidArgumentError(f"scale must be a finite number, got {scale!r}")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise UnsupportedError("rdnattention is forward-only and an input requires grad: run it under "
+                               "torch.no_grad() or torch.inference_mode()")
+    return decode.forward(q, k, v, window=(left, right), softmax_scale=float(scale), return_lse=return_lse,
+                          layout=decode.Layout(batch=batch, seq_q=max_q, seq_k=seq_k), seqused_k=seqused_k,
+                          block_table=block_table, cu_seqlens_q=cu_q, cu_seqlens_k=None if paged else cu_k,
+                          num_splits=num_splits)
+
+
+def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    """torch.nn.attention.varlen.varlen_attn's signature and semantics (forward only): query
+    [total_q, heads_q, head_dim], key and value [total_k, heads_kv, head_dim] (or a page pool
+    [pages, page_size, heads_kv, head_dim] with ``block_table`` int32 [batch, pages per sequence],
+    which needs ``seqused_k``), cu_seq_q / cu_seq_k int32 [batch + 1]. ``window_size=(-1, 0)`` is
+    causal. Returns the output [total_q, heads_q, head_dim], and with ``return_aux.lse`` the
+    log-sum-exp, float32 [heads_q, total_q] (the layout torch's kernels return). ``num_splits``:
+    key slices (None: chosen from the device; 1: none, so results never depend on the batch)."""
+    if not isinstance(enable_gqa, bool):
+        raise InvalidArgumentError(f"enable_gqa must be a bool, got {enable_gqa!r}")
+    want_lse = bool(getattr(return_aux, "lse", False)) if return_aux is not None else False
+    splits = 0 if num_splits is None else _check_int("num_splits", num_splits)
+    out, lse = _attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                          window_size=tuple(window_size) if isinstance(window_size, list) else window_size,
+                          gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=splits,
+                          return_lse=want_lse)
+    return (out, lse) if want_lse else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """flash-attn's ``flash_attn_varlen_func`` (forward only): q [total_q, heads, head_dim], k and v
+    [total_k, heads_kv, head_dim] (fewer heads: GQA), or a page pool with ``block_table``.
+    Returns out [total_q, heads, head_dim], or ``(out, softmax_lse, None)`` with
+    ``return_attn_probs=True`` (lse float32 [heads, total_q]). dropout, softcap and ALiBi raise
+    UnsupportedError; the kernels are deterministic, so ``deterministic`` needs nothing."""
+    if dropout_p != 0.0:
+        raise UnsupportedError(f"dropout_p={dropout_p!r}: rdnattention has no dropout (inference only); pass 0.0")
+    if softcap != 0.0:
+        raise UnsupportedError(f"softcap={softcap!r}: logit softcapping is not implemented; pass 0.0")
+    if alibi_slopes is not None:
+        raise UnsupportedError("alibi_slopes: ALiBi is not implemented; pass None")
+    for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
+        if not isinstance(flag, bool):
+            raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
+    left, right = api._check_window(window_size)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    seqused_k = None
+    if block_table is not None:  # flash-attn's paged varlen: key lengths from cu_seqlens_k
+        cu = decode.check_int32("cu_seqlens_k", cu_seqlens_k, 1, q.device)
+        seqused_k = (cu[1:] - cu[:-1]).to(torch.int32)
+        cu_seqlens_k = None
+    out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
+                          window_size=(left, right), gqa=True, seqused_k=seqused_k, block_table=block_table,
+                          num_splits=0, return_lse=return_attn_probs)
+    return (out, lse, None) if return_attn_probs else out
