@@ -108,6 +108,9 @@ def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_siz
         _lengths("cu_seq_k", cu_k, k.shape[0], max_k, "max_k")
         seq_k = max_k
         decode.check_values("seqused_k", seqused_k, 0, seq_k)
+        if seqused_k is not None and seqused_k.numel() and decode.can_read(seqused_k):
+            if bool((seqused_k > cu_k[1:] - cu_k[:-1]).any()):
+                raise InvalidArgumentError("seqused_k must not exceed each sequence's keys in cu_seq_k")
     left, right = api._check_window(window_size)
     left, right = (-1 if left >= max(seq_k, 1) else left), (max_q if right >= max_q else right)
     if scale is None:

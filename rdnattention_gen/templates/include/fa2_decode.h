@@ -81,7 +81,7 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   // A paged cache is addressed through the block table alone (no packed keys, no batch indices).
   const long long key0 = !PAGED && a.cu_seqlens_k ? a.cu_seqlens_k[b] : 0;
   const int cap = !PAGED && a.cu_seqlens_k ? a.cu_seqlens_k[b + 1] - (int)key0 : a.seq_k;
-  const int n = a.seqused_k ? rdna_min(a.seqused_k[b], cap) : cap;
+  const int n = a.seqused_k ? rdna_min(a.seqused_k[b], a.seq_k) : cap;  // seqused_k within the sequence: checked
   const DecodeKv<Args, PAGED> kv(a, !PAGED && a.cache_batch_idx ? a.cache_batch_idx[b] : b, key0, head_kv);
   const WindowMask<Args, true, true> mask{a, n, sq};
 

@@ -1,0 +1,150 @@
+"""Hugging Face transformers: ``register()`` adds ``attn_implementation="rdnattention"``.
+
+    import rdnattention.integrations.transformers as rt
+    rt.register()
+    model = AutoModelForCausalLM.from_pretrained(..., torch_dtype=torch.float16, attn_implementation="rdnattention")
+
+The attention function receives transformers' boolean mask (its sdpa mask function is registered
+under the same name) and reads it as what padded batches and caches make of it: per sequence, a
+run of valid query rows and a run of valid keys (left padding, right padding, the unused rows of a
+StaticCache), causal within them with the queries at the end of the keys, or full. Such calls run
+rdnattention's kernels (the split-KV kernels with per-sequence offsets and lengths); a call without
+a mask runs `scaled_dot_product_attention` with torch's semantics. Anything else falls back to
+transformers' sdpa attention, with one warning per reason: a dtype other than float16, a head_dim
+with no built kernel, dropout while training, gradients, softcapping, attention outputs or
+position biases, and any other mask (sliding windows, document masks). Reading the mask costs one
+device synchronisation per call."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .. import api
+from ..errors import KernelsNotBuiltError, UnsupportedError
+from ..families import dec
+
+NAME = "rdnattention"
+_warned: set[str] = set()
+
+
+def register(name: str = NAME) -> str:
+    """Registers the attention function and its mask function under ``name`` (returned)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def _fallback(reason: str, module, query, key, value, attention_mask, **kwargs):
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"rdnattention: {reason}; these calls run transformers' sdpa attention instead",
+                      RuntimeWarning, stacklevel=3)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _unsupported(module, query, key, value, dropout: float, kwargs: dict) -> str | None:
+    if query.dtype != torch.float16 or key.dtype != torch.float16 or value.dtype != torch.float16:
+        return f"dtype {query.dtype}: the kernels take float16"
+    if dropout and module.training:
+        return f"dropout {dropout} while training: the kernels are inference only"
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return "inputs that require grad: the kernels are forward only"
+    for name in ("softcap", "position_bias", "s_aux"):
+        if kwargs.get(name) is not None:
+            return f"{name} is not supported"
+    if kwargs.get("output_attentions"):
+        return "output_attentions: the attention weights are never materialised"
+    return None
+
+
+def _runs(mask: torch.Tensor, causal: bool):
+    """Per sequence (first query row, query rows, first valid key, valid keys) as int32 tensors, when
+    ``mask`` [batch, 1 or heads, seq_q, seq_k] is the causal (or full) mask of one run of queries
+    against one run of keys, the queries at the end of the keys; else None. Rows outside the run
+    are padding: they see no key (left padding) or every valid key (right padding, where the run
+    ends at the first row that sees them all); the kernels leave them zero."""
+    if mask.dtype != torch.bool:
+        if not bool(((mask == 0) | (mask == torch.finfo(mask.dtype).min) | torch.isneginf(mask)).all()):
+            return None  # a bias, not a mask
+        mask = mask == 0
+    if mask.shape[1] != 1 and not bool((mask == mask[:, :1]).all()):
+        return None
+    m = mask[:, 0]
+    _, seq_q, seq_k = m.shape
+    cols = m.any(-2)
+    k0, n = cols.int().argmax(-1), cols.sum(-1)
+    counts = m.sum(-1)
+    q0 = (counts > 0).int().argmax(-1)
+    if causal:  # the run ends at the first row that sees every valid key
+        sq = torch.where(n > 0, (counts == n[:, None]).int().argmax(-1) - q0 + 1, 0)
+    else:
+        sq = (counts > 0).sum(-1)
+    p = torch.arange(seq_q, device=m.device)[None, :, None] - q0[:, None, None]
+    key = torch.arange(seq_k, device=m.device)[None, None, :] - k0[:, None, None]
+    in_run = (p >= 0) & (p < sq[:, None, None])
+    valid_key = (key >= 0) & (key < n[:, None, None])
+    expected = in_run & valid_key
+    if causal:
+        expected &= key <= p + (n - sq)[:, None, None]
+    padding_row_ok = (counts == 0) | (counts == n[:, None])  # outside the run: no key, or all of them
+    ok = torch.where(in_run, expected == m[:, :, :], (padding_row_ok[:, :, None] & (~m | valid_key)))
+    if not bool(ok.all()):
+        return None
+    return q0.int(), sq.int(), k0.int(), n.int()
+
+
+def _offsets(t: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """int32 [batch + 1]: row b * (batch stride / row stride) + first[b] of t [batch, heads, rows, dim]
+    (the decode kernels' start offsets); the last entry bounds the final batch."""
+    per = t.stride(0) // t.stride(2)
+    starts = torch.arange(t.shape[0], device=t.device, dtype=torch.int64) * per + first.long()
+    end = starts[-1:] + t.shape[2] if t.shape[0] else starts.new_zeros(1)
+    return torch.cat([starts, end]).to(torch.int32)
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+                      **kwargs):
+    """transformers' attention interface: query [batch, heads, seq_q, head_dim], key and value
+    [batch, heads_kv, seq_k, head_dim]; returns ([batch, seq_q, heads, head_dim], None)."""
+    reason = _unsupported(module, query, key, value, dropout, kwargs)
+    fallback_kwargs = dict(dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    if reason:
+        return _fallback(reason, module, query, key, value, attention_mask, **fallback_kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    try:
+        if attention_mask is None:  # torch's SDPA semantics, as transformers' sdpa attention runs it
+            out = api.scaled_dot_product_attention(query, key, value, is_causal=bool(causal and query.shape[2] > 1),
+                                                   scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+            return out.transpose(1, 2).contiguous(), None
+        runs = _runs(attention_mask, bool(causal))
+        if runs is None:
+            return _fallback("an attention mask that is not causal or full over one run of valid positions per "
+                             "sequence", module, query, key, value, attention_mask, **fallback_kwargs)
+        return _padded(query, key, value, runs, bool(causal), scaling), None
+    except (UnsupportedError, KernelsNotBuiltError) as e:
+        return _fallback(str(e), module, query, key, value, attention_mask, **fallback_kwargs)
+
+
+def _padded(query, key, value, runs, causal: bool, scaling) -> torch.Tensor:
+    q0, sq, k0, n = runs
+    if query.stride(0) % query.stride(2) or query.stride(3) != 1:
+        query = query.contiguous()
+    if (key.stride(0) % key.stride(2) or key.stride(3) != 1 or value.stride() != key.stride()):
+        key, value = key.contiguous(), value.contiguous()
+    out = torch.zeros_like(query)  # same strides as query: one set of offsets serves both
+    batch, _, seq_q, head_dim = query.shape
+    call = dec.Call(q=query, k=key, v=value, out=out, lse=None, window=(-1, 0) if causal else (-1, -1),
+                    softmax_scale=head_dim ** -0.5 if scaling is None else float(scaling), batch=batch, seq_q=seq_q,
+                    seq_k=key.shape[2], seqused_k=n, cu_seqlens_q=_offsets(query, q0), cu_seqlens_k=_offsets(key, k0),
+                    seqused_q=sq)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        api._check_memory(name, t)
+    dec.plan(api._table(query.device), call).run()
+    return out.transpose(1, 2).contiguous()
