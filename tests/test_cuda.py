@@ -6,7 +6,7 @@ import pytest
 import torch
 from cases import HEAD_DIMS, LSE_TOL, TOL, VARIANTS, make_case
 
-from rdnattention import attention_reference, flash_attn
+from rdnattention import attention_reference, flash_attn, flash_attn_with_kvcache, varlen_attn
 from rdnattention.reference import rotate
 from rdnattention_gen import build, toolchain
 
@@ -241,3 +241,58 @@ def test_gpu_kvcache_decode_step():
     ref = attention_reference(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), is_causal=True,
                               seqused_k=lengths + 1)
     assert (out.cpu().double() - ref.transpose(1, 2)).abs().max().item() <= TOL
+
+
+@pytest.mark.gpu
+def test_gpu_paged_decode_step_replays_as_a_cuda_graph():
+    """A decode step on a paged cache (append, then attention through the block table, split-KV with
+    its combine) captured once and replayed with new tokens and lengths: the same as eager calls."""
+    device = _gpu()
+    g = torch.Generator().manual_seed(7)
+    b, hq, hk, d, page, pages_per_seq = 2, 8, 2, 128, 16, 16
+    pool_k, pool_v = (torch.randn(b * pages_per_seq, page, hk, d, generator=g).half().to(device) for _ in range(2))
+    table = torch.randperm(b * pages_per_seq, generator=g).to(torch.int32).view(b, pages_per_seq).to(device)
+    q = torch.randn(b, 1, hq, d, generator=g).half().to(device)
+    k_new, v_new = (torch.randn(b, 1, hk, d, generator=g).half().to(device) for _ in range(2))
+    lengths = torch.tensor([100, 37], dtype=torch.int32, device=device)
+
+    def step():
+        return flash_attn_with_kvcache(q, pool_k, pool_v, k_new, v_new, cache_seqlens=lengths, block_table=table,
+                                       causal=True)
+
+    step()  # eager: checks every value, warms up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        q.copy_(torch.randn(q.shape, generator=g).half())
+        k_new.copy_(torch.randn(k_new.shape, generator=g).half())
+        v_new.copy_(torch.randn(v_new.shape, generator=g).half())
+        lengths += 1
+        saved = (pool_k.clone(), pool_v.clone())
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = (out.clone(), pool_k.clone(), pool_v.clone())
+        pool_k.copy_(saved[0])
+        pool_v.copy_(saved[1])
+        expected = step()
+        assert torch.equal(replayed[1], pool_k) and torch.equal(replayed[2], pool_v)
+        assert torch.equal(replayed[0], expected)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_matches_the_oracle():
+    device = _gpu()
+    g = torch.Generator().manual_seed(8)
+    lengths_q, lengths_k = [1, 7, 300, 0], [900, 7, 300, 5]
+    q = torch.randn(sum(lengths_q), 8, 128, generator=g).half()
+    k, v = (torch.randn(sum(lengths_k), 2, 128, generator=g).half() for _ in range(2))
+    cu = [torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32) for n in (lengths_q, lengths_k)]
+    out = varlen_attn(q.to(device), k.to(device), v.to(device), cu[0].to(device), cu[1].to(device), 300, 900,
+                      window_size=(-1, 0), enable_gqa=True).cpu()
+    view = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731
+    for i in range(4):
+        qs, ks = slice(int(cu[0][i]), int(cu[0][i + 1])), slice(int(cu[1][i]), int(cu[1][i + 1]))
+        if qs.stop > qs.start:
+            ref = attention_reference(view(q[qs]), view(k[ks]), view(v[ks]), is_causal=True)
+            assert (view(out[qs]).double() - ref).abs().max().item() <= TOL

@@ -13,16 +13,33 @@ from rdnattention.families import dec
 TOL = 2e-3
 
 
-@pytest.fixture(scope="module", params=["host", "host_f32"])
-def table(request, host_build, monkeypatch_module):
-    monkeypatch_module.setenv("RDNATTENTION_HOST_TARGET", request.param)
-    return dispatch.table_for(drivers.target_of(torch.device("cpu")))
+DEVICE = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=["host", "host_f32", pytest.param("cuda", marks=pytest.mark.gpu)])
+def table(request, monkeypatch_module):
+    """The table of the platform under test; tensors are made on its device (DEVICE)."""
+    global DEVICE
+    if request.param == "cuda":
+        if not torch.cuda.is_available() or torch.version.hip is not None:
+            pytest.skip("needs an NVIDIA GPU")
+        DEVICE = torch.device("cuda")
+    else:
+        request.getfixturevalue("host_build")
+        monkeypatch_module.setenv("RDNATTENTION_HOST_TARGET", request.param)
+        DEVICE = torch.device("cpu")
+    yield dispatch.table_for(drivers.target_of(DEVICE))
+    DEVICE = torch.device("cpu")
+
+
+def _on(*ts):
+    return tuple(None if t is None else t.to(DEVICE) for t in ts)
 
 
 def _inputs(b, hq, hk, sq, sk, d, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, hq, sq, d, generator=g).half(), torch.randn(b, hk, sk, d, generator=g).half(),
-            torch.randn(b, hk, sk, d, generator=g).half())
+    return _on(torch.randn(b, hq, sq, d, generator=g).half(), torch.randn(b, hk, sk, d, generator=g).half(),
+               torch.randn(b, hk, sk, d, generator=g).half())
 
 
 def _window(options):
@@ -34,7 +51,8 @@ def _window(options):
 
 def _call(q, k, v, options, **extra):
     b, hq, sq, d = q.shape
-    fields = dict(q=q, k=k, v=v, out=torch.empty_like(q), lse=torch.empty(b, hq, sq), window=_window(options),
+    fields = dict(q=q, k=k, v=v, out=torch.empty_like(q), lse=torch.empty(b, hq, sq, device=q.device),
+                  window=_window(options),
                   softmax_scale=d ** -0.5, batch=b, seq_q=sq, seq_k=k.shape[2])
     fields.update(extra)
     return dec.Call(**fields)
@@ -43,6 +61,7 @@ def _call(q, k, v, options, **extra):
 def _run(table, call):
     plan = dec.plan(table, call)
     plan.run()
+    plan.outputs = tuple(None if t is None else t.cpu() for t in plan.outputs)
     return plan
 
 
@@ -83,18 +102,19 @@ def test_matches_the_oracle(table, case, splits):
 @pytest.mark.parametrize("lengths", [[300, 1, 77], [0, 5, 300]])
 def test_cache_lengths(table, lengths, splits):
     q, k, v = _inputs(3, 4, 2, 1, 300, 128)
-    seqused = torch.tensor(lengths, dtype=torch.int32)
+    seqused, = _on(torch.tensor(lengths, dtype=torch.int32))
     plan = _run(table, _call(q, k, v, {}, seqused_k=seqused, num_splits=splits))
-    ref, ref_lse = attention_reference(q, k, v, seqused_k=seqused, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, seqused_k=seqused.cpu(), return_lse=True)
     _check(*plan.outputs, ref, ref_lse)
-    assert plan.outputs[0][0].abs().max() == 0 if lengths[0] == 0 else True  # no key: a zero row
+    if lengths[0] == 0:  # no key: a zero row
+        assert plan.outputs[0][0].abs().max() == 0
 
 
 def _paged(t, page, order):
     """[b, hk, sk, d] as a [pages, page, hk, d] cache in the page order ``order``, viewed [pages, hk, page, d]."""
     b, hk, sk, d = t.shape
-    cache = torch.zeros(len(order), page, hk, d, dtype=t.dtype)
-    cache[order.long()] = t.transpose(1, 2).reshape(b * sk // page, page, hk, d)
+    cache = torch.zeros(len(order), page, hk, d, dtype=t.dtype, device=t.device)
+    cache[order.long().to(t.device)] = t.transpose(1, 2).reshape(b * sk // page, page, hk, d)
     return cache.transpose(1, 2)
 
 
@@ -105,15 +125,14 @@ def test_paged_is_contiguous_bit_for_bit(table, page, splits, options):
     b, sk = 2, 512
     q, k, v = _inputs(b, 4, 2, 2, sk, 64)
     order = torch.randperm(b * sk // page, generator=torch.Generator().manual_seed(1)).to(torch.int32)
-    block_table = order.view(b, sk // page)
-    seqused = torch.tensor([sk, 300], dtype=torch.int32)
+    block_table, seqused = _on(order.view(b, sk // page), torch.tensor([sk, 300], dtype=torch.int32))
     contiguous = _run(table, _call(q, k, v, options, seqused_k=seqused, num_splits=splits))
     paged = _run(table, _call(q, _paged(k, page, order), _paged(v, page, order), options, seqused_k=seqused,
                               block_table=block_table, seq_k=sk, num_splits=splits))
     assert paged.launches[0].kernel.family == "decpaged"
     assert torch.equal(paged.outputs[0], contiguous.outputs[0])
     assert torch.equal(paged.outputs[1], contiguous.outputs[1])
-    ref, ref_lse = attention_reference(q, k, v, seqused_k=seqused, return_lse=True, **options)
+    ref, ref_lse = attention_reference(q, k, v, seqused_k=seqused.cpu(), return_lse=True, **options)
     _check(*paged.outputs, ref, ref_lse)
 
 
@@ -123,17 +142,18 @@ def test_packed_batches(table, splits):
     lengths_q, lengths_k = [1, 3, 2], [40, 100, 7]
     hq, hk, d = 4, 2, 64
     g = torch.Generator().manual_seed(2)
-    q = torch.randn(sum(lengths_q), hq, d, generator=g).half()
-    k = torch.randn(sum(lengths_k), hk, d, generator=g).half()
-    v = torch.randn(sum(lengths_k), hk, d, generator=g).half()
-    cu_q = torch.tensor([0, 1, 4, 6], dtype=torch.int32)
-    cu_k = torch.tensor([0, 40, 140, 147], dtype=torch.int32)
-    out, lse = torch.empty_like(q), torch.empty(hq, sum(lengths_q))
+    q, k, v, cu_q, cu_k = _on(torch.randn(sum(lengths_q), hq, d, generator=g).half(),
+                              torch.randn(sum(lengths_k), hk, d, generator=g).half(),
+                              torch.randn(sum(lengths_k), hk, d, generator=g).half(),
+                              torch.tensor([0, 1, 4, 6], dtype=torch.int32),
+                              torch.tensor([0, 40, 140, 147], dtype=torch.int32))
+    out, lse = torch.empty_like(q), torch.empty(hq, sum(lengths_q), device=q.device)
     view = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731  [1, heads, total, d]
     call = dec.Call(q=view(q), k=view(k), v=view(v), out=view(out), lse=lse, window=(-1, 0), softmax_scale=d ** -0.5,
                     batch=3, seq_q=max(lengths_q), seq_k=max(lengths_k), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                     num_splits=splits)
     _run(table, call)
+    q, k, v, out, lse, cu_q, cu_k = (t.cpu() for t in (q, k, v, out, lse, cu_q, cu_k))
     for i in range(3):
         qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
         ref, ref_lse = attention_reference(view(q[qs]), view(k[ks]), view(v[ks]), is_causal=True, return_lse=True)
@@ -142,7 +162,7 @@ def test_packed_batches(table, splits):
 
 def test_nan_scores_make_their_rows_nan(table):
     q, k, v = _inputs(1, 2, 2, 1, 200, 64)
-    k[0, 1, 150] = float("nan")
+    k[0, 1, 150, 0] = float("nan")
     plan = _run(table, _call(q, k, v, {}, num_splits=4))
     out, lse = plan.outputs
     assert torch.isnan(out[0, 1]).all() and torch.isnan(lse[0, 1]).all()

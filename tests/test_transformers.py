@@ -43,9 +43,12 @@ def _devices():
 
 
 @pytest.fixture(params=_devices())
-def device(request, host_build):
-    if request.param == "cuda" and (not torch.cuda.is_available() or torch.version.hip is not None):
-        pytest.skip("needs an NVIDIA GPU")
+def device(request):
+    if request.param == "cuda":
+        if not torch.cuda.is_available() or torch.version.hip is not None:
+            pytest.skip("needs an NVIDIA GPU")
+    else:
+        request.getfixturevalue("host_build")
     rt.register()
     return torch.device(request.param)
 
