@@ -181,7 +181,7 @@ def test_flash_attn_routes_few_rows_to_decode(table):
     assert plan_flash_attn(q, k, v).launches[0].kernel.family == "dec"
     q, k, v = _inputs(1, 8, 2, 64, 100, 64)  # 256 rows per K/V head: the row-block kernel
     assert plan_flash_attn(q, k, v).launches[0].kernel.family == "f16"
-    cos_sin = torch.ones(100, 8), torch.zeros(100, 8)
+    cos_sin = _on(torch.ones(100, 8), torch.zeros(100, 8))
     q, k, v = _inputs(1, 8, 2, 1, 100, 64)  # RoPE in the kernel: the row-block kernels rotate
     assert plan_flash_attn(q, k, v, rotary_cos=cos_sin[0], rotary_sin=cos_sin[1]).launches[0].kernel.family == "f16"
 

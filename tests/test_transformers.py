@@ -59,7 +59,9 @@ def test_generate_on_a_left_padded_batch_matches_sdpa(device, cache):
     ids = torch.tensor([[0, 0, 5, 6, 7, 9], [1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 8, 3]], device=device)
     mask = (ids != 0).long()
     mask[1] = 1
-    kw = {"cache_implementation": cache} if cache else {}
+    # Eager generation: compiled StaticCache generation captures CUDA graphs, where the mask cannot
+    # be read and the calls fall back (test_compiled_static_generation_falls_back_under_capture).
+    kw = {"cache_implementation": cache, "disable_compile": True} if cache else {}
     ref = _generate(model, "sdpa", ids, mask, **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no call may fall back
@@ -97,3 +99,22 @@ def test_what_the_kernels_do_not_cover_falls_back_with_one_warning(device, model
     assert sum(reason in str(w.message) for w in record) == 1
     ref = _generate(model, "sdpa", ids, (ids != 0).long())
     assert torch.equal(ours.sequences, ref.sequences)
+
+
+@pytest.mark.gpu
+def test_compiled_static_generation_falls_back_under_capture():
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        pytest.skip("needs an NVIDIA GPU")
+    rt.register()
+    device = torch.device("cuda")
+    model = _model(device)
+    ids = torch.tensor([[0, 5, 6, 7], [1, 2, 3, 4]], device=device)
+    mask = (ids != 0).long()
+    ref = _generate(model, "sdpa", ids, mask, cache_implementation="static")
+    rt._warned.clear()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ours = _generate(model, "rdnattention", ids, mask, cache_implementation="static")
+    assert torch.equal(ours.sequences, ref.sequences)
+    captured = [w for w in record if "CUDA graph is being captured" in str(w.message)]
+    assert len(captured) <= 1  # once at most (if transformers captured at all)

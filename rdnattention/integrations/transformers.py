@@ -9,11 +9,14 @@ under the same name) and reads it as what padded batches and caches make of it: 
 run of valid query rows and a run of valid keys (left padding, right padding, the unused rows of a
 StaticCache), causal within them with the queries at the end of the keys, or full. Such calls run
 rdnattention's kernels (the split-KV kernels with per-sequence offsets and lengths); a call without
-a mask runs `scaled_dot_product_attention` with torch's semantics. Anything else falls back to
+a mask runs `scaled_dot_product_attention` with torch's semantics. Both go through the custom op
+``rdnattention::padded_attention_fwd``, so compiled models call it whole. Anything else falls back to
 transformers' sdpa attention, with one warning per reason: a dtype other than float16, a head_dim
 with no built kernel, dropout while training, gradients, softcapping, attention outputs or
-position biases, and any other mask (sliding windows, document masks). Reading the mask costs one
-device synchronisation per call."""
+position biases, any other mask (sliding windows, document masks), and calls captured into a CUDA
+graph (reading the mask needs the device: transformers' compiled StaticCache generation captures
+its decode steps; eager generation with a StaticCache runs the kernels). Reading the mask costs
+one device synchronisation per call. Rows of padding queries are zero."""
 
 from __future__ import annotations
 
@@ -40,10 +43,7 @@ def register(name: str = NAME) -> str:
 
 
 def _fallback(reason: str, module, query, key, value, attention_mask, **kwargs):
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(f"rdnattention: {reason}; these calls run transformers' sdpa attention instead",
-                      RuntimeWarning, stacklevel=3)
+    _warn(reason)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -114,36 +114,76 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     """transformers' attention interface: query [batch, heads, seq_q, head_dim], key and value
     [batch, heads_kv, seq_k, head_dim]; returns ([batch, seq_q, heads, head_dim], None)."""
     reason = _unsupported(module, query, key, value, dropout, kwargs)
-    fallback_kwargs = dict(dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     if reason:
-        return _fallback(reason, module, query, key, value, attention_mask, **fallback_kwargs)
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        return _fallback(reason, module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                         is_causal=is_causal, **kwargs)
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    if attention_mask is None:
+        attention_mask = query.new_empty(0, dtype=torch.bool)  # none: torch's SDPA semantics
+    return padded_attention_fwd(query, key, value, attention_mask, causal, scale), None
+
+
+def _sdpa(query, key, value, mask, causal: bool, scale: float) -> torch.Tensor:
+    """What transformers' sdpa attention computes, as [batch, seq_q, heads, head_dim]."""
+    gqa = key.shape[1] != query.shape[1]
+    if mask.numel() == 0:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=causal and query.shape[2] > 1, scale=scale, enable_gqa=gqa)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                               enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous()
+
+
+def _warn(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"rdnattention: {reason}; these calls run transformers' sdpa attention instead",
+                      RuntimeWarning, stacklevel=4)
+
+
+@torch.library.custom_op("rdnattention::padded_attention_fwd", mutates_args=())
+def padded_attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                         causal: bool, scale: float) -> torch.Tensor:
+    """The attention of a padded batch as [batch, seq_q, heads, head_dim]; ``mask`` empty: none. A
+    custom op, so that compiled models (transformers compiles StaticCache generation) call it whole:
+    reading the mask needs the device, which a CUDA graph being captured cannot give; such calls
+    run torch's SDPA with the mask, with a warning."""
     try:
-        if attention_mask is None:  # torch's SDPA semantics, as transformers' sdpa attention runs it
-            out = api.scaled_dot_product_attention(query, key, value, is_causal=bool(causal and query.shape[2] > 1),
-                                                   scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
-            return out.transpose(1, 2).contiguous(), None
-        runs = _runs(attention_mask, bool(causal))
+        if mask.numel() == 0:
+            out = api.scaled_dot_product_attention(query, key, value, is_causal=causal and query.shape[2] > 1,
+                                                   scale=scale, enable_gqa=key.shape[1] != query.shape[1])
+            return out.transpose(1, 2).contiguous()
+        if not api.can_read(mask):
+            _warn("a CUDA graph is being captured, and reading the attention mask needs the device")
+            return _sdpa(query, key, value, mask, causal, scale)
+        runs = _runs(mask, causal)
         if runs is None:
-            return _fallback("an attention mask that is not causal or full over one run of valid positions per "
-                             "sequence", module, query, key, value, attention_mask, **fallback_kwargs)
-        return _padded(query, key, value, runs, bool(causal), scaling), None
+            _warn("an attention mask that is not causal or full over one run of valid positions per sequence")
+            return _sdpa(query, key, value, mask, causal, scale)
+        return _padded(query, key, value, runs, causal, scale)
     except (UnsupportedError, KernelsNotBuiltError) as e:
-        return _fallback(str(e), module, query, key, value, attention_mask, **fallback_kwargs)
+        _warn(str(e))
+        return _sdpa(query, key, value, mask, causal, scale)
 
 
-def _padded(query, key, value, runs, causal: bool, scaling) -> torch.Tensor:
+@padded_attention_fwd.register_fake
+def _(query, key, value, mask, causal, scale):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+
+def _padded(query, key, value, runs, causal: bool, scale: float) -> torch.Tensor:
     q0, sq, k0, n = runs
     if query.stride(0) % query.stride(2) or query.stride(3) != 1:
         query = query.contiguous()
     if (key.stride(0) % key.stride(2) or key.stride(3) != 1 or value.stride() != key.stride()):
         key, value = key.contiguous(), value.contiguous()
     out = torch.zeros_like(query)  # same strides as query: one set of offsets serves both
-    batch, _, seq_q, head_dim = query.shape
+    batch, _, seq_q, _ = query.shape
     call = dec.Call(q=query, k=key, v=value, out=out, lse=None, window=(-1, 0) if causal else (-1, -1),
-                    softmax_scale=head_dim ** -0.5 if scaling is None else float(scaling), batch=batch, seq_q=seq_q,
-                    seq_k=key.shape[2], seqused_k=n, cu_seqlens_q=_offsets(query, q0), cu_seqlens_k=_offsets(key, k0),
-                    seqused_q=sq)
+                    softmax_scale=scale, batch=batch, seq_q=seq_q, seq_k=key.shape[2], seqused_k=n,
+                    cu_seqlens_q=_offsets(query, q0), cu_seqlens_k=_offsets(key, k0), seqused_q=sq)
     for name, t in (("query", query), ("key", key), ("value", value)):
         api._check_memory(name, t)
     dec.plan(api._table(query.device), call).run()
