@@ -5,7 +5,7 @@
 Each build is a build directory holding this GPU's target (dispatch.json and code object). Every
 decode shape of bench.py (DECODE) is planned against each build's table with the automatic slice
 count, and with each --splits count on the first build; all plans of a shape are timed in turn,
---rounds times (bench.interleaved_ms), torch SDPA among them. GB/s counts the K and V bytes read."""
+--rounds times from CUDA-graph replays (bench.graph_ms), torch SDPA among them. GB/s counts the K and V bytes read."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import DECODE, decode_bytes, decode_inputs, interleaved_ms  # noqa: E402
+from bench import DECODE, decode_bytes, decode_inputs, graph_ms  # noqa: E402
 
 from rdnattention import dispatch, drivers  # noqa: E402
 from rdnattention.families import dec  # noqa: E402
@@ -55,7 +55,7 @@ def main() -> int:
         first = next(iter(tables.values()))
         for s in splits:
             plans[f"{next(iter(tables))} s{s}"] = dec.plan(first, dec.Call(**{**call.__dict__, "num_splits": s}))
-        ms = interleaved_ms(plans, args.rounds)
+        ms = graph_ms(plans, args.rounds)
         gb = decode_bytes(shape) / 1e9
         print(f"### {label}\n\n| plan | slices | kernel | ms | GB/s | / sdpa |\n|---|---|---|---|---|---|")
         for name, plan in plans.items():

@@ -107,10 +107,16 @@ def _units(device: torch.device) -> int:
     return os.cpu_count() or 1
 
 
+# Query rows per K/V head up to which flash_attn runs these kernels rather than the row-block ones
+# (which read K/V once per 64-128 rows but fill the device only with many rows). Measured up to 4
+# rows on the H200 (tuning/results/h200_decode.md); 8 is the untuned bound.
+MAX_ROWS = 8
+
+
 def serves(table: TargetTable, head_dim: int, rows: int) -> bool:
-    """Whether a decode kernel holds ``rows`` query rows per K/V head in one workgroup: then it reads
-    each K/V head once, as the row-block kernels do, with a grid that fills the device."""
-    return any(e.br >= rows for e in table.entries(NAME, head_dim))
+    """Whether flash_attn should run a decode kernel: few query rows per K/V head (MAX_ROWS), and
+    decode kernels for this head_dim."""
+    return rows <= MAX_ROWS and bool(table.entries(NAME, head_dim))
 
 
 def select(table: TargetTable, head_dim: int, rows: int, kernel: str | None = None,

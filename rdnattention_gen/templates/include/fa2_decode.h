@@ -1,8 +1,9 @@
 // Split-KV decode (flash-decoding): few query rows against many keys, read at memory speed.
 //
 // A workgroup owns up to R query rows of one K/V head (the query heads of its GQA group times the
-// query positions, in that order) and one slice of the keys; the grid is (row chunks x key slices,
-// K/V heads, batch), the slices of one chunk side by side (x = chunk * splits + slice). Nothing is
+// query positions, in that order) and one slice of the keys; the grid is (key slices x row chunks,
+// K/V heads, batch), the chunks of one slice side by side (x = slice * chunks + chunk), so that a
+// slice read by several chunks is read from memory once and from the L2 cache after. Nothing is
 // staged in LDS: each key is read from memory straight into the registers of a group of L = D/8
 // lanes, 16 bytes of K and 16 bytes of V per lane, and the L lanes reduce its score with shuffles.
 // The NG = NT/L lane groups take keys round robin, T of them per step (BC = NG * T keys per
@@ -68,10 +69,11 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   static_assert(LDS_BYTES == NG * R * (D + 2) * (int)sizeof(float), "LDS layout");
 
   const int tid = rdna_thread_id(), grp = tid / L, lane = tid % L;
-  const int split = rdna_block_id_x() % a.splits, r0 = rdna_block_id_x() / a.splits * R;
+  const int group = a.heads_q / a.heads_kv;
+  const int chunks = (group * a.seq_q + R - 1) / R;
+  const int split = rdna_block_id_x() / chunks, r0 = rdna_block_id_x() % chunks * R;
   const int head_kv = rdna_block_id_y();
   const long long b = rdna_block_id_z();
-  const int group = a.heads_q / a.heads_kv;
 
   // The batch's query rows and keys: packed (cu_seqlens), cache lengths, or the whole tensors.
   const long long q0 = a.cu_seqlens_q ? a.cu_seqlens_q[b] : 0;
