@@ -430,6 +430,16 @@ def plan_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cau
     return _plan(q, k, v, o, token_major=False, heavy_first=heavy_first, kernel=kernel)
 
 
+def refuse_missing_features(dropout_p: object, softcap: object, alibi_slopes: object) -> None:
+    """flash-attn's options this library does not have: UnsupportedError naming each."""
+    if dropout_p != 0.0:
+        raise UnsupportedError(f"dropout_p={dropout_p!r}: rdnattention has no dropout (inference only); pass 0.0")
+    if softcap != 0.0:
+        raise UnsupportedError(f"softcap={softcap!r}: logit softcapping is not implemented; pass 0.0")
+    if alibi_slopes is not None:
+        raise UnsupportedError("alibi_slopes: ALiBi is not implemented; pass None")
+
+
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                     softmax_scale: float | None = None, causal: bool = False,
                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
@@ -442,12 +452,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     the attention probabilities themselves are not materialised). Causal masks align to the end of
     the keys, as flash-attn's do. dropout, softcap and ALiBi raise UnsupportedError; the kernels are
     deterministic, so ``deterministic`` needs nothing. RoPE options as in :func:`flash_attn`."""
-    if dropout_p != 0.0:
-        raise UnsupportedError(f"dropout_p={dropout_p!r}: rdnattention has no dropout (inference only); pass 0.0")
-    if softcap != 0.0:
-        raise UnsupportedError(f"softcap={softcap!r}: logit softcapping is not implemented; pass 0.0")
-    if alibi_slopes is not None:
-        raise UnsupportedError("alibi_slopes: ALiBi is not implemented; pass None")
+    refuse_missing_features(dropout_p, softcap, alibi_slopes)
     if not isinstance(deterministic, bool) or not isinstance(return_attn_probs, bool):
         raise InvalidArgumentError(f"deterministic and return_attn_probs must be bools, got {deterministic!r} "
                                    f"and {return_attn_probs!r}")

@@ -154,12 +154,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns out [total_q, heads, head_dim], or ``(out, softmax_lse, None)`` with
     ``return_attn_probs=True`` (lse float32 [heads, total_q]). dropout, softcap and ALiBi raise
     UnsupportedError; the kernels are deterministic, so ``deterministic`` needs nothing."""
-    if dropout_p != 0.0:
-        raise UnsupportedError(f"dropout_p={dropout_p!r}: rdnattention has no dropout (inference only); pass 0.0")
-    if softcap != 0.0:
-        raise UnsupportedError(f"softcap={softcap!r}: logit softcapping is not implemented; pass 0.0")
-    if alibi_slopes is not None:
-        raise UnsupportedError("alibi_slopes: ALiBi is not implemented; pass None")
+    api.refuse_missing_features(dropout_p, softcap, alibi_slopes)
     for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
             raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")

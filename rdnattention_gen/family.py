@@ -87,3 +87,15 @@ class Family:
     def context(self, spec: KernelSpec) -> dict:
         """Template variables beyond ``spec`` and ``family``."""
         return {}
+
+
+class HeadDimAxis:
+    """A family whose only axis is ``head_dims`` (no compile-time GQA group): mixed in before Family."""
+
+    def axes(self, node: Node) -> dict:
+        axes = {"head_dims": node.int_list("head_dims")}
+        node.finish()
+        return axes
+
+    def points(self, axes: dict) -> list[dict]:
+        return [{"head_dim": hd, "gqa_group": 1} for hd in axes["head_dims"]]

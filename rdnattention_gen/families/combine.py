@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from rdnattention.families import combine as runtime
 
-from ..family import Family, Rule
+from ..family import Family, HeadDimAxis, Rule
 from ..matrix import Target
 from ..spec import KernelSpec, Tile
-from ..strict_yaml import Node
 
 RULES = (
     Rule("lanes_per_row",
@@ -23,7 +22,7 @@ RULES = (
 )
 
 
-class Combine(Family):
+class Combine(HeadDimAxis, Family):
     name = "combine"
     template = "fa2_combine.hip.j2"
     args = runtime.ARGS
@@ -32,14 +31,6 @@ class Combine(Family):
     signatures = {"fp32": "none"}  # fp32 only: no tier instruction to find
     oracle_cases: dict = {}  # runs with the dec family (tests/test_decode.py)
     tiles_family = "dec"
-
-    def axes(self, node: Node) -> dict:
-        axes = {"head_dims": node.int_list("head_dims")}
-        node.finish()
-        return axes
-
-    def points(self, axes: dict) -> list[dict]:
-        return [{"head_dim": hd, "gqa_group": 1} for hd in axes["head_dims"]]
 
     def tier(self, target: Target) -> str | None:
         return "fp32"

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from rdnattention.families import dec as runtime
 
-from ..family import Family, Rule
+from ..family import Family, HeadDimAxis, Rule
 from ..matrix import Target
 from ..spec import KernelSpec, Tile
-from ..strict_yaml import Node
 from .f16 import F16, LDS_RULE
 
 
@@ -51,7 +50,7 @@ RULES = (
 )
 
 
-class Dec(Family):
+class Dec(HeadDimAxis, Family):
     name = "dec"
     template = "fa2_dec.hip.j2"
     args = runtime.ARGS
@@ -59,14 +58,6 @@ class Dec(Family):
     rules = RULES
     signatures = F16.signatures
     oracle_cases: dict = {}  # tests/test_decode.py runs its own sweep
-
-    def axes(self, node: Node) -> dict:
-        axes = {"head_dims": node.int_list("head_dims")}
-        node.finish()
-        return axes
-
-    def points(self, axes: dict) -> list[dict]:
-        return [{"head_dim": hd, "gqa_group": 1} for hd in axes["head_dims"]]
 
     def tier(self, target: Target) -> str | None:
         return target.tier.value
