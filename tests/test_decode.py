@@ -5,6 +5,8 @@ slice, so they are compared exactly where the math is the same."""
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rdnattention import attention_reference, dispatch, drivers, plan_flash_attn
 from rdnattention.errors import UnsupportedError
@@ -201,3 +203,36 @@ def test_a_table_without_decode_kernels_says_so(table):
     q, k, v = _inputs(1, 2, 2, 1, 50, 64)
     with pytest.raises(UnsupportedError, match="no dec .*head_dim 64"):
         dec.plan(bare, _call(q, k, v, {}))
+
+
+@st.composite
+def _decode_calls(draw):
+    return dict(head_dim=draw(st.sampled_from([64, 128])), heads_kv=draw(st.integers(1, 2)),
+                group=draw(st.integers(1, 3)), batch=draw(st.integers(1, 3)), seq_q=draw(st.integers(1, 5)),
+                page=draw(st.sampled_from([16, 32, 64])), pages=draw(st.integers(1, 4)),
+                splits=draw(st.integers(0, 4)), causal=draw(st.booleans()), left=draw(st.integers(-1, 40)),
+                lengths_seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(c=_decode_calls())
+def test_any_combination_matches_the_oracle_and_paged_is_contiguous(host_build, c):
+    """Random slices, cache lengths, GQA groups, windows, causal masks and page sizes (host target)."""
+    table = dispatch.table_for("host")
+    b, hk, d, page = c["batch"], c["heads_kv"], c["head_dim"], c["page"]
+    sk = page * c["pages"]
+    g = torch.Generator().manual_seed(c["lengths_seed"])
+    q = torch.randn(b, hk * c["group"], c["seq_q"], d, generator=g).half()
+    k, v = (torch.randn(b, hk, sk, d, generator=g).half() for _ in range(2))
+    seqused = torch.randint(0, sk + 1, (b,), generator=g, dtype=torch.int32)
+    options = {"is_causal": c["causal"], "window_size": (c["left"], -1)}
+    order = torch.randperm(b * c["pages"], generator=g).to(torch.int32)
+    contiguous = dec.plan(table, _call(q, k, v, options, seqused_k=seqused, num_splits=c["splits"]))
+    paged = dec.plan(table, _call(q, _paged(k, page, order), _paged(v, page, order), options, seqused_k=seqused,
+                                  block_table=order.view(b, c["pages"]), seq_k=sk, num_splits=c["splits"]))
+    contiguous.run()
+    paged.run()
+    assert torch.equal(paged.outputs[0], contiguous.outputs[0]) and torch.equal(paged.outputs[1], contiguous.outputs[1])
+    ref, ref_lse = attention_reference(q, k, v, seqused_k=seqused, return_lse=True, **options)
+    _check(*contiguous.outputs, ref, ref_lse)
