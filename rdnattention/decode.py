@@ -1,6 +1,7 @@
 """Calls on caches and packed batches: the split-KV decode kernels (families/dec.py) behind
 `flash_attn_with_kvcache` (paged caches, cache_batch_idx, explicit num_splits) and the
-variable-length entry points (varlen.py).
+variable-length entry points (varlen.py), whose packed prefills (more than dec.MAX_ROWS query rows
+per K/V head) run the row-block kernels compiled for packed batches (families/f16varlen.py).
 
 `run` is the one place such a call is checked against memory and planned; the custom op
 `rdnattention::flash_attn_decode_fwd` wraps it for torch.compile and tensor subclasses."""
@@ -14,7 +15,7 @@ import torch
 
 from . import api
 from .errors import InvalidArgumentError
-from .families import dec
+from .families import dec, f16, f16varlen
 
 
 @dataclass(frozen=True)
@@ -84,11 +85,19 @@ def run(q, k, v, *, window: tuple[int, int], softmax_scale: float, return_lse: b
     if layout.batch == 0 or out.numel() == 0:
         lse.fill_(float("-inf"))
         return out, lse
+    table = api._table(q.device)
+    rows = q.shape[-2] // k.shape[-2] * layout.seq_q
+    if (packed and cu_seqlens_k is not None and rows > dec.MAX_ROWS
+            and table.entries(f16varlen.NAME, q.shape[-1])):  # a packed prefill: the row-block kernels
+        f16.plan(table, f16.Call(q=qv, k=kv_, v=vv, out=ov, lse=lse if return_lse else None, window=window,
+                                 softmax_scale=softmax_scale, seqused_k=seqused_k, cu_seqlens_q=cu_seqlens_q,
+                                 cu_seqlens_k=cu_seqlens_k, packed=(layout.batch, layout.seq_q, layout.seq_k))).run()
+        return out, lse
     call = dec.Call(q=qv, k=kv_, v=vv, out=ov, lse=lse if return_lse else None, window=window,
                     softmax_scale=softmax_scale, batch=layout.batch, seq_q=layout.seq_q, seq_k=layout.seq_k,
                     seqused_k=seqused_k, cache_batch_idx=cache_batch_idx, block_table=block_table,
                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, num_splits=num_splits)
-    dec.plan(api._table(q.device), call).run()
+    dec.plan(table, call).run()
     return out, lse
 
 

@@ -3,9 +3,9 @@ with their signatures and semantics, on the split-KV decode kernels (decode.py).
 
 Sequences are packed along the first dimension, [total, heads, head_dim], sequence b at rows
 cu_seqlens[b] .. cu_seqlens[b + 1] - 1. Causal masks and windows align each sequence's queries to
-the end of its keys, as both libraries do. A prefill-length sequence runs the decode kernel in
-chunks of its row count (correct for every length; a row-block kernel for packed batches is not
-built yet, so long packed prefills are slower than `flash_attn` on padded tensors)."""
+the end of its keys, as both libraries do. Batches with few query rows per K/V head (decode) run
+the split-KV kernels; longer ones the row-block kernels compiled for packed batches (f16varlen);
+paged pools always the split-KV kernels."""
 
 from __future__ import annotations
 

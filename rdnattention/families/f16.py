@@ -51,6 +51,9 @@ SHAPE_FIELDS = (
 LSE_FIELDS = (("lse", "float*"), ("lse_stride_b", "long long"), ("lse_stride_h", "long long"))
 # Cache lengths, int32 [batch]: batch b uses its first seqused_k[b] keys; null: all seq_k.
 SEQUSED_FIELDS = (("seqused_k", "const int*"),)
+# Packed batches (the f16varlen variant): batch b's rows start at cu_seqlens_q[b] / cu_seqlens_k[b]
+# (int32 [batch + 1]; zero batch strides), as many as the next offset says; null: not packed.
+VARLEN_FIELDS = (("cu_seqlens_q", "const int*"), ("cu_seqlens_k", "const int*"))
 
 ARGS = ArgStruct("Fa2Args", (
     ("q", "const half_t*"),
@@ -61,6 +64,7 @@ ARGS = ArgStruct("Fa2Args", (
     *SHAPE_FIELDS,
     *LSE_FIELDS,
     *SEQUSED_FIELDS,
+    *VARLEN_FIELDS,
     # RoPE tables [positions, rotary_dim/2] in fp32; rotary_dim 0: no rotation.
     ("rotary_cos", "const float*"),
     ("rotary_sin", "const float*"),
@@ -109,6 +113,11 @@ class Call:
     rotary_sin: torch.Tensor | None = None
     rotary_interleaved: bool = False
     seqused_k: torch.Tensor | None = None  # int32 [batch]
+    # Packed batches: q, out [1, heads_q, total_q, head_dim], k, v [1, heads_kv, total_k, head_dim],
+    # lse [heads_q, total_q]; batch and the longest sequences given here.
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    packed: tuple[int, int, int] | None = None  # (batch, max_q, max_k)
 
     @property
     def causal_like(self) -> bool:
@@ -162,22 +171,30 @@ def plan(table: TargetTable, call: Call, *, heavy_first: bool | None = None, ker
     # rotates in the kernel or asks for a row-block kernel.
     rows = q.shape[2] * (q.shape[1] // k.shape[1])
     forced_dec = kernel is not None and kernel.startswith(dec.NAMES.prefix + "_")
-    if forced_dec or (call.rotary_cos is None and heavy_first is None and kernel is None
-                      and dec.serves(table, q.shape[3], rows)):
+    if call.packed is None and (forced_dec or (call.rotary_cos is None and heavy_first is None and kernel is None
+                                               and dec.serves(table, q.shape[3], rows))):
         return dec.plan(table, dec.Call(q=q, k=k, v=call.v, out=call.out, lse=call.lse, window=call.window,
                                         softmax_scale=call.softmax_scale, batch=q.shape[0], seq_q=q.shape[2],
                                         seq_k=k.shape[2], seqused_k=call.seqused_k), kernel=kernel)
-    # Calls with cache lengths run the f16len variant (families/f16len.py): same struct and layout.
-    name = NAME if call.seqused_k is None else "f16len"
+    # Calls with cache lengths run the f16len variant (families/f16len.py), packed batches the
+    # f16varlen one: same struct and layout.
+    name = "f16varlen" if call.packed is not None else NAME if call.seqused_k is None else "f16len"
+    seq_q = q.shape[2] if call.packed is None else call.packed[1]
     entry = table.select(name, head_dim=q.shape[3], heads_per_kv=q.shape[1] // k.shape[1], causal=call.causal_like,
-                         seq_q=q.shape[2], kernel=kernel)
+                         seq_q=seq_q, kernel=kernel)
     fields = common_fields(q, k, call.v, call.out, call.lse, call.window, call.softmax_scale, call.causal_like,
                            heavy_first, call.seqused_k)
+    if call.packed is not None:
+        fields.update(batch=call.packed[0], seq_q=call.packed[1], seq_k=call.packed[2],
+                      cu_seqlens_q=call.cu_seqlens_q.data_ptr(), cu_seqlens_k=call.cu_seqlens_k.data_ptr(),
+                      q_stride_b=0, k_stride_b=0, v_stride_b=0, o_stride_b=0)
+        if call.lse is not None:  # [heads_q, total_q]
+            fields.update(lse_stride_b=0, lse_stride_h=call.lse.stride(0))
     if call.rotary_cos is not None:
         fields.update(rotary_cos=call.rotary_cos.data_ptr(), rotary_sin=call.rotary_sin.data_ptr(),
                       rotary_stride=call.rotary_cos.stride(0), rotary_dim=2 * call.rotary_cos.shape[1],
                       rotary_interleaved=int(call.rotary_interleaved))
     launch = row_block_launch(table, entry, Fa2Args, fields)
-    buffers = tuple(t for t in (q, k, call.v, call.out, call.lse, call.rotary_cos, call.rotary_sin, call.seqused_k)
-                    if t is not None)
+    buffers = tuple(t for t in (q, k, call.v, call.out, call.lse, call.rotary_cos, call.rotary_sin, call.seqused_k,
+                                call.cu_seqlens_q, call.cu_seqlens_k) if t is not None)
     return Plan(table=table, device=q.device, launches=[launch], outputs=(call.out, call.lse), buffers=buffers)

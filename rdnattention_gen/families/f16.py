@@ -109,7 +109,7 @@ class F16(Family):
 
     def context(self, spec: KernelSpec) -> dict:
         return {"pairs": "F32Pairs" if spec.stage == "f32" else "F16Pairs", "lds_bytes": self.lds_bytes(spec),
-                "lengths": False}
+                "lengths": False, "varlen": False}
 
 
 FAMILY = F16()

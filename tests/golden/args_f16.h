@@ -1,5 +1,5 @@
 // @generated from templates/_args.h.j2 for family f16: the runtime's argument struct
-// (rdnattention/families/f16.py), layout digest 017d62bea6a9cd49.
+// (rdnattention/families/f16.py), layout digest ccdb2531de1b7d34.
 #pragma once
 
 struct Fa2Args {
@@ -31,6 +31,8 @@ struct Fa2Args {
   long long lse_stride_b;
   long long lse_stride_h;
   const int* seqused_k;
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
   const float* rotary_cos;
   const float* rotary_sin;
   long long rotary_stride;

@@ -9,14 +9,23 @@
 #include "fa2_forward.h"
 
 // LENGTHS: the cache-length variant (family f16len): batch b uses its first seqused_k[b] keys.
-template <class P, int D, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, bool LENGTHS>
+// VARLEN: the packed-batch variant (family f16varlen): batch b's query rows start at
+// cu_seqlens_q[b] and its keys at cu_seqlens_k[b], as many as the next offsets say (keys: or
+// seqused_k[b]); row blocks past its query rows end at once.
+template <class P, int D, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, bool LENGTHS, bool VARLEN = false>
 RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a, unsigned char* lds) {
   const RowBlockSchedule<BR, G> sched(a.seq_q, a.heads_q, a.heads_kv, a.heavy_first);
-  const StridedQ<Fa2Args> q{a};
-  const int keys = LENGTHS ? fa2_keys(a, sched.batch) : 0;
-  const StridedKv<Fa2Args, LENGTHS> kv(a, sched.batch, sched.head_kv, keys);
-  const WindowMask<Fa2Args, LENGTHS> mask{a, keys};
+  const long long b = sched.batch;
+  const long long q0 = VARLEN ? a.cu_seqlens_q[b] : 0;
+  const int sq = VARLEN ? a.cu_seqlens_q[b + 1] - (int)q0 : a.seq_q;
+  if (VARLEN && sched.block_pos >= sq) return;  // the whole workgroup: past this sequence's rows
+  const long long key0 = VARLEN ? a.cu_seqlens_k[b] : 0;
+  const int cap = VARLEN ? a.cu_seqlens_k[b + 1] - (int)key0 : a.seq_k;
+  const int keys = VARLEN ? (a.seqused_k ? rdna_min(a.seqused_k[b], cap) : cap) : LENGTHS ? fa2_keys(a, b) : 0;
+  const StridedQ<Fa2Args> q{a, q0};
+  const StridedKv<Fa2Args, LENGTHS || VARLEN> kv(a, b, sched.head_kv, keys, key0);
+  const WindowMask<Fa2Args, LENGTHS || VARLEN, VARLEN> mask{a, keys, sq};
   const RotaryTables<Fa2Args> rope{a};
-  const NormalizeEpilogue<Fa2Args> epi{a};
+  const NormalizeEpilogue<Fa2Args> epi{a, q0};
   fa2_forward<P, D, G, BR, BC, NT, TM, LDS_BYTES>(lds, sched, q, kv, mask, rope, epi);
 }

@@ -9,11 +9,13 @@
 #pragma once
 
 // Query rows: [batch, heads_q, seq_q, head_dim] with element strides, the last dimension contiguous.
+// q0: the batch's first row (packed batches: cu_seqlens_q[b], with a zero batch stride), else 0.
 template <class Args>
 struct StridedQ {
   const Args& a;
+  long long q0 = 0;
   RDNA_METHOD const half_t* row(long long b, int h, int pos) const {
-    return a.q + b * a.q_stride_b + h * a.q_stride_h + (long long)pos * a.q_stride_s;
+    return a.q + b * a.q_stride_b + h * a.q_stride_h + (q0 + pos) * a.q_stride_s;
   }
 };
 
@@ -64,9 +66,10 @@ struct StridedKv {
   const half_t* v;
   int n;
 
-  RDNA_METHOD StridedKv(const Args& args, long long b, int head_kv, int keys = 0)
-      : a(args), k(args.k + b * args.k_stride_b + head_kv * args.k_stride_h),
-        v(args.v + b * args.v_stride_b + head_kv * args.v_stride_h), n(keys) {}
+  // key0: the batch's first key row (packed batches: cu_seqlens_k[b], with a zero batch stride).
+  RDNA_METHOD StridedKv(const Args& args, long long b, int head_kv, int keys = 0, long long key0 = 0)
+      : a(args), k(args.k + b * args.k_stride_b + key0 * args.k_stride_s + head_kv * args.k_stride_h),
+        v(args.v + b * args.v_stride_b + key0 * args.v_stride_s + head_kv * args.v_stride_h), n(keys) {}
   RDNA_METHOD int seq_k() const { return LENGTHS ? n : a.seq_k; }
   RDNA_METHOD const half_t* key(int i) const { return k + (long long)i * a.k_stride_s; }
   RDNA_METHOD const half_t* value(int i) const { return v + (long long)i * a.v_stride_s; }
@@ -164,17 +167,18 @@ RDNA_DEVICE float fa2_softmax_update(float& m, float& l, float (&o)[TD], float t
 template <class Args>
 struct NormalizeEpilogue {
   const Args& a;
+  long long q0 = 0;  // the batch's first row (packed batches), as in StridedQ
 
   template <int TD, int CD, int TCW>
   RDNA_METHOD void store(long long b, int head, int pos, int tx, const float (&row)[TD], float m, float l) const {
     // A row that saw no key (l == 0) is zero, its LSE -inf; a NaN score made l NaN, and the
     // row and its LSE stay NaN (never mistaken for "no visible key").
     const float inv = l == 0.f ? 0.f : 1.f / l;
-    half_t* out = a.o + b * a.o_stride_b + head * a.o_stride_h + (long long)pos * a.o_stride_s + tx * CD;
+    half_t* out = a.o + b * a.o_stride_b + head * a.o_stride_h + (q0 + pos) * a.o_stride_s + tx * CD;
     rdna_store_row<TD, CD>(out, TCW * CD, row, inv);
     if (a.lse && tx == 0) {
       const float ln2 = 0.6931471805599453f;
-      a.lse[b * a.lse_stride_b + head * a.lse_stride_h + pos] = l == 0.f ? -__builtin_inff() : (m + rdna_log2(l)) * ln2;
+      a.lse[b * a.lse_stride_b + head * a.lse_stride_h + q0 + pos] = l == 0.f ? -__builtin_inff() : (m + rdna_log2(l)) * ln2;
     }
   }
 };
