@@ -217,6 +217,35 @@ def decode_section(device, rounds: int = 7) -> str:
     return "\n".join(lines)
 
 
+def varlen_section(device, rounds: int = 5) -> str:
+    """Packed prefill (varlen_attn, the f16varlen kernels) against flash_attn on the same sequences
+    padded into [batch, heads, seq, head_dim], causal, timed in turn."""
+    from rdnattention import varlen_attn
+
+    lengths, heads, dim = [2048, 1024, 512, 2048], 32, 128
+    g = torch.Generator(device=device).manual_seed(0)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, heads, dim, device=device, dtype=torch.float16, generator=g) for _ in range(3))
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    padded = [torch.zeros(len(lengths), heads, max(lengths), dim, device=device, dtype=torch.float16)
+              for _ in range(3)]
+    for b, n in enumerate(lengths):
+        for p, t in zip(padded, (q, k, v)):
+            p[b, :, :n] = t[cu[b]:cu[b] + n].transpose(0, 1)
+
+    class Call:
+        def __init__(self, fn):
+            self.run = fn
+
+    plans = {"packed": Call(lambda: varlen_attn(q, k, v, cu, cu, max(lengths), max(lengths), window_size=(-1, 0))),
+             "padded": Call(lambda: flash_attn(*padded, is_causal=True))}
+    ms = interleaved_ms(plans, rounds)
+    f = sum(4 * heads * n * n * dim / 2 for n in lengths)
+    return (f"Packed prefill, lengths {lengths}, {heads} heads, head_dim {dim}, causal: varlen_attn "
+            f"{ms['packed']:.3f} ms ({f / ms['packed'] / 1e9:.1f} TFLOP/s), flash_attn on the padded batch "
+            f"{ms['padded']:.3f} ms")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
@@ -224,7 +253,7 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
-    decode = decode_section(device)
+    decode = decode_section(device) + "\n\n" + varlen_section(device)
     print(decode)
     (args.out / "bench_decode.md").write_text(decode + "\n")
     if args.decode_only:
