@@ -47,6 +47,7 @@ class Family:
     signatures: dict[str, str]        # tier -> audit count that must be non-zero
     oracle_cases: dict[str, OracleCase]
     tiles_family: str | None = None   # take another family's tiles (a variant of it); None: its own
+    tile_constraints: bool = True     # False: the tiles' `when:` does not apply (the kernel serves every call)
 
     # --- the matrix
     def axes(self, node: Node) -> dict:

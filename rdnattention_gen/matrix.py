@@ -142,8 +142,13 @@ class Matrix:
                 hd, group = point["head_dim"], point["gqa_group"]
                 entries = []
                 for c in self.tile_choices(target.tiles, fam.tiles_family or fam_name, hd):
+                    spec = fam.spec(target, point, c.tile)
+                    if not fam.tile_constraints:  # one entry per kernel, serving every call
+                        if not any(e.spec == spec for e in entries):
+                            entries.append(Variant(spec, Constraints(), 0, c.provenance, c.where))
+                        continue
                     priority = 1 if c.when.to_json() else 0
-                    entries.append(Variant(fam.spec(target, point, c.tile), c.when, priority, c.provenance, c.where))
+                    entries.append(Variant(spec, c.when, priority, c.provenance, c.where))
                 for t in self.tuned.get(target.name, ()):
                     if (t.family, t.head_dim) == (fam_name, hd) and t.gqa_group in (None, group):
                         priority = 3 if t.when.to_json() else 2

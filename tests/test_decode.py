@@ -236,3 +236,11 @@ def test_any_combination_matches_the_oracle_and_paged_is_contiguous(host_build, 
     assert torch.equal(paged.outputs[0], contiguous.outputs[0]) and torch.equal(paged.outputs[1], contiguous.outputs[1])
     ref, ref_lse = attention_reference(q, k, v, seqused_k=seqused, return_lse=True, **options)
     _check(*contiguous.outputs, ref, ref_lse)
+
+
+def test_one_combine_entry_per_head_dim(matrix):
+    """combine takes dec's tiles but not their `when:`: one entry per kernel, serving every call."""
+    for target in ("host", "gfx1030", "sm_90"):
+        combine = [v for v in matrix.variants_for(matrix.target(target)) if v.spec.family == "combine"]
+        assert len({v.spec.name for v in combine}) == len(combine) == len(matrix.kernels["combine"]["head_dims"])
+        assert all(not v.when.to_json() for v in combine)

@@ -31,6 +31,7 @@ class Combine(HeadDimAxis, Family):
     signatures = {"fp32": "none"}  # fp32 only: no tier instruction to find
     oracle_cases: dict = {}  # runs with the dec family (tests/test_decode.py)
     tiles_family = "dec"
+    tile_constraints = False  # one combine per threads count, whatever rows the dec tile is for
 
     def tier(self, target: Target) -> str | None:
         return "fp32"
