@@ -29,8 +29,8 @@
 template <class Args, bool PAGED>
 struct DecodeKv {
   const Args& a;
-  const half_t* k;
-  const half_t* v;
+  decltype(Args::k) k;  // fp16 or int8 rows
+  decltype(Args::v) v;
   const int* pages;  // the batch's row of the block table; null: not paged
 
   RDNA_METHOD DecodeKv(const Args& args, long long b, long long key0, int head_kv)
@@ -45,8 +45,8 @@ struct DecodeKv {
   RDNA_METHOD long long paged_offset(int i) const {
     return pages[i >> a.page_shift] * a.k_stride_b + (long long)(i & ((1 << a.page_shift) - 1)) * a.k_stride_s;
   }
-  RDNA_METHOD const half_t* key(int i) const { return k + (PAGED ? paged_offset(i) : (long long)i * a.k_stride_s); }
-  RDNA_METHOD const half_t* value(int i) const {
+  RDNA_METHOD decltype(Args::k) key(int i) const { return k + (PAGED ? paged_offset(i) : (long long)i * a.k_stride_s); }
+  RDNA_METHOD decltype(Args::v) value(int i) const {
     return v + (PAGED ? paged_offset(i) : (long long)i * a.v_stride_s);
   }
 };
@@ -59,13 +59,45 @@ RDNA_DEVICE int fa2_query_rows(const Args& a, long long b) {
   return a.cu_seqlens_q ? a.cu_seqlens_q[b + 1] - a.cu_seqlens_q[b] : a.seq_q;
 }
 
-template <class P, int D, int R, int BC, int NT, int LDS_BYTES, bool PAGED, class Args>
+// What a lane holds of each key: 16 bytes of K and of V. E::CPL values per lane (8 fp16, 16 int8);
+// the score of a key is the lanes' partial dot products summed; E's scales are 1 for fp16.
+// fp16 keys through the pairs policy P (the target's dot2 lowering or fp32 pairs).
+template <class P>
+struct DecodeF16 {
+  static constexpr int CPL = 8;
+  struct Q {
+    typename P::pair_t p[4];
+  };
+  RDNA_DEVICE Q query(u32x4 c) {
+    return Q{{P::from_halves(c.x), P::from_halves(c.y), P::from_halves(c.z), P::from_halves(c.w)}};
+  }
+  struct K {
+    typename P::pair_t p[4];
+  };
+  RDNA_DEVICE K key(u32x4 c) { return K{{P::from_halves(c.x), P::from_halves(c.y), P::from_halves(c.z), P::from_halves(c.w)}}; }
+  RDNA_DEVICE float dot(const Q& q, const K& k) {
+    return P::dot(q.p[3], k.p[3], P::dot(q.p[2], k.p[2], P::dot(q.p[1], k.p[1], P::dot(q.p[0], k.p[0], 0.f))));
+  }
+  RDNA_DEVICE void values(u32x4 c, float (&v)[CPL]) {
+    const half_t* h = reinterpret_cast<const half_t*>(&c);
+#pragma unroll
+    for (int e = 0; e < CPL; ++e) v[e] = (float)h[e];
+  }
+  template <class Args>
+  RDNA_DEVICE float query_scale(const Args&, long long, int, long long) { return 1.f; }
+  template <class Args>
+  RDNA_DEVICE float key_scale(const Args&, long long, int, int) { return 1.f; }
+  template <class Args>
+  RDNA_DEVICE float value_scale(const Args&, long long, int, int) { return 1.f; }
+};
+
+template <class E, int D, int R, int BC, int NT, int LDS_BYTES, bool PAGED, class Args>
 RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
-  using pair_t = typename P::pair_t;
-  constexpr int L = D / 8;    // lanes per key: 8 fp16 values (16 bytes) each
+  constexpr int CPL = E::CPL;
+  constexpr int L = D / CPL;  // lanes per key: 16 bytes of its K and V each
   constexpr int NG = NT / L;  // lane groups
   constexpr int T = BC / NG;  // keys per group per step
-  static_assert(D % 8 == 0 && L <= RDNA_WAVE_SIZE && (L & (L - 1)) == 0 && NT % L == 0 && BC % NG == 0, "lane groups");
+  static_assert(D % CPL == 0 && L <= RDNA_WAVE_SIZE && (L & (L - 1)) == 0 && NT % L == 0 && BC % NG == 0, "lane groups");
   static_assert(LDS_BYTES == NG * R * (D + 2) * (int)sizeof(float), "LDS layout");
 
   const int tid = rdna_thread_id(), grp = tid / L, lane = tid % L;
@@ -98,15 +130,15 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   }
   const int live = rdna_min(R, rows - r0);  // rows i < live exist (the same in every lane)
 
-  // Each lane's 8 values of each row of Q.
-  pair_t qf[R][4];
+  // Each lane's CPL values of each row of Q, and the row's scale.
+  typename E::Q qf[R];
+  float qs[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) {
-    const int r = rdna_min(r0 + i, rows - 1);
-    const half_t* src = a.q + b * a.q_stride_b + (head_kv * group + r / sq) * a.q_stride_h + (q0 + pos[i]) * a.q_stride_s;
-    const u32x4 c = rdna_load16(src + 8 * lane);
-    qf[i][0] = P::from_halves(c.x), qf[i][1] = P::from_halves(c.y);
-    qf[i][2] = P::from_halves(c.z), qf[i][3] = P::from_halves(c.w);
+    const int r = rdna_min(r0 + i, rows - 1), head = head_kv * group + r / sq;
+    const auto* src = a.q + b * a.q_stride_b + head * a.q_stride_h + (q0 + pos[i]) * a.q_stride_s;
+    qf[i] = E::query(rdna_load16(src + CPL * lane));
+    qs[i] = E::query_scale(a, b, head, q0 + pos[i]);
   }
 
   // This slice of the keys the rows can see.
@@ -114,49 +146,49 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   const int per = ((rdna_max(hi - lo, 0) + a.splits - 1) / a.splits + BC - 1) / BC * BC;
   const int s_lo = lo + split * per, s_hi = rdna_min(hi, s_lo + per);
 
-  float m[R], l[R], o[R][8];
+  float m[R], l[R], o[R][CPL];
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     m[i] = -__builtin_inff();
     l[i] = 0.f;
 #pragma unroll
-    for (int c = 0; c < 8; ++c) o[i][c] = 0.f;
+    for (int c = 0; c < CPL; ++c) o[i][c] = 0.f;
   }
 
   const u32x4 zero = {0u, 0u, 0u, 0u};
   // Each step's loads are issued one step ahead, so their latency overlaps the previous step.
   u32x4 kc[T], vc[T];
-  auto load = [&](int k0, u32x4 (&kd)[T], u32x4 (&vd)[T]) {
+  float ks[T];
+  auto load = [&](int k0, u32x4 (&kd)[T], u32x4 (&vd)[T], float (&sd)[T]) {
 #pragma unroll
     for (int t = 0; t < T; ++t) {
       const int key = k0 + t * NG + grp;
-      kd[t] = key < s_hi ? rdna_load16(kv.key(key) + 8 * lane) : zero;
-      vd[t] = key < s_hi ? rdna_load16(kv.value(key) + 8 * lane) : zero;
+      kd[t] = key < s_hi ? rdna_load16(kv.key(key) + CPL * lane) : zero;
+      vd[t] = key < s_hi ? rdna_load16(kv.value(key) + CPL * lane) : zero;
+      sd[t] = key < s_hi ? E::key_scale(a, b, head_kv, key0 + key) : 1.f;  // 1: folds away for fp16
     }
   };
-  if (s_lo < s_hi) load(s_lo, kc, vc);
+  if (s_lo < s_hi) load(s_lo, kc, vc, ks);
 #pragma unroll 1
   for (int k0 = s_lo; k0 < s_hi; k0 += BC) {
     u32x4 kn[T], vn[T];
-    if (k0 + BC < s_hi) load(k0 + BC, kn, vn);
+    float ksn[T];
+    if (k0 + BC < s_hi) load(k0 + BC, kn, vn, ksn);
     const bool whole = k0 + BC <= s_hi && mask.template whole<BC>(k0, first, last);
     // Scores key by key (each key's K converted once for every row), then each row's softmax
     // step, then P.V key by key.
     float s[R][T];
 #pragma unroll
     for (int t = 0; t < T; ++t) {
-      const pair_t kf[4] = {P::from_halves(kc[t].x), P::from_halves(kc[t].y), P::from_halves(kc[t].z),
-                            P::from_halves(kc[t].w)};
+      const typename E::K kf = E::key(kc[t]);
       const int key = k0 + t * NG + grp;
 #pragma unroll
       for (int i = 0; i < R; ++i) {
         if (i >= live) break;
-        float acc = P::dot(qf[i][0], kf[0], 0.f);
-        acc = P::dot(qf[i][1], kf[1], acc);
-        acc = P::dot(qf[i][2], kf[2], acc);
-        acc = P::dot(qf[i][3], kf[3], acc);
+        float acc = E::dot(qf[i], kf);
 #pragma unroll
         for (int x = 1; x < L; x <<= 1) acc += rdna_shfl_xor(acc, x);
+        acc *= qs[i] * ks[t];
         s[i][t] = whole || (key < s_hi && mask.visible(key, pos[i], mask.diag(pos[i]))) ? mask.scale(acc) : -__builtin_inff();
       }
     }
@@ -171,21 +203,19 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
     }
 #pragma unroll
     for (int t = 0; t < T; ++t) {
-      const half_t* vh = reinterpret_cast<const half_t*>(&vc[t]);
-      float vf[8];
-#pragma unroll
-      for (int c = 0; c < 8; ++c) vf[c] = (float)vh[c];
+      float vf[CPL];
+      E::values(vc[t], vf);
 #pragma unroll
       for (int i = 0; i < R; ++i) {
         if (i >= live) break;
         const float p = rdna_exp2(s[i][t] - m_ref[i]);
         l[i] += p;
 #pragma unroll
-        for (int c = 0; c < 8; ++c) o[i][c] = rdna_fma(p, vf[c], o[i][c]);
+        for (int c = 0; c < CPL; ++c) o[i][c] = rdna_fma(p, vf[c], o[i][c]);
       }
     }
 #pragma unroll
-    for (int t = 0; t < T; ++t) kc[t] = kn[t], vc[t] = vn[t];
+    for (int t = 0; t < T; ++t) kc[t] = kn[t], vc[t] = vn[t], ks[t] = ksn[t];
   }
 
   // The groups meet in LDS: o [NG][R][D], then (m, l) [NG][R].
@@ -193,24 +223,28 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   float* const ml = ol + NG * R * D;
 #pragma unroll
   for (int i = 0; i < R; ++i) {
-    __builtin_memcpy(__builtin_assume_aligned(ol + (grp * R + i) * D + 8 * lane, 16), o[i], sizeof(o[i]));
+    __builtin_memcpy(__builtin_assume_aligned(ol + (grp * R + i) * D + CPL * lane, 16), o[i], sizeof(o[i]));
     if (lane == 0) ml[2 * (grp * R + i)] = m[i], ml[2 * (grp * R + i) + 1] = l[i];
   }
   rdna_block_sync();
   for (int item = tid; item < live * L; item += NT) {
-    const int i = item / L, c0 = item % L * 8, r = r0 + i;
+    const int i = item / L, c0 = item % L * CPL, r = r0 + i;
     const int head = head_kv * group + r / sq, p = r % sq;
     float mx = -__builtin_inff();
     for (int g = 0; g < NG; ++g) mx = rdna_fmax(mx, ml[2 * (g * R + i)]);
     const float ref = mx == -__builtin_inff() ? 0.f : mx;
-    float sum = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float sum = 0.f, acc[CPL];
+#pragma unroll
+    for (int c = 0; c < CPL; ++c) acc[c] = 0.f;
     for (int g = 0; g < NG; ++g) {
       const float w = rdna_exp2(ml[2 * (g * R + i)] - ref);
       sum += ml[2 * (g * R + i) + 1] * w;
       const float* src = ol + (g * R + i) * D + c0;
 #pragma unroll
-      for (int c = 0; c < 8; ++c) acc[c] = rdna_fma(src[c], w, acc[c]);
+      for (int c = 0; c < CPL; ++c) acc[c] = rdna_fma(src[c], w, acc[c]);
     }
+#pragma unroll
+    for (int c = 0; c < CPL; ++c) acc[c] *= E::value_scale(a, b, head_kv, c0 + c);
     // No visible key (sum 0): a zero row, LSE -inf; a NaN score made sum NaN, and NaN it stays.
     const float inv = sum == 0.f ? 0.f : 1.f / sum;
     const float lse2 = sum == 0.f ? -__builtin_inff() : ref + rdna_log2(sum);
@@ -218,12 +252,12 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
       const long long row = ((split * a.batch + b) * a.heads_q + head) * (long long)a.seq_q + p;
       float* dst = a.part_o + row * D + c0;
 #pragma unroll
-      for (int c = 0; c < 8; ++c) acc[c] *= inv;
+      for (int c = 0; c < CPL; ++c) acc[c] *= inv;
       __builtin_memcpy(__builtin_assume_aligned(dst, 16), acc, sizeof(acc));
       if (c0 == 0) a.part_lse[row] = lse2;
     } else {
       half_t* out = a.o + b * a.o_stride_b + head * a.o_stride_h + (q0 + p) * a.o_stride_s + c0;
-      rdna_store_row<8, 8>(out, 0, acc, inv);
+      rdna_store_row<CPL, 8>(out, 8, acc, inv);
       if (a.lse && c0 == 0) a.lse[b * a.lse_stride_b + head * a.lse_stride_h + q0 + p] = lse2 * 0.6931471805599453f;
     }
   }

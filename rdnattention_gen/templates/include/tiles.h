@@ -9,6 +9,7 @@ RDNA_DEVICE constexpr T rdna_max(T a, T b) { return a < b ? b : a; }
 
 // 16-byte global loads; the runtime guarantees 16-byte aligned rows.
 RDNA_DEVICE u32x4 rdna_load16(const half_t* p) { return *reinterpret_cast<const u32x4*>(p); }
+RDNA_DEVICE u32x4 rdna_load16(const signed char* p) { return *reinterpret_cast<const u32x4*>(p); }
 
 RDNA_DEVICE unsigned rdna_pack_half2(float lo, float hi) {
   return __builtin_bit_cast(unsigned short, (half_t)lo) |

@@ -1,0 +1,35 @@
+// The split-KV decode kernel over int8 Q, K, V (family i8dec): fa2_decode.h with this element policy.
+#pragma once
+
+#include "fa2_decode.h"
+
+// int8 keys (the i8dec family): products through the target's dot4, then the per-token scales of
+// the query row and the key; V's per-channel scale applied once, at the end.
+struct DecodeI8 {
+  static constexpr int CPL = 16;
+  typedef u32x4 Q;
+  typedef u32x4 K;
+  RDNA_DEVICE Q query(u32x4 c) { return c; }
+  RDNA_DEVICE K key(u32x4 c) { return c; }
+  RDNA_DEVICE float dot(const Q& q, const K& k) {
+    return (float)rdna_dot4_i8((int)q.w, (int)k.w, rdna_dot4_i8((int)q.z, (int)k.z,
+           rdna_dot4_i8((int)q.y, (int)k.y, rdna_dot4_i8((int)q.x, (int)k.x, 0))));
+  }
+  RDNA_DEVICE void values(u32x4 c, float (&v)[CPL]) {
+    const signed char* x = reinterpret_cast<const signed char*>(&c);
+#pragma unroll
+    for (int e = 0; e < CPL; ++e) v[e] = (float)x[e];
+  }
+  template <class Args>
+  RDNA_DEVICE float query_scale(const Args& a, long long b, int head, long long row) {
+    return a.q_scale[b * a.q_scale_stride_b + head * a.q_scale_stride_h + row];
+  }
+  template <class Args>
+  RDNA_DEVICE float key_scale(const Args& a, long long b, int head_kv, int key) {
+    return a.k_scale[b * a.k_scale_stride_b + head_kv * a.k_scale_stride_h + key];
+  }
+  template <class Args>
+  RDNA_DEVICE float value_scale(const Args& a, long long b, int head_kv, int col) {
+    return a.v_scale[b * a.v_scale_stride_b + head_kv * a.v_scale_stride_h + col];
+  }
+};
