@@ -17,7 +17,7 @@ import torch
 
 from . import api
 from .errors import InvalidArgumentError, UnsupportedError
-from .families import i8
+from .families import dec, i8, i8dec
 from .plan import Plan
 
 _LEVELS = 127.0
@@ -122,6 +122,12 @@ def _plan(q, k, v, q_scale, k_scale, v_scale, o: api.Options, heavy_first=None, 
     call = i8.Call(q=q, k=k, v=v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
                    lse=lse if o.return_lse else None, window=(o.window_left, o.window_right),
                    softmax_scale=o.softmax_scale)
+    # Few query rows per K/V head (decode): the int8 split-KV kernels (families/i8dec.py).
+    rows = q.shape[2] * (q.shape[1] // max(k.shape[1], 1))
+    forced = kernel is not None and kernel.startswith(i8dec.NAMES.prefix + "_")
+    if forced or (kernel is None and heavy_first is None and rows <= dec.MAX_ROWS
+                  and table.entries(i8dec.NAME, q.shape[3])):
+        return api._with_outputs(i8dec.plan(table, call, kernel=kernel), out, lse, k)
     return api._with_outputs(i8.plan(table, call, heavy_first=heavy_first, kernel=kernel), out, lse, k)
 
 

@@ -296,3 +296,21 @@ def test_gpu_varlen_matches_the_oracle():
         if qs.stop > qs.start:
             ref = attention_reference(view(q[qs]), view(k[ks]), view(v[ks]), is_causal=True)
             assert (view(out[qs]).double() - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_int8_decode_matches_the_oracle(head_dim):
+    from rdnattention import flash_attn_int8qk, plan_flash_attn_int8qk, quantize_per_channel, quantize_per_token
+
+    device = _gpu()
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 8, 1, head_dim, generator=g).half()
+    k, v = (torch.randn(2, 2, 3000, head_dim, generator=g).half() for _ in range(2))
+    (qi, qs), (ki, ks), (vi, vs) = quantize_per_token(q), quantize_per_token(k), quantize_per_channel(v)
+    args = [t.to(device) for t in (qi, ki, vi, qs, ks, vs)]
+    assert plan_flash_attn_int8qk(*args).launches[0].kernel.family == "i8dec"
+    out = flash_attn_int8qk(*args, is_causal=True).cpu()
+    ref = attention_reference(qi.double() * qs.double()[..., None], ki.double() * ks.double()[..., None],
+                              vi.double() * vs.double()[:, :, None, :], is_causal=True)
+    assert (out.double() - ref).abs().max().item() <= TOL

@@ -217,6 +217,20 @@ def decode_section(device, rounds: int = 7) -> str:
     return "\n".join(lines)
 
 
+def int8_decode_line(device, rounds: int = 7) -> str:
+    """The first DECODE shape with int8 Q, K, V (the i8dec kernels: half the bytes) against the fp16
+    decode kernels on the same values, both replayed from CUDA graphs (graph_ms)."""
+    from rdnattention import plan_flash_attn, plan_flash_attn_int8qk, quantize_per_channel, quantize_per_token
+
+    shape = DECODE[0]
+    q, k, v = shape_inputs(*shape[1:7], device)
+    (qi, qs), (ki, ks), (vi, vs) = quantize_per_token(q), quantize_per_token(k), quantize_per_channel(v)
+    ms = graph_ms({"int8": plan_flash_attn_int8qk(qi, ki, vi, qs, ks, vs), "fp16": plan_flash_attn(q, k, v)}, rounds)
+    int8_bytes = decode_bytes(shape) / 2 + ks.numel() * 4
+    return (f"{shape[0]} with int8 K and V: {ms['int8']:.4f} ms ({int8_bytes / 1e6 / ms['int8']:.0f} GB/s of int8 "
+            f"rows and scales), fp16 {ms['fp16']:.4f} ms: {ms['fp16'] / ms['int8']:.2f}x")
+
+
 def varlen_section(device, rounds: int = 5) -> str:
     """Packed prefill (varlen_attn, the f16varlen kernels) against flash_attn on the same sequences
     padded into [batch, heads, seq, head_dim], causal, timed in turn."""
@@ -253,7 +267,7 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
-    decode = decode_section(device) + "\n\n" + varlen_section(device)
+    decode = decode_section(device) + "\n\n" + int8_decode_line(device) + "\n\n" + varlen_section(device)
     print(decode)
     (args.out / "bench_decode.md").write_text(decode + "\n")
     if args.decode_only:

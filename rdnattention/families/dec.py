@@ -60,9 +60,10 @@ WORKGROUPS_PER_UNIT = 4
 _GRID_YZ_MAX = 65535
 
 
-def lds_layout(head_dim: int, threads: int, rows: int) -> dict[str, int]:
-    """Bytes of each LDS region: every lane group's output rows, then their (max, sum) pairs."""
-    groups = threads // (head_dim // 8)
+def lds_layout(head_dim: int, threads: int, rows: int, lane_values: int = 8) -> dict[str, int]:
+    """Bytes of each LDS region: every lane group's output rows, then their (max, sum) pairs.
+    ``lane_values``: values of a key each lane holds (16 bytes: 8 fp16, 16 int8)."""
+    groups = threads // (head_dim // lane_values)
     return {"o_bytes": groups * rows * head_dim * 4, "stat_bytes": groups * rows * 2 * 4}
 
 
@@ -120,11 +121,10 @@ def serves(table: TargetTable, head_dim: int, rows: int) -> bool:
 
 
 def select(table: TargetTable, head_dim: int, rows: int, kernel: str | None = None,
-           paged: bool = False) -> KernelEntry:
-    """The entry for ``rows`` query rows per K/V head (tiles for few rows say so with
-    ``when: {rows: ...}``); rows beyond its br take several row chunks. ``paged``: the decpaged
-    variant."""
-    family = "decpaged" if paged else NAME
+           family: str = NAME) -> KernelEntry:
+    """The entry of ``family`` (dec, decpaged or i8dec) for ``rows`` query rows per K/V head (tiles
+    for few rows say so with ``when: {rows: ...}``); rows beyond its br take several row chunks."""
+    paged = family == "decpaged"
     if not table.entries(family, head_dim):
         dims = sorted({e.head_dim for e in table.kernels if e.family == family})
         raise UnsupportedError(f"no {family} (split-KV decode{', paged' if paged else ''}) kernel for head_dim "
@@ -147,14 +147,18 @@ def slices(seq_k: int, keys_per_step: int, splits: int) -> int:
     return max(1, -(-seq_k // per)) if seq_k else 1
 
 
-def plan(table: TargetTable, call: Call, *, kernel: str | None = None) -> Plan:
+def plan(table: TargetTable, call: Call, *, kernel: str | None = None, family: str | None = None,
+         args=None, extra: dict | None = None, buffers: tuple = ()) -> Plan:
+    """The launches of a decode call. ``family``, ``args``, ``extra`` and ``buffers``: another
+    family's kernel over the same grid (i8dec: its struct, its scale fields and tensors)."""
     import torch
 
     q, k, v = call.q, call.k, call.v
     heads_q, head_dim = q.shape[1], q.shape[3]
     heads_kv = k.shape[1]
     group = heads_q // heads_kv
-    entry = select(table, head_dim, group * call.seq_q, kernel, paged=call.block_table is not None)
+    family = family or ("decpaged" if call.block_table is not None else NAME)
+    entry = select(table, head_dim, group * call.seq_q, kernel, family=family)
     chunks = -(-group * call.seq_q // entry.br)
     if call.num_splits:
         splits = slices(call.seq_k, entry.bc, call.num_splits)
@@ -193,12 +197,14 @@ def plan(table: TargetTable, call: Call, *, kernel: str | None = None) -> Plan:
         raise InvalidArgumentError(f"the decode grid {grid} exceeds the launch limits (2^31 - 1, {_GRID_YZ_MAX}, "
                                    f"{_GRID_YZ_MAX})")
     shared = entry.lds_bytes if table.dynamic_lds else 0
+    fields.update(extra or {})
     launches = [Launch(kernel=entry, grid=grid, block=entry.threads, shared_bytes=shared,
-                       args=Fa2DecArgs(**fields))]
+                       args=(args or Fa2DecArgs)(**fields))]
     if splits > 1:
         from . import combine
         launches.append(combine.launch(table, call, head_dim, splits, scratch))
     buffers = tuple(t for t in (q, k, v, call.out, call.lse, call.seqused_k, call.cache_batch_idx, call.block_table,
-                                call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q, *scratch) if t is not None)
+                                call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q, *buffers, *scratch)
+                    if t is not None)
     return Plan(table=table, device=q.device, launches=launches, outputs=(call.out, call.lse), buffers=buffers)
 

@@ -65,6 +65,7 @@ RDNA_DEVICE int fa2_query_rows(const Args& a, long long b) {
 template <class P>
 struct DecodeF16 {
   static constexpr int CPL = 8;
+  static constexpr bool LAYOUTS = true;  // packed batches, cache lengths, cache rows: read from the arguments
   struct Q {
     typename P::pair_t p[4];
   };
@@ -85,10 +86,13 @@ struct DecodeF16 {
   }
   template <class Args>
   RDNA_DEVICE float query_scale(const Args&, long long, int, long long) { return 1.f; }
+  // The scales of one (batch, K/V head): per key and per channel.
+  struct Scales {
+    RDNA_METHOD float key(int) const { return 1.f; }
+    RDNA_METHOD float value(int) const { return 1.f; }
+  };
   template <class Args>
-  RDNA_DEVICE float key_scale(const Args&, long long, int, int) { return 1.f; }
-  template <class Args>
-  RDNA_DEVICE float value_scale(const Args&, long long, int, int) { return 1.f; }
+  RDNA_DEVICE Scales scales(const Args&, long long, int) { return Scales{}; }
 };
 
 template <class E, int D, int R, int BC, int NT, int LDS_BYTES, bool PAGED, class Args>
@@ -108,16 +112,18 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   const long long b = rdna_block_id_z();
 
   // The batch's query rows and keys: packed (cu_seqlens), cache lengths, or the whole tensors.
-  const long long q0 = a.cu_seqlens_q ? a.cu_seqlens_q[b] : 0;
-  const int sq = fa2_query_rows(a, b);
+  const long long q0 = E::LAYOUTS && a.cu_seqlens_q ? a.cu_seqlens_q[b] : 0;
+  const int sq = E::LAYOUTS ? fa2_query_rows(a, b) : a.seq_q;
   const int rows = group * sq;
   if (r0 >= rows) return;  // a short sequence of a packed batch: no row here (the combine skips them too)
   // A paged cache is addressed through the block table alone (no packed keys, no batch indices).
-  const long long key0 = !PAGED && a.cu_seqlens_k ? a.cu_seqlens_k[b] : 0;
-  const int cap = !PAGED && a.cu_seqlens_k ? a.cu_seqlens_k[b + 1] - (int)key0 : a.seq_k;
-  const int n = a.seqused_k ? rdna_min(a.seqused_k[b], a.seq_k) : cap;  // seqused_k within the sequence: checked
-  const DecodeKv<Args, PAGED> kv(a, !PAGED && a.cache_batch_idx ? a.cache_batch_idx[b] : b, key0, head_kv);
+  const bool packed_keys = E::LAYOUTS && !PAGED && a.cu_seqlens_k;
+  const long long key0 = packed_keys ? a.cu_seqlens_k[b] : 0;
+  const int cap = packed_keys ? a.cu_seqlens_k[b + 1] - (int)key0 : a.seq_k;
+  const int n = E::LAYOUTS && a.seqused_k ? rdna_min(a.seqused_k[b], a.seq_k) : cap;  // seqused_k within the sequence: checked
+  const DecodeKv<Args, PAGED> kv(a, E::LAYOUTS && !PAGED && a.cache_batch_idx ? a.cache_batch_idx[b] : b, key0, head_kv);
   const WindowMask<Args, true, true> mask{a, n, sq};
+  const typename E::Scales scales = E::scales(a, b, head_kv);
 
   // This workgroup's rows: query head head_kv * group + r / sq at position r % sq.
   int pos[R];
@@ -165,7 +171,7 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
       const int key = k0 + t * NG + grp;
       kd[t] = key < s_hi ? rdna_load16(kv.key(key) + CPL * lane) : zero;
       vd[t] = key < s_hi ? rdna_load16(kv.value(key) + CPL * lane) : zero;
-      sd[t] = key < s_hi ? E::key_scale(a, b, head_kv, key0 + key) : 1.f;  // 1: folds away for fp16
+      sd[t] = key < s_hi ? scales.key(key) : 1.f;  // 1: folds away for fp16
     }
   };
   if (s_lo < s_hi) load(s_lo, kc, vc, ks);
@@ -244,7 +250,7 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
       for (int c = 0; c < CPL; ++c) acc[c] = rdna_fma(src[c], w, acc[c]);
     }
 #pragma unroll
-    for (int c = 0; c < CPL; ++c) acc[c] *= E::value_scale(a, b, head_kv, c0 + c);
+    for (int c = 0; c < CPL; ++c) acc[c] *= scales.value(c0 + c);
     // No visible key (sum 0): a zero row, LSE -inf; a NaN score made sum NaN, and NaN it stays.
     const float inv = sum == 0.f ? 0.f : 1.f / sum;
     const float lse2 = sum == 0.f ? -__builtin_inff() : ref + rdna_log2(sum);

@@ -7,6 +7,7 @@
 // the query row and the key; V's per-channel scale applied once, at the end.
 struct DecodeI8 {
   static constexpr int CPL = 16;
+  static constexpr bool LAYOUTS = false;  // [batch, heads, seq, head_dim] tensors only (flash_attn_int8qk)
   typedef u32x4 Q;
   typedef u32x4 K;
   RDNA_DEVICE Q query(u32x4 c) { return c; }
@@ -24,12 +25,15 @@ struct DecodeI8 {
   RDNA_DEVICE float query_scale(const Args& a, long long b, int head, long long row) {
     return a.q_scale[b * a.q_scale_stride_b + head * a.q_scale_stride_h + row];
   }
+  struct Scales {
+    const float* k;  // the (batch, K/V head)'s per-token K scales
+    const float* v;  // and per-channel V scales
+    RDNA_METHOD float key(int i) const { return k[i]; }
+    RDNA_METHOD float value(int c) const { return v[c]; }
+  };
   template <class Args>
-  RDNA_DEVICE float key_scale(const Args& a, long long b, int head_kv, int key) {
-    return a.k_scale[b * a.k_scale_stride_b + head_kv * a.k_scale_stride_h + key];
-  }
-  template <class Args>
-  RDNA_DEVICE float value_scale(const Args& a, long long b, int head_kv, int col) {
-    return a.v_scale[b * a.v_scale_stride_b + head_kv * a.v_scale_stride_h + col];
+  RDNA_DEVICE Scales scales(const Args& a, long long b, int head_kv) {
+    return Scales{a.k_scale + b * a.k_scale_stride_b + head_kv * a.k_scale_stride_h,
+                  a.v_scale + b * a.v_scale_stride_b + head_kv * a.v_scale_stride_h};
   }
 };

@@ -1,0 +1,55 @@
+"""Split-KV decode over int8 Q, K, V (the INT8 family's decode), runtime side: the dec family's
+kernel with int8 rows (16 values a lane, dot4 products) and the INT8 scale contract (int8.py):
+per-token Q and K scales, a per-channel V scale. Its slices are merged by the combine family."""
+
+from __future__ import annotations
+
+from ..abi import ArgStruct
+from ..dispatch import TargetTable
+from ..names import NameField, NameSchema
+from ..plan import Plan
+from . import dec, f16, i8
+
+NAME = "i8dec"
+NAMES = NameSchema("fa2_i8dec", f16.TILE_NAME_FIELDS + (NameField("tier", "_{}", r"sdot4|sudot4|dp4a|exact", str),))
+
+ARGS = ArgStruct("Fa2I8DecArgs", (
+    ("q", "const signed char*"),
+    ("k", "const signed char*"),
+    ("v", "const signed char*"),
+    ("o", "half_t*"),
+    *f16.STRIDE_FIELDS,
+    *[f for f in i8.ARGS.fields if f[0].startswith(("q_scale", "k_scale", "v_scale"))],
+    *f16.SHAPE_FIELDS,
+    *f16.LSE_FIELDS,
+    *f16.SEQUSED_FIELDS,
+    ("cache_batch_idx", "const int*"),  # unused by this family (always null); the shared kernel reads it
+    *dec.PAGED_FIELDS,
+    *dec.VARLEN_FIELDS,
+    *dec.SPLIT_FIELDS,
+))
+Fa2I8DecArgs = ARGS.ctype
+LANE_VALUES = 16  # int8 values per lane per key (16 bytes)
+
+
+def lds_layout(head_dim: int, threads: int, rows: int) -> dict[str, int]:
+    return dec.lds_layout(head_dim, threads, rows, LANE_VALUES)
+
+
+def lds_bytes(facts: dict[str, object]) -> int:
+    return sum(lds_layout(facts["head_dim"], facts["tile.threads"], facts["tile.br"]).values())
+
+
+def plan(table: TargetTable, call: i8.Call, *, kernel: str | None = None, num_splits: int = 0) -> Plan:
+    """An INT8 call with few query rows per K/V head (i8.Call: [batch, heads, seq, head_dim]);
+    ``num_splits`` as in dec.Call (0: automatic)."""
+    q, k = call.q, call.k
+    fields = {}
+    for prefix, t in (("q_scale", call.q_scale), ("k_scale", call.k_scale), ("v_scale", call.v_scale)):
+        fields[prefix] = t.data_ptr()
+        fields[f"{prefix}_stride_b"], fields[f"{prefix}_stride_h"] = t.stride()[:2]
+    decode = dec.Call(q=q, k=k, v=call.v, out=call.out, lse=call.lse, window=call.window,
+                      softmax_scale=call.softmax_scale, batch=q.shape[0], seq_q=q.shape[2], seq_k=k.shape[2],
+                      num_splits=num_splits)
+    return dec.plan(table, decode, kernel=kernel, family=NAME, args=Fa2I8DecArgs, extra=fields,
+                    buffers=(call.q_scale, call.k_scale, call.v_scale))
