@@ -12,6 +12,8 @@ from conftest import REPO_ROOT
 from rdnattention_gen import DEFAULT_VARIANTS, audit, build, toolchain
 from rdnattention_gen.spec import KernelSpec
 
+INT8_KERNELS = ("fa2_i8_", "fa2_i8dec_")  # both products through dot4: the INT8 family and its decode
+
 CLI = [sys.executable, "-m", "rdnattention_gen.cli"]
 
 
@@ -23,7 +25,7 @@ def test_default_targets_pass_the_audit(matrix, default_audit):
     for row in default_audit:
         assert (row.vgpr_spills, row.sgpr_spills, row.scratch_bytes) == (0, 0, 0), row
         assert row.lds_bytes <= matrix.target(row.target).lds_bytes
-        if row.name.startswith("fa2_i8_"):
+        if row.name.startswith(INT8_KERNELS):
             assert row.dot4 > 0, f"{row.target}/{row.name} has no v_dot4"
         elif row.name.startswith("fa2_combine_"):
             assert row.dot2 == 0  # fp32 sums of partial rows: no products of fp16 pairs
@@ -47,7 +49,7 @@ def test_default_code_objects_contain_their_dot_instructions(matrix, default_aud
             if name.startswith("fa2_combine_"):
                 assert "v_dot" not in body, f"{target.name}/{name}"
                 continue
-            assert ("v_dot4" if name.startswith("fa2_i8_") else "v_dot2") in body, f"{target.name}/{name}"
+            assert ("v_dot4" if name.startswith(INT8_KERNELS) else "v_dot2") in body, f"{target.name}/{name}"
 
 
 def test_waves_per_simd_follows_llvm_rules(matrix):

@@ -10,6 +10,8 @@ from rdnattention import attention_reference, flash_attn, flash_attn_with_kvcach
 from rdnattention.reference import rotate
 from rdnattention_gen import build, toolchain
 
+INT8_KERNELS = ("fa2_i8_", "fa2_i8dec_")  # both products through dot4: the INT8 family and its decode
+
 CUDA_TARGETS = ["sm_90", "sm_61", "sm_60"]
 
 
@@ -31,7 +33,7 @@ def test_cuda_targets_build_without_spills(matrix, cuda_audit, target):
         assert (r.vgpr_spills, r.scratch_bytes) == (0, 0), r
         assert r.lds_bytes <= budget, r
         if not r.name.startswith("fa2_combine_"):  # fp32 sums only: no conversions to count
-            assert (r.dot4 if r.name.startswith("fa2_i8_") else r.cvt_f32_f16) > 0, r
+            assert (r.dot4 if r.name.startswith(INT8_KERNELS) else r.cvt_f32_f16) > 0, r
     # sm_90 converts each fp16 value once into fp32 LDS; Pascal, with 48 KiB, keeps fp16 pairs.
     assert all(r.name.endswith("_sf32" if target == "sm_90" else "_sf16") for r in rows if r.name.startswith("fa2_f16_"))
     # dp4a on every Pascal-and-later target that has it: sm_60 has none, so no int8 kernels there.

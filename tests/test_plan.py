@@ -16,7 +16,7 @@ from rdnattention import attention_reference, dispatch, flash_attn, plan_flash_a
 from rdnattention.abi import ArgStruct
 from rdnattention.dispatch import Constraints, KernelEntry, TargetTable
 from rdnattention.errors import IncompatibleKernelsError, InvalidArgumentError, StaleKernelsError, UnsupportedError
-from rdnattention.families import combine, dec, f16, i8
+from rdnattention.families import combine, dec, f16, i8, i8dec
 
 
 def test_import_does_not_load_the_generator():
@@ -44,7 +44,7 @@ def test_dispatch_table_records_format_and_digest(host_build):
     data = json.loads((host_build / "host" / "dispatch.json").read_text())
     assert data["format"] == dispatch.TABLE_FORMAT and data["dynamic_lds"] is False
     assert {e["args_digest"] for e in data["kernels"]} == {f16.ARGS.digest, i8.ARGS.digest, dec.ARGS.digest,
-                                                           combine.ARGS.digest}
+                                                           combine.ARGS.digest, i8dec.ARGS.digest}
     assert all(e["provenance"] == "variants.yaml" for e in data["kernels"])
 
 

@@ -16,14 +16,14 @@ from .f16 import F16, LDS_RULE
 
 
 # Waves per SIMD a kernel is compiled to keep resident (its register budget): a memory-bound loop
-# hides latency with waves, not with registers. One-row kernels: 4 (at most 128 registers on
-# sm_90), measured best on the H200 (tuning/results/h200_decode.md); several rows hold each row's
-# query and output in registers too: 3. GCN's wave64 SIMDs hold a quarter of RDNA's registers per
-# lane: 2 there (128 VGPRs) rather than 64 VGPRs and spills.
+# hides latency with waves, not with registers. Kernels of one or two rows: 4 (at most 128
+# registers on sm_90), measured best on the H200 (tuning/results/h200_decode.md); four rows hold
+# each row's query and output in registers too: 3 (they spill at 4). GCN's wave64 SIMDs hold a
+# quarter of RDNA's registers per lane: 2 there (128 VGPRs) rather than 64 VGPRs and spills.
 def waves_per_simd(spec: KernelSpec) -> int:
     if spec.wave_size == 64:
         return 2
-    return 4 if spec.tile.br == 1 else 3
+    return 4 if spec.tile.br <= 2 else 3
 
 
 def lanes_per_key(spec: KernelSpec) -> int:
