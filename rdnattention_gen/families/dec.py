@@ -26,28 +26,33 @@ def waves_per_simd(spec: KernelSpec) -> int:
     return 4 if spec.tile.br <= 2 else 3
 
 
-def lanes_per_key(spec: KernelSpec) -> int:
-    return spec.head_dim // 8
+def decode_rules(lane_values: int) -> tuple[Rule, ...]:
+    """The rules of a decode kernel whose lanes hold ``lane_values`` values of each key (16 bytes)."""
+    def lanes(s: KernelSpec) -> int:
+        return s.head_dim // lane_values
+
+    return (
+        Rule("head_dim_range",
+             lambda s, t: s.head_dim % lane_values == 0 and lane_values <= s.head_dim <= lane_values * s.wave_size
+             and lanes(s) & (lanes(s) - 1) == 0,
+             lambda s, t: f"head_dim {s.head_dim} must be {lane_values} times a power of two, at most "
+                          f"{lane_values} * wave size = {lane_values * s.wave_size} (head_dim / {lane_values} lanes "
+                          "share each key)", stop=True),
+        Rule("whole_waves",
+             lambda s, t: s.tile.threads % s.wave_size == 0,
+             lambda s, t: f"threads {s.tile.threads} must be a multiple of the wave size {s.wave_size}"),
+        Rule("rows_per_thread",
+             lambda s, t: s.tile.tm == s.tile.br,
+             lambda s, t: f"tm {s.tile.tm} must equal br {s.tile.br}: every thread holds all of the workgroup's rows"),
+        Rule("keys_per_group",
+             lambda s, t: s.tile.bc % (s.tile.threads // lanes(s)) == 0,
+             lambda s, t: f"bc {s.tile.bc} must be a multiple of the lane groups threads / (head_dim / {lane_values}) "
+                          f"= {s.tile.threads // lanes(s)}"),
+        LDS_RULE,
+    )
 
 
-RULES = (
-    Rule("head_dim_range",
-         lambda s, t: s.head_dim % 8 == 0 and 8 <= s.head_dim <= 8 * s.wave_size
-         and lanes_per_key(s) & (lanes_per_key(s) - 1) == 0,
-         lambda s, t: f"head_dim {s.head_dim} must be 8 times a power of two, at most 8 * wave size = "
-                      f"{8 * s.wave_size} (head_dim / 8 lanes share each key)", stop=True),
-    Rule("whole_waves",
-         lambda s, t: s.tile.threads % s.wave_size == 0,
-         lambda s, t: f"threads {s.tile.threads} must be a multiple of the wave size {s.wave_size}"),
-    Rule("rows_per_thread",
-         lambda s, t: s.tile.tm == s.tile.br,
-         lambda s, t: f"tm {s.tile.tm} must equal br {s.tile.br}: every thread holds all of the workgroup's rows"),
-    Rule("keys_per_group",
-         lambda s, t: s.tile.bc % (s.tile.threads // lanes_per_key(s)) == 0,
-         lambda s, t: f"bc {s.tile.bc} must be a multiple of the lane groups threads / (head_dim / 8) = "
-                      f"{s.tile.threads // lanes_per_key(s)}"),
-    LDS_RULE,
-)
+RULES = decode_rules(8)
 
 
 class Dec(HeadDimAxis, Family):
