@@ -189,9 +189,10 @@ def test_flash_attn_routes_few_rows_to_decode(table):
 
 
 def test_automatic_slices_fill_the_device():
-    # 4 workgroups per unit over 32 asks for 17 slices; 8192 / 17 rounds up to 512 keys: 16 slices.
+    # 4 workgroups per unit over 32 workgroups: 16 slices (one wave of 528); 9 over 64 would start a second.
     assert dec.splits_for(workgroups=32, seq_k=8192, keys_per_step=32, units=132) == 16
     assert dec.splits_for(workgroups=4096, seq_k=8192, keys_per_step=32, units=132) == 1
+    assert dec.splits_for(workgroups=64, seq_k=8192, keys_per_step=16, units=132) == 8
     assert dec.splits_for(workgroups=1, seq_k=100, keys_per_step=32, units=132) == 2  # two steps per slice at least
     assert dec.slices(8192, 32, 17) == 16 and dec.slices(8192, 32, 16) == 16 and dec.slices(100, 32, 3) == 2 and dec.slices(0, 32, 5) == 1
 

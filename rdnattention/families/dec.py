@@ -55,7 +55,8 @@ ARGS = ArgStruct("Fa2DecArgs", (
 ))
 Fa2DecArgs = ARGS.ctype
 
-# Workgroups per compute unit the automatic split count aims for (tuning/bench.py --decode).
+# Workgroups per compute unit the automatic split count fills at most: one wave (4 per SM at 4 waves per
+# SIMD; tuning/results/h200_decode.md).
 WORKGROUPS_PER_UNIT = 4
 _GRID_YZ_MAX = 65535
 
@@ -134,9 +135,10 @@ def select(table: TargetTable, head_dim: int, rows: int, kernel: str | None = No
 
 
 def splits_for(workgroups: int, seq_k: int, keys_per_step: int, units: int) -> int:
-    """Key slices that bring ``workgroups`` up to WORKGROUPS_PER_UNIT per compute unit, each slice at
-    least two steps of keys; every slice then non-empty (the slice length rounds up to whole steps)."""
-    want = -(-WORKGROUPS_PER_UNIT * units // max(workgroups, 1))
+    """Key slices that bring ``workgroups`` up to at most WORKGROUPS_PER_UNIT per compute unit (one
+    wave of workgroups: rounding up would start a second, nearly empty one), each slice at least
+    two steps of keys; every slice then non-empty (the slice length rounds up to whole steps)."""
+    want = max(1, WORKGROUPS_PER_UNIT * units // max(workgroups, 1))
     return slices(seq_k, keys_per_step, min(want, -(-seq_k // (2 * keys_per_step))))
 
 
