@@ -48,13 +48,31 @@ can_read = api.can_read
 
 
 def check_values(name: str, t: torch.Tensor | None, lo: int, hi: int) -> None:
-    """Values in [lo, hi] (where they can be read: see can_read)."""
+    """Values in [lo, hi] (where they can be read: see can_read), in one device read."""
     if t is None or t.numel() == 0 or not can_read(t):
         return
     api._check_memory(name, t)
-    low, high = int(t.min()), int(t.max())
+    low, high = torch.stack([t.min(), t.max()]).tolist()
     if low < lo or high > hi:
         raise InvalidArgumentError(f"{name} values must lie in [{lo}, {hi}], got {low}..{high}")
+
+
+def check_paged(k: torch.Tensor, v: torch.Tensor, block_table: object, batch: int, k_name: str,
+                v_name: str) -> torch.Tensor:
+    """A page pool [pages, page_size, heads_kv, head_dim] (page_size a power of two, K and V with one
+    layout) and its int32 [batch, pages per sequence] table, whose values name pages of the pool."""
+    table = check_int32("block_table", block_table, 2, k.device)
+    if table.shape[0] != batch:
+        raise InvalidArgumentError(f"block_table has {table.shape[0]} rows; there are {batch} sequences")
+    page = k.shape[1]
+    if page < 1 or page & (page - 1):
+        raise InvalidArgumentError(f"the page size ({k_name}.shape[1] = {page}) must be a power of two; "
+                                   "16 to 256 are the sizes tested")
+    if k.stride() != v.stride():
+        raise InvalidArgumentError(f"paged {k_name} and {v_name} must share one layout, got strides {k.stride()} "
+                                   f"and {v.stride()}")
+    check_values("block_table", table, 0, k.shape[0] - 1)
+    return table
 
 
 def run(q, k, v, *, window: tuple[int, int], softmax_scale: float, return_lse: bool, layout: Layout,

@@ -124,9 +124,7 @@ def _plan(q, k, v, q_scale, k_scale, v_scale, o: api.Options, heavy_first=None, 
                    softmax_scale=o.softmax_scale)
     # Few query rows per K/V head (decode): the int8 split-KV kernels (families/i8dec.py).
     rows = q.shape[2] * (q.shape[1] // max(k.shape[1], 1))
-    forced = kernel is not None and kernel.startswith(i8dec.NAMES.prefix + "_")
-    if forced or (kernel is None and heavy_first is None and rows <= dec.MAX_ROWS
-                  and table.entries(i8dec.NAME, q.shape[3])):
+    if dec.takes(table, i8dec.NAMES, i8dec.NAME, q.shape[3], rows, kernel, heavy_first):
         return api._with_outputs(i8dec.plan(table, call, kernel=kernel), out, lse, k)
     return api._with_outputs(i8.plan(table, call, heavy_first=heavy_first, kernel=kernel), out, lse, k)
 

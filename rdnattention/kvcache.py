@@ -30,22 +30,6 @@ def _check_tables(cos: object, sin: object, interleaved: object, q: torch.Tensor
                                    f"shape, with rotary_dim = 2 * width at most head_dim {q.shape[3]}")
 
 
-def _check_paged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: object, batch: int) -> torch.Tensor:
-    """A page pool [pages, page_size, heads_kv, head_dim] (page_size a power of two, K and V with
-    one layout) and its int32 [batch, pages per sequence] table."""
-    table = decode.check_int32("block_table", block_table, 2, k_cache.device)
-    if table.shape[0] != batch:
-        raise InvalidArgumentError(f"block_table has {table.shape[0]} rows; q has batch {batch}")
-    page = k_cache.shape[1]
-    if page < 1 or page & (page - 1):
-        raise InvalidArgumentError(f"the page size (k_cache.shape[1] = {page}) must be a power of two; "
-                                   "16 to 256 are the sizes tested")
-    if k_cache.stride() != v_cache.stride():
-        raise InvalidArgumentError(f"paged k_cache and v_cache must share one layout, got strides {k_cache.stride()} "
-                                   f"and {v_cache.stride()}")
-    return table
-
-
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), rotary_interleaved=True, num_splits=0,
@@ -73,8 +57,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise InvalidArgumentError("cache_batch_idx and block_table exclude each other: a paged cache is addressed "
                                    "through its block table")
     if block_table is not None:
-        block_table = _check_paged(k_cache, v_cache, block_table, batch)
-        decode.check_values("block_table", block_table, 0, k_cache.shape[0] - 1)
+        block_table = decode.check_paged(k_cache, v_cache, block_table, batch, "k_cache", "v_cache")
         cache_len = block_table.shape[1] * k_cache.shape[1]
     else:
         cache_len = k_cache.shape[1]

@@ -46,13 +46,16 @@ def _lengths(name: str, cu: torch.Tensor, total: int, longest: int, longest_name
         return
     api._check_memory(name, cu)
     steps = cu[1:] - cu[:-1]
-    if int(cu[0]) != 0 or (steps.numel() and int(steps.min()) < 0):
+    if steps.numel():
+        first, least, last, most = torch.stack([cu[0], steps.min(), cu[-1], steps.max()]).tolist()
+    else:
+        first, least, last, most = int(cu[0]), 0, int(cu[0]), 0
+    if first != 0 or least < 0:
         raise InvalidArgumentError(f"{name} must start at 0 and never decrease")
-    if int(cu[-1]) > total:
-        raise InvalidArgumentError(f"{name} ends at {int(cu[-1])}, past the {total} packed rows")
-    if steps.numel() and int(steps.max()) > longest:
-        raise InvalidArgumentError(f"a sequence of {int(steps.max())} rows in {name} is longer than {longest_name} = "
-                                   f"{longest}")
+    if last > total:
+        raise InvalidArgumentError(f"{name} ends at {last}, past the {total} packed rows")
+    if most > longest:
+        raise InvalidArgumentError(f"a sequence of {most} rows in {name} is longer than {longest_name} = {longest}")
 
 
 def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_size, gqa: bool, seqused_k,
@@ -85,21 +88,12 @@ def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_siz
     if seqused_k is not None:
         seqused_k = decode.check_int32("seqused_k", seqused_k, (batch,), device)
     if paged:
-        block_table = decode.check_int32("block_table", block_table, 2, device)
-        if block_table.shape[0] != batch:
-            raise InvalidArgumentError(f"block_table has {block_table.shape[0]} rows for {batch} sequences")
         if seqused_k is None:
             raise InvalidArgumentError("block_table needs seqused_k: the keys each sequence holds in its pages")
-        page = k.shape[1]
-        if page < 1 or page & (page - 1):
-            raise InvalidArgumentError(f"the page size (key.shape[1] = {page}) must be a power of two")
-        if k.stride() != v.stride():
-            raise InvalidArgumentError(f"paged key and value must share one layout, got strides {k.stride()} and "
-                                       f"{v.stride()}")
         if cu_k is not None:
             raise InvalidArgumentError("cu_seq_k must be None with a block table (keys are found through it)")
-        decode.check_values("block_table", block_table, 0, k.shape[0] - 1)
-        seq_k = block_table.shape[1] * page
+        block_table = decode.check_paged(k, v, block_table, batch, "key", "value")
+        seq_k = block_table.shape[1] * k.shape[1]
         decode.check_values("seqused_k", seqused_k, 0, seq_k)
     else:
         if cu_k is None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..abi import ArgStruct
 from ..dispatch import KernelEntry, TargetTable
-from ..errors import InvalidArgumentError, UnsupportedError
+from ..errors import InvalidArgumentError
 from ..names import NameSchema
 from ..plan import Launch, Plan
 from . import f16
@@ -115,21 +115,20 @@ def _units(device: torch.device) -> int:
 MAX_ROWS = 8
 
 
-def serves(table: TargetTable, head_dim: int, rows: int) -> bool:
-    """Whether flash_attn should run a decode kernel: few query rows per K/V head (MAX_ROWS), and
-    decode kernels for this head_dim."""
-    return rows <= MAX_ROWS and bool(table.entries(NAME, head_dim))
+def takes(table: TargetTable, names: NameSchema, family: str, head_dim: int, rows: int, kernel: str | None,
+          heavy_first: bool | None) -> bool:
+    """Whether a call runs the decode family ``family`` (dec, i8dec; kernel names ``names``) rather
+    than the row-block kernels: a kernel of it forced by name, or few query rows per K/V head
+    (MAX_ROWS), no row-block kernel or row order asked for, and kernels of it built for head_dim."""
+    if kernel is not None:
+        return kernel.startswith(names.prefix + "_")
+    return heavy_first is None and rows <= MAX_ROWS and bool(table.entries(family, head_dim))
 
 
 def select(table: TargetTable, head_dim: int, rows: int, kernel: str | None = None,
            family: str = NAME) -> KernelEntry:
     """The entry of ``family`` (dec, decpaged or i8dec) for ``rows`` query rows per K/V head (tiles
     for few rows say so with ``when: {rows: ...}``); rows beyond its br take several row chunks."""
-    paged = family == "decpaged"
-    if not table.entries(family, head_dim):
-        dims = sorted({e.head_dim for e in table.kernels if e.family == family})
-        raise UnsupportedError(f"no {family} (split-KV decode{', paged' if paged else ''}) kernel for head_dim "
-                               f"{head_dim} on {table.target}; built head_dims: {dims}")
     return table.select(family, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=rows, rows=rows,
                         kernel=kernel)
 

@@ -170,9 +170,8 @@ def plan(table: TargetTable, call: Call, *, heavy_first: bool | None = None, ker
     # Few query rows per K/V head (decode): the split-KV kernels (families/dec.py), unless the call
     # rotates in the kernel or asks for a row-block kernel.
     rows = q.shape[2] * (q.shape[1] // k.shape[1])
-    forced_dec = kernel is not None and kernel.startswith(dec.NAMES.prefix + "_")
-    if call.packed is None and (forced_dec or (call.rotary_cos is None and heavy_first is None and kernel is None
-                                               and dec.serves(table, q.shape[3], rows))):
+    if (call.packed is None and (call.rotary_cos is None or kernel is not None)
+            and dec.takes(table, dec.NAMES, dec.NAME, q.shape[3], rows, kernel, heavy_first)):
         return dec.plan(table, dec.Call(q=q, k=k, v=call.v, out=call.out, lse=call.lse, window=call.window,
                                         softmax_scale=call.softmax_scale, batch=q.shape[0], seq_q=q.shape[2],
                                         seq_k=k.shape[2], seqused_k=call.seqused_k), kernel=kernel)

@@ -22,18 +22,21 @@ NAME = "i8"
 
 NAMES = NameSchema("fa2_i8", f16.TILE_NAME_FIELDS + (NameField("tier", "_{}", r"sdot4|sudot4|dp4a|exact", str),))
 
-# Strides are in elements; the last dimension is contiguous. Scales are fp32.
+# Per-token scales [batch, heads, seq] (Q: heads_q, seq_q; K: heads_kv, seq_k) and the per-channel V
+# scale [batch, heads_kv, head_dim], fp32: strides of batch and head, the last contiguous. Every
+# int8 family's (i8dec too).
+SCALE_FIELDS = tuple(field for t in "qkv" for field in ((f"{t}_scale", "const float*"),
+                                                      (f"{t}_scale_stride_b", "long long"),
+                                                      (f"{t}_scale_stride_h", "long long")))
+
+# Strides are in elements; the last dimension is contiguous.
 ARGS = ArgStruct("Fa2I8Args", (
     ("q", "const signed char*"),
     ("k", "const signed char*"),
     ("v", "const signed char*"),
     ("o", "half_t*"),
     *f16.STRIDE_FIELDS,
-    # Per-token scales [batch, heads, seq] (Q: heads_q, seq_q; K: heads_kv, seq_k) and the
-    # per-channel V scale [batch, heads_kv, head_dim]: strides of batch and head, the last contiguous.
-    ("q_scale", "const float*"), ("q_scale_stride_b", "long long"), ("q_scale_stride_h", "long long"),
-    ("k_scale", "const float*"), ("k_scale_stride_b", "long long"), ("k_scale_stride_h", "long long"),
-    ("v_scale", "const float*"), ("v_scale_stride_b", "long long"), ("v_scale_stride_h", "long long"),
+    *SCALE_FIELDS,
     *f16.SHAPE_FIELDS,
     *f16.LSE_FIELDS,
     ("heavy_first", "int"),
@@ -81,15 +84,22 @@ class Call:
         return left < 0 and right >= 0
 
 
+def scale_fields(call: Call) -> dict:
+    """The SCALE_FIELDS of a call: each scale's pointer and its batch and head strides."""
+    fields = {}
+    for prefix, t in (("q_scale", call.q_scale), ("k_scale", call.k_scale), ("v_scale", call.v_scale)):
+        fields[prefix] = t.data_ptr()
+        fields[f"{prefix}_stride_b"], fields[f"{prefix}_stride_h"] = t.stride()[:2]
+    return fields
+
+
 def plan(table: TargetTable, call: Call, *, heavy_first: bool | None = None, kernel: str | None = None) -> Plan:
     q, k = call.q, call.k
     entry = table.select(NAME, head_dim=q.shape[3], heads_per_kv=q.shape[1] // k.shape[1], causal=call.causal_like,
                          seq_q=q.shape[2], kernel=kernel)
     fields = f16.common_fields(q, k, call.v, call.out, call.lse, call.window, call.softmax_scale, call.causal_like,
                                heavy_first)
-    for prefix, t in (("q_scale", call.q_scale), ("k_scale", call.k_scale), ("v_scale", call.v_scale)):
-        fields[prefix] = t.data_ptr()
-        fields[f"{prefix}_stride_b"], fields[f"{prefix}_stride_h"] = t.stride()[:2]
+    fields.update(scale_fields(call))
     launch = f16.row_block_launch(table, entry, Fa2I8Args, fields)
     buffers = tuple(t for t in (q, k, call.v, call.q_scale, call.k_scale, call.v_scale, call.out, call.lse)
                     if t is not None)

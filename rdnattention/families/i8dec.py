@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from ..abi import ArgStruct
 from ..dispatch import TargetTable
-from ..names import NameField, NameSchema
+from ..names import NameSchema
 from ..plan import Plan
 from . import dec, f16, i8
 
 NAME = "i8dec"
-NAMES = NameSchema("fa2_i8dec", f16.TILE_NAME_FIELDS + (NameField("tier", "_{}", r"sdot4|sudot4|dp4a|exact", str),))
+NAMES = NameSchema("fa2_i8dec", i8.NAMES.fields)
 
 ARGS = ArgStruct("Fa2I8DecArgs", (
     ("q", "const signed char*"),
@@ -19,7 +19,7 @@ ARGS = ArgStruct("Fa2I8DecArgs", (
     ("v", "const signed char*"),
     ("o", "half_t*"),
     *f16.STRIDE_FIELDS,
-    *[f for f in i8.ARGS.fields if f[0].startswith(("q_scale", "k_scale", "v_scale"))],
+    *i8.SCALE_FIELDS,
     *f16.SHAPE_FIELDS,
     *f16.LSE_FIELDS,
     *f16.SEQUSED_FIELDS,
@@ -44,12 +44,8 @@ def plan(table: TargetTable, call: i8.Call, *, kernel: str | None = None, num_sp
     """An INT8 call with few query rows per K/V head (i8.Call: [batch, heads, seq, head_dim]);
     ``num_splits`` as in dec.Call (0: automatic)."""
     q, k = call.q, call.k
-    fields = {}
-    for prefix, t in (("q_scale", call.q_scale), ("k_scale", call.k_scale), ("v_scale", call.v_scale)):
-        fields[prefix] = t.data_ptr()
-        fields[f"{prefix}_stride_b"], fields[f"{prefix}_stride_h"] = t.stride()[:2]
     decode = dec.Call(q=q, k=k, v=call.v, out=call.out, lse=call.lse, window=call.window,
                       softmax_scale=call.softmax_scale, batch=q.shape[0], seq_q=q.shape[2], seq_k=k.shape[2],
                       num_splits=num_splits)
-    return dec.plan(table, decode, kernel=kernel, family=NAME, args=Fa2I8DecArgs, extra=fields,
+    return dec.plan(table, decode, kernel=kernel, family=NAME, args=Fa2I8DecArgs, extra=i8.scale_fields(call),
                     buffers=(call.q_scale, call.k_scale, call.v_scale))

@@ -11,14 +11,13 @@ from rdnattention.families import combine as runtime
 from ..family import Family, HeadDimAxis, Rule
 from ..matrix import Target
 from ..spec import KernelSpec, Tile
+from .f16 import WHOLE_WAVES
 
 RULES = (
     Rule("lanes_per_row",
          lambda s, t: s.head_dim % 8 == 0 and s.tile.threads % (s.head_dim // 8) == 0,
          lambda s, t: f"threads {s.tile.threads} must be a multiple of head_dim / 8 = {s.head_dim // 8}"),
-    Rule("whole_waves",
-         lambda s, t: s.tile.threads % s.wave_size == 0,
-         lambda s, t: f"threads {s.tile.threads} must be a multiple of the wave size {s.wave_size}"),
+    WHOLE_WAVES,
 )
 
 

@@ -12,7 +12,7 @@ from rdnattention.families import dec as runtime
 from ..family import Family, HeadDimAxis, Rule
 from ..matrix import Target
 from ..spec import KernelSpec, Tile
-from .f16 import F16, LDS_RULE
+from .f16 import F16, LDS_RULE, WHOLE_WAVES
 
 
 # Waves per SIMD a kernel is compiled to keep resident (its register budget): a memory-bound loop
@@ -38,9 +38,7 @@ def decode_rules(lane_values: int) -> tuple[Rule, ...]:
              lambda s, t: f"head_dim {s.head_dim} must be {lane_values} times a power of two, at most "
                           f"{lane_values} * wave size = {lane_values * s.wave_size} (head_dim / {lane_values} lanes "
                           "share each key)", stop=True),
-        Rule("whole_waves",
-             lambda s, t: s.tile.threads % s.wave_size == 0,
-             lambda s, t: f"threads {s.tile.threads} must be a multiple of the wave size {s.wave_size}"),
+        WHOLE_WAVES,
         Rule("rows_per_thread",
              lambda s, t: s.tile.tm == s.tile.br,
              lambda s, t: f"tm {s.tile.tm} must equal br {s.tile.br}: every thread holds all of the workgroup's rows"),

@@ -24,14 +24,17 @@ def threads_per_row(spec: KernelSpec) -> int:
     return thread_grid(spec)["tcw"]
 
 
+# Every family's workgroups are whole waves.
+WHOLE_WAVES = Rule("whole_waves",
+                   lambda s, t: s.tile.threads % s.wave_size == 0,
+                   lambda s, t: f"threads {s.tile.threads} must be a multiple of the wave size {s.wave_size}")
+
 # The thread-grid rules every fa2 family shares; a family adds its head_dim and key rules.
 GRID_RULES = (
     Rule("group_divides_rows",
          lambda s, t: s.gqa_group >= 1 and s.tile.br % s.gqa_group == 0,
          lambda s, t: f"br {s.tile.br} must be a multiple of the GQA group {s.gqa_group}"),
-    Rule("whole_waves",
-         lambda s, t: s.tile.threads % s.wave_size == 0,
-         lambda s, t: f"threads {s.tile.threads} must be a multiple of the wave size {s.wave_size}"),
+    WHOLE_WAVES,
     Rule("thread_grid",
          lambda s, t: s.tile.tm <= s.tile.br and s.tile.br % s.tile.tm == 0 and s.tile.threads % (s.tile.br // s.tile.tm) == 0,
          lambda s, t: f"threads {s.tile.threads} must be a multiple of br/tm = {s.tile.br / s.tile.tm:g}",
