@@ -50,7 +50,8 @@ def _table_facts(table: dispatch.TargetTable) -> dict:
             "kernels": len(entries),
             "args_digest": sorted({e.args_digest for e in entries}),
             "runtime_args_digest": ours,
-            "constrained_entries": [f"{e.name} ({e.when}, {e.provenance})" for e in entries if e.priority % 2],
+            "constrained_entries": [f"{e.name} ({e.when}, {e.provenance})" for e in entries if e.priority in (1, 3)],
+            "alternates": sum(1 for e in entries if e.priority < 0),
         }
     return {"target": table.target, "platform": table.platform, "code_object": str(table.code_object),
             "isa_targets": list(table.isa_targets), "families": families,

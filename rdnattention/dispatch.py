@@ -22,6 +22,9 @@ _CHECKOUT = _PACKAGE.parent
 # AMD code-object versions a table may record (None: not an AMD code object). The generator pins v5.
 LOADABLE_CODE_OBJECT_VERSIONS = (None, 4, 5)
 TABLE_FORMAT = 3  # 3: the code object's size and SHA-256 are recorded
+# Priority of an alternate: a kernel built beside the table's own (a host mirror of a GPU target's
+# tile, a tuning candidate) that runs only when a call names it.
+ALTERNATE = -1
 
 
 def _range_covers(outer: tuple | None, inner: tuple | None) -> bool:
@@ -143,7 +146,8 @@ class TargetTable:
                kernel: str | None = None, rows: int | None = None) -> KernelEntry:
         """The entry that serves a call: among those of the family and head_dim whose GQA group
         divides the query heads per K/V head and whose constraints admit the call, the largest
-        group, then the highest priority. ``kernel`` forces one entry by name (it must fit)."""
+        group, then the highest priority. ``kernel`` forces one entry by name (it must fit); entries
+        of negative priority (alternates: host mirrors of GPU tiles, tuning candidates) run only so."""
         same = self._by_key.get((family, head_dim), ())
         if not same:
             dims = sorted({e.head_dim for e in self.kernels if e.family == family})
@@ -160,6 +164,7 @@ class TargetTable:
                 raise UnsupportedError(f"kernel {kernel!r} does not serve this call on {self.target}; "
                                        f"kernels that do: {', '.join(names) or 'none'}")
             return forced[0]
+        fits = [e for e in fits if e.priority > ALTERNATE]  # alternates serve only calls that name them
         if not fits:
             offered = "; ".join(f"{e.name} (group {e.gqa_group}, {e.when})" for e in same)
             raise UnsupportedError(f"no {family} kernel on {self.target} serves head_dim {head_dim} with "
@@ -259,8 +264,9 @@ def _entry(e: dict, i: int) -> KernelEntry:
     if missing:
         raise ValueError(f"kernels[{i}] has no {', '.join(missing)}")
     for key in _INT_FIELDS:
-        if type(e.get(key)) is not int or e[key] < 0:
-            raise ValueError(f"kernels[{i}].{key} = {e.get(key)!r} is not a non-negative integer")
+        if type(e.get(key)) is not int or e[key] < (ALTERNATE if key == "priority" else 0):
+            what = "an integer of at least -1 (an alternate)" if key == "priority" else "a non-negative integer"
+            raise ValueError(f"kernels[{i}].{key} = {e.get(key)!r} is not {what}")
     for key in _STR_FIELDS:
         if type(e.get(key)) is not str:
             raise ValueError(f"kernels[{i}].{key} = {e.get(key)!r} is not a string")

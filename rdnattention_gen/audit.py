@@ -30,6 +30,11 @@ class KernelAudit:
     fma_mix: int
     mad_mix: int
     cvt_f32_f16: int
+    # The cost model (cost.py), where the platform reads loops (amdgcn): the main loop's counts per
+    # wave and key tile, the bound they imply at this occupancy, and the share of the product peak.
+    loop: dict | None = None
+    bound: str | None = None
+    peak_share: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -70,13 +75,20 @@ def check(target: Target, specs: list[KernelSpec], rows: list[KernelAudit]) -> N
 
 
 COLUMNS = ("target", "name", "vgprs", "sgprs", "vgpr_spills", "scratch_bytes", "lds_bytes",
-           "waves_per_simd") + COUNTS
+           "waves_per_simd") + COUNTS + ("bound", "peak_share")
 HEADERS = ("target", "kernel", "VGPR", "SGPR", "spill", "scratch", "LDS", "waves/SIMD",
-           "dot2", "dot4", "fma_mix", "mad_mix", "cvt")
+           "dot2", "dot4", "fma_mix", "mad_mix", "cvt", "bound (cost model)", "share")
+
+
+def _cell(row: KernelAudit, column: str) -> str:
+    value = getattr(row, column)
+    if value is None:
+        return "-"
+    return f"{value:.0%}" if column == "peak_share" else str(value)
 
 
 def table(rows: list[KernelAudit]) -> str:
-    cells = [HEADERS] + [tuple("-" if getattr(r, c) is None else str(getattr(r, c)) for c in COLUMNS) for r in rows]
+    cells = [HEADERS] + [tuple(_cell(r, c) for c in COLUMNS) for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(HEADERS))]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in cells]

@@ -64,8 +64,9 @@ def run_ninja(build_dir: Path, outputs: list[str], jobs: int | None) -> bool:
 
 
 def build(matrix: Matrix, targets: list[Target], build_dir: Path, jobs: int | None = None,
-          log=print) -> list[audit.KernelAudit]:
-    """Generate, compile, audit, write the dispatch tables. Returns the audit rows of every target."""
+          log=print, enforce: bool = True) -> list[audit.KernelAudit]:
+    """Generate, compile, audit, write the dispatch tables. Returns the audit rows of every target.
+    ``enforce=False`` (tuning candidates) reports the audit without failing on its rules."""
     build_dir = build_dir.resolve()
     tc = toolchain.find()
     targets = _buildable(targets, log)
@@ -84,7 +85,7 @@ def build(matrix: Matrix, targets: list[Target], build_dir: Path, jobs: int | No
         table = dispatch.table(target, matrix.variants_for(target), code_object_path(target, build_dir),
                                plat.dynamic_lds, tc.identity, isa_targets)
         write_if_changed(build_dir / target.name / "dispatch.json", dispatch.dumps(table))
-        rows += audit_target(matrix, target, build_dir, tc)
+        rows += audit_target(matrix, target, build_dir, tc, enforce=enforce)
     return rows
 
 
@@ -101,7 +102,7 @@ def _buildable(targets: list[Target], log) -> list[Target]:
 
 
 def audit_target(matrix: Matrix, target: Target, build_dir: Path,
-                 tc: toolchain.Toolchain | None = None) -> list[audit.KernelAudit]:
+                 tc: toolchain.Toolchain | None = None, enforce: bool = True) -> list[audit.KernelAudit]:
     """Audits one built target, caches the result beside the code object, and enforces the rules."""
     tc = tc or toolchain.find()
     path = code_object_path(target, build_dir)
@@ -120,5 +121,6 @@ def audit_target(matrix: Matrix, target: Target, build_dir: Path,
         rows = plat.audit(tc, target, specs, build_dir)
         write_if_changed(cache, json.dumps({"code_object_stamp": stamp, "kernels": [r.to_json() for r in rows]},
                                            indent=2, sort_keys=True) + "\n")
-    audit.check(target, specs, rows)
+    if enforce:
+        audit.check(target, specs, rows)
     return rows

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import DEFAULT_VARIANTS, TUNED_DIR, audit, build, docs, packaging, probe, toolchain
+from . import DEFAULT_VARIANTS, TUNED_DIR, audit, build, docs, packaging, probe, toolchain, tune
 from .matrix import Matrix, Target, load_matrix
 from .ninja_paths import NinjaPathError
 from .render import generate, write_if_changed
@@ -121,6 +121,51 @@ def cmd_docs(matrix: Matrix, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(matrix: Matrix, args: argparse.Namespace) -> int:
+    targets = _targets(matrix, args.targets)
+    if len(targets) != 1:
+        raise tune.TuneError(f"tune one target at a time; --targets names {len(targets)}")
+    target = targets[0]
+    build_dir = args.build_dir.resolve()
+    if args.no_build:
+        family_name, cands = tune.load_candidates(build_dir)
+    else:
+        head_dims = [int(h) for h in args.head_dims.split(",")]
+        groups = [int(g) for g in args.groups.split(",")]
+        family_name = args.family
+        cands = tune.prepare(matrix, target, family_name, head_dims, groups, build_dir,
+                             tune.parse_space(args.space), jobs=args.jobs)
+        tune.save_candidates(build_dir, family_name, cands)
+    print(tune.rank_table(cands))
+    live = sum(1 for c in cands if not c.problems)
+    print(f"tune: {live} of {len(cands)} kernels pass the audit")
+    if not args.measure:
+        return 0
+    results = tune.measure(build_dir, target, cands, args.rounds, args.seq)
+    tune.save_measurements(build_dir, results)
+    best = tune.winners(cands, results)
+    for w in best:
+        base = f", default {w['default'].label} {w['baseline_tflops']:.2f}" if w["default"] else ""
+        print(f"tune: head_dim {w['head_dim']} group {w['gqa_group']} causal={w['causal']}: "
+              f"{w['winner'].label} {w['tflops']:.2f} TFLOP/s{base}")
+    if args.write:
+        facts = tune.device_facts()
+        command = "rdnattention-gen " + " ".join(sys.argv[1:]) if sys.argv[1:] else "rdnattention-gen tune"
+        path = args.tuned / f"{target.name}.yaml"
+        text = tune.tuned_yaml(target, family_name, best, facts, _toolchain_identity(build_dir, target), command,
+                               previous=path.read_text() if path.is_file() else None)
+        write_if_changed(path, text)
+        write_if_changed(path.with_suffix(".svg"), tune.chart_svg(best, f"{family_name} tiles on {facts['device']} "
+                                                                       f"(TFLOP/s, [1, 32, {args.seq}, head_dim])"))
+        print(f"tune: wrote {path} and {path.with_suffix('.svg')}")
+    return 0
+
+
+def _toolchain_identity(build_dir: Path, target: Target) -> str:
+    stamp = build_dir / target.name / "toolchain.txt"
+    return stamp.read_text().strip().splitlines()[0] if stamp.is_file() else "unknown"
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rdnattention-gen", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -156,6 +201,19 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--out", type=Path, default=Path("docs") / "hardware.md", help="output file (default: %(default)s)")
     d.add_argument("--check", action="store_true", help="fail if the file differs instead of writing it")
     add("probe", cmd_probe, "compile tiny probes per target and check variants.yaml's feature claims")
+    t = add("tune", cmd_tune, "build tile candidates for one target, prune by the audit, rank by the cost "
+                              "model; with --measure time them on the GPU, with --write record the winners")
+    t.set_defaults(build_dir=Path("build") / "tune")
+    t.add_argument("--family", default="f16", help="the kernel family to tune (default: %(default)s)")
+    t.add_argument("--head-dims", default="64,128", help="comma list (default: %(default)s)")
+    t.add_argument("--groups", default="1,2", help="GQA groups to build and time (default: %(default)s)")
+    t.add_argument("--space", help="override the tile space, e.g. 'br=64,128 tm=4,8 waves=0,6'")
+    t.add_argument("--no-build", action="store_true", help="use the candidates already built in --build-dir")
+    t.add_argument("--measure", action="store_true", help="time the candidates on the GPU (needs the target's GPU)")
+    t.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default: %(default)s)")
+    t.add_argument("--seq", type=int, default=2048, help="sequence length of the timed calls (default: %(default)s)")
+    t.add_argument("--write", action="store_true", help="write tuned/<target>.yaml and its chart (with --measure)")
+    t.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles (default: ninja's choice)")
     return p
 
 
@@ -165,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         matrix = load_matrix(args.variants, args.tuned)
         return args.fn(matrix, args)
     except (VariantsError, toolchain.ToolchainError, build.BuildError, audit.AuditError, NinjaPathError,
-            packaging.PackagingError) as e:
+            packaging.PackagingError, tune.TuneError) as e:
         print(f"rdnattention-gen: error: {e}", file=sys.stderr)
         return 2
 

@@ -60,10 +60,12 @@ def check_entries(variants: list[Variant]) -> list[str]:
     """Entries no call can reach (a higher-priority entry of the same key admits every call they
     admit), entries of equal priority that some call could match both (the choice would depend
     on order), keys without an unconstrained entry, and (family, head_dim) pairs with no group-1
-    kernel to fall back on."""
+    kernel to fall back on. Alternates (negative priority) serve only calls that name them."""
     problems = []
     keys: dict[tuple, list[Variant]] = {}
     for v in variants:
+        if v.priority < 0:  # an alternate: chosen only by name
+            continue
         keys.setdefault((v.spec.family, v.spec.head_dim, v.spec.gqa_group), []).append(v)
     for key, entries in sorted(keys.items()):
         for i, v in enumerate(entries):

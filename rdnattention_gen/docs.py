@@ -24,7 +24,8 @@ def hardware_md(matrix: Matrix, rows: list[KernelAudit], compiler: str) -> str:
         spec_family = next(f for f in FAMILIES.values() if f.from_name(r.name) is not None)
         field = spec_family.signatures[spec_family.from_name(r.name).tier]
         sig = f"{getattr(r, field)} × `{plat.instructions[field]}`" if field in plat.instructions else "-"
-        table.append({**r.to_json(), "signature": sig})
+        share = f"{r.peak_share:.0%}" if r.peak_share is not None else "-"
+        table.append({**r.to_json(), "signature": sig, "share": share})
     tile_tables, tile_rows = [], []
     for name, t in matrix.tile_tables.items():
         users = ", ".join(f"`{x.name}`" for x in matrix.targets if x.tiles == name) or "(inherited only)"
@@ -33,7 +34,8 @@ def hardware_md(matrix: Matrix, rows: list[KernelAudit], compiler: str) -> str:
             for key in sorted(per, key=lambda k: (k != "default", k if k != "default" else 0)):
                 for c in per[key]:
                     tile_rows.append({"table": name, "family": fam, "head_dim": key,
-                                      "tile": f"{c.tile.br} × {c.tile.bc}, {c.tile.threads}, {c.tile.tm}",
+                                      "tile": f"{c.tile.br} × {c.tile.bc}, {c.tile.threads}, {c.tile.tm}"
+                                              + (f", {c.tile.waves}" if c.tile.waves else ""),
                                       "when": str(c.when) if c.when.to_json() else "-"})
     distribution = {name: f"`{dist}`" for dist, names in packaging.distributions(matrix).items()
                     for name in names.split(", ")}

@@ -84,6 +84,16 @@ class Family:
                     break
         return out
 
+    def tile_space(self, target: Target, head_dim: int) -> dict[str, tuple[int, ...]] | None:
+        """Values of each tile field (br, bc, threads, tm) the tuner tries; None: not tuned. Register
+        budgets (waves) come from the target (tune.register_budgets)."""
+        return None
+
+    def products_per_step(self, spec: KernelSpec) -> float | None:
+        """Product instructions (the tier's signature) one thread issues per key tile, for the cost
+        model's trip counts (cost.py); None: not stated, nested loops count once."""
+        return None
+
     # --- rendering
     def context(self, spec: KernelSpec) -> dict:
         """Template variables beyond ``spec`` and ``family``."""

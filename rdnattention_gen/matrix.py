@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from rdnattention.dispatch import Constraints
+from rdnattention.dispatch import ALTERNATE, Constraints  # ALTERNATE: the priority of an alternate entry
 
 from . import DEFAULT_VARIANTS, TUNED_DIR
 from .spec import KernelSpec, Tile
@@ -44,6 +44,8 @@ class Target:
     vgpr_granule: int
     max_waves_per_simd: int
     simds_per_cu: int
+    valu_lanes: int           # lanes one SIMD's VALU completes per clock (a wave instruction: wave_size / this)
+    lds_bytes_per_clock: int  # LDS bandwidth of one CU/WGP/SM (the simds_per_cu SIMDs sharing it)
     fdot2: bool
     int8_dot: str
     mixed_fma: str
@@ -53,6 +55,9 @@ class Target:
     stage: str  # LDS staging precision: f16 pairs, or f32 pairs converted once at staging
     tiles: str  # the tile table its kernels take their tiles from
     isa: str    # targets with the same isa run each other's code objects (default: its own name)
+    # Host targets: GPU targets whose every tile this one builds too (as alternates), so that the
+    # oracle sweep runs each of their kernels' tile configurations on the CPU.
+    mirrors: tuple[str, ...] = ()
 
     @property
     def tier(self) -> Tier:
@@ -88,6 +93,8 @@ class TileTable:
     choices: dict[str, dict[int | str, tuple[TileChoice, ...]]]
 
 
+
+
 @dataclass(frozen=True)
 class Variant:
     """One dispatch entry of a target: a kernel and when it serves a call."""
@@ -106,6 +113,12 @@ class Matrix:
     tile_tables: dict[str, TileTable]
     kernels: dict[str, dict]  # family name -> its axes, as the family parsed them
     tuned: dict[str, tuple[TunedEntry, ...]]  # target -> tuned entries
+    # target -> (family, head_dim, tile) built as alternates beside the target's own entries (tuning
+    # candidates); every GQA group of the family gets one.
+    alternates: dict[str, tuple[tuple[str, int, Tile], ...]] = field(default_factory=dict)
+
+    def with_alternates(self, target: str, alternates: list[tuple[str, int, Tile]]) -> "Matrix":
+        return replace(self, alternates={**self.alternates, target: tuple(alternates)})
 
     def target(self, name: str) -> Target:
         for t in self.targets:
@@ -156,7 +169,32 @@ class Matrix:
                 # A tuned entry replaces every lower-priority entry it covers.
                 out += [v for v in entries
                         if not any(o.priority >= 2 > v.priority and o.when.covers(v.when) for o in entries)]
+        out += self._alternates(target, out)
         return sorted(out, key=lambda v: (v.spec.family, v.spec.head_dim, -v.spec.gqa_group, v.priority, v.spec.name))
+
+    def _alternates(self, target: Target, entries: list[Variant]) -> list[Variant]:
+        """The mirrored targets' tiles and the candidates, as alternates, where no entry has the tile."""
+        from .families import family
+
+        wanted: list[tuple[str, int, Tile, str, str]] = []
+        for name in target.mirrors:
+            for v in self.variants_for(self.target(name)):
+                wanted.append((v.spec.family, v.spec.head_dim, v.spec.tile, f"mirrors {name}", v.where))
+        for fam_name, hd, tile in self.alternates.get(target.name, ()):
+            wanted.append((fam_name, hd, tile, "candidate", f"candidate {fam_name} head_dim {hd} {tile}"))
+        have = {(v.spec.family, v.spec.head_dim, v.spec.gqa_group, v.spec.tile) for v in entries}
+        out = []
+        for fam_name, hd, tile, provenance, where in wanted:
+            fam = family(fam_name)
+            if fam_name not in self.kernels or fam.tier(target) is None:
+                continue
+            for point in fam.points(self.kernels[fam_name]):
+                key = (fam_name, point["head_dim"], point["gqa_group"], tile)
+                if point["head_dim"] != hd or key in have:
+                    continue
+                have.add(key)
+                out.append(Variant(fam.spec(target, point, tile), Constraints(), ALTERNATE, provenance, where))
+        return out
 
     def specs_for(self, target: Target) -> list[KernelSpec]:
         return sorted({v.spec for v in self.variants_for(target)}, key=lambda s: s.name)
@@ -201,11 +239,13 @@ def _target(name: str, node: object, parent: Node) -> Target:
         wave_size=wave, lds_bytes=_positive(node, "lds_bytes"), lds_per_cu=_positive(node, "lds_per_cu"),
         vgprs_per_simd=_positive(node, "vgprs_per_simd"), vgpr_granule=_positive(node, "vgpr_granule"),
         max_waves_per_simd=_positive(node, "max_waves_per_simd"), simds_per_cu=_positive(node, "simds_per_cu"),
+        valu_lanes=_positive(node, "valu_lanes"), lds_bytes_per_clock=_positive(node, "lds_bytes_per_clock"),
         fdot2=node.take("fdot2", bool),
         int8_dot=node.choice("int8_dot", plat.int8_dots), mixed_fma=node.choice("mixed_fma", MIXED_FMAS),
         hw_tier=node.take("hw_tier", int), default=node.take("default", bool),
         status=node.choice("status", STATUSES), stage=node.choice("stage", STAGES),
         tiles=node.take("tiles", str), isa=node.take("isa", str, name),
+        mirrors=tuple(node.take("mirrors", list, [])),
     )
     if fields["hw_tier"] not in (1, 2):
         raise node.fail("hw_tier", f"must be 1 or 2, got {fields['hw_tier']}")
@@ -218,9 +258,9 @@ def _target(name: str, node: object, parent: Node) -> Target:
 
 def _tile(item: object, parent: Node, key: str) -> tuple[Tile, Constraints]:
     if not isinstance(item, Node):
-        raise parent.fail(key, "expected a mapping with br, bc, threads, tm (and optionally when), or a list of them")
+        raise parent.fail(key, "expected a mapping with br, bc, threads, tm (and optionally waves, when), or a list of them")
     tile = Tile(br=_positive(item, "br"), bc=_positive(item, "bc"), threads=_positive(item, "threads"),
-                tm=_positive(item, "tm"))
+                tm=_positive(item, "tm"), waves=_positive(item, "waves") if "waves" in item else 0)
     when = Constraints()
     if "when" in item:
         when = constraints(item.child("when"))
@@ -323,6 +363,11 @@ def load_matrix(path: Path | str = DEFAULT_VARIANTS, tuned_dir: Path | str | Non
         if anchor is None or anchor.isa != anchor.name or (anchor.platform, anchor.wave_size) != (t.platform, t.wave_size):
             raise VariantsError(f"{path.name}:{target_lines[t.name]}: targets.{t.name}.isa: {t.isa!r} must name a "
                                 "target of the same platform and wave size whose isa is itself")
+        for m in t.mirrors:
+            mirrored = by_name.get(m) if isinstance(m, str) else None
+            if mirrored is None or mirrored.platform == "host" or mirrored.stage != t.stage:
+                raise VariantsError(f"{path.name}:{target_lines[t.name]}: targets.{t.name}.mirrors: {m!r} must "
+                                    f"name a GPU target that stages in {t.stage} as {t.name} does")
         if t.tiles not in tile_tables:
             raise VariantsError(f"{path.name}:{target_lines[t.name]}: targets.{t.name}.tiles: no tile table "
                                 f"{t.tiles!r}; tables: {', '.join(sorted(tile_tables))}")

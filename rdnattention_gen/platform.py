@@ -29,6 +29,7 @@ class Platform:
     int8_dots: tuple[str, ...]     # the int8 dot instructions its targets may claim
     instructions: dict[str, str]   # audit count -> the instruction as this platform spells it
     audit_version = 1              # bumped when the audit reader changes what it reports (cache key)
+    mirrors = False                # its targets may build other targets' tiles (`mirrors:`)
 
     @property
     def prelude(self) -> str:
@@ -38,6 +39,8 @@ class Platform:
         """Platform rules on a target entry (beyond the common ones); raise node.fail(...)."""
         if not name.startswith(self.target_prefix):
             raise node.fail("platform", f"{self.name} targets are named {self.target_names}")
+        if fields["mirrors"] and not self.mirrors:
+            raise node.fail("mirrors", f"only host targets mirror other targets' tiles, not {self.name} ones")
 
     def unavailable(self, target: Target) -> str | None:
         """Why ``target`` cannot be built on this machine, or None."""

@@ -58,7 +58,11 @@ def render_args(env: jinja2.Environment, family_name: str) -> str:
 
 def render_kernel(env: jinja2.Environment, spec: KernelSpec) -> str:
     fam = family(spec.family)
-    return env.get_template(fam.template).render(spec=spec, family=fam, **fam.context(spec))
+    t = spec.tile
+    # A tile with a register budget keeps that many waves per SIMD resident; otherwise the compiler chooses.
+    attributes = f"RDNA_KERNEL_WAVES({t.threads}, {t.waves})" if t.waves else f"RDNA_KERNEL({t.threads})"
+    return env.get_template(fam.template).render(spec=spec, family=fam, kernel_attributes=attributes,
+                                                 **fam.context(spec))
 
 
 def render_unity(target: Target, specs: list[KernelSpec]) -> str:

@@ -15,6 +15,14 @@ class Tile:
     bc: int       # keys per step
     threads: int  # workgroup size
     tm: int       # query rows per thread (the height of each thread's register tile)
+    # Waves per SIMD the kernel is compiled to keep resident: its register budget (amdgpu_waves_per_eu,
+    # cuda launch_bounds). 0: the family's own rule (the compiler's choice for the row-block families).
+    waves: int = 0
+
+    @classmethod
+    def from_name_fields(cls, v: dict) -> "Tile":
+        return cls(br=v["tile.br"], bc=v["tile.bc"], threads=v["tile.threads"], tm=v["tile.tm"],
+                   waves=v.get("tile.waves", 0))
 
 
 @dataclass(frozen=True, order=True)

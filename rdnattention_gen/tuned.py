@@ -49,6 +49,13 @@ def _measured(node: Node) -> dict:
     figures.finish()
     out = {"device": node.take("device", str), "toolchain": node.take("toolchain", str),
            "date": str(date), "figures": values}
+    for key in ("clocks", "command"):  # optional: what the tuner records
+        if key in node:
+            out[key] = node.take(key, str)
+    if "candidates" in node:  # every tile timed for the entry: label -> figure
+        cands = node.child("candidates")
+        out["candidates"] = {k: cands.take(k, (int, float)) for k in sorted(cands, key=lambda k: cands.key_lines[k])}
+        cands.finish()
     node.finish()
     return out
 
@@ -78,7 +85,8 @@ def load_tuned(path: Path, targets: set[str], kernels: dict[str, dict]) -> tuple
             raise item.fail("gqa_group", f"{group} is not one of {family}'s gqa_groups "
                                          f"{list(kernels[family]['gqa_groups'])}")
         tile_node = item.child("tile")
-        tile = Tile(**{k: tile_node.take(k, int) for k in ("br", "bc", "threads", "tm")})
+        tile = Tile(**{k: tile_node.take(k, int) for k in ("br", "bc", "threads", "tm")},
+                    waves=tile_node.take("waves", int, 0))
         tile_node.finish()
         when = constraints(item.child("when")) if "when" in item else Constraints()
         measured = _measured(item.child("measured"))

@@ -47,3 +47,49 @@ def test_shuffled_order_changes_nothing(in_order_results, head_dim, variant):
         rdnattention.set_host_shuffle(None)
     ref_out, ref_lse = in_order_results[(head_dim, variant)]
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def _alternates(target: str) -> list[str]:
+    """The host target's alternates: every tile of the GPU targets it mirrors that its own table lacks."""
+    from rdnattention_gen.matrix import load_matrix
+
+    m = load_matrix()
+    return sorted(v.spec.name for v in m.variants_for(m.target(target)) if v.priority < 0)
+
+
+# The AMD tables' tiles (and sm_90's tuned ones) run here as the host's alternates: every case of the
+# sweep through each of them, by name. f16len runs with cache lengths, f16varlen on a packed batch.
+@pytest.mark.parametrize("name", _alternates("host") + [("host_f32", n) for n in _alternates("host_f32")],
+                         ids=lambda n: n if isinstance(n, str) else f"host_f32-{n[1]}")
+def test_mirrored_gpu_tiles_match_oracle(host_build, monkeypatch, name):
+    from rdnattention import plan_flash_attn
+    from rdnattention.api import _table
+    from rdnattention.families import f16
+    from rdnattention_gen.spec import KernelSpec
+
+    target, name = name if isinstance(name, tuple) else ("host", name)
+    monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
+    spec = KernelSpec.from_name(name)
+    cases = ["plain", "causal", "window_two_sided", "gqa"] if spec.family == "f16" else ["causal", "gqa"]
+    for variant in cases:
+        q, k, v, options = make_case(variant, spec.head_dim)
+        if (q.shape[1] // k.shape[1]) % spec.gqa_group:
+            continue
+        if spec.family == "f16varlen":  # the batch packed into one sequence pair: cu_seqlens [0, n]
+            cu_q = torch.tensor([0, q.shape[2]], dtype=torch.int32)
+            cu_k = torch.tensor([0, k.shape[2]], dtype=torch.int32)
+            out = torch.zeros_like(q)
+            call = f16.Call(q=q, k=k, v=v, out=out, lse=None, window=(-1, 0) if options.get("is_causal") else (-1, -1),
+                            softmax_scale=q.shape[-1] ** -0.5, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            packed=(1, q.shape[2], k.shape[2]))
+            plan = f16.plan(_table(q.device), call, kernel=name)
+            ref = attention_reference(q, k, v, **options)
+        else:
+            seqused = torch.full((q.shape[0],), k.shape[2] - 7, dtype=torch.int32) if spec.family == "f16len" else None
+            plan = plan_flash_attn(q, k, v, kernel=name, seqused_k=seqused, **options)
+            ref = attention_reference(q, k[:, :, :k.shape[2] - 7] if seqused is not None else k,
+                                      v[:, :, :k.shape[2] - 7] if seqused is not None else v, **options)
+        assert plan.launches[-1].kernel.name == name
+        plan.run()
+        err = (plan.outputs[0].double() - ref).abs().max().item()
+        assert err <= TOL, f"{variant}: max abs error {err:.2e}"

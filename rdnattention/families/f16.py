@@ -28,6 +28,7 @@ TILE_NAME_FIELDS = (
     NameField("tile.bc", "_bc{}", r"\d+"),
     NameField("tile.threads", "_nt{}", r"\d+"),
     NameField("tile.tm", "_tm{}", r"\d+"),
+    NameField("tile.waves", "_wv{}", r"\d+", optional=True),  # a register budget: waves per SIMD
     NameField("wave_size", "_w{}", r"32|64"),
 )
 NAMES = NameSchema("fa2_f16", TILE_NAME_FIELDS + (

@@ -12,15 +12,17 @@ from rdnattention.families import dec as runtime
 from ..family import Family, HeadDimAxis, Rule
 from ..matrix import Target
 from ..spec import KernelSpec, Tile
-from .f16 import F16, LDS_RULE, WHOLE_WAVES
+from .f16 import F16, LDS_RULE, REGISTER_BUDGET, WHOLE_WAVES
 
 
 # Waves per SIMD a kernel is compiled to keep resident (its register budget): a memory-bound loop
 # hides latency with waves, not with registers. Kernels of one or two rows: 4 (at most 128
 # registers on sm_90), measured best on the H200 (tuning/results/h200_decode.md); four rows hold
-# each row's query and output in registers too: 3 (they spill at 4). GCN's wave64 SIMDs hold a
+# each row's query and output in registers too: 3 (they spill at 4). A tile's `waves` overrides. GCN's wave64 SIMDs hold a
 # quarter of RDNA's registers per lane: 2 there (128 VGPRs) rather than 64 VGPRs and spills.
 def waves_per_simd(spec: KernelSpec) -> int:
+    if spec.tile.waves:  # the tile's own budget
+        return spec.tile.waves
     if spec.wave_size == 64:
         return 2
     return 4 if spec.tile.br <= 2 else 3
@@ -39,6 +41,7 @@ def decode_rules(lane_values: int) -> tuple[Rule, ...]:
                           f"{lane_values} * wave size = {lane_values * s.wave_size} (head_dim / {lane_values} lanes "
                           "share each key)", stop=True),
         WHOLE_WAVES,
+        REGISTER_BUDGET,
         Rule("rows_per_thread",
              lambda s, t: s.tile.tm == s.tile.br,
              lambda s, t: f"tm {s.tile.tm} must equal br {s.tile.br}: every thread holds all of the workgroup's rows"),

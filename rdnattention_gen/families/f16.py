@@ -29,8 +29,14 @@ WHOLE_WAVES = Rule("whole_waves",
                    lambda s, t: s.tile.threads % s.wave_size == 0,
                    lambda s, t: f"threads {s.tile.threads} must be a multiple of the wave size {s.wave_size}")
 
+# A tile's register budget (waves per SIMD) must be one the target's SIMDs can hold.
+REGISTER_BUDGET = Rule("register_budget",
+                       lambda s, t: 0 <= s.tile.waves <= t.max_waves_per_simd,
+                       lambda s, t: f"waves {s.tile.waves} must be at most the target's {t.max_waves_per_simd} waves per SIMD")
+
 # The thread-grid rules every fa2 family shares; a family adds its head_dim and key rules.
 GRID_RULES = (
+    REGISTER_BUDGET,
     Rule("group_divides_rows",
          lambda s, t: s.gqa_group >= 1 and s.tile.br % s.gqa_group == 0,
          lambda s, t: f"br {s.tile.br} must be a multiple of the GQA group {s.gqa_group}"),
@@ -104,11 +110,24 @@ class F16(Family):
         if v is None:
             return None
         return KernelSpec(family=self.name, head_dim=v["head_dim"], gqa_group=v["gqa_group"],
-                          tile=Tile(br=v["tile.br"], bc=v["tile.bc"], threads=v["tile.threads"], tm=v["tile.tm"]),
+                          tile=Tile.from_name_fields(v),
                           wave_size=v["wave_size"], tier=v["tier"], stage=v["stage"])
 
     def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
         return runtime.lds_layout(spec.head_dim, spec.tile.br, spec.tile.bc, spec.stage)
+
+    def tile_space(self, target: Target, head_dim: int) -> dict[str, tuple[int, ...]] | None:
+        return {"br": (32, 64, 128), "bc": (16, 32, 64), "threads": (128, 256), "tm": (2, 4, 8)}
+
+    # Signature instructions per pair product: dot2 does one, the mixed FMAs take two (one per half).
+    PER_PAIR = {"dot2": 1, "fma_mix": 2, "mad_mix": 2}
+
+    def products_per_step(self, spec: KernelSpec) -> float | None:
+        per_pair = self.PER_PAIR.get(spec.tier)
+        if per_pair is None:
+            return None  # cvt_fma: the converts are the signature, not one per product
+        # S: tm x (bc / tcw) over head_dim / 2 pairs; P.V: tm x (head_dim / tcw) over bc / 2 pairs.
+        return per_pair * spec.tile.tm * spec.tile.bc * spec.head_dim / threads_per_row(spec)
 
     def context(self, spec: KernelSpec) -> dict:
         return {"pairs": "F32Pairs" if spec.stage == "f32" else "F16Pairs", "lds_bytes": self.lds_bytes(spec),

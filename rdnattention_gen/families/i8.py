@@ -50,7 +50,7 @@ class I8(F16):
         if v is None:
             return None
         return KernelSpec(family=self.name, head_dim=v["head_dim"], gqa_group=v["gqa_group"],
-                          tile=Tile(br=v["tile.br"], bc=v["tile.bc"], threads=v["tile.threads"], tm=v["tile.tm"]),
+                          tile=Tile.from_name_fields(v),
                           wave_size=v["wave_size"], tier=v["tier"], stage="i8")
 
     def lds_layout(self, spec: KernelSpec) -> dict[str, int]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import ninja
 import yaml
 
+from .. import cost
 from ..audit import COUNTS, AuditError, KernelAudit
 from ..matrix import Target
 from ..platform import DEVICE_FLAGS, Platform
@@ -26,6 +27,8 @@ MNEMONICS = {
     "cvt_f32_f16": "v_cvt_f32_f16",
 }
 _SYMBOL = re.compile(r"^[0-9a-f]+ <(?P<name>[^>]+)>:$")
+# "\tmnemonic operands   // ADDRESS: WORDS [<symbol+0xOFFSET>]"
+_LINE = re.compile(r"^\s+(?P<text>\S.*?)\s*// (?P<addr>[0-9A-F]+):[^<]*(?:<(?P<sym>[^>+]+)\+0x(?P<off>[0-9a-f]+)>)?\s*$")
 # e_ident[EI_ABIVERSION] of an HSA code object, by code object version (LLVM's ELF.h:
 # ELFABIVERSION_AMDGPU_HSA_V4 = 2, _V5 = 3, _V6 = 4).
 _ELFOSABI_AMDGPU_HSA = 64
@@ -45,7 +48,9 @@ class Amdgcn(Platform):
     # nothing a per-gfx build uses (generic targets); every ROCm since 5.2 loads v5. The sources are
     # in docs/hardware.md, "Code objects".
     code_object_version = 5
-    audit_version = 3  # 2: both operations of an RDNA3 dual-issue word are counted; 3: code object version checked
+    # 2: both operations of an RDNA3 dual-issue word are counted; 3: code object version checked;
+    # 4: the main loop's counts and the cost model's estimate
+    audit_version = 4
 
     def validate_target(self, name: str, fields: dict, node: Node) -> None:
         super().validate_target(name, fields, node)
@@ -69,20 +74,27 @@ class Amdgcn(Platform):
     def audit(self, tc: Toolchain, target: Target, specs: list[KernelSpec], build_dir: Path) -> list[KernelAudit]:
         code_object = self.code_object_path(target, build_dir)
         _check_code_object_version(code_object, self.code_object_version)
+        from ..families import family
+
         meta = {k[".name"]: k for k in _metadata(tc, code_object)}
-        counts = _instruction_counts(tc, code_object)
+        counts, code = _disassembly(tc, code_object)
         rows = []
         for spec in specs:
             k = meta.get(spec.name)
             if k is None:
                 raise AuditError(f"{code_object}: kernel {spec.name} is missing from the code object")
             vgprs, lds = k[".vgpr_count"], k[".group_segment_fixed_size"]
+            waves = target.waves_per_simd(vgprs, lds, spec.tile.threads)
+            fam = family(spec.family)
+            product = MNEMONICS.get(fam.signatures.get(spec.tier, ""))
+            loop = cost.loop_counts(code.get(spec.name, []), product, fam.products_per_step(spec)) if product else None
             rows.append(KernelAudit(
                 target=target.name, name=spec.name, vgprs=vgprs, sgprs=k[".sgpr_count"],
                 vgpr_spills=k.get(".vgpr_spill_count", 0), sgpr_spills=k.get(".sgpr_spill_count", 0),
                 scratch_bytes=k[".private_segment_fixed_size"], lds_bytes=lds, wave_size=k[".wavefront_size"],
-                waves_per_simd=target.waves_per_simd(vgprs, lds, spec.tile.threads),
+                waves_per_simd=waves,
                 **counts.get(spec.name, dict.fromkeys(COUNTS, 0)),
+                **cost.audit_fields(loop, target, waves),
             ))
         return rows
 
@@ -109,27 +121,36 @@ def _metadata(tc: Toolchain, code_object: Path) -> list[dict]:
     return yaml.safe_load(out[start:end])["amdhsa.kernels"]
 
 
-def _instruction_counts(tc: Toolchain, code_object: Path) -> dict[str, dict[str, int]]:
+def _disassembly(tc: Toolchain, code_object: Path) -> tuple[dict[str, dict[str, int]],
+                                                          dict[str, list[cost.Instruction]]]:
+    """Per kernel: the audit's instruction counts, and its instructions for the cost model."""
     out = subprocess.run([tc.objdump, "-d", "--no-show-raw-insn", str(code_object)],
                          capture_output=True, text=True, check=True).stdout
     counts: dict[str, dict[str, int]] = {}
+    code: dict[str, list[cost.Instruction]] = {}
     current = None
     for line in out.splitlines():
         m = _SYMBOL.match(line)
         if m:
             current = counts.setdefault(m["name"], dict.fromkeys(COUNTS, 0))
+            listing = code.setdefault(m["name"], [])
+            start = int(line.split()[0], 16)
             continue
         if current is None:
             continue
+        parsed = _LINE.match(line)
         # An RDNA3 dual-issue (VOPD) word holds two operations: "v_dual_X ... :: v_dual_Y ...".
-        for op in line.split("::"):
-            mnemonic = op.strip().split(" ", 1)[0]
+        for op in (parsed["text"] if parsed else line).split("::"):
+            mnemonic, _, operands = op.strip().partition(" ")
             if mnemonic.startswith("v_dual_"):
                 mnemonic = "v_" + mnemonic[len("v_dual_"):]
             for field, prefix in MNEMONICS.items():
                 if mnemonic.startswith(prefix):
                     current[field] += 1
-    return counts
+            if parsed:
+                target = start + int(parsed["off"], 16) if parsed["off"] and mnemonic.startswith(("s_branch", "s_cbranch")) else None
+                listing.append(cost.Instruction(int(parsed["addr"], 16), mnemonic, operands.strip(), target))
+    return counts, code
 
 
 PLATFORM = Amdgcn()

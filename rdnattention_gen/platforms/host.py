@@ -30,6 +30,7 @@ def defines(target: Target) -> list[str]:
 
 
 class Host(Platform):
+    mirrors = True
     name = "host"
     description = "CPU emulation (one fiber per GPU thread) used to test every kernel"
     code_object = "librdnattention_host.so"

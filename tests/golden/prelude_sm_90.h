@@ -14,7 +14,10 @@
 // register budget follows from it.
 #define RDNA_KERNEL_WAVES(threads, waves) \
   extern "C" __attribute__((global)) \
-  __attribute__((launch_bounds(threads, (waves) * 4 * RDNA_WAVE_SIZE / (threads))))
+  __attribute__((launch_bounds(threads, rdna_blocks_per_sm(threads, waves))))
+// Blocks per SM that keep `waves` warps per sub-partition resident (at least one).
+#define rdna_blocks_per_sm(threads, waves) \
+  ((waves) * 4 * RDNA_WAVE_SIZE >= (threads) ? (waves) * 4 * RDNA_WAVE_SIZE / (threads) : 1)
 #define RDNA_REGISTER(name, args_type, threads)
 
 // Types every platform shares.
