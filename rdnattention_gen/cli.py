@@ -145,9 +145,9 @@ def cmd_tune(matrix: Matrix, args: argparse.Namespace) -> int:
     tune.save_measurements(build_dir, results)
     best = tune.winners(cands, results)
     for w in best:
-        base = f", default {w['default'].label} {w['baseline_tflops']:.2f}" if w["default"] else ""
+        base = f", default {w['default'].label} {w['baseline_tflops']:.4g}" if w["default"] else ""
         print(f"tune: head_dim {w['head_dim']} group {w['gqa_group']} causal={w['causal']}: "
-              f"{w['winner'].label} {w['tflops']:.2f} TFLOP/s{base}")
+              f"{w['winner'].label} {w['tflops']:.4g} TFLOP/s{base}")
     if args.write:
         facts = tune.device_facts()
         command = "rdnattention-gen " + " ".join(sys.argv[1:]) if sys.argv[1:] else "rdnattention-gen tune"

@@ -26,6 +26,7 @@ import datetime
 import itertools
 import json
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,14 +197,19 @@ def measure(build_dir: Path, target: Target, cands: list[Candidate], rounds: int
 
     from rdnattention import attention_reference, drivers, plan_flash_attn
     from rdnattention.dispatch import BUILD_DIR_ENV
+    from rdnattention.drivers import host
 
     os.environ[BUILD_DIR_ENV] = str(build_dir.resolve())
-    if not torch.cuda.is_available():
-        raise TuneError("--measure needs a GPU; none is visible to torch")
-    device = torch.device("cuda")
-    present = drivers.target_of(device)
-    if present != target.name:
-        raise TuneError(f"--measure times {target.name} kernels, but the GPU here is {present}")
+    if target.platform == "host":  # the CPU emulator: how CI runs the tuner end to end (not for speed)
+        os.environ[host.TARGET_ENV] = target.name
+        device = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            raise TuneError(f"--measure needs the {target.name} GPU; torch sees no GPU here")
+        device = torch.device("cuda")
+        present = drivers.target_of(device)
+        if present != target.name:
+            raise TuneError(f"--measure times {target.name} kernels, but the GPU here is {present}")
     live = [c for c in cands if not c.problems]
     plans: dict = {}
     defaults: dict = {}
@@ -226,7 +232,7 @@ def measure(build_dir: Path, target: Target, cands: list[Candidate], rounds: int
     times: dict = {k: [] for k in plans}
     for r in range(rounds):
         for k, (plan, _) in plans.items():
-            times[k].append(_time_ms(plan.run, torch))
+            times[k].append(_time_ms(plan.run, torch, device))
         log(f"tune: round {r + 1}/{rounds} timed {len(plans)} (kernel, shape) pairs")
     out: dict = {}
     for (key, name), (_, shape) in plans.items():
@@ -243,11 +249,16 @@ def _oracle_error(name, shape, device, torch, reference, plan_flash_attn) -> flo
     plan = plan_flash_attn(q, k, v, is_causal=shape.causal, kernel=name)
     plan.run()
     ref = reference(q.cpu(), k.cpu(), v.cpu(), is_causal=shape.causal)
-    return (plan.out.double().cpu() - ref).abs().max().item()
+    return (plan.outputs[0].double().cpu() - ref).abs().max().item()
 
 
-def _time_ms(fn, torch, reps: int = 10) -> float:
+def _time_ms(fn, torch, device, reps: int = 10) -> float:
     fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / reps
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -260,8 +271,12 @@ def _time_ms(fn, torch, reps: int = 10) -> float:
 
 def device_facts() -> dict:
     """The GPU's name and clocks as torch and the driver report them."""
+    import platform
+
     import torch
 
+    if not torch.cuda.is_available():
+        return {"device": f"host emulator on {platform.processor() or platform.machine()}"}
     props = torch.cuda.get_device_properties(0)
     facts = {"device": props.name}
     clock = getattr(props, "clock_rate", None)
@@ -280,7 +295,7 @@ def winners(cands: list[Candidate], results: dict) -> list[dict]:
         default = result["default"] if result["default"] in figures else None
         out.append({"head_dim": hd, "gqa_group": group, "causal": causal, "winner": by_name[best],
                     "default": by_name[default] if default else None,
-                    "figures": {by_name[n].label: round(f, 2) for n, f in sorted(figures.items(), key=lambda kv: -kv[1])},
+                    "figures": {by_name[n].label: _figure(f) for n, f in sorted(figures.items(), key=lambda kv: -kv[1])},
                     "tflops": figures[best], "baseline_tflops": figures.get(default) if default else None})
     return out
 
@@ -298,9 +313,9 @@ def tuned_yaml(target: Target, family_name: str, results: list[dict], facts: dic
             continue
         t = w["winner"].spec.tile
         tile = {"br": t.br, "bc": t.bc, "threads": t.threads, "tm": t.tm, **({"waves": t.waves} if t.waves else {})}
-        figures = {"tflops": round(w["tflops"], 2)}
+        figures = {"tflops": _figure(w["tflops"])}
         if w["baseline_tflops"] is not None:
-            figures["baseline_tflops"] = round(w["baseline_tflops"], 2)
+            figures["baseline_tflops"] = _figure(w["baseline_tflops"])
         measured = {"device": facts["device"], **({"clocks": facts["clocks"]} if "clocks" in facts else {}),
                     "toolchain": toolchain, "date": datetime.date.today().isoformat(), "command": command,
                     "figures": figures, "candidates": w["figures"]}
@@ -320,7 +335,7 @@ def chart_svg(results: list[dict], title: str) -> str:
         default = w["default"].label if w["default"] else None
         for label, value in w["figures"].items():
             rows.append((key, label, value, label == best, label == default))
-    top = max((r[2] for r in rows), default=1.0)
+    top = max((r[2] for r in rows), default=0.0) or 1.0
     bar_h, left, width = 14, 330, 420
     height = 40 + bar_h * len(rows) + 10
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 80}" height="{height}" '
@@ -332,9 +347,14 @@ def chart_svg(results: list[dict], title: str) -> str:
         tag = " (winner)" if best else (" (default)" if default else "")
         out.append(f'<text x="10" y="{y + 10}">{_xml(key)}  {_xml(label)}{tag}</text>')
         out.append(f'<rect x="{left}" y="{y}" width="{width * value / top:.1f}" height="{bar_h - 3}" fill="{color}"/>')
-        out.append(f'<text x="{left + width * value / top + 4:.1f}" y="{y + 10}">{value:.2f}</text>')
+        out.append(f'<text x="{left + width * value / top + 4:.1f}" y="{y + 10}">{value:.4g}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _figure(value: float) -> float:
+    """Four significant digits (TFLOP/s on a GPU, thousandths of one on the host emulator)."""
+    return float(f"{value:.4g}")
 
 
 def _xml(text: str) -> str:
