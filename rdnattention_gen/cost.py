@@ -5,7 +5,7 @@ family's product instructions) and counts, per wave and per key tile: product in
 VALU instructions (quarter-rate transcendentals weighted four times), LDS bytes per lane and the
 waits on LDS results. Loops nested inside it (left rolled by the compiler) are weighted by the trip
 count that makes the product count equal the family's own (``Family.products_per_step``), shared
-equally between the nested loops that issue products; nested loops without products count once.
+equally between the nested loops that carry the products; other nested loops count once.
 
 With the target's published rates (VALU lanes per SIMD per clock, LDS bytes per clock per
 CU/WGP) and the audited occupancy W (waves per SIMD), one key tile of every resident wave costs:
@@ -131,16 +131,18 @@ def loop_counts(code: list[Instruction], product: str, products_per_step: float 
         if i.mnemonic.startswith(product):
             static[o] = static.get(o, 0) + 1
     # The products the main loop's own code does not issue are shared equally by the nested loops
-    # that issue any (for the fp16 family exact: S and P.V issue half each); other nested loops
-    # (lane reductions, a few trips) count once.
-    product_loops = [s for s in static if s is not None]
+    # that carry the products (for the fp16 family exact: S and P.V issue half each): those with at
+    # least an eighth of the largest one's. Other nested loops (lane reductions, a few trips, with
+    # a stray product or none) count once.
+    largest = max((n for s, n in static.items() if s is not None), default=0)
+    product_loops = [s for s, n in static.items() if s is not None and 8 * n >= largest]
     trips = {}
     if products_per_step and product_loops:
         share = max(products_per_step - static.get(None, 0), 0) / len(product_loops)
         trips = {s: max(1.0, share / static[s]) for s in product_loops}
     totals = dict(products=0.0, valu=0.0, lds_bytes=0.0, lds_waits=0.0)
     for i, o in zip(body, owner):
-        w = trips.get(o, 1.0)
+        w = trips.get(o, 1.0)  # a stray product in a once-counted loop is counted once too
         m = i.mnemonic
         if m.startswith(product):
             totals["products"] += w
@@ -216,5 +218,9 @@ def parse_sass(text: str) -> dict[str, list[Instruction]]:
 
 
 def _sass_target(operands: str, labels: dict[str, int]) -> int | None:
-    m = re.search(r"\(?(\.L_x_\d+)\)?", operands)
-    return labels.get(m[1]) if m else None
+    """A branch's destination: ``BRA 0x370`` (cuobjdump) or ``BRA `(.L_x_3)`` (nvdisasm)."""
+    m = re.search(r"\.L_x_\d+", operands)
+    if m:
+        return labels.get(m[0])
+    m = re.search(r"0x([0-9a-f]+)", operands)
+    return int(m[1], 16) if m else None

@@ -176,21 +176,23 @@ class Matrix:
         """The mirrored targets' tiles and the candidates, as alternates, where no entry has the tile."""
         from .families import family
 
-        wanted: list[tuple[str, int, Tile, str, str]] = []
+        # (family, head_dim, GQA group or None for every group, tile, provenance, where)
+        wanted: list[tuple[str, int, int | None, Tile, str, str]] = []
         for name in target.mirrors:
             for v in self.variants_for(self.target(name)):
-                wanted.append((v.spec.family, v.spec.head_dim, v.spec.tile, f"mirrors {name}", v.where))
+                wanted.append((v.spec.family, v.spec.head_dim, v.spec.gqa_group, v.spec.tile, f"mirrors {name}",
+                               v.where))
         for fam_name, hd, tile in self.alternates.get(target.name, ()):
-            wanted.append((fam_name, hd, tile, "candidate", f"candidate {fam_name} head_dim {hd} {tile}"))
+            wanted.append((fam_name, hd, None, tile, "candidate", f"candidate {fam_name} head_dim {hd} {tile}"))
         have = {(v.spec.family, v.spec.head_dim, v.spec.gqa_group, v.spec.tile) for v in entries}
         out = []
-        for fam_name, hd, tile, provenance, where in wanted:
+        for fam_name, hd, group, tile, provenance, where in wanted:
             fam = family(fam_name)
             if fam_name not in self.kernels or fam.tier(target) is None:
                 continue
             for point in fam.points(self.kernels[fam_name]):
                 key = (fam_name, point["head_dim"], point["gqa_group"], tile)
-                if point["head_dim"] != hd or key in have:
+                if point["head_dim"] != hd or group not in (None, point["gqa_group"]) or key in have:
                     continue
                 have.add(key)
                 out.append(Variant(fam.spec(target, point, tile), Constraints(), ALTERNATE, provenance, where))

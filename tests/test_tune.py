@@ -255,13 +255,15 @@ def test_sass_listings_resolve_labels_for_the_loop_analysis():
             /*0030*/                   FFMA R9, R6, R7, R9 ;
             /*0040*/                   MUFU.EX2 R10, R10 ;
             /*0050*/               @P0 BRA `(.L_x_1) ;
-            /*0060*/                   EXIT ;
+            /*0060*/              @!P1 BRA 0x20 ;
+            /*0070*/                   EXIT ;
             Function : fa2_y
             /*0000*/                   EXIT ;
         """)
     code = cost.parse_sass(text)
     assert sorted(code) == ["fa2_x", "fa2_y"]
     assert code["fa2_x"][5] == cost.Instruction(0x50, "BRA", "`(.L_x_1)", 0x10)
+    assert code["fa2_x"][6] == cost.Instruction(0x60, "BRA", "0x20", 0x20)  # cuobjdump spells addresses
     counts = cost.loop_counts(code["fa2_x"], "FFMA", None, cost.SASS)
     assert counts == cost.LoopCounts(products=2, valu=1 + 2 + 4, lds_bytes=16, lds_waits=0)
 

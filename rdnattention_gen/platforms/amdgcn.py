@@ -50,7 +50,7 @@ class Amdgcn(Platform):
     code_object_version = 5
     # 2: both operations of an RDNA3 dual-issue word are counted; 3: code object version checked;
     # 4: the main loop's counts and the cost model's estimate
-    audit_version = 4
+    audit_version = 5  # 5: the loop analysis weights only the loops that carry the products
 
     def validate_target(self, name: str, fields: dict, node: Node) -> None:
         super().validate_target(name, fields, node)
