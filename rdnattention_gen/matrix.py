@@ -241,7 +241,9 @@ def _target(name: str, node: object, parent: Node) -> Target:
         wave_size=wave, lds_bytes=_positive(node, "lds_bytes"), lds_per_cu=_positive(node, "lds_per_cu"),
         vgprs_per_simd=_positive(node, "vgprs_per_simd"), vgpr_granule=_positive(node, "vgpr_granule"),
         max_waves_per_simd=_positive(node, "max_waves_per_simd"), simds_per_cu=_positive(node, "simds_per_cu"),
-        valu_lanes=_positive(node, "valu_lanes"), lds_bytes_per_clock=_positive(node, "lds_bytes_per_clock"),
+        # the cost model's rates; optional: a wave instruction per clock, 128 B of LDS per clock
+        valu_lanes=_positive(node, "valu_lanes") if "valu_lanes" in node else wave,
+        lds_bytes_per_clock=_positive(node, "lds_bytes_per_clock") if "lds_bytes_per_clock" in node else 128,
         fdot2=node.take("fdot2", bool),
         int8_dot=node.choice("int8_dot", plat.int8_dots), mixed_fma=node.choice("mixed_fma", MIXED_FMAS),
         hw_tier=node.take("hw_tier", int), default=node.take("default", bool),

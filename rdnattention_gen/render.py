@@ -65,15 +65,24 @@ def render_kernel(env: jinja2.Environment, spec: KernelSpec) -> str:
                                                  **fam.context(spec))
 
 
+def render_fma_peak(env: jinja2.Environment, target: Target) -> str:
+    from rdnattention import peak
+
+    return env.get_template("fma_peak.hip.j2").render(target=target, struct=peak.ARGS, kernel=peak.KERNEL,
+                                                      threads=peak.THREADS, chains=peak.CHAINS, unroll=peak.UNROLL)
+
+
 def render_unity(target: Target, specs: list[KernelSpec]) -> str:
     lines = [f"// @generated: every kernel of {target.name}, one translation unit, one code object"]
     lines += [f'#include "{s.name}.cpp"' for s in specs]
+    lines.append('#include "fma_peak.cpp"  // the FP32 FMA peak probe (rdnattention/peak.py)')
     return "\n".join(lines) + "\n"
 
 
 def target_files(env: jinja2.Environment, matrix: Matrix, target: Target) -> dict[str, str]:
     specs = matrix.specs_for(target)
-    files = {"prelude.h": render_prelude(env, target), "kernels.cpp": render_unity(target, specs)}
+    files = {"prelude.h": render_prelude(env, target), "kernels.cpp": render_unity(target, specs),
+             "fma_peak.cpp": render_fma_peak(env, target)}
     files.update({f"args_{name}.h": render_args(env, name) for name in sorted({s.family for s in specs})})
     files.update({f"{s.name}.cpp": render_kernel(env, s) for s in specs})
     return files

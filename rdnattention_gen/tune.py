@@ -137,7 +137,11 @@ def prepare(matrix: Matrix, target: Target, family_name: str, head_dims: list[in
 def collect(matrix: Matrix, target: Target, rows: list[audit.KernelAudit]) -> list[Candidate]:
     by_name = {r.name: r for r in rows}
     out = []
+    seen = set()
     for v in matrix.variants_for(target):
+        if v.spec.name in seen:  # one kernel serving two entries (a tuned tile under two `when`s)
+            continue
+        seen.add(v.spec.name)
         row = by_name.get(v.spec.name)
         problems = tuple(audit.violations(target, v.spec, row)) if row else ("not in the audit",)
         out.append(Candidate(v.spec, row, problems, default=v.priority >= 0 and not v.when.to_json()))
@@ -275,6 +279,8 @@ def device_facts() -> dict:
 
     import torch
 
+    from rdnattention.peak import fma_peak_tflops
+
     if not torch.cuda.is_available():
         return {"device": f"host emulator on {platform.processor() or platform.machine()}"}
     props = torch.cuda.get_device_properties(0)
@@ -282,6 +288,8 @@ def device_facts() -> dict:
     clock = getattr(props, "clock_rate", None)
     if clock:
         facts["clocks"] = f"{clock // 1000} MHz SM (boost, as the driver reports it)"
+    # the probe in the candidates' own code object (the build directory measure() selected)
+    facts["fma_peak_tflops"] = _figure(fma_peak_tflops(torch.device("cuda")))
     return facts
 
 
@@ -316,6 +324,8 @@ def tuned_yaml(target: Target, family_name: str, results: list[dict], facts: dic
         figures = {"tflops": _figure(w["tflops"])}
         if w["baseline_tflops"] is not None:
             figures["baseline_tflops"] = _figure(w["baseline_tflops"])
+        if "fma_peak_tflops" in facts:  # the FP32 FMA peak measured in the same run
+            figures["fma_peak_tflops"] = facts["fma_peak_tflops"]
         measured = {"device": facts["device"], **({"clocks": facts["clocks"]} if "clocks" in facts else {}),
                     "toolchain": toolchain, "date": datetime.date.today().isoformat(), "command": command,
                     "figures": figures, "candidates": w["figures"]}

@@ -5,7 +5,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from rdnattention_gen.render import environment, generate, render_args, render_kernel, render_prelude, write_if_changed
+from rdnattention_gen.render import (environment, generate, render_args, render_fma_peak, render_kernel, render_prelude,
+                                     write_if_changed)
 
 GOLDEN = Path(__file__).parent / "golden"
 # The dot2 and inline-asm lowerings, the host and cuda preludes (with their dot4 lowerings), the
@@ -16,7 +17,8 @@ GOLDEN_CASES = {
     "prelude_gfx900.h": ("prelude", "gfx900"),
     "prelude_host.h": ("prelude", "host"),
     "prelude_sm_90.h": ("prelude", "sm_90"),
-    "fa2_f16_hd128_g2_br128_bc32_nt256_tm8_w32_dot2_sf16.cpp": ("kernel", "gfx1030"),
+    "fa2_f16_hd128_g2_br128_bc16_nt256_tm2_wv6_w32_dot2_sf16.cpp": ("kernel", "gfx1030"),
+    "fma_peak_sm_90.cpp": ("fma_peak", "sm_90"),
 }
 
 
@@ -27,6 +29,8 @@ def _render(matrix, kind, name, file_name):
     target = matrix.target(name)
     if kind == "prelude":
         return render_prelude(env, target)
+    if kind == "fma_peak":
+        return render_fma_peak(env, target)
     spec = next(s for s in matrix.specs_for(target) if f"{s.name}.cpp" == file_name)
     return render_kernel(env, spec)
 
@@ -54,8 +58,8 @@ def test_two_renders_are_byte_identical(matrix, tmp_path):
     files_a = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
     files_b = sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
     assert files_a == files_b
-    # + prelude, unity file, one argument header per family
-    assert len(files_a) == sum(len(matrix.specs_for(t)) + 2 + len({s.family for s in matrix.specs_for(t)})
+    # + prelude, unity file, FMA peak probe, one argument header per family
+    assert len(files_a) == sum(len(matrix.specs_for(t)) + 3 + len({s.family for s in matrix.specs_for(t)})
                                for t in targets)
     for rel in files_a:
         assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel

@@ -290,3 +290,19 @@ def test_tune_runs_end_to_end_on_the_host_emulator(tmp_path):
     assert written.is_file() and (tuned / "host.svg").is_file()
     ET.fromstring((tuned / "host.svg").read_text())
     load_tuned(written, {"host"}, load_matrix(tuned_dir=None).kernels)  # strict loader accepts what it wrote
+
+
+def test_the_fma_peak_probe_is_in_every_code_object_and_runs_on_the_host(host_build, monkeypatch):
+    """The benchmark's and the tuner's FP32 FMA peak comes from a probe kernel our toolchain builds
+    into each target's code object (no nvcc, no hipcc); on the host it runs, meaninglessly fast or slow."""
+    import torch
+
+    from rdnattention import peak
+    from rdnattention_gen.render import environment, render_fma_peak
+
+    monkeypatch.setenv("RDNATTENTION_HOST_TARGET", "host")
+    assert peak.fma_peak_tflops(torch.device("cpu"), iters=1, reps=1) > 0
+    text = render_fma_peak(environment(), load_matrix().target("gfx1030"))
+    assert f"RDNA_KERNEL(256) void {peak.KERNEL}(const RdnaFmaPeakArgs a)" in text
+    for name, ctype in peak.ARGS.fields:
+        assert f"  {ctype} {name};" in text

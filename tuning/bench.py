@@ -4,7 +4,7 @@
 
 For each shape: median time of >= 20 timed runs (CUDA events, after warm-up), TFLOP/s with
 FLOPs = 4*B*H*Sq*Sk*D (halved for causal when Sq == Sk), % of the FP32 FMA peak measured here
-by tuning/fma_peak.cu, and ratios to torch's math attention in fp32 with TF32 off (no tensor
+by the probe kernel built into the target's code object (rdnattention/peak.py), and ratios to torch's math attention in fp32 with TF32 off (no tensor
 cores) and to torch's default scaled_dot_product_attention in fp16 (tensor cores; context).
 Causal rows also time the launch with row blocks in launch order instead of longest first.
 Writes bench.md and bench.png to --out."""
@@ -12,10 +12,7 @@ Writes bench.md and bench.png to --out."""
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
@@ -23,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rdnattention import dispatch, drivers, flash_attn, plan_flash_attn
-from rdnattention.drivers import cuda as cuda_driver
+from rdnattention.peak import fma_peak_tflops
 
 # (label, batch, heads_q, heads_kv, seq_q, seq_k, head_dim, causal)
 SHAPES = [
@@ -62,24 +59,6 @@ def time_ms(fn, reps: int = 25, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-class FmaArgs(ctypes.Structure):
-    _fields_ = [("out", ctypes.c_void_p), ("mul", ctypes.c_float), ("add", ctypes.c_float), ("iters", ctypes.c_int)]
-
-
-def fma_peak_tflops(device: torch.device) -> float:
-    major, minor = torch.cuda.get_device_capability(device)
-    src = Path(__file__).with_name("fma_peak.cu")
-    cubin = Path(tempfile.mkdtemp()) / "fma_peak.cubin"
-    subprocess.run(["nvcc", "-cubin", f"-arch=sm_{major}{minor}", "-O3", str(src), "-o", str(cubin)], check=True)
-    out = torch.zeros(1, device=device)
-    args = FmaArgs(out=out.data_ptr(), mul=0.9999, add=1e-4, iters=4096)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    grid, threads = (sms * 8, 1, 1), 256
-    ms = time_ms(lambda: cuda_driver.launch_kernel(cubin, "fma_peak", grid, threads, args, device), reps=20)
-    flops = 2 * 8 * 32 * args.iters * grid[0] * threads
-    return flops / ms / 1e9
 
 
 def shape_inputs(b, hq, hk, sq, sk, d, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -272,7 +251,7 @@ def main() -> int:
     (args.out / "bench_decode.md").write_text(decode + "\n")
     if args.decode_only:
         return 0
-    peak = fma_peak_tflops(device)
+    peak = fma_peak_tflops(device)  # the probe in the target's own code object
     rows = [run_shape(s, device) for s in SHAPES]
     long_row = run_shape(LONG, device, with_peers=False, reps=5)
 

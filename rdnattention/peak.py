@@ -1,0 +1,52 @@
+"""The FP32 FMA peak of the device at hand, the figure benchmarks and the tuner divide by: a probe
+kernel (``rdna_fma_peak``, templates/fma_peak.hip.j2) built into every target's code object by the
+project's own toolchain, launched through the same driver as the attention kernels (CUDA, HIP, or
+the host emulator, where the figure means nothing)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .abi import ArgStruct
+
+KERNEL = "rdna_fma_peak"
+THREADS = 256
+CHAINS, UNROLL = 8, 32  # independent FMA chains per thread, FMAs per chain per iteration
+ARGS = ArgStruct("RdnaFmaPeakArgs", (
+    ("out", "float*"),    # written only if the sum hits a value it never does: keeps the chains alive
+    ("mul", "float"),
+    ("add", "float"),
+    ("iters", "int"),
+))
+
+
+def fma_peak_tflops(device: torch.device, iters: int = 4096, reps: int = 20) -> float:
+    """Median TFLOP/s (2 per FMA) of the probe over ``reps`` launches of 8 workgroups per SM/CU."""
+    from . import drivers
+    from .api import _table
+
+    table = _table(device)
+    driver = drivers.for_device(device)
+    out = torch.zeros(1, device=device)
+    args = ARGS.ctype(out=out.data_ptr(), mul=0.9999, add=1e-4, iters=iters)
+    units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    grid = (units * 8, 1, 1)
+
+    def launch() -> None:
+        driver.launch_kernel(table.code_object, KERNEL, grid, THREADS, args, device)
+
+    launch()  # load and warm up
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        launch()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    flops = 2 * CHAINS * UNROLL * iters * grid[0] * THREADS
+    return flops / statistics.median(times) / 1e12
