@@ -147,7 +147,7 @@ def test_new_target_needs_only_a_yaml_entry(tmp_path):
                                 "--build-dir", str(tmp_path / "build")], capture_output=True, text=True, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     assert (tmp_path / "build" / "gfx1013" / "kernels.hsaco").is_file()
-    assert "gfx1013  fa2_f16_hd128_g2_br128_bc32_nt256_tm8_w32_fma_mix_sf16" in out.stdout
+    assert "gfx1013  fa2_f16_hd128_g2_br128_bc16_nt256_tm2_wv6_w32_fma_mix_sf16" in out.stdout  # the rdna table
     probe = subprocess.run(CLI + ["probe", "--variants", str(variants), "--targets", "gfx1013"],
                            capture_output=True, text=True, cwd=REPO_ROOT)
     assert probe.returncode == 0, probe.stdout + probe.stderr

@@ -187,3 +187,27 @@ def test_decode_runs_the_int8_split_kv_kernels(host_build, shape, options, head_
     ref, ref_lse = attention_reference(*_dequantized(qi, qs, ki, ks, vi, vs), return_lse=True, **options)
     assert (out.double() - ref).abs().max().item() <= 2e-3  # fp32 products of the int8 values: fp16 rounding only
     assert (lse.double() - ref_lse).abs().max().item() <= 1e-3
+
+
+def _mirrored_int8_kernels() -> list[str]:
+    from rdnattention_gen.matrix import load_matrix
+
+    m = load_matrix()
+    return sorted(v.spec.name for v in m.variants_for(m.target("host")) if v.priority < 0 and v.spec.family == "i8")
+
+
+# The AMD tables' int8 tiles, built on the host as alternates: every case through each of them.
+@pytest.mark.parametrize("name", _mirrored_int8_kernels())
+def test_mirrored_gpu_tiles_match_the_oracle(host_build, name):
+    from rdnattention_gen.spec import KernelSpec
+
+    spec = KernelSpec.from_name(name)
+    for case in ("plain", "causal", "two_sided", "cross"):
+        shape, options = CASES[case]
+        q, k, v = _inputs(d=spec.head_dim, **shape)
+        (qi, qs), (ki, ks), (vi, vs) = quantize_per_token(q), quantize_per_token(k), quantize_per_channel(v)
+        plan = plan_flash_attn_int8qk(qi, ki, vi, qs, ks, vs, kernel=name, **options)
+        assert plan.launches[-1].kernel.name == name
+        plan.run()
+        ref = attention_reference(*_dequantized(qi, qs, ki, ks, vi, vs), **options)
+        assert _rel_rms(plan.outputs[0], ref) <= KERNEL_REL_RMS, case

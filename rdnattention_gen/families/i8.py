@@ -36,6 +36,10 @@ class I8(F16):
     rules = RULES
     # Every int8 kernel must contain the target's dot4 instruction.
     signatures = {"sdot4": "dot4", "sudot4": "dot4", "dp4a": "dot4", "exact": "dot4"}
+
+    def products_per_step(self, spec: KernelSpec) -> float | None:
+        # dot4 over quads: S tm x (bc / tcw) over head_dim / 4; P.V tm x (head_dim / tcw) over bc / 4.
+        return spec.tile.tm * spec.tile.bc * spec.head_dim / (2 * threads_per_row(spec))
     oracle_cases: dict = {}  # tests/test_int8.py runs its own sweep against the dequantized oracle
 
     def tier(self, target: Target) -> str | None:
