@@ -162,7 +162,7 @@ def rank_table(cands: list[Candidate]) -> str:
         share = f"{r.peak_share:.0%}" if r and r.peak_share is not None else "-"
         verdict = "pruned: " + "; ".join(c.problems) if c.problems else ("default" if c.default else "candidate")
         lines.append(f"| {c.spec.head_dim} | {c.spec.gqa_group} | {c.label} | {r.vgprs if r else '-'} | "
-                     f"{r.lds_bytes if r else '-'} | {r.waves_per_simd if r else '-'} | {r.bound or '-' if r else '-'} | "
+                     f"{r.lds_bytes if r else '-'} | {r.waves_per_simd if r else '-'} | {(r.bound or '-') if r else '-'} | "
                      f"{share} | {verdict} |")
     return "\n".join(lines)
 
