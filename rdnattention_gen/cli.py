@@ -130,8 +130,8 @@ def cmd_tune(matrix: Matrix, args: argparse.Namespace) -> int:
     if args.no_build:
         family_name, cands = tune.load_candidates(build_dir)
     else:
-        head_dims = [int(h) for h in args.head_dims.split(",")]
-        groups = [int(g) for g in args.groups.split(",")]
+        head_dims = tune.parse_ints("--head-dims", args.head_dims)
+        groups = tune.parse_ints("--groups", args.groups)
         family_name = args.family
         cands = tune.prepare(matrix, target, family_name, head_dims, groups, build_dir,
                              tune.parse_space(args.space), jobs=args.jobs)

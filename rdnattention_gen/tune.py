@@ -104,12 +104,25 @@ def candidates(matrix: Matrix, target: Target, family_name: str, head_dims: list
     return out
 
 
+def parse_ints(option: str, text: str) -> list[int]:
+    """``--head-dims 64,128``, ``--groups 1,2``."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise TuneError(f"{option}: {text!r} is not a comma list of integers") from None
+    return values
+
+
 def restricted(matrix: Matrix, family_name: str, head_dims: list[int], groups: list[int]) -> Matrix:
-    """The matrix with only ``family_name`` at ``head_dims`` and ``groups`` (what tuning builds)."""
+    """The matrix with only ``family_name`` at ``head_dims`` and ``groups`` (what tuning builds);
+    group 1 always, as every dispatch table's fallback."""
     axes = dict(matrix.kernels[family_name])
     axes["head_dims"] = [h for h in axes["head_dims"] if h in head_dims]
     if "gqa_groups" in axes:
-        axes["gqa_groups"] = [g for g in axes["gqa_groups"] if g in groups]
+        unknown = sorted(set(groups) - set(axes["gqa_groups"]))
+        if unknown:
+            raise TuneError(f"{family_name} has no GQA group {unknown}; its groups: {list(axes['gqa_groups'])}")
+        axes["gqa_groups"] = [g for g in axes["gqa_groups"] if g in groups or g == 1]
     return dataclasses.replace(matrix, kernels={family_name: axes})
 
 

@@ -242,6 +242,13 @@ def test_tune_builds_ranks_and_refuses_measuring_without_the_gpu(tmp_path):
     assert "rdnattention-gen: error: --measure needs the gfx1030 GPU; torch sees no GPU here" in again.stderr
     bad = subprocess.run(cli[:5] + ["gfx1030,gfx906"], capture_output=True, text=True, cwd=REPO_ROOT)
     assert bad.returncode == 2 and "tune one target at a time" in bad.stderr
+    for args, message in ((["--groups", "4"], "f16 has no GQA group [4]; its groups: [1, 2]"),
+                          (["--head-dims", "64,x"], "--head-dims: '64,x' is not a comma list of integers"),
+                          (["--head-dims", "80"], "f16 is not built for head_dim [80]"),
+                          (["--family", "f17"], "no kernel family 'f17'")):
+        bad = subprocess.run(cli[:5] + ["gfx1030"] + args + ["--build-dir", str(tmp_path / "bad")],
+                             capture_output=True, text=True, cwd=REPO_ROOT)
+        assert bad.returncode == 2 and f"rdnattention-gen: error: {message}" in bad.stderr, bad.stderr
 
 
 def test_sass_listings_resolve_labels_for_the_loop_analysis():
