@@ -40,6 +40,8 @@ def hardware_md(matrix: Matrix, rows: list[KernelAudit], compiler: str) -> str:
     distribution = {name: f"`{dist}`" for dist, names in packaging.distributions(matrix).items()
                     for name in names.split(", ")}
     tuned = "; ".join(f"`{target}`: {len(entries)} entries" for target, entries in sorted(matrix.tuned.items()))
+    mirrors = "; ".join(f"`{t.name}` mirrors {', '.join(f'`{m}`' for m in t.mirrors)}" for t in matrix.targets
+                        if t.mirrors) or "none"
     return environment().get_template("docs/hardware.md.j2").render(
         tiers=tiers, targets=matrix.targets, distribution=distribution, rows=table, compiler=compiler, tile_tables=tile_tables, tile_rows=tile_rows,
-        tuned=tuned or "none yet (a tuner run on the GPU writes them)")
+        tuned=tuned or "none yet (a tuner run on the GPU writes them)", mirrors=mirrors)
