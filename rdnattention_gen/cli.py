@@ -143,7 +143,7 @@ def cmd_tune(matrix: Matrix, args: argparse.Namespace) -> int:
         return 0
     results = tune.measure(build_dir, target, cands, args.rounds, args.seq)
     tune.save_measurements(build_dir, results)
-    best = tune.winners(cands, results)
+    best = tune.winners(cands, results, tune.matrix_tiles(matrix, target, family_name, results, args.seq))
     for w in best:
         base = f", default {w['default'].label} {w['baseline_tflops']:.4g}" if w["default"] else ""
         print(f"tune: head_dim {w['head_dim']} group {w['gqa_group']} causal={w['causal']}: "

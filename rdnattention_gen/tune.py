@@ -306,31 +306,57 @@ def device_facts() -> dict:
     return facts
 
 
-def winners(cands: list[Candidate], results: dict) -> list[dict]:
-    """Per measured (head_dim, group, causal): the best candidate, the default's figure and all."""
+def matrix_tiles(matrix: Matrix, target: Target, family_name: str, keys, seq: int) -> dict:
+    """The tile variants.yaml alone (no overlay) gives each (head_dim, group, causal) call of
+    ``seq`` query rows: what a tuned entry is measured against and written only to differ from."""
+    base = dataclasses.replace(matrix, tuned={}, alternates={})
+    variants = [v for v in base.variants_for(target) if v.spec.family == family_name and v.priority >= 0]
+    out = {}
+    for hd, group, causal in keys:
+        fits = [v for v in variants if v.spec.head_dim == hd and v.spec.gqa_group == group
+                and v.when.admits(causal=causal, seq_q=seq, rows=group * seq)]
+        if fits:
+            out[(hd, group, causal)] = max(fits, key=lambda v: v.priority).spec.tile
+    return out
+
+
+def winners(cands: list[Candidate], results: dict, base: dict | None = None) -> list[dict]:
+    """Per measured (head_dim, group, causal): the best candidate, the dispatcher's current pick
+    (``default``), the matrix's own tile (``base``, from matrix_tiles), their figures and all."""
     by_name = {c.spec.name: c for c in cands}
     out = []
-    for (hd, group, causal), result in sorted(results.items()):
+    for key, result in sorted(results.items()):
+        hd, group, causal = key
         figures = result["figures"]
         best = max(figures, key=figures.get)
         default = result["default"] if result["default"] in figures else None
+        base_tile = (base or {}).get(key)
+        base_name = next((n for n in figures if by_name[n].spec.tile == base_tile), None)
+        reference = base_name or default  # the figure a written entry is measured against
         out.append({"head_dim": hd, "gqa_group": group, "causal": causal, "winner": by_name[best],
-                    "default": by_name[default] if default else None,
+                    "default": by_name[default] if default else None, "base_tile": base_tile,
                     "figures": {by_name[n].label: _figure(f) for n, f in sorted(figures.items(), key=lambda kv: -kv[1])},
-                    "tflops": figures[best], "baseline_tflops": figures.get(default) if default else None})
+                    "tflops": figures[best], "baseline_tflops": figures.get(reference) if reference else None})
     return out
 
 
 def tuned_yaml(target: Target, family_name: str, results: list[dict], facts: dict, toolchain: str,
                command: str, previous: str | None = None) -> str:
-    """tuned/<target>.yaml: one entry per key whose winner is not the current tile; the entries of
-    other families in ``previous`` (the file as it was) are kept."""
+    """tuned/<target>.yaml: one entry per measured key whose winner is not the matrix's own tile
+    (``base_tile``; without one, the dispatcher's pick). Entries of ``previous`` (the file as it
+    was) for keys this run did not measure are kept."""
     import yaml
 
-    entries = [e for e in ((yaml.safe_load(previous) or {}).get("entries") or [] if previous else [])
-               if e.get("family") != family_name]
+    measured_keys = {(family_name, w["head_dim"], w["gqa_group"], w["causal"]) for w in results}
+
+    def key(e: dict) -> tuple:
+        return (e.get("family"), e.get("head_dim"), e.get("gqa_group"), (e.get("when") or {}).get("causal"))
+
+    old = (yaml.safe_load(previous) or {}).get("entries") or [] if previous else []
+    entries = [e for e in old if key(e) not in measured_keys]
     for w in results:
-        if w["default"] is not None and w["winner"].spec.tile == w["default"].spec.tile:
+        current = w["base_tile"] if w.get("base_tile") is not None else (w["default"].spec.tile if w["default"] else None)
+        if w["winner"].spec.tile == current:
             continue
         t = w["winner"].spec.tile
         tile = {"br": t.br, "bc": t.bc, "threads": t.threads, "tm": t.tm, **({"waves": t.waves} if t.waves else {})}

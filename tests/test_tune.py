@@ -181,12 +181,16 @@ def _candidate(label_tile, default=False, problems=()):
     return tune.Candidate(spec, None, tuple(problems), default)
 
 
-def test_the_overlay_written_loads_and_keeps_other_families(matrix, tmp_path):
+def test_the_overlay_written_loads_and_keeps_what_was_not_measured(matrix, tmp_path):
     base, better = _candidate(Tile(128, 64, 256, 8), default=True), _candidate(Tile(64, 64, 128, 8, waves=3))
     cands = [base, better]
-    results = {(128, 1, True): {"figures": {base.spec.name: 30.0, better.spec.name: 33.0}, "default": base.spec.name},
+    # causal: the dispatcher already picks `better` (an earlier overlay); the entry must be written
+    # again, against the matrix's own tile
+    results = {(128, 1, True): {"figures": {base.spec.name: 30.0, better.spec.name: 33.0}, "default": better.spec.name},
                (128, 1, False): {"figures": {base.spec.name: 35.0, better.spec.name: 34.0}, "default": base.spec.name}}
-    best = tune.winners(cands, results)
+    matrix_tiles = tune.matrix_tiles(matrix, matrix.target("sm_90"), "f16", results, 2048)
+    assert matrix_tiles == {(128, 1, True): Tile(128, 64, 256, 8), (128, 1, False): Tile(128, 64, 256, 8)}
+    best = tune.winners(cands, results, matrix_tiles)
     assert [(w["causal"], w["winner"].label) for w in best] == [(False, "br128_bc64_nt256_tm8"),
                                                                  (True, "br64_bc64_nt128_tm8_wv3")]
     previous = textwrap.dedent("""\
@@ -200,6 +204,12 @@ def test_the_overlay_written_loads_and_keeps_other_families(matrix, tmp_path):
             head_dim: 64
             tile: {br: 64, bc: 64, threads: 256, tm: 4}
             measured: {device: X, toolchain: Y, date: 2026-11-01, figures: {tflops: 1.0}}
+          - family: f16
+            head_dim: 128
+            gqa_group: 1
+            when: {causal: true}
+            tile: {br: 64, bc: 64, threads: 128, tm: 8, waves: 3}
+            measured: {device: X, toolchain: Y, date: 2026-11-01, figures: {tflops: 1.0}}
         """)
     text = tune.tuned_yaml(matrix.target("sm_90"), "f16", best, {"device": "NVIDIA H200", "clocks": "1980 MHz SM"},
                            "clang version 22", "rdnattention-gen tune --targets sm_90 --measure --write", previous)
@@ -207,8 +217,9 @@ def test_the_overlay_written_loads_and_keeps_other_families(matrix, tmp_path):
     target, entries = load_tuned(tmp_path / "sm_90.yaml", {"sm_90"}, matrix.kernels)
     assert [(e.family, e.head_dim, e.gqa_group, e.when, e.tile) for e in entries] == [
         ("i8", 64, None, Constraints(), Tile(64, 64, 256, 4)),  # another family's entry stays
-        ("f16", 128, 1, Constraints(causal=True), Tile(64, 64, 128, 8, waves=3))]  # only the new winner
-    f16 = entries[1].measured
+        ("f16", 64, None, Constraints(), Tile(64, 64, 256, 4)),  # a key this run did not measure stays
+        ("f16", 128, 1, Constraints(causal=True), Tile(64, 64, 128, 8, waves=3))]  # re-measured: replaced
+    f16 = entries[2].measured
     assert f16["figures"] == {"tflops": 33.0, "baseline_tflops": 30.0} and f16["clocks"] == "1980 MHz SM"
     assert f16["candidates"] == {"br64_bc64_nt128_tm8_wv3": 33.0, "br128_bc64_nt256_tm8": 30.0}
     ET.fromstring(tune.chart_svg(best, "f16 tiles <H200>"))  # well-formed, title escaped
