@@ -145,7 +145,9 @@ def cmd_tune(matrix: Matrix, args: argparse.Namespace) -> int:
     tune.save_measurements(build_dir, results)
     best = tune.winners(cands, results, tune.matrix_tiles(matrix, target, family_name, results, args.seq))
     for w in best:
-        base = f", default {w['default'].label} {w['baseline_tflops']:.4g}" if w["default"] else ""
+        ref = w["reference"]
+        base = (f", {'matrix tile' if ref and ref.spec.tile == w['base_tile'] else 'current'} {ref.label} "
+                f"{w['baseline_tflops']:.4g}" if ref else "")
         print(f"tune: head_dim {w['head_dim']} group {w['gqa_group']} causal={w['causal']}: "
               f"{w['winner'].label} {w['tflops']:.4g} TFLOP/s{base}")
     if args.write:

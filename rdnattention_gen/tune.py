@@ -335,6 +335,7 @@ def winners(cands: list[Candidate], results: dict, base: dict | None = None) -> 
         reference = base_name or default  # the figure a written entry is measured against
         out.append({"head_dim": hd, "gqa_group": group, "causal": causal, "winner": by_name[best],
                     "default": by_name[default] if default else None, "base_tile": base_tile,
+                    "reference": by_name[reference] if reference else None,
                     "figures": {by_name[n].label: _figure(f) for n, f in sorted(figures.items(), key=lambda kv: -kv[1])},
                     "tflops": figures[best], "baseline_tflops": figures.get(reference) if reference else None})
     return out
