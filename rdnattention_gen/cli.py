@@ -128,14 +128,14 @@ def cmd_tune(matrix: Matrix, args: argparse.Namespace) -> int:
     target = targets[0]
     build_dir = args.build_dir.resolve()
     if args.no_build:
-        family_name, cands = tune.load_candidates(build_dir)
+        family_name, cands = tune.load_candidates(build_dir, target)
     else:
         head_dims = tune.parse_ints("--head-dims", args.head_dims)
         groups = tune.parse_ints("--groups", args.groups)
         family_name = args.family
         cands = tune.prepare(matrix, target, family_name, head_dims, groups, build_dir,
                              tune.parse_space(args.space), jobs=args.jobs)
-        tune.save_candidates(build_dir, family_name, cands)
+        tune.save_candidates(build_dir, target, family_name, cands)
     print(tune.rank_table(cands))
     live = sum(1 for c in cands if not c.problems)
     print(f"tune: {live} of {len(cands)} kernels pass the audit")

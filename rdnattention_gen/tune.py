@@ -13,8 +13,8 @@ Steps, for one family and its head_dims:
   5. measure (``--measure``, needs the GPU): every survivor and the current default, timed in
      turn round after round (never one build after another), each checked against the float64
      oracle first; the median of the rounds decides;
-  6. write (``--write``): per (head_dim, GQA group, mask), the winner when it is not the current
-     tile, with the device, clocks, toolchain, date and every candidate's figure, and a chart.
+  6. write (``--write``): per (head_dim, GQA group, mask), the winner when it is not the matrix's
+     own tile, with the device, clocks, toolchain, date and every candidate's figure, and a chart.
 
 The measuring step needs only the built candidate directory: build where the compiler is, measure
 where the GPU is (``--no-build``)."""
@@ -411,21 +411,28 @@ def _xml(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-def save_candidates(build_dir: Path, family_name: str, cands: list[Candidate]) -> None:
+def save_candidates(build_dir: Path, target: Target, family_name: str, cands: list[Candidate]) -> None:
     """What --no-build reads back: the candidates and their audit, beside the build."""
-    data = {"family": family_name, "candidates": [
+    data = {"target": target.name, "family": family_name, "candidates": [
         {"name": c.spec.name, "problems": list(c.problems), "default": c.default,
          "row": c.row.to_json() if c.row else None} for c in cands]}
     (build_dir / "tune.json").write_text(json.dumps(data, indent=2) + "\n")
 
 
-def load_candidates(build_dir: Path) -> tuple[str, list[Candidate]]:
+def load_candidates(build_dir: Path, target: Target) -> tuple[str, list[Candidate]]:
     path = build_dir / "tune.json"
     if not path.is_file():
         raise TuneError(f"{path} does not exist: build the candidates first (rdnattention-gen tune without --no-build)")
-    data = json.loads(path.read_text())
-    return data["family"], [Candidate(KernelSpec.from_name(c["name"]), audit.KernelAudit(**c["row"]) if c["row"] else None,
-                                      tuple(c["problems"]), c["default"]) for c in data["candidates"]]
+    try:
+        data = json.loads(path.read_text())
+        if data["target"] != target.name:
+            raise TuneError(f"{path} holds {data['target']} candidates, not {target.name}'s")
+        return data["family"], [Candidate(KernelSpec.from_name(c["name"]),
+                                          audit.KernelAudit(**c["row"]) if c["row"] else None,
+                                          tuple(c["problems"]), c["default"]) for c in data["candidates"]]
+    except (ValueError, KeyError, TypeError) as e:  # JSON, missing fields, names that are not kernels
+        raise TuneError(f"{path}: not a candidate list this version wrote ({type(e).__name__}: {e}); "
+                        "rebuild it (rdnattention-gen tune without --no-build)") from None
 
 
 

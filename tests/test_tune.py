@@ -251,6 +251,12 @@ def test_tune_builds_ranks_and_refuses_measuring_without_the_gpu(tmp_path):
     again = subprocess.run(cli + ["--no-build", "--measure"], capture_output=True, text=True, cwd=REPO_ROOT)
     assert again.returncode == 2
     assert "rdnattention-gen: error: --measure needs the gfx1030 GPU; torch sees no GPU here" in again.stderr
+    other = subprocess.run(cli[:5] + ["gfx906"] + cli[6:] + ["--no-build"], capture_output=True, text=True,
+                           cwd=REPO_ROOT)
+    assert other.returncode == 2 and "tune.json holds gfx1030 candidates, not gfx906's" in other.stderr
+    (tmp_path / "tune.json").write_text("{not json")
+    broken = subprocess.run(cli + ["--no-build"], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert broken.returncode == 2 and "tune.json: not a candidate list this version wrote" in broken.stderr
     bad = subprocess.run(cli[:5] + ["gfx1030,gfx906"], capture_output=True, text=True, cwd=REPO_ROOT)
     assert bad.returncode == 2 and "tune one target at a time" in bad.stderr
     for args, message in ((["--groups", "4"], "f16 has no GQA group [4]; its groups: [1, 2]"),
