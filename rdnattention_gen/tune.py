@@ -212,10 +212,15 @@ def measure(build_dir: Path, target: Target, cands: list[Candidate], rounds: int
 
     import torch
 
-    from rdnattention import attention_reference, drivers, plan_flash_attn
+    from rdnattention import drivers
     from rdnattention.dispatch import BUILD_DIR_ENV
     from rdnattention.drivers import host
 
+    families = sorted({c.spec.family for c in cands})
+    unknown = [f for f in families if f not in HARNESSES]
+    if unknown:
+        raise TuneError(f"--measure times the {', '.join(sorted(HARNESSES))} families; {', '.join(unknown)} "
+                        "has no timing harness (rank its candidates without --measure)")
     os.environ[BUILD_DIR_ENV] = str(build_dir.resolve())
     if target.platform == "host":  # the CPU emulator: how CI runs the tuner end to end (not for speed)
         os.environ[host.TARGET_ENV] = target.name
@@ -232,20 +237,20 @@ def measure(build_dir: Path, target: Target, cands: list[Candidate], rounds: int
     defaults: dict = {}
     inputs: dict = {}  # one q, k, v per shape, shared by its candidates
     for c in live:
+        harness = HARNESSES[c.spec.family]
         for shape in shapes_for(c.spec, seq):
             key = (c.spec.head_dim, c.spec.gqa_group, shape.causal)
-            error = _oracle_error(c.spec.name, shape, device, torch, attention_reference, plan_flash_attn)
-            if error > 2e-3:
-                log(f"tune: {c.spec.name} is wrong against the oracle (max error {error:.2e}); not timed")
+            error = harness.oracle_error(c.spec.name, shape, device)
+            if not error <= harness.tolerance:
+                log(f"tune: {c.spec.name} is wrong against the oracle ({harness.metric} {error:.2e}); not timed")
                 continue
             if shape not in inputs:
                 g = torch.Generator(device=device).manual_seed(0)
-                inputs[shape] = tuple(torch.randn(shape.batch, h, seq, shape.head_dim, device=device,
-                                                  dtype=torch.float16, generator=g)
-                                      for h in (shape.heads_q, shape.heads_kv, shape.heads_kv))
-            q, k, v = inputs[shape]
-            plans[(key, c.spec.name)] = (plan_flash_attn(q, k, v, is_causal=shape.causal, kernel=c.spec.name), shape)
-            defaults[key] = plan_flash_attn(q, k, v, is_causal=shape.causal).launches[0].kernel.name
+                inputs[shape] = harness.inputs(*(torch.randn(shape.batch, h, seq, shape.head_dim, device=device,
+                                                             dtype=torch.float16, generator=g)
+                                                 for h in (shape.heads_q, shape.heads_kv, shape.heads_kv)))
+            plans[(key, c.spec.name)] = (harness.plan(inputs[shape], shape.causal, c.spec.name), shape)
+            defaults[key] = harness.plan(inputs[shape], shape.causal, None).launches[0].kernel.name
     times: dict = {k: [] for k in plans}
     for r in range(rounds):
         for k, (plan, _) in plans.items():
@@ -258,15 +263,69 @@ def measure(build_dir: Path, target: Target, cands: list[Candidate], rounds: int
     return out
 
 
-def _oracle_error(name, shape, device, torch, reference, plan_flash_attn) -> float:
-    g = torch.Generator(device=device).manual_seed(1)
-    q = torch.randn(1, 4, 200, shape.head_dim, device=device, dtype=torch.float16, generator=g)
-    k, v = (torch.randn(1, 4 // (shape.heads_q // shape.heads_kv), 200, shape.head_dim, device=device,
-                        dtype=torch.float16, generator=g) for _ in range(2))
-    plan = plan_flash_attn(q, k, v, is_causal=shape.causal, kernel=name)
-    plan.run()
-    ref = reference(q.cpu(), k.cpu(), v.cpu(), is_causal=shape.causal)
-    return (plan.outputs[0].double().cpu() - ref).abs().max().item()
+class _F16Harness:
+    """fp16 inputs through plan_flash_attn; the oracle's maximum absolute error (the test sweep's)."""
+
+    tolerance, metric = 2e-3, "max abs error"
+
+    def inputs(self, q, k, v):
+        return q, k, v
+
+    def plan(self, inputs, causal: bool, kernel: str | None):
+        from rdnattention import plan_flash_attn
+
+        return plan_flash_attn(*inputs, is_causal=causal, kernel=kernel)
+
+    def reference(self, inputs, causal: bool):
+        from rdnattention import attention_reference
+
+        return attention_reference(*(t.cpu() for t in inputs), is_causal=causal)
+
+    def error(self, out, ref) -> float:
+        return (out.double().cpu() - ref).abs().max().item()
+
+    def oracle_error(self, name: str, shape: Shape, device) -> float:
+        import torch
+
+        g = torch.Generator(device=device).manual_seed(1)
+        q = torch.randn(1, 4, 200, shape.head_dim, device=device, dtype=torch.float16, generator=g)
+        k, v = (torch.randn(1, 4 // (shape.heads_q // shape.heads_kv), 200, shape.head_dim, device=device,
+                            dtype=torch.float16, generator=g) for _ in range(2))
+        inputs = self.inputs(q, k, v)
+        plan = self.plan(inputs, shape.causal, name)
+        plan.run()
+        return self.error(plan.outputs[0], self.reference(inputs, shape.causal))
+
+
+class _I8Harness(_F16Harness):
+    """int8 inputs (the package's quantizers) through plan_flash_attn_int8qk; the relative RMS error
+    against the oracle on the dequantized inputs (tests/test_int8.py's bound)."""
+
+    tolerance, metric = 0.03, "relative RMS error"
+
+    def inputs(self, q, k, v):
+        from rdnattention import quantize_per_channel, quantize_per_token
+
+        (qi, qs), (ki, ks), (vi, vs) = quantize_per_token(q), quantize_per_token(k), quantize_per_channel(v)
+        return qi, ki, vi, qs, ks, vs
+
+    def plan(self, inputs, causal: bool, kernel: str | None):
+        from rdnattention import plan_flash_attn_int8qk
+
+        return plan_flash_attn_int8qk(*inputs, is_causal=causal, kernel=kernel)
+
+    def reference(self, inputs, causal: bool):
+        from rdnattention import attention_reference
+
+        qi, ki, vi, qs, ks, vs = (t.cpu().double() for t in inputs)
+        return attention_reference(qi * qs[..., None], ki * ks[..., None], vi * vs[:, :, None, :], is_causal=causal)
+
+    def error(self, out, ref) -> float:
+        return ((out.double().cpu() - ref).norm() / ref.norm()).item()
+
+
+# How --measure runs each family's kernels (inputs, forced plan, oracle check).
+HARNESSES = {"f16": _F16Harness(), "i8": _I8Harness()}
 
 
 def _time_ms(fn, torch, device, reps: int = 10) -> float:

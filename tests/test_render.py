@@ -6,7 +6,7 @@ import jinja2
 import pytest
 
 from rdnattention_gen.render import (environment, generate, render_args, render_fma_peak, render_kernel, render_prelude,
-                                     write_if_changed)
+                                     target_files, write_if_changed)
 
 GOLDEN = Path(__file__).parent / "golden"
 # The dot2 and inline-asm lowerings, the host and cuda preludes (with their dot4 lowerings), the
@@ -99,3 +99,12 @@ def test_the_generator_renders_without_torch():
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_family_that_shares_a_template_gets_its_argument_header(matrix):
+    """f16len kernels include args_f16.h: a build of f16len alone must render it too."""
+    import dataclasses
+
+    only = dataclasses.replace(matrix, kernels={"f16len": matrix.kernels["f16len"]})
+    files = target_files(environment(), only, only.target("gfx1030"))
+    assert "args_f16.h" in files and "args_f16len.h" in files and "args_dec.h" not in files

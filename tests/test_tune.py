@@ -262,7 +262,9 @@ def test_tune_builds_ranks_and_refuses_measuring_without_the_gpu(tmp_path):
     for args, message in ((["--groups", "4"], "f16 has no GQA group [4]; its groups: [1, 2]"),
                           (["--head-dims", "64,x"], "--head-dims: '64,x' is not a comma list of integers"),
                           (["--head-dims", "80"], "f16 is not built for head_dim [80]"),
-                          (["--family", "f17"], "no kernel family 'f17'")):
+                          (["--family", "f17"], "no kernel family 'f17'"),
+                          (["--family", "f16len", "--measure"],
+                           "--measure times the f16, i8 families; f16len has no timing harness")):
         bad = subprocess.run(cli[:5] + ["gfx1030"] + args + ["--build-dir", str(tmp_path / "bad")],
                              capture_output=True, text=True, cwd=REPO_ROOT)
         assert bad.returncode == 2 and f"rdnattention-gen: error: {message}" in bad.stderr, bad.stderr
@@ -330,3 +332,22 @@ def test_the_fma_peak_probe_is_in_every_code_object_and_runs_on_the_host(host_bu
     assert f"RDNA_KERNEL(256) void {peak.KERNEL}(const RdnaFmaPeakArgs a)" in text
     for name, ctype in peak.ARGS.fields:
         assert f"  {ctype} {name};" in text
+
+
+def test_tune_measures_the_int8_family_on_the_host_emulator(tmp_path):
+    """The int8 harness: quantized inputs, forced int8 plans, the dequantized oracle, an overlay."""
+    import subprocess
+    import sys
+
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    cli = [sys.executable, "-m", "rdnattention_gen.cli", "tune", "--targets", "host", "--family", "i8",
+           "--head-dims", "64", "--groups", "1", "--space", "br=64 bc=64 threads=256 tm=2,4 waves=0",
+           "--build-dir", str(tmp_path / "b"), "--tuned", str(tuned), "--measure", "--write", "--seq", "64",
+           "--rounds", "1"]
+    out = subprocess.run(cli, capture_output=True, text=True, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "wrong against the oracle" not in out.stdout
+    measured = __import__("json").loads((tmp_path / "b" / "measured.json").read_text())
+    assert {m["causal"] for m in measured} == {False, True} and all(len(m["figures"]) >= 2 for m in measured)
+    load_tuned(tuned / "host.yaml", {"host"}, load_matrix(tuned_dir=None).kernels)
