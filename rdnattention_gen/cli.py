@@ -156,10 +156,11 @@ def cmd_tune(matrix: Matrix, args: argparse.Namespace) -> int:
         path = args.tuned / f"{target.name}.yaml"
         text = tune.tuned_yaml(target, family_name, best, facts, _toolchain_identity(build_dir, target), command,
                                previous=path.read_text() if path.is_file() else None)
+        chart = path.with_name(f"{target.name}-{family_name}.svg")  # one chart per family and target
         write_if_changed(path, text)
-        write_if_changed(path.with_suffix(".svg"), tune.chart_svg(best, f"{family_name} tiles on {facts['device']} "
-                                                                       f"(TFLOP/s, [1, 32, {args.seq}, head_dim])"))
-        print(f"tune: wrote {path} and {path.with_suffix('.svg')}")
+        write_if_changed(chart, tune.chart_svg(best, f"{family_name} tiles on {facts['device']} "
+                                                     f"(TFLOP/s, [1, 32, {args.seq}, head_dim])"))
+        print(f"tune: wrote {path} and {chart}")
     return 0
 
 

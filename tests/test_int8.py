@@ -189,18 +189,21 @@ def test_decode_runs_the_int8_split_kv_kernels(host_build, shape, options, head_
     assert (lse.double() - ref_lse).abs().max().item() <= 1e-3
 
 
-def _mirrored_int8_kernels() -> list[str]:
+def _mirrored_int8_kernels() -> list[tuple[str, str]]:
     from rdnattention_gen.matrix import load_matrix
 
     m = load_matrix()
-    return sorted(v.spec.name for v in m.variants_for(m.target("host")) if v.priority < 0 and v.spec.family == "i8")
+    return sorted((t, v.spec.name) for t in ("host", "host_f32") for v in m.variants_for(m.target(t))
+                  if v.priority < 0 and v.spec.family == "i8")
 
 
-# The AMD tables' int8 tiles, built on the host as alternates: every case through each of them.
-@pytest.mark.parametrize("name", _mirrored_int8_kernels())
-def test_mirrored_gpu_tiles_match_the_oracle(host_build, name):
+# The AMD tables' int8 tiles (host) and sm_90's tuned ones (host_f32), built as alternates: every
+# case through each of them.
+@pytest.mark.parametrize("target,name", _mirrored_int8_kernels())
+def test_mirrored_gpu_tiles_match_the_oracle(host_build, monkeypatch, target, name):
     from rdnattention_gen.spec import KernelSpec
 
+    monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
     spec = KernelSpec.from_name(name)
     for case in ("plain", "causal", "two_sided", "cross"):
         shape, options = CASES[case]

@@ -313,8 +313,8 @@ def test_tune_runs_end_to_end_on_the_host_emulator(tmp_path):
     # the default tile and both candidates were timed (and passed the oracle), plus the mirrored AMD tiles
     assert all(len(m["figures"]) >= 3 for m in measured)
     written = tuned / "host.yaml"
-    assert written.is_file() and (tuned / "host.svg").is_file()
-    ET.fromstring((tuned / "host.svg").read_text())
+    assert written.is_file() and (tuned / "host-f16.svg").is_file()
+    ET.fromstring((tuned / "host-f16.svg").read_text())
     load_tuned(written, {"host"}, load_matrix(tuned_dir=None).kernels)  # strict loader accepts what it wrote
 
 
