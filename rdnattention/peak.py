@@ -1,7 +1,7 @@
 """The FP32 FMA peak of the device at hand, the figure benchmarks and the tuner divide by: a probe
 kernel (``rdna_fma_peak``, templates/fma_peak.hip.j2) built into every target's code object by the
 project's own toolchain, launched through the same driver as the attention kernels (CUDA, HIP, or
-the host emulator, where the figure means nothing)."""
+the host emulator, where the figure means nothing), and the timing helper the tuner shares."""
 
 from __future__ import annotations
 
@@ -43,14 +43,28 @@ def fma_peak_tflops(device: torch.device, iters: int = 4096, reps: int = 20) -> 
         driver.launch_kernel(table.code_object, KERNEL, grid, THREADS, args, device)
 
     launch()  # load and warm up
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        launch()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+    ms = statistics.median(time_ms(launch, device, reps=1, warmup=0) for _ in range(reps))
     flops = 2 * CHAINS * UNROLL * iters * grid[0] * THREADS
-    return flops / statistics.median(times) / 1e12
+    return flops / ms / 1e9
+
+
+def time_ms(fn, device: "torch.device", reps: int = 10, warmup: int = 1) -> float:
+    """Milliseconds per call of ``fn`` over ``reps`` calls after ``warmup`` ones: CUDA events on a
+    GPU (torch's current stream), the wall clock on the host emulator (its launches return when done)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / reps
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps

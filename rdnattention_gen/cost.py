@@ -169,12 +169,17 @@ def estimate(counts: LoopCounts, *, waves_per_simd: int, wave_size: int, valu_la
     return Estimate(bound=bound, share=share, issue=issue, lds=lds, latency=latency)
 
 
+def estimate_on(target, loop: LoopCounts, waves_per_simd: int) -> Estimate:
+    """The estimate with ``target``'s rates (a matrix Target)."""
+    return estimate(loop, waves_per_simd=waves_per_simd, wave_size=target.wave_size, valu_lanes=target.valu_lanes,
+                    simds=target.simds_per_cu, lds_bytes_per_clock=target.lds_bytes_per_clock)
+
+
 def audit_fields(loop: LoopCounts | None, target, waves_per_simd: int) -> dict:
     """The audit row's cost-model fields for a kernel on ``target`` (a matrix Target)."""
     if loop is None:
         return {"loop": None, "bound": None, "peak_share": None}
-    e = estimate(loop, waves_per_simd=waves_per_simd, wave_size=target.wave_size, valu_lanes=target.valu_lanes,
-                 simds=target.simds_per_cu, lds_bytes_per_clock=target.lds_bytes_per_clock)
+    e = estimate_on(target, loop, waves_per_simd)
     return {"loop": loop.to_json(), "bound": e.bound, "peak_share": round(e.share, 3)}
 
 

@@ -26,7 +26,6 @@ import datetime
 import itertools
 import json
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,6 +214,7 @@ def measure(build_dir: Path, target: Target, cands: list[Candidate], rounds: int
     from rdnattention import drivers
     from rdnattention.dispatch import BUILD_DIR_ENV
     from rdnattention.drivers import host
+    from rdnattention.peak import time_ms
 
     families = sorted({c.spec.family for c in cands})
     unknown = [f for f in families if f not in HARNESSES]
@@ -254,7 +254,7 @@ def measure(build_dir: Path, target: Target, cands: list[Candidate], rounds: int
     times: dict = {k: [] for k in plans}
     for r in range(rounds):
         for k, (plan, _) in plans.items():
-            times[k].append(_time_ms(plan.run, torch, device))
+            times[k].append(time_ms(plan.run, device))
         log(f"tune: round {r + 1}/{rounds} timed {len(plans)} (kernel, shape) pairs")
     out: dict = {}
     for (key, name), (_, shape) in plans.items():
@@ -327,22 +327,6 @@ class _I8Harness(_F16Harness):
 # How --measure runs each family's kernels (inputs, forced plan, oracle check).
 HARNESSES = {"f16": _F16Harness(), "i8": _I8Harness()}
 
-
-def _time_ms(fn, torch, device, reps: int = 10) -> float:
-    fn()
-    if device.type != "cuda":
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - start) * 1e3 / reps
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def device_facts() -> dict:

@@ -3,7 +3,7 @@ sweep with the emulator's fiber order shuffled at every sync point, which must c
 
 import pytest
 import torch
-from cases import HEAD_DIMS, LSE_TOL, TOL, VARIANTS, make_case
+from cases import HEAD_DIMS, LSE_TOL, TOL, VARIANTS, make_case, mirrored_kernels
 
 import rdnattention
 from rdnattention import attention_reference, flash_attn
@@ -49,26 +49,16 @@ def test_shuffled_order_changes_nothing(in_order_results, head_dim, variant):
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
-def _alternates(target: str) -> list[str]:
-    """The host target's fp16 alternates: every tile of the GPU targets it mirrors that its own table
-    lacks (the int8 ones: tests/test_int8.py)."""
-    from rdnattention_gen.matrix import load_matrix
-
-    m = load_matrix()
-    return sorted(v.spec.name for v in m.variants_for(m.target(target)) if v.priority < 0 and v.spec.family != "i8")
-
-
 # The AMD tables' tiles (and sm_90's tuned ones) run here as the host's alternates: every case of the
 # sweep through each of them, by name. f16len runs with cache lengths, f16varlen on a packed batch.
-@pytest.mark.parametrize("name", _alternates("host") + [("host_f32", n) for n in _alternates("host_f32")],
-                         ids=lambda n: n if isinstance(n, str) else f"host_f32-{n[1]}")
-def test_mirrored_gpu_tiles_match_oracle(host_build, monkeypatch, name):
+# (The int8 ones: tests/test_int8.py.)
+@pytest.mark.parametrize("target,name", mirrored_kernels(int8=False))
+def test_mirrored_gpu_tiles_match_oracle(host_build, monkeypatch, target, name):
     from rdnattention import plan_flash_attn
     from rdnattention.api import _table
     from rdnattention.families import f16
     from rdnattention_gen.spec import KernelSpec
 
-    target, name = name if isinstance(name, tuple) else ("host", name)
     monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
     spec = KernelSpec.from_name(name)
     cases = ["plain", "causal", "window_two_sided", "gqa"] if spec.family == "f16" else ["causal", "gqa"]

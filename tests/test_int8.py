@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from cases import mirrored_kernels
 
 from rdnattention import (attention_reference, flash_attn_int8qk, flash_attn_int8qk_quantized,
                           plan_flash_attn_int8qk, quantize_per_channel, quantize_per_token, rotary_tables)
@@ -189,17 +190,9 @@ def test_decode_runs_the_int8_split_kv_kernels(host_build, shape, options, head_
     assert (lse.double() - ref_lse).abs().max().item() <= 1e-3
 
 
-def _mirrored_int8_kernels() -> list[tuple[str, str]]:
-    from rdnattention_gen.matrix import load_matrix
-
-    m = load_matrix()
-    return sorted((t, v.spec.name) for t in ("host", "host_f32") for v in m.variants_for(m.target(t))
-                  if v.priority < 0 and v.spec.family == "i8")
-
-
 # The AMD tables' int8 tiles (host) and sm_90's tuned ones (host_f32), built as alternates: every
 # case through each of them.
-@pytest.mark.parametrize("target,name", _mirrored_int8_kernels())
+@pytest.mark.parametrize("target,name", mirrored_kernels(int8=True))
 def test_mirrored_gpu_tiles_match_the_oracle(host_build, monkeypatch, target, name):
     from rdnattention_gen.spec import KernelSpec
 

@@ -65,8 +65,7 @@ def main() -> int:
             if counts is None:
                 continue
             waves = rows[name]["waves_per_simd"] if rows.get(name) else 1
-            e = cost.estimate(counts, waves_per_simd=waves, wave_size=target.wave_size, valu_lanes=target.valu_lanes,
-                              simds=target.simds_per_cu, lds_bytes_per_clock=target.lds_bytes_per_clock)
+            e = cost.estimate_on(target, counts, waves)
             est[name], got[name] = e.share, tflops
             details.append((m["head_dim"], m["causal"], name, waves, e.bound, e.share, tflops))
         if len(est) < 3:
