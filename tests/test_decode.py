@@ -3,6 +3,8 @@ oracle: key slices, cache lengths, GQA, windows, causal masks, paged caches and 
 and contiguous calls of the same keys, and one slice against several, run the same arithmetic per
 slice, so they are compared exactly where the math is the same."""
 
+import json
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -86,7 +88,7 @@ CASES = [  # (batch, heads_q, heads_kv, seq_q, seq_k, head_dim, options)
 ]
 
 
-@pytest.mark.parametrize("splits", [1, 3, 0])
+@pytest.mark.parametrize("splits", [1, 3, 21, 0])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:6])) + "-" + str(c[6]))
 def test_matches_the_oracle(table, case, splits):
     b, hq, hk, sq, sk, d, options = case
@@ -190,11 +192,25 @@ def test_flash_attn_routes_few_rows_to_decode(table):
 
 def test_automatic_slices_fill_the_device():
     # 4 workgroups per unit over 32 workgroups: 16 slices (one wave of 528); 9 over 64 would start a second.
-    assert dec.splits_for(workgroups=32, seq_k=8192, keys_per_step=32, units=132) == 16
-    assert dec.splits_for(workgroups=4096, seq_k=8192, keys_per_step=32, units=132) == 1
-    assert dec.splits_for(workgroups=64, seq_k=8192, keys_per_step=16, units=132) == 8
-    assert dec.splits_for(workgroups=1, seq_k=100, keys_per_step=32, units=132) == 2  # two steps per slice at least
+    assert dec.splits_for(workgroups=32, seq_k=8192, keys_per_step=32, units=132, per_unit=4) == 16
+    assert dec.splits_for(workgroups=32, seq_k=8192, keys_per_step=32, units=132, per_unit=6) == 24
+    assert dec.splits_for(workgroups=4096, seq_k=8192, keys_per_step=32, units=132, per_unit=4) == 1
+    assert dec.splits_for(workgroups=64, seq_k=8192, keys_per_step=16, units=132, per_unit=4) == 8
+    assert dec.splits_for(workgroups=1, seq_k=100, keys_per_step=32, units=132, per_unit=4) == 2  # two steps at least
     assert dec.slices(8192, 32, 17) == 16 and dec.slices(8192, 32, 16) == 16 and dec.slices(100, 32, 3) == 2 and dec.slices(0, 32, 5) == 1
+
+
+def test_resident_workgroups_match_the_audit(table):
+    """The occupancy the automatic slice count fills: the runtime's count for each decode kernel on
+    a GPU (one SM holds waves-per-SIMD x 4 schedulers' warps), the fixed count on the emulator."""
+    audit = {k["name"]: k for k in json.loads((table.code_object.parent / "audit.json").read_text())["kernels"]}
+    for entry in table.entries("dec", 128):
+        got = dec.resident(table, entry, DEVICE)
+        if DEVICE.type == "cpu":
+            assert got == drivers.host.RESIDENT_WORKGROUPS
+        else:
+            warps = entry.threads // 32
+            assert got == audit[entry.name]["waves_per_simd"] * 4 // warps, entry.name
 
 
 def test_a_table_without_decode_kernels_says_so(table):
@@ -211,7 +227,7 @@ def _decode_calls(draw):
     return dict(head_dim=draw(st.sampled_from([64, 128])), heads_kv=draw(st.integers(1, 2)),
                 group=draw(st.integers(1, 3)), batch=draw(st.integers(1, 3)), seq_q=draw(st.integers(1, 5)),
                 page=draw(st.sampled_from([16, 32, 64])), pages=draw(st.integers(1, 4)),
-                splits=draw(st.integers(0, 4)), causal=draw(st.booleans()), left=draw(st.integers(-1, 40)),
+                splits=draw(st.integers(0, 24)), causal=draw(st.booleans()), left=draw(st.integers(-1, 40)),
                 lengths_seed=draw(st.integers(0, 2**31 - 1)))
 
 

@@ -87,7 +87,8 @@ def test_a_library_without_the_symbols_is_refused():
     libc = ctypes.util.find_library("c")
     driver = ModuleDriver(hip.API, lambda: libc)
     with pytest.raises(LaunchError, match="lacks hipModuleLoadData, hipModuleGetFunction, hipModuleLaunchKernel, "
-                                          "hipGetErrorString: not a HIP runtime"):
+                                          "hipGetErrorString, hipModuleOccupancyMaxActiveBlocksPerMultiprocessor: "
+                                          "not a HIP runtime"):
         driver.library()
     with pytest.raises(LaunchError, match="cannot load the HIP library /no/such/libamdhip64.so"):
         ModuleDriver(hip.API, lambda: "/no/such/libamdhip64.so").library()
@@ -114,7 +115,7 @@ def test_no_device_is_a_typed_error():
 
 def test_cuda_api_binds_the_same_shape():
     assert hip.API.symbols == ("hipModuleLoadData", "hipModuleGetFunction", "hipModuleLaunchKernel",
-                               "hipGetErrorString")
+                               "hipGetErrorString", "hipModuleOccupancyMaxActiveBlocksPerMultiprocessor")
     assert isinstance(drivers.cuda.API, ModuleApi) and drivers.cuda.API.set_attribute == "cuFuncSetAttribute"
 
 

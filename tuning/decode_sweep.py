@@ -44,8 +44,8 @@ def main() -> int:
         label, _, path = item.partition("=")
         tables[label] = dispatch.load_table(Path(path) / target / "dispatch.json")
     splits = [int(s) for s in args.splits.split(",") if s]
-    print(f"GPU: {torch.cuda.get_device_name(device)}; {dec.WORKGROUPS_PER_UNIT} workgroups per SM for automatic "
-          "slices\n")
+    print(f"GPU: {torch.cuda.get_device_name(device)}; automatic slices fill one wave of each kernel's resident "
+          "workgroups\n")
     for shape in DECODE:
         label = shape[0]
         q, k, v, call = decode_inputs(shape, device)

@@ -19,6 +19,7 @@ CASES = {
     "window": (1, 2, 2, 140, 140, 64, {"window_size": (21, 9)}),
     "gqa": (1, 4, 2, 97, 97, 128, {"is_causal": True}),
     "decode": (2, 4, 2, 1, 203, 128, {}),
+    "decode_gqa4": (1, 8, 2, 1, 3000, 128, {}),  # the 4-row kernel, many slices per combine group
     "rope": (1, 4, 2, 90, 90, 64, {"is_causal": True, "rope": True}),
     "tail": (1, 2, 2, 77, 77, 96, {}),
     "wide": (1, 2, 1, 33, 45, 512, {"is_causal": True}),

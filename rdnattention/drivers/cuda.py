@@ -12,6 +12,7 @@ from .module_api import ModuleApi, ModuleDriver, current_device
 PLATFORM = "cuda"
 API = ModuleApi(vendor="CUDA", load="cuModuleLoadData", get_function="cuModuleGetFunction",
                 launch="cuLaunchKernel", error_string="cuGetErrorString", error_string_returns=False,
+                occupancy="cuOccupancyMaxActiveBlocksPerMultiprocessor",
                 set_attribute="cuFuncSetAttribute", max_dynamic_shared=8)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
@@ -38,3 +39,4 @@ DRIVER = ModuleDriver(API, library_path)
 
 launch_kernel = DRIVER.launch_kernel
 launch = DRIVER.launch
+resident_workgroups = DRIVER.resident_workgroups

@@ -23,6 +23,7 @@ from .module_api import ModuleApi, ModuleDriver, current_device
 PLATFORM = "amdgcn"
 API = ModuleApi(vendor="HIP", load="hipModuleLoadData", get_function="hipModuleGetFunction",
                 launch="hipModuleLaunchKernel", error_string="hipGetErrorString", error_string_returns=True,
+                occupancy="hipModuleOccupancyMaxActiveBlocksPerMultiprocessor",
                 set_attribute=None, max_dynamic_shared=0)  # amdgcn kernels allocate their LDS statically
 LIBRARY_ENV = "RDNATTENTION_HIP_LIBRARY"
 _ARCH = re.compile(r"gfx[0-9]{1,2}[0-9a-f]{2}")
@@ -111,6 +112,7 @@ DRIVER = ModuleDriver(API, library_path)
 
 launch_kernel = DRIVER.launch_kernel
 launch = DRIVER.launch
+resident_workgroups = DRIVER.resident_workgroups
 
 
 def device_count() -> int:

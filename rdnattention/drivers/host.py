@@ -95,6 +95,16 @@ def launch_kernel(code_object: Path, name: str, grid: tuple[int, int, int], thre
         raise LaunchError(f"host launch failed: {error}")  # the library names the kernel
 
 
+# Workgroups per worker thread that plans sized by occupancy (split-KV decode slices) count on:
+# the emulator runs one workgroup per worker at a time, but a GPU-like count keeps the same
+# slicing (and the combine step) in play as on a GPU.
+RESIDENT_WORKGROUPS = 4
+
+
+def resident_workgroups(code_object: Path, name: str, threads: int, shared_bytes: int, device: torch.device) -> int:
+    return RESIDENT_WORKGROUPS
+
+
 def _run(lib: ctypes.CDLL, call: tuple, cancel: ctypes.c_int | None) -> tuple[int, str]:
     error = ctypes.create_string_buffer(_ERROR_BYTES)
     rc = lib.rdna_host_launch(*call, None if cancel is None else ctypes.byref(cancel), error, _ERROR_BYTES)

@@ -1,6 +1,7 @@
 """The module-launch API that the CUDA driver API and HIP's module API share: load a code object
-from bytes, look a kernel up by name, allow it large dynamic shared memory, launch it with its
-argument struct on torch's current stream, and say what an error code means. One implementation
+from bytes, look a kernel up by name, allow it large dynamic shared memory, say how many of its
+workgroups a compute unit holds at once, launch it with its argument struct on torch's current
+stream, and say what an error code means. One implementation
 serves both vendors; each driver gives the symbol names and how to find its library."""
 
 from __future__ import annotations
@@ -37,12 +38,16 @@ class ModuleApi:
     launch: str                 # (function, grid xyz, block xyz, shared bytes, stream, void** params, void** extra)
     error_string: str
     error_string_returns: bool  # True: const char* f(status); False: status f(status, const char**)
+    # (int* workgroups, function, int threads, size_t dynamic shared bytes) -> status: the
+    # workgroups of a kernel one compute unit holds at once (registers, LDS, wave slots)
+    occupancy: str
     set_attribute: str | None   # (function, attribute, value) -> status; None: no dynamic shared memory
     max_dynamic_shared: int     # the attribute that lets a kernel use more than 48 KiB of dynamic LDS
 
     @property
     def symbols(self) -> tuple[str, ...]:
-        return tuple(s for s in (self.load, self.get_function, self.launch, self.error_string, self.set_attribute) if s)
+        return tuple(s for s in (self.load, self.get_function, self.launch, self.error_string, self.occupancy,
+                                 self.set_attribute) if s)
 
 
 _P = ctypes.POINTER
@@ -58,6 +63,7 @@ class ModuleDriver:
         self._lock = threading.Lock()
         self._modules: dict[tuple[Path, int], ctypes.c_void_p] = {}
         self._functions: dict[tuple[Path, int, str, int], ctypes.c_void_p] = {}
+        self._resident: dict[tuple[Path, int, str, int, int], int] = {}
 
     def library(self) -> ctypes.CDLL:
         """The runtime library with every symbol the driver uses bound; LaunchError names a missing one."""
@@ -81,6 +87,7 @@ class ModuleDriver:
                 getattr(lib, a.error_string).restype = ctypes.c_char_p
             else:
                 getattr(lib, a.error_string).argtypes = [ctypes.c_int, _P(ctypes.c_char_p)]
+            getattr(lib, a.occupancy).argtypes = [_P(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
             if a.set_attribute:
                 getattr(lib, a.set_attribute).argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
             self._lib = lib
@@ -127,6 +134,21 @@ class ModuleDriver:
                                f"allowing {name} {shared_bytes} bytes of shared memory")
                 self._functions[key] = fn
         return fn
+
+    def resident_workgroups(self, code_object: Path, name: str, threads: int, shared_bytes: int,
+                            device: torch.device) -> int:
+        """Workgroups of ``threads`` threads of kernel ``name`` that one compute unit of ``device``
+        holds at once, as the runtime computes it from the kernel's registers and LDS (at least 1)."""
+        index = current_device() if device.index is None else device.index
+        key = (code_object, index, name, threads, shared_bytes)
+        if key not in self._resident:
+            fn = self.function(code_object, index, name, shared_bytes)
+            count = ctypes.c_int()
+            with torch.cuda.device(index):
+                self.check(getattr(self.library(), self.api.occupancy)(ctypes.byref(count), fn, threads, shared_bytes),
+                           f"asking the occupancy of {name}")
+            self._resident[key] = max(1, count.value)
+        return self._resident[key]
 
     def launch(self, code_object: Path, launch, device: torch.device) -> None:
         """Runs one planned launch (rdnattention.plan.Launch)."""

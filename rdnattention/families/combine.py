@@ -1,6 +1,6 @@
 """The combine step of split-KV decode, runtime side: merges the partial outputs of the key slices
 of a ``dec`` launch (families/dec.py) into the output and its LSE. One launch over the rows of
-[batch, heads_q, seq_q], ``br`` rows per workgroup."""
+[batch, heads_q, seq_q], a workgroup per row."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..abi import ArgStruct
 from ..dispatch import TargetTable
+from ..errors import InvalidArgumentError
 from ..names import NameField, NameSchema
 from ..plan import Launch
 from . import f16
@@ -39,12 +40,14 @@ ARGS = ArgStruct("Fa2CombineArgs", (
 Fa2CombineArgs = ARGS.ctype
 
 
-def lds_layout(head_dim: int) -> dict[str, int]:
-    return {}  # no LDS
+def lds_layout(head_dim: int, threads: int) -> dict[str, int]:
+    """Bytes of each LDS region: every lane group's merged values, then their (maximum, sum)."""
+    groups = threads // (head_dim // 8)
+    return {"acc_bytes": groups * head_dim * 4, "stat_bytes": groups * 2 * 4}
 
 
 def lds_bytes(facts: dict[str, object]) -> int:
-    return 0
+    return sum(lds_layout(facts["head_dim"], facts["tile.threads"]).values())
 
 
 def launch(table: TargetTable, call, head_dim: int, splits: int, scratch: tuple[torch.Tensor, torch.Tensor]) -> Launch:
@@ -62,5 +65,8 @@ def launch(table: TargetTable, call, head_dim: int, splits: int, scratch: tuple[
     if call.seqused_q is not None:
         fields["seqused_q"] = call.seqused_q.data_ptr()
     rows = call.batch * call.q.shape[1] * call.seq_q
-    grid = (-(-rows // entry.br), 1, 1)
-    return Launch(kernel=entry, grid=grid, block=entry.threads, shared_bytes=0, args=Fa2CombineArgs(**fields))
+    if rows >= 2**31:
+        raise InvalidArgumentError(f"{rows} query rows exceed the combine grid's 2^31 - 1 workgroups")
+    shared = entry.lds_bytes if table.dynamic_lds else 0
+    return Launch(kernel=entry, grid=(rows, 1, 1), block=entry.threads, shared_bytes=shared,
+                  args=Fa2CombineArgs(**fields))

@@ -55,9 +55,6 @@ ARGS = ArgStruct("Fa2DecArgs", (
 ))
 Fa2DecArgs = ARGS.ctype
 
-# Workgroups per compute unit the automatic split count fills at most: one wave (4 per SM at 4 waves per
-# SIMD; tuning/results/h200_decode.md).
-WORKGROUPS_PER_UNIT = 4
 _GRID_YZ_MAX = 65535
 
 
@@ -133,11 +130,22 @@ def select(table: TargetTable, head_dim: int, rows: int, kernel: str | None = No
                         kernel=kernel)
 
 
-def splits_for(workgroups: int, seq_k: int, keys_per_step: int, units: int) -> int:
-    """Key slices that bring ``workgroups`` up to at most WORKGROUPS_PER_UNIT per compute unit (one
-    wave of workgroups: rounding up would start a second, nearly empty one), each slice at least
-    two steps of keys; every slice then non-empty (the slice length rounds up to whole steps)."""
-    want = max(1, WORKGROUPS_PER_UNIT * units // max(workgroups, 1))
+def resident(table: TargetTable, entry: KernelEntry, device: torch.device) -> int:
+    """Workgroups of ``entry`` one compute unit holds at once, from the device's runtime (its
+    registers and LDS against the unit's; the host emulator counts a fixed number)."""
+    from .. import drivers
+
+    shared = entry.lds_bytes if table.dynamic_lds else 0
+    return drivers.for_platform(table.platform).resident_workgroups(table.code_object, entry.name, entry.threads,
+                                                                    shared, device)
+
+
+def splits_for(workgroups: int, seq_k: int, keys_per_step: int, units: int, per_unit: int) -> int:
+    """Key slices that bring ``workgroups`` up to at most one wave of workgroups, ``per_unit`` on
+    each of ``units`` compute units at once (rounding up would start a second, nearly empty wave:
+    tuning/results/h200_decode.md), each slice at least two steps of keys; every slice then
+    non-empty (the slice length rounds up to whole steps)."""
+    want = max(1, per_unit * units // max(workgroups, 1))
     return slices(seq_k, keys_per_step, min(want, -(-seq_k // (2 * keys_per_step))))
 
 
@@ -164,7 +172,8 @@ def plan(table: TargetTable, call: Call, *, kernel: str | None = None, family: s
     if call.num_splits:
         splits = slices(call.seq_k, entry.bc, call.num_splits)
     else:
-        splits = splits_for(chunks * heads_kv * call.batch, call.seq_k, entry.bc, _units(q.device))
+        splits = splits_for(chunks * heads_kv * call.batch, call.seq_k, entry.bc, _units(q.device),
+                            resident(table, entry, q.device))
     fields = f16.common_fields(q, k, v, call.out, call.lse, call.window, call.softmax_scale, False, None,
                                call.seqused_k)
     del fields["heavy_first"]

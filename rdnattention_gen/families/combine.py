@@ -1,6 +1,6 @@
-"""The combine step of split-KV decode: merges the dec family's partial outputs (fp32, no products,
-no LDS). It takes the dec family's tiles: the same threads per workgroup, head_dim / 8 lanes per
-row, so br = threads / (head_dim / 8) rows per workgroup.
+"""The combine step of split-KV decode: merges the dec family's partial outputs (fp32, no products).
+It takes the dec family's threads per workgroup: one row per workgroup, in threads / (head_dim / 8)
+groups of head_dim / 8 lanes that split the row's slices and meet in LDS.
 
 Kernel body: templates/include/fa2_combine.h."""
 
@@ -36,9 +36,8 @@ class Combine(HeadDimAxis, Family):
         return "fp32"
 
     def _spec(self, head_dim: int, threads: int, wave_size: int) -> KernelSpec:
-        rows = max(1, threads // max(1, head_dim // 8))
         return KernelSpec(family=self.name, head_dim=head_dim, gqa_group=1,
-                          tile=Tile(br=rows, bc=1, threads=threads, tm=1), wave_size=wave_size, tier="fp32",
+                          tile=Tile(br=1, bc=1, threads=threads, tm=1), wave_size=wave_size, tier="fp32",
                           stage="f32")
 
     def spec(self, target: Target, point: dict, tile: Tile) -> KernelSpec:
@@ -49,7 +48,10 @@ class Combine(HeadDimAxis, Family):
         return None if v is None else self._spec(v["head_dim"], v["tile.threads"], v["wave_size"])
 
     def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
-        return runtime.lds_layout(spec.head_dim)
+        return runtime.lds_layout(spec.head_dim, spec.tile.threads)
+
+    def context(self, spec: KernelSpec) -> dict:
+        return {"lds_bytes": self.lds_bytes(spec)}
 
 
 FAMILY = Combine()

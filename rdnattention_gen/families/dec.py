@@ -45,6 +45,11 @@ def decode_rules(lane_values: int) -> tuple[Rule, ...]:
         Rule("rows_per_thread",
              lambda s, t: s.tile.tm == s.tile.br,
              lambda s, t: f"tm {s.tile.tm} must equal br {s.tile.br}: every thread holds all of the workgroup's rows"),
+        Rule("rows_per_key_lanes",
+             lambda s, t: s.tile.br & (s.tile.br - 1) == 0 and s.tile.br <= lanes(s),
+             lambda s, t: f"br {s.tile.br} must be a power of two, at most the lanes that share a key "
+                          f"(head_dim / {lane_values} = {lanes(s)}): each lane's share of the rows' scores is reduced "
+                          "by halving"),
         Rule("keys_per_group",
              lambda s, t: s.tile.bc % (s.tile.threads // lanes(s)) == 0,
              lambda s, t: f"bc {s.tile.bc} must be a multiple of the lane groups threads / (head_dim / {lane_values}) "

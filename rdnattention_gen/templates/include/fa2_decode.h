@@ -41,13 +41,17 @@ struct DecodeKv {
     v = args.v + vb + head_kv * args.v_stride_h;
   }
   // Paged: the batch stride is the page stride, and K and V share their strides (the runtime
-  // checks), so one offset serves both.
-  RDNA_METHOD long long paged_offset(int i) const {
-    return pages[i >> a.page_shift] * a.k_stride_b + (long long)(i & ((1 << a.page_shift) - 1)) * a.k_stride_s;
+  // checks), so one offset serves both. The page of key i is read apart from the key (page(i)),
+  // a step ahead of the key's own load, so the two reads do not follow each other.
+  RDNA_METHOD int page(int i) const { return PAGED ? pages[i >> a.page_shift] : 0; }
+  RDNA_METHOD long long paged_offset(int i, int pg) const {
+    return pg * a.k_stride_b + (long long)(i & ((1 << a.page_shift) - 1)) * a.k_stride_s;
   }
-  RDNA_METHOD decltype(Args::k) key(int i) const { return k + (PAGED ? paged_offset(i) : (long long)i * a.k_stride_s); }
-  RDNA_METHOD decltype(Args::v) value(int i) const {
-    return v + (PAGED ? paged_offset(i) : (long long)i * a.v_stride_s);
+  RDNA_METHOD decltype(Args::k) key(int i, int pg) const {
+    return k + (PAGED ? paged_offset(i, pg) : (long long)i * a.k_stride_s);
+  }
+  RDNA_METHOD decltype(Args::v) value(int i, int pg) const {
+    return v + (PAGED ? paged_offset(i, pg) : (long long)i * a.v_stride_s);
   }
 };
 
@@ -103,6 +107,7 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   constexpr int T = BC / NG;  // keys per group per step
   static_assert(D % CPL == 0 && L <= RDNA_WAVE_SIZE && (L & (L - 1)) == 0 && NT % L == 0 && BC % NG == 0, "lane groups");
   static_assert(LDS_BYTES == NG * R * (D + 2) * (int)sizeof(float), "LDS layout");
+  static_assert(R >= 1 && R <= L && (R & (R - 1)) == 0, "rows: a power of two, at most the lanes per key");
 
   const int tid = rdna_thread_id(), grp = tid / L, lane = tid % L;
   const int group = a.heads_q / a.heads_kv;
@@ -125,26 +130,35 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   const WindowMask<Args, true, true> mask{a, n, sq};
   const typename E::Scales scales = E::scales(a, b, head_kv);
 
-  // This workgroup's rows: query head head_kv * group + r / sq at position r % sq.
-  int pos[R];
+  // This workgroup's rows: query head head_kv * group + r / sq at position r % sq. Rows past the
+  // last (a short final chunk) repeat it; they are computed and never written.
   int first = sq, last = -1;
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     const int r = rdna_min(r0 + i, rows - 1);
-    pos[i] = r % sq;
-    if (r0 + i < rows) first = rdna_min(first, pos[i]), last = rdna_max(last, pos[i]);
+    if (r0 + i < rows) first = rdna_min(first, r % sq), last = rdna_max(last, r % sq);
   }
   const int live = rdna_min(R, rows - r0);  // rows i < live exist (the same in every lane)
 
-  // Each lane's CPL values of each row of Q, and the row's scale.
+  // Each key's R partial scores are reduced over the L lanes by halving: a lane keeps half of its
+  // rows and adds its partner's half of them, until it holds one row's score ("its own" row: the
+  // top log2(R) bits of its lane number), then sums that one over the remaining lanes. R - 1 +
+  // log2(L / R) shuffles per key rather than R log2(L), and one row's softmax per lane. Each lane
+  // keeps its rows in its own order, slot d holding row own ^ d, so that every exchange is a
+  // butterfly with a lane-independent mask: slot d of lane x ^ (d * L / R) is its own row.
+  constexpr int SPAN = L / R;  // lanes per row once reduced
+  const int own = lane / SPAN;
+  const int own_r = rdna_min(r0 + own, rows - 1);
+  const int own_pos = own_r % sq;
+  const float own_qs = E::query_scale(a, b, head_kv * group + own_r / sq, q0 + own_pos);
+
+  // Each lane's CPL values of each row of Q, in the lane's order.
   typename E::Q qf[R];
-  float qs[R];
 #pragma unroll
-  for (int i = 0; i < R; ++i) {
-    const int r = rdna_min(r0 + i, rows - 1), head = head_kv * group + r / sq;
-    const auto* src = a.q + b * a.q_stride_b + head * a.q_stride_h + (q0 + pos[i]) * a.q_stride_s;
-    qf[i] = E::query(rdna_load16(src + CPL * lane));
-    qs[i] = E::query_scale(a, b, head, q0 + pos[i]);
+  for (int d = 0; d < R; ++d) {
+    const int r = rdna_min(r0 + (own ^ d), rows - 1), head = head_kv * group + r / sq;
+    const auto* src = a.q + b * a.q_stride_b + head * a.q_stride_h + (q0 + r % sq) * a.q_stride_s;
+    qf[d] = E::query(rdna_load16(src + CPL * lane));
   }
 
   // This slice of the keys the rows can see.
@@ -152,72 +166,105 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   const int per = ((rdna_max(hi - lo, 0) + a.splits - 1) / a.splits + BC - 1) / BC * BC;
   const int s_lo = lo + split * per, s_hi = rdna_min(hi, s_lo + per);
 
-  float m[R], l[R], o[R][CPL];
+  float m = -__builtin_inff(), l = 0.f, o[R][CPL];  // m, l: the own row's; o: slot order
 #pragma unroll
-  for (int i = 0; i < R; ++i) {
-    m[i] = -__builtin_inff();
-    l[i] = 0.f;
+  for (int d = 0; d < R; ++d) {
 #pragma unroll
-    for (int c = 0; c < CPL; ++c) o[i][c] = 0.f;
+    for (int c = 0; c < CPL; ++c) o[d][c] = 0.f;
   }
 
   const u32x4 zero = {0u, 0u, 0u, 0u};
-  // Each step's loads are issued one step ahead, so their latency overlaps the previous step.
+  // Each step's loads are issued one step ahead, so their latency overlaps the previous step; a
+  // paged cache's page numbers (pg) one step before those.
   u32x4 kc[T], vc[T];
   float ks[T];
+  int pg[T];
+  auto pages_of = [&](int k0) {
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const int key = k0 + t * NG + grp;
+      pg[t] = PAGED && key < s_hi ? kv.page(key) : 0;
+    }
+  };
   auto load = [&](int k0, u32x4 (&kd)[T], u32x4 (&vd)[T], float (&sd)[T]) {
 #pragma unroll
     for (int t = 0; t < T; ++t) {
       const int key = k0 + t * NG + grp;
-      kd[t] = key < s_hi ? rdna_load16(kv.key(key) + CPL * lane) : zero;
-      vd[t] = key < s_hi ? rdna_load16(kv.value(key) + CPL * lane) : zero;
+      kd[t] = key < s_hi ? rdna_load16(kv.key(key, pg[t]) + CPL * lane) : zero;
+      vd[t] = key < s_hi ? rdna_load16(kv.value(key, pg[t]) + CPL * lane) : zero;
       sd[t] = key < s_hi ? scales.key(key) : 1.f;  // 1: folds away for fp16
     }
   };
-  if (s_lo < s_hi) load(s_lo, kc, vc, ks);
+  if (s_lo < s_hi) {
+    pages_of(s_lo);
+    load(s_lo, kc, vc, ks);
+    pages_of(s_lo + BC);
+  }
 #pragma unroll 1
   for (int k0 = s_lo; k0 < s_hi; k0 += BC) {
     u32x4 kn[T], vn[T];
     float ksn[T];
-    if (k0 + BC < s_hi) load(k0 + BC, kn, vn, ksn);
+    if (k0 + BC < s_hi) {
+      load(k0 + BC, kn, vn, ksn);
+      pages_of(k0 + 2 * BC);
+    }
     const bool whole = k0 + BC <= s_hi && mask.template whole<BC>(k0, first, last);
-    // Scores key by key (each key's K converted once for every row), then each row's softmax
-    // step, then P.V key by key.
-    float s[R][T];
+    // The own row's score of each key (each key's K converted once for every row).
+    float s[T];
 #pragma unroll
     for (int t = 0; t < T; ++t) {
       const typename E::K kf = E::key(kc[t]);
+      float acc[R];
+#pragma unroll
+      for (int d = 0; d < R; ++d) acc[d] = E::dot(qf[d], kf);
+#pragma unroll
+      for (int n = R, x = L / 2; n > 1; n >>= 1, x >>= 1) {
+#pragma unroll
+        for (int d = 0; d < n / 2; ++d) acc[d] += rdna_shfl_xor(acc[d + n / 2], x);
+      }
+#pragma unroll
+      for (int x = SPAN / 2; x >= 1; x >>= 1) acc[0] += rdna_shfl_xor(acc[0], x);
       const int key = k0 + t * NG + grp;
+      const float score = acc[0] * (own_qs * ks[t]);
+      s[t] = whole || (key < s_hi && mask.visible(key, own_pos, mask.diag(own_pos))) ? mask.scale(score)
+                                                                                      : -__builtin_inff();
+    }
+    // The own row's softmax step; every slot's rescale factor and probabilities come from the
+    // lanes that own those rows. A maximum that did not grow rescales by exactly 1: skipped.
+    float tile_max = -__builtin_inff();
 #pragma unroll
-      for (int i = 0; i < R; ++i) {
-        if (i >= live) break;
-        float acc = E::dot(qf[i], kf);
+    for (int t = 0; t < T; ++t) tile_max = rdna_fmax(tile_max, s[t]);
+    const float m_new = rdna_fmax(m, tile_max);
+    const float m_ref = m_new == -__builtin_inff() ? 0.f : m_new;
+    float alpha[R];
+    alpha[0] = rdna_exp2(m - m_ref);
+    m = m_new;
 #pragma unroll
-        for (int x = 1; x < L; x <<= 1) acc += rdna_shfl_xor(acc, x);
-        acc *= qs[i] * ks[t];
-        s[i][t] = whole || (key < s_hi && mask.visible(key, pos[i], mask.diag(pos[i]))) ? mask.scale(acc) : -__builtin_inff();
+    for (int d = 1; d < R; ++d) alpha[d] = rdna_shfl_xor(alpha[0], d * SPAN);
+    bool grew = false;
+#pragma unroll
+    for (int d = 0; d < R; ++d) grew |= alpha[d] != 1.f;
+    if (grew) {
+#pragma unroll
+      for (int d = 0; d < R; ++d) {
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) o[d][c] *= alpha[d];
       }
     }
-    float m_ref[R];
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      if (i >= live) break;
-      float tile_max = -__builtin_inff();
-#pragma unroll
-      for (int t = 0; t < T; ++t) tile_max = rdna_fmax(tile_max, s[i][t]);
-      m_ref[i] = fa2_softmax_update(m[i], l[i], o[i], tile_max);
-    }
+    l *= alpha[0];
 #pragma unroll
     for (int t = 0; t < T; ++t) {
       float vf[CPL];
       E::values(vc[t], vf);
+      float p[R];
+      p[0] = rdna_exp2(s[t] - m_ref);
+      l += p[0];
 #pragma unroll
-      for (int i = 0; i < R; ++i) {
-        if (i >= live) break;
-        const float p = rdna_exp2(s[i][t] - m_ref[i]);
-        l[i] += p;
+      for (int d = 1; d < R; ++d) p[d] = rdna_shfl_xor(p[0], d * SPAN);
 #pragma unroll
-        for (int c = 0; c < CPL; ++c) o[i][c] = rdna_fma(p, vf[c], o[i][c]);
+      for (int d = 0; d < R; ++d) {
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) o[d][c] = rdna_fma(p[d], vf[c], o[d][c]);
       }
     }
 #pragma unroll
@@ -228,10 +275,9 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   float* const ol = reinterpret_cast<float*>(lds);
   float* const ml = ol + NG * R * D;
 #pragma unroll
-  for (int i = 0; i < R; ++i) {
-    __builtin_memcpy(__builtin_assume_aligned(ol + (grp * R + i) * D + CPL * lane, 16), o[i], sizeof(o[i]));
-    if (lane == 0) ml[2 * (grp * R + i)] = m[i], ml[2 * (grp * R + i) + 1] = l[i];
-  }
+  for (int d = 0; d < R; ++d)
+    __builtin_memcpy(__builtin_assume_aligned(ol + (grp * R + (own ^ d)) * D + CPL * lane, 16), o[d], sizeof(o[d]));
+  if (lane % SPAN == 0) ml[2 * (grp * R + own)] = m, ml[2 * (grp * R + own) + 1] = l;
   rdna_block_sync();
   for (int item = tid; item < live * L; item += NT) {
     const int i = item / L, c0 = item % L * CPL, r = r0 + i;
