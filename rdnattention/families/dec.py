@@ -58,15 +58,15 @@ Fa2DecArgs = ARGS.ctype
 _GRID_YZ_MAX = 65535
 
 
-def lds_layout(head_dim: int, threads: int, rows: int, lane_values: int = 8) -> dict[str, int]:
-    """Bytes of each LDS region: every lane group's output rows, then their (max, sum) pairs.
-    ``lane_values``: values of a key each lane holds (16 bytes: 8 fp16, 16 int8)."""
-    groups = threads // (head_dim // lane_values)
-    return {"o_bytes": groups * rows * head_dim * 4, "stat_bytes": groups * rows * 2 * 4}
+def lds_layout(head_dim: int, threads: int, rows: int, wave_size: int) -> dict[str, int]:
+    """Bytes of each LDS region: every wave's output rows (its lane groups merged by shuffles),
+    then their (max, sum) pairs."""
+    waves = threads // wave_size
+    return {"o_bytes": waves * rows * head_dim * 4, "stat_bytes": waves * rows * 2 * 4}
 
 
 def lds_bytes(facts: dict[str, object]) -> int:
-    return sum(lds_layout(facts["head_dim"], facts["tile.threads"], facts["tile.br"]).values())
+    return sum(lds_layout(facts["head_dim"], facts["tile.threads"], facts["tile.br"], facts["wave_size"]).values())
 
 
 @dataclass(frozen=True)

@@ -32,12 +32,8 @@ Fa2I8DecArgs = ARGS.ctype
 LANE_VALUES = 16  # int8 values per lane per key (16 bytes)
 
 
-def lds_layout(head_dim: int, threads: int, rows: int) -> dict[str, int]:
-    return dec.lds_layout(head_dim, threads, rows, LANE_VALUES)
-
-
-def lds_bytes(facts: dict[str, object]) -> int:
-    return sum(lds_layout(facts["head_dim"], facts["tile.threads"], facts["tile.br"]).values())
+lds_layout = dec.lds_layout  # the same LDS regions: one per wave
+lds_bytes = dec.lds_bytes
 
 
 def plan(table: TargetTable, call: i8.Call, *, kernel: str | None = None, num_splits: int = 0) -> Plan:

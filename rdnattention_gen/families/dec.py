@@ -82,7 +82,7 @@ class Dec(HeadDimAxis, Family):
         return None if spec is None else KernelSpec(**{**spec.__dict__, "family": self.name})
 
     def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
-        return runtime.lds_layout(spec.head_dim, spec.tile.threads, spec.tile.br)
+        return runtime.lds_layout(spec.head_dim, spec.tile.threads, spec.tile.br, spec.wave_size)
 
     def context(self, spec: KernelSpec) -> dict:
         return {"pairs": "F32Pairs" if spec.stage == "f32" else "F16Pairs", "lds_bytes": self.lds_bytes(spec),

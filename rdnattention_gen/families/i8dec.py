@@ -22,7 +22,7 @@ class I8Dec(HeadDimAxis, I8):
     oracle_cases: dict = {}  # tests/test_int8.py runs it against the dequantized oracle
 
     def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
-        return runtime.lds_layout(spec.head_dim, spec.tile.threads, spec.tile.br)
+        return runtime.lds_layout(spec.head_dim, spec.tile.threads, spec.tile.br, spec.wave_size)
 
     def context(self, spec: KernelSpec) -> dict:
         return {"lds_bytes": self.lds_bytes(spec), "waves": waves_per_simd(spec)}

@@ -7,8 +7,8 @@
 // staged in LDS: each key is read from memory straight into the registers of a group of L = D/8
 // lanes, 16 bytes of K and 16 bytes of V per lane, and the L lanes reduce its score with shuffles.
 // The NG = NT/L lane groups take keys round robin, T of them per step (BC = NG * T keys per
-// workgroup step), and each keeps its own online softmax over the keys it saw; the groups meet
-// once, in LDS, at the end. With one slice the workgroup writes the output; with several it writes
+// workgroup step), and each keeps its own online softmax over the keys it saw; at the end the
+// groups of a wave merge by shuffles and the waves meet once, in LDS. With one slice the workgroup writes the output; with several it writes
 // a normalised fp32 partial output and its log2-domain LSE per row and slice, which the combine
 // kernel (fa2_combine.h) merges.
 //
@@ -106,7 +106,7 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   constexpr int NG = NT / L;  // lane groups
   constexpr int T = BC / NG;  // keys per group per step
   static_assert(D % CPL == 0 && L <= RDNA_WAVE_SIZE && (L & (L - 1)) == 0 && NT % L == 0 && BC % NG == 0, "lane groups");
-  static_assert(LDS_BYTES == NG * R * (D + 2) * (int)sizeof(float), "LDS layout");
+  static_assert(LDS_BYTES == NT / RDNA_WAVE_SIZE * R * (D + 2) * (int)sizeof(float), "LDS layout");
   static_assert(R >= 1 && R <= L && (R & (R - 1)) == 0, "rows: a power of two, at most the lanes per key");
 
   const int tid = rdna_thread_id(), grp = tid / L, lane = tid % L;
@@ -271,24 +271,52 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
     for (int t = 0; t < T; ++t) kc[t] = kn[t], vc[t] = vn[t], ks[t] = ksn[t];
   }
 
-  // The groups meet in LDS: o [NG][R][D], then (m, l) [NG][R].
-  float* const ol = reinterpret_cast<float*>(lds);
-  float* const ml = ol + NG * R * D;
+  // The lane groups of one wave merge first, by shuffles (the lane x ^ L of the next group holds
+  // the same rows in the same slots), so that LDS holds one (o, m, l) per wave: an LDS footprint
+  // per wave, not per lane group, keeps wave64 targets at the occupancy their registers allow.
+  constexpr int GW = RDNA_WAVE_SIZE / L;  // lane groups per wave
+  static_assert(NT % RDNA_WAVE_SIZE == 0, "whole waves");
 #pragma unroll
-  for (int d = 0; d < R; ++d)
-    __builtin_memcpy(__builtin_assume_aligned(ol + (grp * R + (own ^ d)) * D + CPL * lane, 16), o[d], sizeof(o[d]));
-  if (lane % SPAN == 0) ml[2 * (grp * R + own)] = m, ml[2 * (grp * R + own) + 1] = l;
+  for (int x = L; x < L * GW; x <<= 1) {
+    const float m_o = rdna_shfl_xor(m, x), l_o = rdna_shfl_xor(l, x);
+    const float m_new = rdna_fmax(m, m_o);
+    const float ref = m_new == -__builtin_inff() ? 0.f : m_new;
+    float mine[R], theirs[R];
+    mine[0] = rdna_exp2(m - ref);
+    theirs[0] = rdna_exp2(m_o - ref);
+#pragma unroll
+    for (int d = 1; d < R; ++d) mine[d] = rdna_shfl_xor(mine[0], d * SPAN), theirs[d] = rdna_shfl_xor(theirs[0], d * SPAN);
+    m = m_new;
+    l = l * mine[0] + l_o * theirs[0];
+#pragma unroll
+    for (int d = 0; d < R; ++d) {
+#pragma unroll
+      for (int c = 0; c < CPL; ++c) o[d][c] = rdna_fma(rdna_shfl_xor(o[d][c], x), theirs[d], o[d][c] * mine[d]);
+    }
+  }
+
+  // The waves meet in LDS: o [NW][R][D], then (m, l) [NW][R].
+  constexpr int NW = NT / RDNA_WAVE_SIZE;
+  const int wave = tid / RDNA_WAVE_SIZE;
+  float* const ol = reinterpret_cast<float*>(lds);
+  float* const ml = ol + NW * R * D;
+  if (grp % GW == 0) {
+#pragma unroll
+    for (int d = 0; d < R; ++d)
+      __builtin_memcpy(__builtin_assume_aligned(ol + (wave * R + (own ^ d)) * D + CPL * lane, 16), o[d], sizeof(o[d]));
+    if (lane % SPAN == 0) ml[2 * (wave * R + own)] = m, ml[2 * (wave * R + own) + 1] = l;
+  }
   rdna_block_sync();
   for (int item = tid; item < live * L; item += NT) {
     const int i = item / L, c0 = item % L * CPL, r = r0 + i;
     const int head = head_kv * group + r / sq, p = r % sq;
     float mx = -__builtin_inff();
-    for (int g = 0; g < NG; ++g) mx = rdna_fmax(mx, ml[2 * (g * R + i)]);
+    for (int g = 0; g < NW; ++g) mx = rdna_fmax(mx, ml[2 * (g * R + i)]);
     const float ref = mx == -__builtin_inff() ? 0.f : mx;
     float sum = 0.f, acc[CPL];
 #pragma unroll
     for (int c = 0; c < CPL; ++c) acc[c] = 0.f;
-    for (int g = 0; g < NG; ++g) {
+    for (int g = 0; g < NW; ++g) {
       const float w = rdna_exp2(ml[2 * (g * R + i)] - ref);
       sum += ml[2 * (g * R + i) + 1] * w;
       const float* src = ol + (g * R + i) * D + c0;
