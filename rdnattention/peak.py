@@ -68,3 +68,18 @@ def time_ms(fn, device: "torch.device", reps: int = 10, warmup: int = 1) -> floa
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def graphed(fn, device: "torch.device", calls: int = 20):
+    """``calls`` calls of ``fn`` captured into one CUDA (or HIP) graph, after one warm-up call
+    outside the capture; returns the graph's replay: timing it times the kernels without the
+    host's launch overhead, which for a decode call is longer than the kernels."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay

@@ -126,6 +126,8 @@ def cmd_tune(matrix: Matrix, args: argparse.Namespace) -> int:
     if len(targets) != 1:
         raise tune.TuneError(f"tune one target at a time; --targets names {len(targets)}")
     target = targets[0]
+    if not 0 <= args.min_gain < 1:
+        raise tune.TuneError(f"--min-gain {args.min_gain} must be a share in [0, 1), e.g. 0.02 for 2%")
     build_dir = args.build_dir.resolve()
     if args.no_build:
         family_name, cands = tune.load_candidates(build_dir, target)
@@ -144,22 +146,23 @@ def cmd_tune(matrix: Matrix, args: argparse.Namespace) -> int:
     results = tune.measure(build_dir, target, cands, args.rounds, args.seq)
     tune.save_measurements(build_dir, results)
     best = tune.winners(cands, results, tune.matrix_tiles(matrix, target, family_name, results, args.seq))
+    harness = tune.HARNESSES[family_name]
     for w in best:
         ref = w["reference"]
         base = (f", {'matrix tile' if ref and ref.spec.tile == w['base_tile'] else 'current'} {ref.label} "
-                f"{w['baseline_tflops']:.4g}" if ref else "")
-        print(f"tune: head_dim {w['head_dim']} group {w['gqa_group']} causal={w['causal']}: "
-              f"{w['winner'].label} {w['tflops']:.4g} TFLOP/s{base}")
+                f"{w['baseline']:.4g}" if ref else "")
+        print(f"tune: head_dim {w['head_dim']} group {w['gqa_group']} {tune.when_text(w['when'])}: "
+              f"{w['winner'].label} {w['figure']:.4g} {harness.unit}{base}")
     if args.write:
         facts = tune.device_facts()
         command = "rdnattention-gen " + " ".join(sys.argv[1:]) if sys.argv[1:] else "rdnattention-gen tune"
         path = args.tuned / f"{target.name}.yaml"
         text = tune.tuned_yaml(target, family_name, best, facts, _toolchain_identity(build_dir, target), command,
-                               previous=path.read_text() if path.is_file() else None)
+                               previous=path.read_text() if path.is_file() else None, min_gain=args.min_gain)
         chart = path.with_name(f"{target.name}-{family_name}.svg")  # one chart per family and target
         write_if_changed(path, text)
         write_if_changed(chart, tune.chart_svg(best, f"{family_name} tiles on {facts['device']} "
-                                                     f"(TFLOP/s, [1, 32, {args.seq}, head_dim])"))
+                                                     f"({harness.title(args.seq)})"))
         print(f"tune: wrote {path} and {chart}")
     return 0
 
@@ -214,7 +217,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--no-build", action="store_true", help="use the candidates already built in --build-dir")
     t.add_argument("--measure", action="store_true", help="time the candidates on the GPU (needs the target's GPU)")
     t.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default: %(default)s)")
-    t.add_argument("--seq", type=int, default=2048, help="sequence length of the timed calls (default: %(default)s)")
+    t.add_argument("--min-gain", type=float, default=0.02,
+                   help="--write only winners faster than the tile they replace by more than this share "
+                        "(default: %(default)s, the spread of repeated runs)")
+    t.add_argument("--seq", type=int, default=2048, help="sequence length of the timed calls: query rows and keys (decode: 16 x seq keys) (default: %(default)s)")
     t.add_argument("--write", action="store_true", help="write tuned/<target>.yaml and its chart (with --measure)")
     t.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles (default: ninja's choice)")
     return p

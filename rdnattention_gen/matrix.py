@@ -162,10 +162,20 @@ class Matrix:
                         continue
                     priority = 1 if c.when.to_json() else 0
                     entries.append(Variant(spec, c.when, priority, c.provenance, c.where))
+                # A family that takes another's tiles (decpaged, f16len, ...) takes its tuned ones
+                # too, unless it has its own tuned entry for the same calls.
+                own = {t.when for t in self.tuned.get(target.name, ())
+                       if t.family == fam_name and t.head_dim == hd and t.gqa_group in (None, group)}
                 for t in self.tuned.get(target.name, ()):
-                    if (t.family, t.head_dim) == (fam_name, hd) and t.gqa_group in (None, group):
+                    inherited = t.family != fam_name and t.family == fam.tiles_family and t.when not in own
+                    if (t.family == fam_name or inherited) and t.head_dim == hd and t.gqa_group in (None, group):
+                        spec = fam.spec(target, point, t.tile)
+                        if not fam.tile_constraints:  # one entry per kernel (the combine): a new kernel only
+                            if not any(e.spec == spec for e in entries):
+                                entries.append(Variant(spec, Constraints(), 0, t.provenance, t.where))
+                            continue
                         priority = 3 if t.when.to_json() else 2
-                        entries.append(Variant(fam.spec(target, point, t.tile), t.when, priority, t.provenance, t.where))
+                        entries.append(Variant(spec, t.when, priority, t.provenance, t.where))
                 # A tuned entry replaces every lower-priority entry it covers.
                 out += [v for v in entries
                         if not any(o.priority >= 2 > v.priority and o.when.covers(v.when) for o in entries)]

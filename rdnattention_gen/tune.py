@@ -29,6 +29,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from rdnattention.dispatch import Constraints
+
 from . import audit, build
 from .matrix import Matrix, Target
 from .spec import KernelSpec, Tile
@@ -44,6 +46,11 @@ class Candidate:
     row: audit.KernelAudit | None
     problems: tuple[str, ...]  # audit violations: pruned when any
     default: bool              # the tile the matrix (or an overlay) gives this key today
+    whens: tuple = ()          # the dispatch constraints of its entries (Constraints); empty: any call
+
+    def serves(self, facts: dict) -> bool:
+        """Whether a call of these facts may name this kernel (its entries' `when`)."""
+        return not self.whens or any(w.admits(**facts) for w in self.whens)
 
     @property
     def label(self) -> str:
@@ -66,13 +73,14 @@ def parse_space(text: str | None) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def register_budgets(target: Target) -> tuple[int, ...]:
-    """Waves-per-SIMD caps worth trying on ``target``: those that leave each thread between 128 and
-    255 registers (a tighter cap spills the row-block tiles; a looser one changes nothing)."""
+def register_budgets(target: Target, lowest: int = 128) -> tuple[int, ...]:
+    """Waves-per-SIMD caps worth trying on ``target``: those that leave each thread between
+    ``lowest`` and 255 registers (for the row-block tiles 128: a tighter cap spills them; a looser
+    one changes nothing)."""
     out = []
     for waves in range(1, target.max_waves_per_simd + 1):
         budget = target.vgprs_per_simd // waves // target.vgpr_granule * target.vgpr_granule
-        if 128 <= budget < 256:
+        if lowest <= budget < 256:
             out.append(waves)
     return tuple(out)
 
@@ -89,7 +97,7 @@ def candidates(matrix: Matrix, target: Target, family_name: str, head_dims: list
         base = fam.tile_space(target, hd)
         if not base:
             raise TuneError(f"{family_name} has no tile space to tune")
-        fields = {**base, "waves": (0,) + register_budgets(target), **space}
+        fields = {"waves": (0,) + register_budgets(target), **base, **space}  # a family may name its budgets
         for values in itertools.product(*(fields[k] for k in ("br", "bc", "threads", "tm", "waves"))):
             tile = Tile(*values)
             probe = fam.spec(target, {"head_dim": hd, "gqa_group": 1}, tile)
@@ -97,7 +105,7 @@ def candidates(matrix: Matrix, target: Target, family_name: str, head_dims: list
                     tile.waves > target.waves_per_simd(1, probe.lds_bytes, tile.threads):
                 continue
             ok = all(not fam.problems(fam.spec(target, {"head_dim": hd, "gqa_group": g}, tile), target)
-                     for g in matrix.kernels[family_name]["gqa_groups"])
+                     for g in matrix.kernels[family_name].get("gqa_groups", [1]))
             if ok:
                 out.append((family_name, hd, tile))
     return out
@@ -114,7 +122,8 @@ def parse_ints(option: str, text: str) -> list[int]:
 
 def restricted(matrix: Matrix, family_name: str, head_dims: list[int], groups: list[int]) -> Matrix:
     """The matrix with only ``family_name`` at ``head_dims`` and ``groups`` (what tuning builds);
-    group 1 always, as every dispatch table's fallback."""
+    group 1 always, as every dispatch table's fallback. A family whose calls need another kernel
+    (decode: the combine) keeps it at those head_dims."""
     axes = dict(matrix.kernels[family_name])
     axes["head_dims"] = [h for h in axes["head_dims"] if h in head_dims]
     if "gqa_groups" in axes:
@@ -122,7 +131,13 @@ def restricted(matrix: Matrix, family_name: str, head_dims: list[int], groups: l
         if unknown:
             raise TuneError(f"{family_name} has no GQA group {unknown}; its groups: {list(axes['gqa_groups'])}")
         axes["gqa_groups"] = [g for g in axes["gqa_groups"] if g in groups or g == 1]
-    return dataclasses.replace(matrix, kernels={family_name: axes})
+    kernels = {family_name: axes}
+    harness = HARNESSES.get(family_name)
+    for name in harness.companions if harness else ():
+        if name in matrix.kernels:
+            kernels[name] = {**matrix.kernels[name],
+                             "head_dims": [h for h in matrix.kernels[name]["head_dims"] if h in head_dims]}
+    return dataclasses.replace(matrix, kernels=kernels)
 
 
 def prepare(matrix: Matrix, target: Target, family_name: str, head_dims: list[int], groups: list[int],
@@ -143,20 +158,22 @@ def prepare(matrix: Matrix, target: Target, family_name: str, head_dims: list[in
     log(f"tune: {len(cands)} {family_name} tile(s) for {target.name}, head_dim {head_dims}, "
         f"group {groups}; building into {build_dir}")
     rows = build.build(m, [target], build_dir, jobs=jobs, log=log, enforce=False)
-    return collect(m, target, rows)
+    return [c for c in collect(m, target, rows) if c.spec.family == family_name]  # not its companions
 
 
 def collect(matrix: Matrix, target: Target, rows: list[audit.KernelAudit]) -> list[Candidate]:
     by_name = {r.name: r for r in rows}
-    out = []
-    seen = set()
+    variants: dict = {}  # kernel name -> its variants (a tuned tile may serve under two `when`s)
     for v in matrix.variants_for(target):
-        if v.spec.name in seen:  # one kernel serving two entries (a tuned tile under two `when`s)
-            continue
-        seen.add(v.spec.name)
-        row = by_name.get(v.spec.name)
+        variants.setdefault(v.spec.name, []).append(v)
+    out = []
+    for name, vs in variants.items():
+        v = vs[0]
+        row = by_name.get(name)
         problems = tuple(audit.violations(target, v.spec, row)) if row else ("not in the audit",)
-        out.append(Candidate(v.spec, row, problems, default=v.priority >= 0 and not v.when.to_json()))
+        whens = () if any(not x.when.to_json() for x in vs) else tuple(x.when for x in vs)
+        out.append(Candidate(v.spec, row, problems, default=any(x.priority >= 0 and not x.when.to_json() for x in vs),
+                             whens=whens))
     return out
 
 
@@ -183,30 +200,48 @@ def rank_table(cands: list[Candidate]) -> str:
 
 @dataclass(frozen=True)
 class Shape:
+    """One timed call: [batch, heads_q, seq_q, head_dim] queries against seq_k keys of heads_kv
+    heads. ``when``: the overlay's `when` for the calls it stands for, as sorted (key, value) items
+    (``(("causal", True),)``, ``(("rows", (4, 4)),)``); with the head_dim and GQA group it is the
+    key a winner is chosen for."""
     batch: int
     heads_q: int
     heads_kv: int
-    seq: int
+    seq_q: int
+    seq_k: int
     head_dim: int
     causal: bool
+    when: tuple
 
     @property
     def flops(self) -> float:
-        f = 4 * self.batch * self.heads_q * self.seq * self.seq * self.head_dim
+        f = 4 * self.batch * self.heads_q * self.seq_q * self.seq_k * self.head_dim
         return f / 2 if self.causal else f
 
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.batch * self.heads_kv * self.seq_k * self.head_dim * 2  # fp16 K and V
 
-def shapes_for(spec: KernelSpec, seq: int) -> list[Shape]:
-    """The calls a candidate is timed on: [1, 32 query heads, seq, head_dim], K/V heads for its GQA
-    group, causal and not."""
-    return [Shape(1, 32, 32 // spec.gqa_group, seq, spec.head_dim, causal) for causal in (False, True)]
+
+def when_dict(when: tuple) -> dict:
+    """A Shape's ``when`` as the overlay writes it: {"causal": True}, {"rows": [4, 4]}."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in when}
+
+
+def when_key(when: dict | None) -> tuple:
+    """The inverse of when_dict, for comparing an overlay entry's `when` with a measured key."""
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in (when or {}).items()))
+
+
+def when_text(when: tuple) -> str:
+    return " ".join(f"{k}={'..'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in when) or "any"
 
 
 def measure(build_dir: Path, target: Target, cands: list[Candidate], rounds: int, seq: int, log=print) -> dict:
     """Times every unpruned candidate on the GPU in turn for ``rounds`` rounds; returns
-    {(head_dim, group, causal): {"figures": {kernel name: median TFLOP/s}, "default": the kernel the
-    dispatcher picks for that call today}}. Each is checked against the float64 oracle first (a
-    wrong kernel is reported and never timed)."""
+    {(head_dim, group, when): {"figures": {kernel name: median figure}, "default": the kernel the
+    dispatcher picks for that call today}}, the figure in the family harness's unit (TFLOP/s, GB/s).
+    Each is checked against the float64 oracle first (a wrong kernel is reported and never timed)."""
     import os
 
     import torch
@@ -214,7 +249,7 @@ def measure(build_dir: Path, target: Target, cands: list[Candidate], rounds: int
     from rdnattention import drivers
     from rdnattention.dispatch import BUILD_DIR_ENV
     from rdnattention.drivers import host
-    from rdnattention.peak import time_ms
+    from rdnattention.peak import graphed, time_ms
 
     families = sorted({c.spec.family for c in cands})
     unknown = [f for f in families if f not in HARNESSES]
@@ -238,35 +273,60 @@ def measure(build_dir: Path, target: Target, cands: list[Candidate], rounds: int
     inputs: dict = {}  # one q, k, v per shape, shared by its candidates
     for c in live:
         harness = HARNESSES[c.spec.family]
-        for shape in shapes_for(c.spec, seq):
-            key = (c.spec.head_dim, c.spec.gqa_group, shape.causal)
+        for shape in harness.shapes(c.spec, seq):
+            if not c.serves(harness.facts(shape.when, seq, c.spec.gqa_group)):
+                continue  # a tile for other calls (a `when` of the tile table)
+            key = (c.spec.head_dim, c.spec.gqa_group, shape.when)
             error = harness.oracle_error(c.spec.name, shape, device)
             if not error <= harness.tolerance:
                 log(f"tune: {c.spec.name} is wrong against the oracle ({harness.metric} {error:.2e}); not timed")
                 continue
             if shape not in inputs:
                 g = torch.Generator(device=device).manual_seed(0)
-                inputs[shape] = harness.inputs(*(torch.randn(shape.batch, h, seq, shape.head_dim, device=device,
+                inputs[shape] = harness.inputs(*(torch.randn(shape.batch, h, n, shape.head_dim, device=device,
                                                              dtype=torch.float16, generator=g)
-                                                 for h in (shape.heads_q, shape.heads_kv, shape.heads_kv)))
-            plans[(key, c.spec.name)] = (harness.plan(inputs[shape], shape.causal, c.spec.name), shape)
+                                                 for h, n in ((shape.heads_q, shape.seq_q),
+                                                              (shape.heads_kv, shape.seq_k),
+                                                              (shape.heads_kv, shape.seq_k))))
+            plans[(key, c.spec.name)] = (harness.plan(inputs[shape], shape.causal, c.spec.name), shape, harness)
             defaults[key] = harness.plan(inputs[shape], shape.causal, None).launches[0].kernel.name
+    # Calls shorter than their host launch (decode) are timed from graph replays on a GPU.
+    timed = {k: (graphed(plan.run, device, h.graph_calls), h.graph_calls) if h.graph_calls and device.type == "cuda"
+             else (plan.run, 1) for k, (plan, _, h) in plans.items()}
     times: dict = {k: [] for k in plans}
     for r in range(rounds):
-        for k, (plan, _) in plans.items():
-            times[k].append(time_ms(plan.run, device))
+        for k, (fn, calls) in timed.items():
+            times[k].append(time_ms(fn, device) / calls)
         log(f"tune: round {r + 1}/{rounds} timed {len(plans)} (kernel, shape) pairs")
     out: dict = {}
-    for (key, name), (_, shape) in plans.items():
+    for (key, name), (_, shape, harness) in plans.items():
         entry = out.setdefault(key, {"figures": {}, "default": defaults[key]})
-        entry["figures"][name] = shape.flops / statistics.median(times[(key, name)]) / 1e9
+        entry["figures"][name] = harness.figure(shape, statistics.median(times[(key, name)]))
     return out
 
 
 class _F16Harness:
-    """fp16 inputs through plan_flash_attn; the oracle's maximum absolute error (the test sweep's)."""
+    """fp16 inputs through plan_flash_attn, [1, 32 query heads, seq, head_dim] (K/V heads for the
+    GQA group), causal and not, in TFLOP/s; the oracle's maximum absolute error (the test sweep's)."""
 
     tolerance, metric = 2e-3, "max abs error"
+    unit, figure_key = "TFLOP/s", "tflops"
+    companions: tuple[str, ...] = ()  # families its plans launch besides the tuned one
+    graph_calls = 0  # > 0: time a GPU's calls from a graph of this many (calls shorter than their launch)
+
+    def shapes(self, spec: KernelSpec, seq: int) -> list[Shape]:
+        return [Shape(1, 32, 32 // spec.gqa_group, seq, seq, spec.head_dim, causal, (("causal", causal),))
+                for causal in (False, True)]
+
+    def facts(self, when: tuple, seq: int, group: int) -> dict:
+        """The call facts a tile table's `when` is matched against, for a measured key."""
+        return {"causal": dict(when)["causal"], "seq_q": seq, "rows": group * seq}
+
+    def figure(self, shape: Shape, ms: float) -> float:
+        return shape.flops / ms / 1e9
+
+    def title(self, seq: int) -> str:
+        return f"TFLOP/s, [1, 32, {seq}, head_dim]"
 
     def inputs(self, q, k, v):
         return q, k, v
@@ -284,13 +344,18 @@ class _F16Harness:
     def error(self, out, ref) -> float:
         return (out.double().cpu() - ref).abs().max().item()
 
+    def check_shape(self, shape: Shape) -> tuple[int, int, int, int]:
+        """(query heads, K/V heads, query rows, keys) of the small call each candidate is checked on."""
+        return 4, 4 // (shape.heads_q // shape.heads_kv), 200, 200
+
     def oracle_error(self, name: str, shape: Shape, device) -> float:
         import torch
 
         g = torch.Generator(device=device).manual_seed(1)
-        q = torch.randn(1, 4, 200, shape.head_dim, device=device, dtype=torch.float16, generator=g)
-        k, v = (torch.randn(1, 4 // (shape.heads_q // shape.heads_kv), 200, shape.head_dim, device=device,
-                            dtype=torch.float16, generator=g) for _ in range(2))
+        hq, hk, sq, sk = self.check_shape(shape)
+        q = torch.randn(1, hq, sq, shape.head_dim, device=device, dtype=torch.float16, generator=g)
+        k, v = (torch.randn(1, hk, sk, shape.head_dim, device=device, dtype=torch.float16, generator=g)
+                for _ in range(2))
         inputs = self.inputs(q, k, v)
         plan = self.plan(inputs, shape.causal, name)
         plan.run()
@@ -324,9 +389,54 @@ class _I8Harness(_F16Harness):
         return ((out.double().cpu() - ref).norm() / ref.norm()).item()
 
 
-# How --measure runs each family's kernels (inputs, forced plan, oracle check).
-HARNESSES = {"f16": _F16Harness(), "i8": _I8Harness()}
+class _F16LenHarness(_F16Harness):
+    """The cache-length kernels (f16len): fp16 inputs with ``seqused_k`` given (every key used, so
+    the oracle is the plain one), which is what routes a call to them."""
 
+    def inputs(self, q, k, v):
+        import torch
+
+        return q, k, v, torch.full((k.shape[0],), k.shape[2], dtype=torch.int32, device=k.device)
+
+    def plan(self, inputs, causal: bool, kernel: str | None):
+        from rdnattention import plan_flash_attn
+
+        q, k, v, lengths = inputs
+        return plan_flash_attn(q, k, v, is_causal=causal, seqused_k=lengths, kernel=kernel)
+
+    def reference(self, inputs, causal: bool):
+        return super().reference(inputs[:3], causal)
+
+
+class _DecHarness(_F16Harness):
+    """Split-KV decode: one query position of 8 K/V heads, 1, 2, 4 and 8 query rows per K/V head
+    (GQA groups), against 16 x seq keys (more bytes than a GPU's L2 at the default seq), in GB/s of
+    K and V read, timed from graph replays; each row count is a key of its own (`when: {rows: [r, r]}`)."""
+
+    unit, figure_key = "GB/s", "gbps"
+    companions = ("combine",)  # several key slices merge in the combine kernel
+    graph_calls = 20
+    ROWS = (1, 2, 4, 8)
+
+    def shapes(self, spec: KernelSpec, seq: int) -> list[Shape]:
+        return [Shape(1, 8 * r, 8, 1, 16 * seq, spec.head_dim, False, (("rows", (r, r)),)) for r in self.ROWS]
+
+    def facts(self, when: tuple, seq: int, group: int) -> dict:
+        rows = dict(when)["rows"][0]
+        return {"causal": False, "seq_q": rows, "rows": rows}
+
+    def figure(self, shape: Shape, ms: float) -> float:
+        return shape.kv_bytes / ms / 1e6
+
+    def title(self, seq: int) -> str:
+        return f"GB/s of K and V, 8 K/V heads x {16 * seq} keys, one query position"
+
+    def check_shape(self, shape: Shape) -> tuple[int, int, int, int]:
+        return 2 * shape.heads_q // shape.heads_kv, 2, 1, 300
+
+
+# How --measure runs each family's kernels (shapes, inputs, forced plan, oracle check, figure).
+HARNESSES = {"f16": _F16Harness(), "f16len": _F16LenHarness(), "i8": _I8Harness(), "dec": _DecHarness()}
 
 
 def device_facts() -> dict:
@@ -350,80 +460,91 @@ def device_facts() -> dict:
 
 
 def matrix_tiles(matrix: Matrix, target: Target, family_name: str, keys, seq: int) -> dict:
-    """The tile variants.yaml alone (no overlay) gives each (head_dim, group, causal) call of
-    ``seq`` query rows: what a tuned entry is measured against and written only to differ from."""
+    """The tile variants.yaml alone (no overlay) gives each measured (head_dim, group, when) call
+    (``seq`` as the harness reads it): what a tuned entry is measured against and written only to
+    differ from."""
+    harness = HARNESSES[family_name]
     base = dataclasses.replace(matrix, tuned={}, alternates={})
     variants = [v for v in base.variants_for(target) if v.spec.family == family_name and v.priority >= 0]
     out = {}
-    for hd, group, causal in keys:
-        fits = [v for v in variants if v.spec.head_dim == hd and v.spec.gqa_group == group
-                and v.when.admits(causal=causal, seq_q=seq, rows=group * seq)]
+    for hd, group, when in keys:
+        facts = harness.facts(when, seq, group)
+        fits = [v for v in variants if v.spec.head_dim == hd and v.spec.gqa_group == group and v.when.admits(**facts)]
         if fits:
-            out[(hd, group, causal)] = max(fits, key=lambda v: v.priority).spec.tile
+            out[(hd, group, when)] = max(fits, key=lambda v: v.priority).spec.tile
     return out
 
 
 def winners(cands: list[Candidate], results: dict, base: dict | None = None) -> list[dict]:
-    """Per measured (head_dim, group, causal): the best candidate, the dispatcher's current pick
+    """Per measured (head_dim, group, when): the best candidate, the dispatcher's current pick
     (``default``), the matrix's own tile (``base``, from matrix_tiles), their figures and all."""
     by_name = {c.spec.name: c for c in cands}
     out = []
     for key, result in sorted(results.items()):
-        hd, group, causal = key
+        hd, group, when = key
         figures = result["figures"]
         best = max(figures, key=figures.get)
         default = result["default"] if result["default"] in figures else None
         base_tile = (base or {}).get(key)
         base_name = next((n for n in figures if by_name[n].spec.tile == base_tile), None)
         reference = base_name or default  # the figure a written entry is measured against
-        out.append({"head_dim": hd, "gqa_group": group, "causal": causal, "winner": by_name[best],
+        out.append({"head_dim": hd, "gqa_group": group, "when": when, "winner": by_name[best],
                     "default": by_name[default] if default else None, "base_tile": base_tile,
                     "reference": by_name[reference] if reference else None,
                     "figures": {by_name[n].label: _figure(f) for n, f in sorted(figures.items(), key=lambda kv: -kv[1])},
-                    "tflops": figures[best], "baseline_tflops": figures.get(reference) if reference else None})
+                    "figure": figures[best], "baseline": figures.get(reference) if reference else None})
     return out
 
 
 def tuned_yaml(target: Target, family_name: str, results: list[dict], facts: dict, toolchain: str,
-               command: str, previous: str | None = None) -> str:
+               command: str, previous: str | None = None, min_gain: float = 0.0) -> str:
     """tuned/<target>.yaml: one entry per measured key whose winner is not the matrix's own tile
-    (``base_tile``; without one, the dispatcher's pick). Entries of ``previous`` (the file as it
-    was) for keys this run did not measure are kept."""
+    (``base_tile``; without one, the dispatcher's pick) and beats it by more than ``min_gain``
+    (0.02: 2%, the spread of repeated runs). Entries of ``previous`` (the file as it was) for keys
+    this run did not measure are kept."""
     import yaml
 
-    measured_keys = {(family_name, w["head_dim"], w["gqa_group"], w["causal"]) for w in results}
+    from .families import family
+    from .family import HeadDimAxis
+
+    grouped = not isinstance(family(family_name), HeadDimAxis)  # families with a GQA-group axis
+    harness = HARNESSES[family_name]
 
     def key(e: dict) -> tuple:
-        return (e.get("family"), e.get("head_dim"), e.get("gqa_group"), (e.get("when") or {}).get("causal"))
+        return (e.get("family"), e.get("head_dim"), e.get("gqa_group"), when_key(e.get("when")))
 
+    measured_keys = {(family_name, w["head_dim"], w["gqa_group"] if grouped else None, w["when"]) for w in results}
     old = (yaml.safe_load(previous) or {}).get("entries") or [] if previous else []
     entries = [e for e in old if key(e) not in measured_keys]
     for w in results:
         current = w["base_tile"] if w.get("base_tile") is not None else (w["default"].spec.tile if w["default"] else None)
         if w["winner"].spec.tile == current:
             continue
+        if w["baseline"] is not None and w["figure"] <= w["baseline"] * (1 + min_gain):
+            continue  # within the noise of the tile it would replace
         t = w["winner"].spec.tile
         tile = {"br": t.br, "bc": t.bc, "threads": t.threads, "tm": t.tm, **({"waves": t.waves} if t.waves else {})}
-        figures = {"tflops": _figure(w["tflops"])}
-        if w["baseline_tflops"] is not None:
-            figures["baseline_tflops"] = _figure(w["baseline_tflops"])
+        figures = {harness.figure_key: _figure(w["figure"])}
+        if w["baseline"] is not None:
+            figures[f"baseline_{harness.figure_key}"] = _figure(w["baseline"])
         if "fma_peak_tflops" in facts:  # the FP32 FMA peak measured in the same run
             figures["fma_peak_tflops"] = facts["fma_peak_tflops"]
         measured = {"device": facts["device"], **({"clocks": facts["clocks"]} if "clocks" in facts else {}),
                     "toolchain": toolchain, "date": datetime.date.today().isoformat(), "command": command,
                     "figures": figures, "candidates": w["figures"]}
-        entries.append({"family": family_name, "head_dim": w["head_dim"], "gqa_group": w["gqa_group"],
-                        "when": {"causal": w["causal"]}, "tile": tile, "measured": measured})
+        entries.append({"family": family_name, "head_dim": w["head_dim"],
+                        **({"gqa_group": w["gqa_group"]} if grouped else {}),
+                        "when": when_dict(w["when"]), "tile": tile, "measured": measured})
     header = (f"# Written by `rdnattention-gen tune` on {facts['device']}: tiles measured faster than the matrix's.\n"
-              "# candidates: TFLOP/s of every tile timed for the entry (median of interleaved rounds).\n")
+              "# candidates: every tile timed for the entry (median of interleaved rounds; TFLOP/s, decode GB/s).\n")
     return header + yaml.safe_dump({"target": target.name, "entries": entries}, sort_keys=False, width=110)
 
 
 def chart_svg(results: list[dict], title: str) -> str:
-    """A bar chart of every candidate's TFLOP/s per measured key (winner and default marked)."""
+    """A bar chart of every candidate's figure per measured key (winner and default marked)."""
     rows = []
     for w in results:
-        key = f"hd{w['head_dim']} g{w['gqa_group']} {'causal' if w['causal'] else 'full'}"
+        key = f"hd{w['head_dim']} g{w['gqa_group']} {when_text(w['when'])}"
         best = w["winner"].label
         default = w["default"].label if w["default"] else None
         for label, value in w["figures"].items():
@@ -458,7 +579,7 @@ def save_candidates(build_dir: Path, target: Target, family_name: str, cands: li
     """What --no-build reads back: the candidates and their audit, beside the build."""
     data = {"target": target.name, "family": family_name, "candidates": [
         {"name": c.spec.name, "problems": list(c.problems), "default": c.default,
-         "row": c.row.to_json() if c.row else None} for c in cands]}
+         "whens": [w.to_json() for w in c.whens], "row": c.row.to_json() if c.row else None} for c in cands]}
     (build_dir / "tune.json").write_text(json.dumps(data, indent=2) + "\n")
 
 
@@ -472,7 +593,9 @@ def load_candidates(build_dir: Path, target: Target) -> tuple[str, list[Candidat
             raise TuneError(f"{path} holds {data['target']} candidates, not {target.name}'s")
         return data["family"], [Candidate(KernelSpec.from_name(c["name"]),
                                           audit.KernelAudit(**c["row"]) if c["row"] else None,
-                                          tuple(c["problems"]), c["default"]) for c in data["candidates"]]
+                                          tuple(c["problems"]), c["default"],
+                                          tuple(Constraints.from_json(w) for w in c["whens"]))
+                                for c in data["candidates"]]
     except (ValueError, KeyError, TypeError) as e:  # JSON, missing fields, names that are not kernels
         raise TuneError(f"{path}: not a candidate list this version wrote ({type(e).__name__}: {e}); "
                         "rebuild it (rdnattention-gen tune without --no-build)") from None
@@ -481,5 +604,6 @@ def load_candidates(build_dir: Path, target: Target) -> tuple[str, list[Candidat
 
 def save_measurements(build_dir: Path, results: dict) -> None:
     """Every figure of a --measure run, beside the build (measured.json), for later analysis."""
-    data = [{"head_dim": hd, "gqa_group": g, "causal": causal, **r} for (hd, g, causal), r in sorted(results.items())]
+    data = [{"head_dim": hd, "gqa_group": g, "when": when_dict(when), **r}
+            for (hd, g, when), r in sorted(results.items())]
     (build_dir / "measured.json").write_text(json.dumps(data, indent=2) + "\n")

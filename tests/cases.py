@@ -30,9 +30,9 @@ def make_case(name, head_dim):
     return q, k, v, options
 
 
-def mirrored_kernels(int8: bool) -> list[tuple[str, str]]:
-    """(host target, kernel) for every alternate the host targets build as mirrors of GPU targets'
-    tiles (host: the AMD tables; host_f32: sm_90's tuned tiles): the int8 family's, or the others."""
+def mirrored_kernels(families: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(host target, kernel) for every alternate of ``families`` the host targets build as mirrors
+    of GPU targets' tiles (host: the AMD tables; host_f32: sm_90's tuned tiles)."""
     m = load_matrix()
     return sorted((t, v.spec.name) for t in ("host", "host_f32") for v in m.variants_for(m.target(t))
-                  if v.priority < 0 and (v.spec.family == "i8") == int8)
+                  if v.priority < 0 and v.spec.family in families)

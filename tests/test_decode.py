@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cases import mirrored_kernels
 from rdnattention import attention_reference, dispatch, drivers, plan_flash_attn
 from rdnattention.errors import UnsupportedError
 from rdnattention.families import dec
@@ -253,6 +254,34 @@ def test_any_combination_matches_the_oracle_and_paged_is_contiguous(host_build, 
     assert torch.equal(paged.outputs[0], contiguous.outputs[0]) and torch.equal(paged.outputs[1], contiguous.outputs[1])
     ref, ref_lse = attention_reference(q, k, v, seqused_k=seqused, return_lse=True, **options)
     _check(*contiguous.outputs, ref, ref_lse)
+
+
+@pytest.mark.parametrize("target,name", mirrored_kernels(("dec", "decpaged")))
+def test_mirrored_gpu_decode_tiles_match_the_oracle(host_build, monkeypatch, target, name):
+    """sm_90's tuned decode tiles (alternates of host_f32) through every oracle case, forced by name;
+    the paged kernels on a paged copy of the same keys."""
+    monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
+    table = dispatch.table_for(target)
+    for b, hq, hk, sq, sk, d, options in CASES:
+        if f"_hd{d}_" not in name:
+            continue
+        q, k, v = _inputs(b, hq, hk, sq, sk, d)
+        for splits in (1, 3):
+            call = _call(q, k, v, options, num_splits=splits)
+            if "decpaged" in name:
+                page = 16
+                pages = -(-sk // page)
+                pad = pages * page - sk
+                kp, vp = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (k, v))
+                order = torch.randperm(b * pages, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+                call = _call(q, _paged(kp, page, order), _paged(vp, page, order), options, num_splits=splits,
+                             block_table=order.view(b, pages), seq_k=pages * page,
+                             seqused_k=torch.full((b,), sk, dtype=torch.int32))
+            plan = dec.plan(table, call, kernel=name)
+            assert plan.launches[0].kernel.name == name
+            plan.run()
+            ref, ref_lse = attention_reference(q, k, v, return_lse=True, **options)
+            _check(*plan.outputs, ref, ref_lse)
 
 
 def test_one_combine_entry_per_head_dim(matrix):

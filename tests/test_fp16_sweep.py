@@ -52,7 +52,7 @@ def test_shuffled_order_changes_nothing(in_order_results, head_dim, variant):
 # The AMD tables' tiles (and sm_90's tuned ones) run here as the host's alternates: every case of the
 # sweep through each of them, by name. f16len runs with cache lengths, f16varlen on a packed batch.
 # (The int8 ones: tests/test_int8.py.)
-@pytest.mark.parametrize("target,name", mirrored_kernels(int8=False))
+@pytest.mark.parametrize("target,name", mirrored_kernels(("f16", "f16len", "f16varlen")))
 def test_mirrored_gpu_tiles_match_oracle(host_build, monkeypatch, target, name):
     from rdnattention import plan_flash_attn
     from rdnattention.api import _table

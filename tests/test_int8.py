@@ -192,7 +192,7 @@ def test_decode_runs_the_int8_split_kv_kernels(host_build, shape, options, head_
 
 # The AMD tables' int8 tiles (host) and sm_90's tuned ones (host_f32), built as alternates: every
 # case through each of them.
-@pytest.mark.parametrize("target,name", mirrored_kernels(int8=True))
+@pytest.mark.parametrize("target,name", mirrored_kernels(("i8",)))
 def test_mirrored_gpu_tiles_match_the_oracle(host_build, monkeypatch, target, name):
     from rdnattention_gen.spec import KernelSpec
 

@@ -186,13 +186,14 @@ def test_the_overlay_written_loads_and_keeps_what_was_not_measured(matrix, tmp_p
     cands = [base, better]
     # causal: the dispatcher already picks `better` (an earlier overlay); the entry must be written
     # again, against the matrix's own tile
-    results = {(128, 1, True): {"figures": {base.spec.name: 30.0, better.spec.name: 33.0}, "default": better.spec.name},
-               (128, 1, False): {"figures": {base.spec.name: 35.0, better.spec.name: 34.0}, "default": base.spec.name}}
+    causal, full = (("causal", True),), (("causal", False),)
+    results = {(128, 1, causal): {"figures": {base.spec.name: 30.0, better.spec.name: 33.0}, "default": better.spec.name},
+               (128, 1, full): {"figures": {base.spec.name: 35.0, better.spec.name: 34.0}, "default": base.spec.name}}
     matrix_tiles = tune.matrix_tiles(matrix, matrix.target("sm_90"), "f16", results, 2048)
-    assert matrix_tiles == {(128, 1, True): Tile(128, 64, 256, 8), (128, 1, False): Tile(128, 64, 256, 8)}
+    assert matrix_tiles == {(128, 1, causal): Tile(128, 64, 256, 8), (128, 1, full): Tile(128, 64, 256, 8)}
     best = tune.winners(cands, results, matrix_tiles)
-    assert [(w["causal"], w["winner"].label) for w in best] == [(False, "br128_bc64_nt256_tm8"),
-                                                                 (True, "br64_bc64_nt128_tm8_wv3")]
+    assert [(w["when"], w["winner"].label) for w in best] == [(full, "br128_bc64_nt256_tm8"),
+                                                               (causal, "br64_bc64_nt128_tm8_wv3")]
     previous = textwrap.dedent("""\
         target: sm_90
         entries:
@@ -263,8 +264,8 @@ def test_tune_builds_ranks_and_refuses_measuring_without_the_gpu(tmp_path):
                           (["--head-dims", "64,x"], "--head-dims: '64,x' is not a comma list of integers"),
                           (["--head-dims", "80"], "f16 is not built for head_dim [80]"),
                           (["--family", "f17"], "no kernel family 'f17'"),
-                          (["--family", "f16len", "--measure"],
-                           "--measure times the f16, i8 families; f16len has no timing harness")):
+                          (["--family", "f16varlen", "--measure"],
+                           "--measure times the dec, f16, f16len, i8 families; f16varlen has no timing harness")):
         bad = subprocess.run(cli[:5] + ["gfx1030"] + args + ["--build-dir", str(tmp_path / "bad")],
                              capture_output=True, text=True, cwd=REPO_ROOT)
         assert bad.returncode == 2 and f"rdnattention-gen: error: {message}" in bad.stderr, bad.stderr
@@ -309,7 +310,7 @@ def test_tune_runs_end_to_end_on_the_host_emulator(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "tune: head_dim 64 group 1 causal=False:" in out.stdout
     measured = __import__("json").loads((tmp_path / "b" / "measured.json").read_text())
-    assert {m["causal"] for m in measured} == {False, True}
+    assert {m["when"]["causal"] for m in measured} == {False, True}
     # the default tile and both candidates were timed (and passed the oracle), plus the mirrored AMD tiles
     assert all(len(m["figures"]) >= 3 for m in measured)
     written = tuned / "host.yaml"
@@ -349,5 +350,71 @@ def test_tune_measures_the_int8_family_on_the_host_emulator(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "wrong against the oracle" not in out.stdout
     measured = __import__("json").loads((tmp_path / "b" / "measured.json").read_text())
-    assert {m["causal"] for m in measured} == {False, True} and all(len(m["figures"]) >= 2 for m in measured)
+    assert {m["when"]["causal"] for m in measured} == {False, True} and all(len(m["figures"]) >= 2 for m in measured)
     load_tuned(tuned / "host.yaml", {"host"}, load_matrix(tuned_dir=None).kernels)
+
+
+def test_tune_measures_the_decode_family_on_the_host_emulator(tmp_path):
+    """The decode harness: one query position per GQA head, 1-8 rows per K/V head, each row count
+    a key of its own (`when: {rows: [r, r]}`), in GB/s; what it writes loads."""
+    import json
+    import subprocess
+    import sys
+
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    cli = [sys.executable, "-m", "rdnattention_gen.cli", "tune", "--targets", "host", "--family", "dec",
+           "--head-dims", "64", "--space", "br=1,4 tm=1,4 bc=32 threads=128 waves=0",
+           "--build-dir", str(tmp_path / "b"), "--tuned", str(tuned), "--measure", "--write", "--seq", "32",
+           "--rounds", "1"]
+    out = subprocess.run(cli, capture_output=True, text=True, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "wrong against the oracle" not in out.stdout
+    assert "tune: head_dim 64 group 1 rows=4..4:" in out.stdout and "GB/s" in out.stdout
+    measured = json.loads((tmp_path / "b" / "measured.json").read_text())
+    assert sorted(m["when"]["rows"][0] for m in measured) == [1, 2, 4, 8]
+    assert all(len(m["figures"]) >= 2 for m in measured)  # the space's tiles (and the defaults)
+    written = tuned / "host.yaml"
+    if written.is_file():  # only winners that differ from the matrix's tiles are written
+        target, entries = load_tuned(written, {"host"}, load_matrix(tuned_dir=None).kernels)
+        assert all(e.family == "dec" and e.gqa_group is None and e.when.rows for e in entries)
+        assert all("gbps" in e.measured["figures"] for e in entries)
+        overlaid = load_matrix(tuned_dir=tuned)  # the overlay merges over the tile tables
+        names = {v.spec.name for v in overlaid.variants_for(overlaid.target("host")) if v.spec.family == "dec"}
+        assert all(any(f"_br{e.tile.br}_bc{e.tile.bc}_nt{e.tile.threads}_tm{e.tile.tm}_" in n for n in names)
+                   for e in entries)
+    ET.fromstring((tuned / "host-dec.svg").read_text())
+
+
+def test_a_family_that_takes_anothers_tiles_takes_its_tuned_ones_unless_it_has_its_own(tmp_path):
+    (tmp_path / "sm_90.yaml").write_text(textwrap.dedent("""\
+        target: sm_90
+        entries:
+          - family: f16
+            head_dim: 64
+            when: {causal: true}
+            tile: {br: 64, bc: 32, threads: 128, tm: 4}
+            measured: {device: X, toolchain: Y, date: 2026-11-01, figures: {tflops: 1.0}}
+          - family: f16len
+            head_dim: 64
+            when: {causal: true}
+            tile: {br: 64, bc: 64, threads: 256, tm: 2}
+            measured: {device: X, toolchain: Y, date: 2026-11-01, figures: {tflops: 1.0}}
+          - family: dec
+            head_dim: 128
+            when: {rows: [2, 2]}
+            tile: {br: 2, bc: 32, threads: 128, tm: 2, waves: 3}
+            measured: {device: X, toolchain: Y, date: 2026-11-01, figures: {gbps: 1.0}}
+        """))
+    matrix = load_matrix(tuned_dir=tmp_path)
+    variants = matrix.variants_for(matrix.target("sm_90"))
+
+    def tuned(family, hd):
+        return {(v.spec.tile.br, v.spec.tile.bc, v.spec.tile.tm) for v in variants
+                if v.spec.family == family and v.spec.head_dim == hd and v.provenance == "tuned/sm_90.yaml"}
+
+    assert tuned("f16", 64) == {(64, 32, 4)} and tuned("f16varlen", 64) == {(64, 32, 4)}  # inherited
+    assert tuned("f16len", 64) == {(64, 64, 2)}  # its own entry wins over f16's for the same calls
+    assert tuned("decpaged", 128) == {(2, 32, 2)}
+    combine = [v for v in variants if v.spec.family == "combine" and v.spec.head_dim == 128]
+    assert len(combine) == 1 and not combine[0].when.to_json()  # one combine per threads count, still

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rdnattention import dispatch, drivers, flash_attn, plan_flash_attn
-from rdnattention.peak import fma_peak_tflops
+from rdnattention.peak import fma_peak_tflops, graphed
+from rdnattention.peak import time_ms as device_ms
 
 # (label, batch, heads_q, heads_kv, seq_q, seq_k, head_dim, causal)
 SHAPES = [
@@ -73,25 +74,12 @@ def graph_ms(plans: dict, rounds: int, calls: int = 20) -> dict:
     """Median ms per call of each plan replayed from a CUDA graph of ``calls`` calls, the plans
     timed in turn ``rounds`` times: kernel time without the host's launch overhead, which for a
     decode call is longer than the kernels (serving engines replay decode steps as graphs)."""
-    graphs = {}
-    for key, plan in plans.items():
-        plan.run()  # warm-up outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                plan.run()
-        graphs[key] = graph
+    device = torch.device("cuda")
+    replays = {key: graphed(plan.run, device, calls) for key, plan in plans.items()}
     times: dict = {key: [] for key in plans}
     for _ in range(rounds):
-        for key, graph in graphs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            graph.replay()
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times[key].append(start.elapsed_time(end) / calls)
+        for key, replay in replays.items():
+            times[key].append(device_ms(replay, device, reps=1, warmup=1) / calls)
     return {key: statistics.median(t) for key, t in times.items()}
 
 

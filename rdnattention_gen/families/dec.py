@@ -81,6 +81,16 @@ class Dec(HeadDimAxis, Family):
         spec = F16.from_name(self, name)
         return None if spec is None else KernelSpec(**{**spec.__dict__, "family": self.name})
 
+    def tile_space(self, target: Target, head_dim: int) -> dict[str, tuple[int, ...]] | None:
+        """1, 2, 4 or 8 rows per workgroup, 1-8 keys per lane group per step, 128 threads, and
+        register budgets of 80-255 registers: a memory stream hides latency with waves more than
+        with registers (tuning/results/h200_decode.md)."""
+        from ..tune import register_budgets
+
+        groups = max(1, 128 // (head_dim // 8))
+        return {"br": (1, 2, 4, 8), "tm": (1, 2, 4, 8), "bc": tuple(groups * t for t in (1, 2, 4, 8)), "threads": (128,),
+                "waves": (0,) + register_budgets(target, lowest=80)}
+
     def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
         return runtime.lds_layout(spec.head_dim, spec.tile.threads, spec.tile.br, spec.wave_size)
 
