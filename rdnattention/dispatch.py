@@ -138,6 +138,11 @@ class TargetTable:
             by_key.setdefault((e.family, e.head_dim), []).append(e)
         object.__setattr__(self, "_by_key", {k: tuple(v) for k, v in by_key.items()})
 
+    def shared_bytes(self, entry: KernelEntry) -> int:
+        """The dynamic LDS a launch of ``entry`` asks for: its layout's bytes where LDS is sized at
+        launch, 0 where the code object allocates it."""
+        return entry.lds_bytes if self.dynamic_lds else 0
+
     def entries(self, family: str, head_dim: int) -> tuple[KernelEntry, ...]:
         """Every entry of ``family`` at ``head_dim`` (for families that choose among them themselves)."""
         return self._by_key.get((family, head_dim), ())

@@ -153,29 +153,25 @@ class Matrix:
                 continue
             for point in fam.points(axes):
                 hd, group = point["head_dim"], point["gqa_group"]
+                # (tile, when, priority, provenance, where): the tile table's choices (priority 0,
+                # with `when` 1), then the tuned ones (2, with `when` 3). A family that takes
+                # another's tiles (decpaged, f16len, ...) takes its tuned ones too, unless it has
+                # its own tuned entry for the same calls.
+                choices = [(c.tile, c.when, 1 if c.when.to_json() else 0, c.provenance, c.where)
+                           for c in self.tile_choices(target.tiles, fam.tiles_family or fam_name, hd)]
+                tuned = [t for t in self.tuned.get(target.name, ())
+                         if t.head_dim == hd and t.gqa_group in (None, group)]
+                own = {t.when for t in tuned if t.family == fam_name}
+                choices += [(t.tile, t.when, 3 if t.when.to_json() else 2, t.provenance, t.where) for t in tuned
+                            if t.family == fam_name or (t.family == fam.tiles_family and t.when not in own)]
                 entries = []
-                for c in self.tile_choices(target.tiles, fam.tiles_family or fam_name, hd):
-                    spec = fam.spec(target, point, c.tile)
-                    if not fam.tile_constraints:  # one entry per kernel, serving every call
+                for tile, when, priority, provenance, where in choices:
+                    spec = fam.spec(target, point, tile)
+                    if not fam.tile_constraints:  # one entry per kernel, serving every call (the combine)
                         if not any(e.spec == spec for e in entries):
-                            entries.append(Variant(spec, Constraints(), 0, c.provenance, c.where))
+                            entries.append(Variant(spec, Constraints(), 0, provenance, where))
                         continue
-                    priority = 1 if c.when.to_json() else 0
-                    entries.append(Variant(spec, c.when, priority, c.provenance, c.where))
-                # A family that takes another's tiles (decpaged, f16len, ...) takes its tuned ones
-                # too, unless it has its own tuned entry for the same calls.
-                own = {t.when for t in self.tuned.get(target.name, ())
-                       if t.family == fam_name and t.head_dim == hd and t.gqa_group in (None, group)}
-                for t in self.tuned.get(target.name, ()):
-                    inherited = t.family != fam_name and t.family == fam.tiles_family and t.when not in own
-                    if (t.family == fam_name or inherited) and t.head_dim == hd and t.gqa_group in (None, group):
-                        spec = fam.spec(target, point, t.tile)
-                        if not fam.tile_constraints:  # one entry per kernel (the combine): a new kernel only
-                            if not any(e.spec == spec for e in entries):
-                                entries.append(Variant(spec, Constraints(), 0, t.provenance, t.where))
-                            continue
-                        priority = 3 if t.when.to_json() else 2
-                        entries.append(Variant(spec, t.when, priority, t.provenance, t.where))
+                    entries.append(Variant(spec, when, priority, provenance, where))
                 # A tuned entry replaces every lower-priority entry it covers.
                 out += [v for v in entries
                         if not any(o.priority >= 2 > v.priority and o.when.covers(v.when) for o in entries)]

@@ -21,7 +21,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rdnattention import dispatch, drivers, flash_attn, plan_flash_attn
 from rdnattention.peak import fma_peak_tflops, graphed
-from rdnattention.peak import time_ms as device_ms
 
 # (label, batch, heads_q, heads_kv, seq_q, seq_k, head_dim, causal)
 SHAPES = [
@@ -74,12 +73,11 @@ def graph_ms(plans: dict, rounds: int, calls: int = 20) -> dict:
     """Median ms per call of each plan replayed from a CUDA graph of ``calls`` calls, the plans
     timed in turn ``rounds`` times: kernel time without the host's launch overhead, which for a
     decode call is longer than the kernels (serving engines replay decode steps as graphs)."""
-    device = torch.device("cuda")
-    replays = {key: graphed(plan.run, device, calls) for key, plan in plans.items()}
+    replays = {key: graphed(plan.run, torch.device("cuda"), calls) for key, plan in plans.items()}
     times: dict = {key: [] for key in plans}
     for _ in range(rounds):
         for key, replay in replays.items():
-            times[key].append(device_ms(replay, device, reps=1, warmup=1) / calls)
+            times[key].append(time_ms(replay, reps=1, warmup=1) / calls)
     return {key: statistics.median(t) for key, t in times.items()}
 
 

@@ -67,6 +67,5 @@ def launch(table: TargetTable, call, head_dim: int, splits: int, scratch: tuple[
     rows = call.batch * call.q.shape[1] * call.seq_q
     if rows >= 2**31:
         raise InvalidArgumentError(f"{rows} query rows exceed the combine grid's 2^31 - 1 workgroups")
-    shared = entry.lds_bytes if table.dynamic_lds else 0
-    return Launch(kernel=entry, grid=(rows, 1, 1), block=entry.threads, shared_bytes=shared,
+    return Launch(kernel=entry, grid=(rows, 1, 1), block=entry.threads, shared_bytes=table.shared_bytes(entry),
                   args=Fa2CombineArgs(**fields))

@@ -135,9 +135,8 @@ def resident(table: TargetTable, entry: KernelEntry, device: torch.device) -> in
     registers and LDS against the unit's; the host emulator counts a fixed number)."""
     from .. import drivers
 
-    shared = entry.lds_bytes if table.dynamic_lds else 0
     return drivers.for_platform(table.platform).resident_workgroups(table.code_object, entry.name, entry.threads,
-                                                                    shared, device)
+                                                                    table.shared_bytes(entry), device)
 
 
 def splits_for(workgroups: int, seq_k: int, keys_per_step: int, units: int, per_unit: int) -> int:
@@ -206,9 +205,8 @@ def plan(table: TargetTable, call: Call, *, kernel: str | None = None, family: s
     if grid[0] >= 2**31 or grid[1] > _GRID_YZ_MAX or grid[2] > _GRID_YZ_MAX:
         raise InvalidArgumentError(f"the decode grid {grid} exceeds the launch limits (2^31 - 1, {_GRID_YZ_MAX}, "
                                    f"{_GRID_YZ_MAX})")
-    shared = entry.lds_bytes if table.dynamic_lds else 0
     fields.update(extra or {})
-    launches = [Launch(kernel=entry, grid=grid, block=entry.threads, shared_bytes=shared,
+    launches = [Launch(kernel=entry, grid=grid, block=entry.threads, shared_bytes=table.shared_bytes(entry),
                        args=(args or Fa2DecArgs)(**fields))]
     if splits > 1:
         from . import combine

@@ -158,8 +158,8 @@ def row_block_launch(table: TargetTable, entry, args_type, fields: dict) -> Laun
     if grid[1] > _GRID_YZ_MAX or grid[2] > _GRID_YZ_MAX:
         raise InvalidArgumentError(f"at most {_GRID_YZ_MAX} head groups and batches per launch, "
                                    f"got {grid[1]} and {grid[2]}")
-    shared = entry.lds_bytes if table.dynamic_lds else 0
-    return Launch(kernel=entry, grid=grid, block=entry.threads, shared_bytes=shared, args=args_type(**fields))
+    return Launch(kernel=entry, grid=grid, block=entry.threads, shared_bytes=table.shared_bytes(entry),
+                  args=args_type(**fields))
 
 
 def plan(table: TargetTable, call: Call, *, heavy_first: bool | None = None, kernel: str | None = None) -> Plan:

@@ -10,7 +10,7 @@
 #pragma once
 
 #include "tiles.h"
-#include "fa2_decode.h"  // fa2_query_rows
+#include "fa2_decode.h"  // fa2_query_rows, fa2_merge_partials, fa2_store_final_row
 
 template <int D, int NT, class Args>
 RDNA_DEVICE void fa2_combine(const Args& a, unsigned char* lds) {
@@ -50,23 +50,7 @@ RDNA_DEVICE void fa2_combine(const Args& a, unsigned char* lds) {
   if (c0 == 0) stat[2 * g] = mx, stat[2 * g + 1] = sum;
   rdna_block_sync();
   if (g != 0) return;
-  float top = -__builtin_inff();
-  for (int h = 0; h < G; ++h) top = rdna_fmax(top, stat[2 * h]);
-  const float ref_all = top == -__builtin_inff() ? 0.f : top;
-  float total_sum = 0.f, out[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int h = 0; h < G; ++h) {
-    // A group that merged no slice (maximum -inf) has sum 0 and zero values: weight 0.
-    const float hm = stat[2 * h];
-    const float w = hm == -__builtin_inff() ? 0.f : rdna_exp2(hm - ref_all);
-    total_sum += stat[2 * h + 1] * w;
-    const float* src = accl + h * D + c0;
-#pragma unroll
-    for (int c = 0; c < 8; ++c) out[c] = rdna_fma(src[c], w, out[c]);
-  }
-  const float inv = total_sum == 0.f ? 0.f : 1.f / total_sum;
-  half_t* dst = a.o + b * a.o_stride_b + head * a.o_stride_h + (q0 + p) * a.o_stride_s + c0;
-  rdna_store_row<8, 8>(dst, 0, out, inv);
-  if (a.lse && c0 == 0)
-    a.lse[b * a.lse_stride_b + head * a.lse_stride_h + q0 + p] =
-        total_sum == 0.f ? -__builtin_inff() : (ref_all + rdna_log2(total_sum)) * 0.6931471805599453f;
+  float ref, out[8];
+  const float sum_all = fa2_merge_partials(stat, 2, accl + c0, D, G, out, ref);
+  fa2_store_final_row(a, b, head, q0 + p, c0, out, sum_all, ref);
 }

@@ -99,6 +99,42 @@ struct DecodeF16 {
   RDNA_DEVICE Scales scales(const Args&, long long, int) { return Scales{}; }
 };
 
+// Merging partial results of one row (the decode kernel's waves, the combine's lane groups): n
+// (maximum, sum) pairs at stat[0], stat[step], ... (log2 domain; maximum -inf: no key, sum 0) and
+// their values at vals[0], vals[vstep], ..., each against its own maximum. acc receives the values
+// against the common maximum, ``ref``; the merged sum is returned. A NaN sum stays NaN.
+template <int N>
+RDNA_DEVICE float fa2_merge_partials(const float* stat, int step, const float* vals, int vstep, int n, float (&acc)[N],
+                                     float& ref) {
+  float mx = -__builtin_inff();
+  for (int g = 0; g < n; ++g) mx = rdna_fmax(mx, stat[g * step]);
+  ref = mx == -__builtin_inff() ? 0.f : mx;
+  float sum = 0.f;
+#pragma unroll
+  for (int c = 0; c < N; ++c) acc[c] = 0.f;
+  for (int g = 0; g < n; ++g) {
+    const float w = rdna_exp2(stat[g * step] - ref);  // 0 for a part that saw no key
+    sum += stat[g * step + 1] * w;
+#pragma unroll
+    for (int c = 0; c < N; ++c) acc[c] = rdna_fma(vals[g * vstep + c], w, acc[c]);
+  }
+  return sum;
+}
+
+// A merged row's normalising factor and log2-domain LSE: no visible key (sum 0) gives a zero row
+// and LSE -inf; a NaN score made the sum NaN, and NaN they stay.
+RDNA_DEVICE float fa2_row_scale(float sum) { return sum == 0.f ? 0.f : 1.f / sum; }
+RDNA_DEVICE float fa2_row_lse2(float sum, float ref) { return sum == 0.f ? -__builtin_inff() : ref + rdna_log2(sum); }
+
+// The final fp16 row (acc / sum) of query head ``head`` at row ``pos`` of batch b, lanes' columns
+// from c0, and its natural-log LSE where asked for.
+template <int N, class Args>
+RDNA_DEVICE void fa2_store_final_row(const Args& a, long long b, int head, long long pos, int c0, const float (&acc)[N],
+                                     float sum, float ref) {
+  rdna_store_row<N, 8>(a.o + b * a.o_stride_b + head * a.o_stride_h + pos * a.o_stride_s + c0, 8, acc, fa2_row_scale(sum));
+  if (a.lse && c0 == 0) a.lse[b * a.lse_stride_b + head * a.lse_stride_h + pos] = fa2_row_lse2(sum, ref) * 0.6931471805599453f;
+}
+
 template <class E, int D, int R, int BC, int NT, int LDS_BYTES, bool PAGED, class Args>
 RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   constexpr int CPL = E::CPL;
@@ -310,35 +346,19 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   for (int item = tid; item < live * L; item += NT) {
     const int i = item / L, c0 = item % L * CPL, r = r0 + i;
     const int head = head_kv * group + r / sq, p = r % sq;
-    float mx = -__builtin_inff();
-    for (int g = 0; g < NW; ++g) mx = rdna_fmax(mx, ml[2 * (g * R + i)]);
-    const float ref = mx == -__builtin_inff() ? 0.f : mx;
-    float sum = 0.f, acc[CPL];
-#pragma unroll
-    for (int c = 0; c < CPL; ++c) acc[c] = 0.f;
-    for (int g = 0; g < NW; ++g) {
-      const float w = rdna_exp2(ml[2 * (g * R + i)] - ref);
-      sum += ml[2 * (g * R + i) + 1] * w;
-      const float* src = ol + (g * R + i) * D + c0;
-#pragma unroll
-      for (int c = 0; c < CPL; ++c) acc[c] = rdna_fma(src[c], w, acc[c]);
-    }
+    float ref, acc[CPL];
+    const float sum = fa2_merge_partials(ml + 2 * i, 2 * R, ol + i * D + c0, R * D, NW, acc, ref);
 #pragma unroll
     for (int c = 0; c < CPL; ++c) acc[c] *= scales.value(c0 + c);
-    // No visible key (sum 0): a zero row, LSE -inf; a NaN score made sum NaN, and NaN it stays.
-    const float inv = sum == 0.f ? 0.f : 1.f / sum;
-    const float lse2 = sum == 0.f ? -__builtin_inff() : ref + rdna_log2(sum);
     if (a.part_o) {  // one slice of several: the normalised partial row and its log2-domain LSE
       const long long row = ((split * a.batch + b) * a.heads_q + head) * (long long)a.seq_q + p;
-      float* dst = a.part_o + row * D + c0;
+      const float inv = fa2_row_scale(sum);
 #pragma unroll
       for (int c = 0; c < CPL; ++c) acc[c] *= inv;
-      __builtin_memcpy(__builtin_assume_aligned(dst, 16), acc, sizeof(acc));
-      if (c0 == 0) a.part_lse[row] = lse2;
+      __builtin_memcpy(__builtin_assume_aligned(a.part_o + row * D + c0, 16), acc, sizeof(acc));
+      if (c0 == 0) a.part_lse[row] = fa2_row_lse2(sum, ref);
     } else {
-      half_t* out = a.o + b * a.o_stride_b + head * a.o_stride_h + (q0 + p) * a.o_stride_s + c0;
-      rdna_store_row<CPL, 8>(out, 8, acc, inv);
-      if (a.lse && c0 == 0) a.lse[b * a.lse_stride_b + head * a.lse_stride_h + q0 + p] = lse2 * 0.6931471805599453f;
+      fa2_store_final_row(a, b, head, q0 + p, c0, acc, sum, ref);
     }
   }
 }
