@@ -316,11 +316,12 @@ def _check_entry(path: Path, i: int, e: KernelEntry, wave_size: object, rebuild:
             f"{fam.ARGS.name} is {fam.ARGS.digest}; {rebuild}")
 
 
-def load_table(path: Path) -> TargetTable:
+def load_table(path: Path | str) -> TargetTable:
     """Reads one dispatch.json; refuses a table this runtime cannot launch, saying why and naming
     the file and field."""
     from .families import FAMILIES
 
+    path = Path(path)
     rebuild = f"rebuild with: rdnattention-gen build --targets {path.parent.name}"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

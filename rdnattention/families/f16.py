@@ -82,7 +82,7 @@ def lds_layout(head_dim: int, br: int, bc: int, stage: str) -> dict[str, int]:
     sizes kernels with it and the runtime checks dispatch entries against it (on cuda the launch
     requests exactly this much)."""
     pair = 4 if stage == "f16" else 8
-    pad = 16 // pair  # pairs; keeps rows 16-byte aligned and off one bank
+    pad = 4  # pairs (pairs.h CHUNK): rows stay 16-byte aligned, f32 tiles' planes included
     return {
         "q_bytes": (head_dim // 2) * (br + pad) * pair,
         "kv_bytes": max((head_dim // 2) * (bc + pad), (bc // 2) * head_dim) * pair,

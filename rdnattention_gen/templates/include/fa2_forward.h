@@ -5,7 +5,8 @@
 // tiles), and a row's statistics stay in the TCW lanes that share it. Keys and columns are dealt
 // to the TCW lanes in 16-byte chunks, round robin, so their LDS reads never share a bank.
 //
-// LDS holds pairs of the precision policy P (pairs.h) along each product's reduction dimension:
+// LDS holds pair tiles of the precision policy P (pairs.h) along each product's reduction
+// dimension, as rows of pairs:
 //   qt  [D/2][BR+pad]   Q transposed, staged once (RoPE applied in place)
 //   kv  K tile transposed [D/2][BC+pad], then the V tile [BC/2][D] as key pairs
 //   pt  [BC/2][BR+pad]  probabilities, transposed, as key pairs
@@ -27,7 +28,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
   constexpr int TD = D / TCW;
   constexpr int RPH = BR / G;
   constexpr int D2 = D / 2, BC2 = BC / 2;
-  constexpr int PAD = 16 / (int)sizeof(pair_t);
+  constexpr int PAD = P::CHUNK;
   constexpr int QS = BR + PAD, KS = BC + PAD;
   constexpr int Q_PAIRS = D2 * QS;
   constexpr int KV_PAIRS = rdna_max(D2 * KS, BC2 * D);
@@ -35,7 +36,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
   // A thread's rows, keys (S) and output columns (P.V) come in chunks of CM / CK / CD pairs,
   // interleaved with the other TCW threads of its row so that their LDS reads are consecutive.
   constexpr int CM = rdna_chunk<TM, PAD>, CK = rdna_chunk<TN, PAD>, CD = rdna_chunk<TD, PAD>;
-  constexpr int VW = PAD;  // columns per V staging store
+  constexpr int VW = P::CHUNK;  // columns per V staging store
   // K and V tiles are staged through registers: each tile's global loads are issued one compute
   // step ahead (K during the previous P.V, V during Q.K^T), so their latency is hidden.
   constexpr int K_ITEMS = BC * D / 8, V_ITEMS = BC2 * D / VW;
@@ -65,7 +66,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     const int r = i % BR, c = i / BR;
     const int pos = block_pos + r % RPH;
     const half_t* src = q_rows.row(b, head0 + r / RPH, pos);
-    rdna_store_column<P>(qt + 4 * c * QS + r, QS, pos < mask.seq_q() ? rdna_load16(src + 8 * c) : zero);
+    rdna_store_column<P>(qt, QS, 4 * c, r, pos < mask.seq_q() ? rdna_load16(src + 8 * c) : zero);
   }
   if (rope.enabled()) {
     rdna_block_sync();
@@ -113,7 +114,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
 #pragma unroll
     for (int t = 0; t < KI; ++t) {
       const int i = tid + t * NT;
-      if (i < K_ITEMS) rdna_store_column<P>(kvt + 4 * (i / BC) * KS + i % BC, KS, k_stage[t]);
+      if (i < K_ITEMS) rdna_store_column<P>(kvt, KS, 4 * (i / BC), i % BC, k_stage[t]);
     }
     load_v(k0);
     rdna_block_sync();
@@ -131,8 +132,8 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
 #pragma unroll 4
     for (int d2 = 0; d2 < D2; ++d2) {
       pair_t qf[TM], kf[TN];
-      rdna_lds_read<TM, CM>(qf, qt + d2 * QS + row0, CM);
-      rdna_lds_read<TN, CK>(kf, kvt + d2 * KS + tx * CK, TCW * CK);
+      rdna_read_pairs<P, TM, CM>(qf, qt, QS, d2, row0, CM);
+      rdna_read_pairs<P, TN, CK>(kf, kvt, KS, d2, tx * CK, TCW * CK);
       rdna_outer_product<P>(s, qf, kf);
     }
 
@@ -152,6 +153,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
         }
     }
 
+    pair_t p[TN / 2][TM];  // by key pair, then row: each key pair's rows are stored in runs
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
       float tile_max = -__builtin_inff();
@@ -162,17 +164,21 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
 #pragma unroll
       for (int j = 0; j < TN; j += 2) {
         // The row sum adds the probabilities exactly as stored for P.V, so the weights sum to one.
-        const pair_t p = P::make(rdna_exp2(s[i][j] - m_ref), rdna_exp2(s[i][j + 1] - m_ref));
-        l[i] += P::sum(p);
-        pt[((((j / CK) * TCW + tx) * CK + j % CK) / 2) * QS + row0 + i] = p;
+        p[j / 2][i] = P::make(rdna_exp2(s[i][j] - m_ref), rdna_exp2(s[i][j + 1] - m_ref));
+        l[i] += P::sum(p[j / 2][i]);
       }
     }
+#pragma unroll
+    for (int j = 0; j < TN; j += 2)
+#pragma unroll
+      for (int c = 0; c < TM / CM; ++c)
+        P::template store_run<CM>(pt, QS, (((j / CK) * TCW + tx) * CK + j % CK) / 2, row0 + c * CM, &p[j / 2][c * CM]);
 
     rdna_block_sync();  // K reads are done; kvt becomes the V tile
 #pragma unroll
     for (int t = 0; t < VI; ++t) {
       const int i = tid + t * NT;
-      if (i < V_ITEMS) rdna_store_key_pairs<P, VW>(kvt + (i / (D / VW)) * D + i % (D / VW) * VW, v_stage0[t], v_stage1[t]);
+      if (i < V_ITEMS) rdna_store_key_pairs<P, VW>(kvt, D, i / (D / VW), i % (D / VW) * VW, v_stage0[t], v_stage1[t]);
     }
     if (k0 + BC < key_hi) load_k(k0 + BC);
     rdna_block_sync();
@@ -180,8 +186,8 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     // O += P V over key pairs: a TM x TD register tile per thread.
     for (int kp = 0; kp < BC2; ++kp) {
       pair_t pf[TM], vf[TD];
-      rdna_lds_read<TM, CM>(pf, pt + kp * QS + row0, CM);
-      rdna_lds_read<TD, CD>(vf, kvt + kp * D + tx * CD, TCW * CD);
+      rdna_read_pairs<P, TM, CM>(pf, pt, QS, kp, row0, CM);
+      rdna_read_pairs<P, TD, CD>(vf, kvt, D, kp, tx * CD, TCW * CD);
       rdna_outer_product<P>(o, pf, vf);
     }
   }

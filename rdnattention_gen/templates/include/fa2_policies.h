@@ -119,14 +119,13 @@ struct RotaryTables {
 
   RDNA_METHOD bool enabled() const { return a.rotary_dim != 0; }
 
-  // In place on a transposed tile in LDS: element (r, d) of pair array `tile` (row stride
-  // `tile_stride` pairs) is component d % 2 of tile[(d / 2) * tile_stride + r]. Each thread owns
+  // In place on a transposed pair tile in LDS (pairs.h): element (r, d) is component d % 2 of the
+  // pair at row d / 2, column r (rows of `tile_stride` pairs). Each thread owns
   // whole (x1, x2) pairs and writes single elements. Row r holds position first + r % period and
   // uses table row position + shift; rows at or past `limit` are padding and stay as they are.
   template <typename P, int ROWS, int NT>
   RDNA_METHOD void apply(typename P::pair_t* tile, int tile_stride, int first, int period, int limit,
                          int shift) const {
-    typename P::elem_t* const elems = reinterpret_cast<typename P::elem_t*>(tile);
     const int half_dim = a.rotary_dim / 2;
     for (int i = rdna_thread_id(); i < ROWS * half_dim; i += NT) {
       const int r = i % ROWS, j = i / ROWS;
@@ -136,8 +135,8 @@ struct RotaryTables {
       const float c = a.rotary_cos[t], s = a.rotary_sin[t];
       const int d1 = a.rotary_interleaved ? 2 * j : j;
       const int d2 = a.rotary_interleaved ? 2 * j + 1 : j + half_dim;
-      typename P::elem_t* const e1 = elems + 2 * ((d1 / 2) * tile_stride + r) + d1 % 2;
-      typename P::elem_t* const e2 = elems + 2 * ((d2 / 2) * tile_stride + r) + d2 % 2;
+      typename P::elem_t* const e1 = P::elem(tile, tile_stride, d1 / 2, r, d1 % 2);
+      typename P::elem_t* const e2 = P::elem(tile, tile_stride, d2 / 2, r, d2 % 2);
       const float x1 = (float)*e1, x2 = (float)*e2;
       *e1 = (typename P::elem_t)(x1 * c - x2 * s);
       *e2 = (typename P::elem_t)(x2 * c + x1 * s);

@@ -1,5 +1,15 @@
 // Precision and staging policies: the kernels move "pairs" of values along each product's
 // reduction dimension through LDS, and dot() multiplies two pairs into an fp32 accumulator.
+//
+// LDS tiles of pairs: tile row `row` holds S pairs (S a multiple of CHUNK, so every row starts
+// 16-byte aligned), and the kernels move runs of up to CHUNK consecutive pairs of one row, a
+// 16-byte access per run (per plane below). Each policy says where a pair lives:
+//   F16Pairs: a row is S half2 words.
+//   F32Pairs: a row is S x components, then S y components (planar). A 16-byte read brings four
+//   columns' x (or y) into four consecutive registers, so for both components of a pair product
+//   the multiplicand read fresh sits in the same register bank, and the compiler can keep each
+//   accumulator off it. Interleaved float2 pairs put x and y in alternate banks, and every
+//   accumulator then shares a bank with one of its two products' operands.
 #pragma once
 
 // fp16 pairs, fed to the tier's dot2 lowering as they are.
@@ -10,6 +20,21 @@ struct F16Pairs {
   RDNA_DEVICE pair_t from_halves(unsigned w) { return __builtin_bit_cast(half2_t, w); }
   RDNA_DEVICE pair_t make(float x, float y) { return pair_t{(half_t)x, (half_t)y}; }
   RDNA_DEVICE float sum(pair_t p) { return (float)p.x + (float)p.y; }
+
+  static constexpr int CHUNK = 4;
+  // Component `comp` of the pair at (row, col).
+  RDNA_DEVICE elem_t* elem(pair_t* tile, int S, int row, int col, int comp) {
+    return reinterpret_cast<elem_t*>(tile + row * S + col) + comp;
+  }
+  // N consecutive pairs of one row from column col (a multiple of N).
+  template <int N>
+  RDNA_DEVICE void load_run(pair_t* dst, const pair_t* tile, int S, int row, int col) {
+    __builtin_memcpy(dst, __builtin_assume_aligned(tile + row * S + col, N * sizeof(pair_t)), N * sizeof(pair_t));
+  }
+  template <int N>
+  RDNA_DEVICE void store_run(pair_t* tile, int S, int row, int col, const pair_t* src) {
+    __builtin_memcpy(__builtin_assume_aligned(tile + row * S + col, N * sizeof(pair_t)), src, N * sizeof(pair_t));
+  }
 };
 
 // fp32 pairs: every fp16 value is converted once, when its tile is staged, for targets that
@@ -24,4 +49,29 @@ struct F32Pairs {
   }
   RDNA_DEVICE pair_t make(float x, float y) { return pair_t{x, y}; }
   RDNA_DEVICE float sum(pair_t p) { return (float)p.x + (float)p.y; }
+
+  static constexpr int CHUNK = 4;
+  RDNA_DEVICE float* plane(pair_t* tile, int S, int row, int comp) {
+    return reinterpret_cast<float*>(tile + row * S) + comp * S;
+  }
+  RDNA_DEVICE const float* plane(const pair_t* tile, int S, int row, int comp) {
+    return reinterpret_cast<const float*>(tile + row * S) + comp * S;
+  }
+  RDNA_DEVICE elem_t* elem(pair_t* tile, int S, int row, int col, int comp) { return plane(tile, S, row, comp) + col; }
+  template <int N>
+  RDNA_DEVICE void load_run(pair_t* dst, const pair_t* tile, int S, int row, int col) {
+    float x[N], y[N];
+    __builtin_memcpy(x, __builtin_assume_aligned(plane(tile, S, row, 0) + col, N * sizeof(float)), sizeof(x));
+    __builtin_memcpy(y, __builtin_assume_aligned(plane(tile, S, row, 1) + col, N * sizeof(float)), sizeof(y));
+#pragma unroll
+    for (int k = 0; k < N; ++k) dst[k] = pair_t{x[k], y[k]};
+  }
+  template <int N>
+  RDNA_DEVICE void store_run(pair_t* tile, int S, int row, int col, const pair_t* src) {
+    float x[N], y[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) x[k] = src[k].x, y[k] = src[k].y;
+    __builtin_memcpy(__builtin_assume_aligned(plane(tile, S, row, 0) + col, N * sizeof(float)), x, sizeof(x));
+    __builtin_memcpy(__builtin_assume_aligned(plane(tile, S, row, 1) + col, N * sizeof(float)), y, sizeof(y));
+  }
 };

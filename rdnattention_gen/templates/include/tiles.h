@@ -43,14 +43,25 @@ RDNA_DEVICE void rdna_outer_product(float (&acc)[M][N], const typename P::pair_t
     for (int j = 0; j < N; ++j) acc[i][j] = P::dot(a[i], b[j], acc[i][j]);
 }
 
-// Eight consecutive fp16 values of one row (a 16-byte chunk) as four pairs down a column of a
-// transposed tile: dst[0], dst[stride], dst[2 * stride], dst[3 * stride].
+// Eight consecutive fp16 values of one row (a 16-byte chunk) as four pairs down column `col` of a
+// transposed pair tile (pairs.h): rows row .. row + 3.
 template <typename P>
-RDNA_DEVICE void rdna_store_column(typename P::pair_t* dst, int stride, u32x4 chunk) {
-  dst[0] = P::from_halves(chunk.x);
-  dst[stride] = P::from_halves(chunk.y);
-  dst[2 * stride] = P::from_halves(chunk.z);
-  dst[3 * stride] = P::from_halves(chunk.w);
+RDNA_DEVICE void rdna_store_column(typename P::pair_t* tile, int S, int row, int col, u32x4 chunk) {
+  const unsigned words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const typename P::pair_t p = P::from_halves(words[w]);
+    P::template store_run<1>(tile, S, row + w, col, &p);
+  }
+}
+
+// N pairs of tile row `row` (pairs.h) in runs of C: run c at columns [col + c * col_stride, + C).
+// With col = lane * C and col_stride = lanes * C, the lanes of a wave read consecutive addresses.
+template <typename P, int N, int C>
+RDNA_DEVICE void rdna_read_pairs(typename P::pair_t (&dst)[N], const typename P::pair_t* tile, int S, int row, int col,
+                                 int col_stride) {
+#pragma unroll
+  for (int c = 0; c < N / C; ++c) P::template load_run<C>(&dst[c * C], tile, S, row, col + c * col_stride);
 }
 
 // Two-row staging, split so the global loads of a tile can be in flight while the previous step
@@ -64,14 +75,16 @@ RDNA_DEVICE void rdna_load_key_rows(half_t (&a)[N], half_t (&b)[N], const half_t
   if (has1) __builtin_memcpy(b, __builtin_assume_aligned(row1, N * sizeof(half_t)), N * sizeof(half_t));
 }
 
-// ... then stored as N (key, key + 1) pairs in one LDS store. N = 16 bytes / pair size, so
-// consecutive lanes taking consecutive column groups store to consecutive addresses.
+// ... then stored as N (key, key + 1) pairs at columns [col, col + N) of pair-tile row `row`, one
+// run (N = the policy's CHUNK), so consecutive lanes taking consecutive column groups store to
+// consecutive addresses.
 template <typename P, int N>
-RDNA_DEVICE void rdna_store_key_pairs(typename P::pair_t* dst, const half_t (&a)[N], const half_t (&b)[N]) {
+RDNA_DEVICE void rdna_store_key_pairs(typename P::pair_t* tile, int S, int row, int col, const half_t (&a)[N],
+                                      const half_t (&b)[N]) {
   typename P::pair_t pairs[N];
 #pragma unroll
   for (int e = 0; e < N; ++e) pairs[e] = P::from_halves(rdna_pack_half2((float)a[e], (float)b[e]));
-  __builtin_memcpy(__builtin_assume_aligned(dst, 16), pairs, sizeof(pairs));
+  P::template store_run<N>(tile, S, row, col, pairs);
 }
 
 // One output row slice held in chunks of C columns: chunk c covers columns [c * stride, c * stride + C)
