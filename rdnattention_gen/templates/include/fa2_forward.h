@@ -89,7 +89,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
   }
 
   u32x4 k_stage[KI];
-  half_t v_stage0[VI][VW], v_stage1[VI][VW];
+  unsigned v_stage0[VI][VW / 2], v_stage1[VI][VW / 2];
   auto load_k = [&](int k0) {
 #pragma unroll
     for (int t = 0; t < KI; ++t) {
@@ -183,13 +183,23 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     if (k0 + BC < key_hi) load_k(k0 + BC);
     rdna_block_sync();
 
-    // O += P V over key pairs: a TM x TD register tile per thread.
-    for (int kp = 0; kp < BC2; ++kp) {
-      pair_t pf[TM], vf[TD];
-      rdna_read_pairs<P, TM, CM>(pf, pt, QS, kp, row0, CM);
-      rdna_read_pairs<P, TD, CD>(vf, kvt, D, kp, tx * CD, TCW * CD);
+    // O += P V over key pairs: a TM x TD register tile per thread. Each step's fragments are read
+    // while the previous step's products run.
+    pair_t pf[TM], vf[TD];
+    rdna_read_pairs<P, TM, CM>(pf, pt, QS, 0, row0, CM);
+    rdna_read_pairs<P, TD, CD>(vf, kvt, D, 0, tx * CD, TCW * CD);
+#pragma unroll 2
+    for (int kp = 1; kp < BC2; ++kp) {
+      pair_t pn[TM], vn[TD];
+      rdna_read_pairs<P, TM, CM>(pn, pt, QS, kp, row0, CM);
+      rdna_read_pairs<P, TD, CD>(vn, kvt, D, kp, tx * CD, TCW * CD);
       rdna_outer_product<P>(o, pf, vf);
+#pragma unroll
+      for (int i = 0; i < TM; ++i) pf[i] = pn[i];
+#pragma unroll
+      for (int c = 0; c < TD; ++c) vf[c] = vn[c];
     }
+    rdna_outer_product<P>(o, pf, vf);
   }
 
 #pragma unroll

@@ -18,6 +18,7 @@ struct F16Pairs {
   typedef half2_t pair_t;
   RDNA_DEVICE float dot(pair_t a, pair_t b, float acc) { return rdna_dot2(a, b, acc); }
   RDNA_DEVICE pair_t from_halves(unsigned w) { return __builtin_bit_cast(half2_t, w); }
+  RDNA_DEVICE pair_t join(half_t x, half_t y) { return pair_t{x, y}; }
   RDNA_DEVICE pair_t make(float x, float y) { return pair_t{(half_t)x, (half_t)y}; }
   RDNA_DEVICE float sum(pair_t p) { return (float)p.x + (float)p.y; }
 
@@ -47,6 +48,7 @@ struct F32Pairs {
     const half2_t h = __builtin_bit_cast(half2_t, w);
     return pair_t{(float)h.x, (float)h.y};
   }
+  RDNA_DEVICE pair_t join(half_t x, half_t y) { return pair_t{(float)x, (float)y}; }
   RDNA_DEVICE pair_t make(float x, float y) { return pair_t{x, y}; }
   RDNA_DEVICE float sum(pair_t p) { return (float)p.x + (float)p.y; }
 

@@ -65,12 +65,13 @@ RDNA_DEVICE void rdna_read_pairs(typename P::pair_t (&dst)[N], const typename P:
 }
 
 // Two-row staging, split so the global loads of a tile can be in flight while the previous step
-// computes: columns [d, d + N) of key rows `key` and `key + 1` (zero where a row is absent) ...
+// computes: N fp16 values (N / 2 words) of key rows `key` and `key + 1`, zero where a row is absent.
+// The words stay as loaded until the store: splitting them into halves here would wait for the loads.
 template <int N>
-RDNA_DEVICE void rdna_load_key_rows(half_t (&a)[N], half_t (&b)[N], const half_t* row0, const half_t* row1,
+RDNA_DEVICE void rdna_load_key_rows(unsigned (&a)[N / 2], unsigned (&b)[N / 2], const half_t* row0, const half_t* row1,
                                     bool has0, bool has1) {
 #pragma unroll
-  for (int e = 0; e < N; ++e) a[e] = b[e] = (half_t)0.f;
+  for (int w = 0; w < N / 2; ++w) a[w] = b[w] = 0u;
   if (has0) __builtin_memcpy(a, __builtin_assume_aligned(row0, N * sizeof(half_t)), N * sizeof(half_t));
   if (has1) __builtin_memcpy(b, __builtin_assume_aligned(row1, N * sizeof(half_t)), N * sizeof(half_t));
 }
@@ -79,11 +80,14 @@ RDNA_DEVICE void rdna_load_key_rows(half_t (&a)[N], half_t (&b)[N], const half_t
 // run (N = the policy's CHUNK), so consecutive lanes taking consecutive column groups store to
 // consecutive addresses.
 template <typename P, int N>
-RDNA_DEVICE void rdna_store_key_pairs(typename P::pair_t* tile, int S, int row, int col, const half_t (&a)[N],
-                                      const half_t (&b)[N]) {
+RDNA_DEVICE void rdna_store_key_pairs(typename P::pair_t* tile, int S, int row, int col, const unsigned (&a)[N / 2],
+                                      const unsigned (&b)[N / 2]) {
   typename P::pair_t pairs[N];
 #pragma unroll
-  for (int e = 0; e < N; ++e) pairs[e] = P::from_halves(rdna_pack_half2((float)a[e], (float)b[e]));
+  for (int e = 0; e < N; ++e) {
+    const half2_t x = __builtin_bit_cast(half2_t, a[e / 2]), y = __builtin_bit_cast(half2_t, b[e / 2]);
+    pairs[e] = P::join(e % 2 ? x.y : x.x, e % 2 ? y.y : y.x);
+  }
   P::template store_run<N>(tile, S, row, col, pairs);
 }
 
