@@ -86,7 +86,8 @@ def lds_layout(head_dim: int, br: int, bc: int, stage: str) -> dict[str, int]:
     return {
         "q_bytes": (head_dim // 2) * (br + pad) * pair,
         "kv_bytes": max((head_dim // 2) * (bc + pad), (bc // 2) * head_dim) * pair,
-        "p_bytes": (bc // 2) * (br + pad) * pair,
+        # P rows two by two, each two 16 bytes apart (fa2_forward.h)
+        "p_bytes": (bc // 2 + 1) // 2 * (2 * (br + pad) * pair + 16),
     }
 
 

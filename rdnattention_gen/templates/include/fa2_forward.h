@@ -9,7 +9,9 @@
 // dimension, as rows of pairs:
 //   qt  [D/2][BR+pad]   Q transposed, staged once (RoPE applied in place)
 //   kv  K tile transposed [D/2][BC+pad], then the V tile [BC/2][D] as key pairs
-//   pt  [BC/2][BR+pad]  probabilities, transposed, as key pairs
+//   pt  [BC/2][BR+pad]  probabilities, transposed, as key pairs; every second row is moved on by
+//                       16 bytes, so the lanes that store their key pairs' rows at once hit
+//                       different banks (rows 2r and 2r + 1 at (2 * (BR+pad) + 16 bytes) * r)
 // The family's lds_layout (Python) states the same sizes; LDS_BYTES is checked against them.
 //
 // What varies between kernels lives in the policies (fa2_policies.h): which rows a workgroup
@@ -32,7 +34,8 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
   constexpr int QS = BR + PAD, KS = BC + PAD;
   constexpr int Q_PAIRS = D2 * QS;
   constexpr int KV_PAIRS = rdna_max(D2 * KS, BC2 * D);
-  constexpr int P_PAIRS = BC2 * QS;
+  constexpr int P_ROWS2 = 2 * QS + 16 / (int)sizeof(pair_t);  // pairs per two rows of the P tile
+  constexpr int P_PAIRS = (BC2 + 1) / 2 * P_ROWS2;
   // A thread's rows, keys (S) and output columns (P.V) come in chunks of CM / CK / CD pairs,
   // interleaved with the other TCW threads of its row so that their LDS reads are consecutive.
   constexpr int CM = rdna_chunk<TM, PAD>, CK = rdna_chunk<TN, PAD>, CD = rdna_chunk<TD, PAD>;
@@ -48,6 +51,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
   pair_t* const qt = reinterpret_cast<pair_t*>(lds);
   pair_t* const kvt = qt + Q_PAIRS;
   pair_t* const pt = kvt + KV_PAIRS;
+  auto p_row = [&](int kp) { return pt + kp / 2 * P_ROWS2 + kp % 2 * QS; };  // a P tile row of QS pairs
 
   const int tid = rdna_thread_id();
   const int ty = tid / TCW, tx = tid % TCW;
@@ -172,7 +176,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     for (int j = 0; j < TN; j += 2)
 #pragma unroll
       for (int c = 0; c < TM / CM; ++c)
-        P::template store_run<CM>(pt, QS, (((j / CK) * TCW + tx) * CK + j % CK) / 2, row0 + c * CM, &p[j / 2][c * CM]);
+        P::template store_run<CM>(p_row((((j / CK) * TCW + tx) * CK + j % CK) / 2), QS, 0, row0 + c * CM, &p[j / 2][c * CM]);
 
     rdna_block_sync();  // K reads are done; kvt becomes the V tile
 #pragma unroll
@@ -186,12 +190,12 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     // O += P V over key pairs: a TM x TD register tile per thread. Each step's fragments are read
     // while the previous step's products run.
     pair_t pf[TM], vf[TD];
-    rdna_read_pairs<P, TM, CM>(pf, pt, QS, 0, row0, CM);
+    rdna_read_pairs<P, TM, CM>(pf, p_row(0), QS, 0, row0, CM);
     rdna_read_pairs<P, TD, CD>(vf, kvt, D, 0, tx * CD, TCW * CD);
 #pragma unroll 2
     for (int kp = 1; kp < BC2; ++kp) {
       pair_t pn[TM], vn[TD];
-      rdna_read_pairs<P, TM, CM>(pn, pt, QS, kp, row0, CM);
+      rdna_read_pairs<P, TM, CM>(pn, p_row(kp), QS, 0, row0, CM);
       rdna_read_pairs<P, TD, CD>(vn, kvt, D, kp, tx * CD, TCW * CD);
       rdna_outer_product<P>(o, pf, vf);
 #pragma unroll
