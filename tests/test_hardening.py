@@ -14,6 +14,7 @@ from conftest import REPO_ROOT
 
 from rdnattention import attention_reference, flash_attn
 from rdnattention.errors import InvalidArgumentError
+from rdnattention.families import f16
 
 
 def _run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -180,7 +181,7 @@ def _edit_table(table_dir, edit):
     ("br", "128", "kernels[0].br = '128' is not a non-negative integer"),
     ("gqa_group", 0, "impossible tile: group 0"),
     ("lds_bytes", 1024, "kernels[0].lds_bytes is 1024 but kernel fa2_f16_hd32_g1_br128_bc64_nt256_tm8_w32_cvt_fma_sf16 "
-                        "uses 29696"),
+                        f"uses {f16.lds_bytes(f16.NAMES.parse('fa2_f16_hd32_g1_br128_bc64_nt256_tm8_w32_cvt_fma_sf16'))}"),
 ])
 def test_a_table_that_disagrees_with_its_kernel_names_is_refused(host_copy, field, value, message):
     from rdnattention import dispatch

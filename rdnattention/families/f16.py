@@ -86,8 +86,8 @@ def lds_layout(head_dim: int, br: int, bc: int, stage: str) -> dict[str, int]:
     return {
         "q_bytes": (head_dim // 2) * (br + pad) * pair,
         "kv_bytes": max((head_dim // 2) * (bc + pad), (bc // 2) * head_dim) * pair,
-        # P rows two by two, each two 16 bytes apart (fa2_forward.h)
-        "p_bytes": (bc // 2 + 1) // 2 * (2 * (br + pad) * pair + 16),
+        # P rows two by two, each two P_ROW_PAIR_GAP bytes apart (pairs.h: 16 for fp32 pairs)
+        "p_bytes": (bc // 4) * (2 * (br + pad) * pair + (16 if stage == "f32" else 0)) + (bc // 2 % 2) * (br + pad) * pair,
     }
 
 

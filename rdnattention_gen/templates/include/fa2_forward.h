@@ -9,9 +9,8 @@
 // dimension, as rows of pairs:
 //   qt  [D/2][BR+pad]   Q transposed, staged once (RoPE applied in place)
 //   kv  K tile transposed [D/2][BC+pad], then the V tile [BC/2][D] as key pairs
-//   pt  [BC/2][BR+pad]  probabilities, transposed, as key pairs; every second row is moved on by
-//                       16 bytes, so the lanes that store their key pairs' rows at once hit
-//                       different banks (rows 2r and 2r + 1 at (2 * (BR+pad) + 16 bytes) * r)
+//   pt  [BC/2][BR+pad]  probabilities, transposed, as key pairs; rows go two by two, each two
+//                       P::P_ROW_PAIR_GAP bytes apart (pairs.h)
 // The family's lds_layout (Python) states the same sizes; LDS_BYTES is checked against them.
 //
 // What varies between kernels lives in the policies (fa2_policies.h): which rows a workgroup
@@ -34,8 +33,8 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
   constexpr int QS = BR + PAD, KS = BC + PAD;
   constexpr int Q_PAIRS = D2 * QS;
   constexpr int KV_PAIRS = rdna_max(D2 * KS, BC2 * D);
-  constexpr int P_ROWS2 = 2 * QS + 16 / (int)sizeof(pair_t);  // pairs per two rows of the P tile
-  constexpr int P_PAIRS = (BC2 + 1) / 2 * P_ROWS2;
+  constexpr int P_ROWS2 = 2 * QS + P::P_ROW_PAIR_GAP / (int)sizeof(pair_t);  // pairs per two rows of P
+  constexpr int P_PAIRS = BC2 / 2 * P_ROWS2 + BC2 % 2 * QS;
   // A thread's rows, keys (S) and output columns (P.V) come in chunks of CM / CK / CD pairs,
   // interleaved with the other TCW threads of its row so that their LDS reads are consecutive.
   constexpr int CM = rdna_chunk<TM, PAD>, CK = rdna_chunk<TN, PAD>, CD = rdna_chunk<TD, PAD>;
@@ -164,7 +163,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
 #pragma unroll
       for (int j = 0; j < TN; ++j) tile_max = rdna_fmax(tile_max, s[i][j]);
       for (int x = 1; x < TCW; x <<= 1) tile_max = rdna_fmax(tile_max, rdna_shfl_xor(tile_max, x));
-      const float m_ref = fa2_softmax_update(m[i], l[i], o[i], tile_max);
+      const float m_ref = fa2_softmax_update<TD, true>(m[i], l[i], o[i], tile_max);
 #pragma unroll
       for (int j = 0; j < TN; j += 2) {
         // The row sum adds the probabilities exactly as stored for P.V, so the weights sum to one.
@@ -187,23 +186,32 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     if (k0 + BC < key_hi) load_k(k0 + BC);
     rdna_block_sync();
 
-    // O += P V over key pairs: a TM x TD register tile per thread. Each step's fragments are read
-    // while the previous step's products run.
-    pair_t pf[TM], vf[TD];
-    rdna_read_pairs<P, TM, CM>(pf, p_row(0), QS, 0, row0, CM);
-    rdna_read_pairs<P, TD, CD>(vf, kvt, D, 0, tx * CD, TCW * CD);
-#pragma unroll 2
-    for (int kp = 1; kp < BC2; ++kp) {
-      pair_t pn[TM], vn[TD];
-      rdna_read_pairs<P, TM, CM>(pn, p_row(kp), QS, 0, row0, CM);
-      rdna_read_pairs<P, TD, CD>(vn, kvt, D, kp, tx * CD, TCW * CD);
+    // O += P V over key pairs: a TM x TD register tile per thread. With P::PREFETCH each step's
+    // fragments are read while the previous step's products run (pairs.h says where).
+    if constexpr (P::PREFETCH) {
+      pair_t pf[TM], vf[TD];
+      rdna_read_pairs<P, TM, CM>(pf, p_row(0), QS, 0, row0, CM);
+      rdna_read_pairs<P, TD, CD>(vf, kvt, D, 0, tx * CD, TCW * CD);
+#pragma unroll 4
+      for (int kp = 1; kp < BC2; ++kp) {
+        pair_t pn[TM], vn[TD];
+        rdna_read_pairs<P, TM, CM>(pn, p_row(kp), QS, 0, row0, CM);
+        rdna_read_pairs<P, TD, CD>(vn, kvt, D, kp, tx * CD, TCW * CD);
+        rdna_outer_product<P>(o, pf, vf);
+#pragma unroll
+        for (int i = 0; i < TM; ++i) pf[i] = pn[i];
+#pragma unroll
+        for (int c = 0; c < TD; ++c) vf[c] = vn[c];
+      }
       rdna_outer_product<P>(o, pf, vf);
-#pragma unroll
-      for (int i = 0; i < TM; ++i) pf[i] = pn[i];
-#pragma unroll
-      for (int c = 0; c < TD; ++c) vf[c] = vn[c];
+    } else {
+      for (int kp = 0; kp < BC2; ++kp) {
+        pair_t pf[TM], vf[TD];
+        rdna_read_pairs<P, TM, CM>(pf, p_row(kp), QS, 0, row0, CM);
+        rdna_read_pairs<P, TD, CD>(vf, kvt, D, kp, tx * CD, TCW * CD);
+        rdna_outer_product<P>(o, pf, vf);
+      }
     }
-    rdna_outer_product<P>(o, pf, vf);
   }
 
 #pragma unroll

@@ -10,12 +10,23 @@
 //   the multiplicand read fresh sits in the same register bank, and the compiler can keep each
 //   accumulator off it. Interleaved float2 pairs put x and y in alternate banks, and every
 //   accumulator then shares a bank with one of its two products' operands.
+//
+// P_ROW_PAIR_GAP: bytes between each two rows of the P tile (fa2_forward.h). Its lanes store
+// their key pairs' rows at once, two rows apart; on sm_90 (fp32 pairs) the gap put those stores
+// in different banks (12.6M bank conflicts per [1,32,2048,128] call to none). fp16 pairs keep
+// their AMD tiles' LDS as it was (a gap would push some past the 6-wave LDS budget): 0.
+// PREFETCH: the P.V loop reads each step's fragments while the previous step's products run
+// (fa2_forward.h). On for fp32 pairs, whose targets (sm_90; host_f32 mirrors it) measured it
+// faster; off for fp16 pairs, whose AMD kernels hold a wave budget (6 waves per SIMD on RDNA2:
+// 168 VGPRs) that the second set of fragments would spill.
 #pragma once
 
 // fp16 pairs, fed to the tier's dot2 lowering as they are.
 struct F16Pairs {
   typedef half_t elem_t;
   typedef half2_t pair_t;
+  static constexpr bool PREFETCH = false;
+  static constexpr int P_ROW_PAIR_GAP = 0;
   RDNA_DEVICE float dot(pair_t a, pair_t b, float acc) { return rdna_dot2(a, b, acc); }
   RDNA_DEVICE pair_t from_halves(unsigned w) { return __builtin_bit_cast(half2_t, w); }
   RDNA_DEVICE pair_t join(half_t x, half_t y) { return pair_t{x, y}; }
@@ -43,6 +54,8 @@ struct F16Pairs {
 struct F32Pairs {
   typedef float elem_t;
   typedef float pair_t __attribute__((ext_vector_type(2)));
+  static constexpr bool PREFETCH = true;
+  static constexpr int P_ROW_PAIR_GAP = 16;
   RDNA_DEVICE float dot(pair_t a, pair_t b, float acc) { return rdna_fma(a.y, b.y, rdna_fma(a.x, b.x, acc)); }
   RDNA_DEVICE pair_t from_halves(unsigned w) {
     const half2_t h = __builtin_bit_cast(half2_t, w);
