@@ -91,13 +91,18 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     for (int c = 0; c < TD; ++c) o[i][c] = 0.f;
   }
 
+  // With P::K_RUNS a thread stages four consecutive keys' same 8 columns and stores them as four
+  // runs (one 16-byte store per pair row and plane) instead of a store per pair.
+  constexpr bool K_RUNS = P::K_RUNS && BC % 4 == 0 && K_ITEMS % (4 * NT) == 0;
   u32x4 k_stage[KI];
   unsigned v_stage0[VI][VW / 2], v_stage1[VI][VW / 2];
   auto load_k = [&](int k0) {
 #pragma unroll
     for (int t = 0; t < KI; ++t) {
-      const int i = tid + t * NT, key = k0 + i % BC;
-      k_stage[t] = i < K_ITEMS && key < kv.seq_k() ? rdna_load16(kv.key(key) + 8 * (i / BC)) : zero;
+      const int i = K_RUNS ? (tid + t / 4 * NT) : tid + t * NT;
+      const int key = K_RUNS ? k0 + i % (BC / 4) * 4 + t % 4 : k0 + i % BC;
+      const int chunk = K_RUNS ? i / (BC / 4) : i / BC;
+      k_stage[t] = (K_RUNS || i < K_ITEMS) && key < kv.seq_k() ? rdna_load16(kv.key(key) + 8 * chunk) : zero;
     }
   };
   auto load_v = [&](int k0) {
@@ -114,10 +119,19 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
   if (k_first < key_hi) load_k(k_first);
   for (int k0 = k_first; k0 < key_hi; k0 += BC) {
     rdna_block_sync();  // the previous tile's V and P reads are done
+    if constexpr (K_RUNS) {
 #pragma unroll
-    for (int t = 0; t < KI; ++t) {
-      const int i = tid + t * NT;
-      if (i < K_ITEMS) rdna_store_column<P>(kvt, KS, 4 * (i / BC), i % BC, k_stage[t]);
+      for (int t = 0; t < KI; t += 4) {
+        const int i = tid + t / 4 * NT;
+        const u32x4 keys[4] = {k_stage[t], k_stage[t + 1], k_stage[t + 2], k_stage[t + 3]};
+        rdna_store_columns4<P>(kvt, KS, 4 * (i / (BC / 4)), i % (BC / 4) * 4, keys);
+      }
+    } else {
+#pragma unroll
+      for (int t = 0; t < KI; ++t) {
+        const int i = tid + t * NT;
+        if (i < K_ITEMS) rdna_store_column<P>(kvt, KS, 4 * (i / BC), i % BC, k_stage[t]);
+      }
     }
     load_v(k0);
     rdna_block_sync();
@@ -192,7 +206,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
       pair_t pf[TM], vf[TD];
       rdna_read_pairs<P, TM, CM>(pf, p_row(0), QS, 0, row0, CM);
       rdna_read_pairs<P, TD, CD>(vf, kvt, D, 0, tx * CD, TCW * CD);
-#pragma unroll 4
+#pragma unroll 8
       for (int kp = 1; kp < BC2; ++kp) {
         pair_t pn[TM], vn[TD];
         rdna_read_pairs<P, TM, CM>(pn, p_row(kp), QS, 0, row0, CM);

@@ -15,6 +15,9 @@
 // their key pairs' rows at once, two rows apart; on sm_90 (fp32 pairs) the gap put those stores
 // in different banks (12.6M bank conflicts per [1,32,2048,128] call to none). fp16 pairs keep
 // their AMD tiles' LDS as it was (a gap would push some past the 6-wave LDS budget): 0.
+// K_RUNS: a thread stages four consecutive keys' same eight columns and stores each pair row as one
+// run (fa2_forward.h): on sm_90 1.04x at head_dim 64, level at 128. fp16 pairs (AMD) keep a store
+// per pair, as audited.
 // PREFETCH: the P.V loop reads each step's fragments while the previous step's products run
 // (fa2_forward.h). On for fp32 pairs, whose targets (sm_90; host_f32 mirrors it) measured it
 // faster; off for fp16 pairs, whose AMD kernels hold a wave budget (6 waves per SIMD on RDNA2:
@@ -27,6 +30,7 @@ struct F16Pairs {
   typedef half2_t pair_t;
   static constexpr bool PREFETCH = false;
   static constexpr int P_ROW_PAIR_GAP = 0;
+  static constexpr bool K_RUNS = false;
   RDNA_DEVICE float dot(pair_t a, pair_t b, float acc) { return rdna_dot2(a, b, acc); }
   RDNA_DEVICE pair_t from_halves(unsigned w) { return __builtin_bit_cast(half2_t, w); }
   RDNA_DEVICE pair_t join(half_t x, half_t y) { return pair_t{x, y}; }
@@ -56,6 +60,7 @@ struct F32Pairs {
   typedef float pair_t __attribute__((ext_vector_type(2)));
   static constexpr bool PREFETCH = true;
   static constexpr int P_ROW_PAIR_GAP = 16;
+  static constexpr bool K_RUNS = true;
   RDNA_DEVICE float dot(pair_t a, pair_t b, float acc) { return rdna_fma(a.y, b.y, rdna_fma(a.x, b.x, acc)); }
   RDNA_DEVICE pair_t from_halves(unsigned w) {
     const half2_t h = __builtin_bit_cast(half2_t, w);

@@ -55,6 +55,19 @@ RDNA_DEVICE void rdna_store_column(typename P::pair_t* tile, int S, int row, int
   }
 }
 
+// Eight consecutive fp16 values of four consecutive keys (four 16-byte chunks) as four rows of a
+// transposed pair tile: rows row .. row + 3, columns [col, col + 4), one run per row.
+template <typename P>
+RDNA_DEVICE void rdna_store_columns4(typename P::pair_t* tile, int S, int row, int col, const u32x4 (&keys)[4]) {
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    typename P::pair_t run[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) run[k] = P::from_halves(keys[k][w]);
+    P::template store_run<4>(tile, S, row + w, col, run);
+  }
+}
+
 // N pairs of tile row `row` (pairs.h) in runs of C: run c at columns [col + c * col_stride, + C).
 // With col = lane * C and col_stride = lanes * C, the lanes of a wave read consecutive addresses.
 template <typename P, int N, int C>
