@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rdnattention import dispatch, drivers, flash_attn, plan_flash_attn
+from rdnattention import peak
 from rdnattention.peak import fma_peak_tflops, graphed
 
 # (label, batch, heads_q, heads_kv, seq_q, seq_k, head_dim, causal)
@@ -66,20 +67,10 @@ def time_ms(fn, reps: int = 25, warmup: int = 3) -> float:
 
 
 def stream_ms(fn, reps: int = 25, warmup: int = 3, rounds: int = 5) -> float:
-    """GPU time per call of ``reps`` back-to-back calls between two events (no sync between calls),
-    median over ``rounds``: kernel time, with the host's per-call work overlapped with the GPU."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) / reps)
+    """GPU time per call of ``reps`` back-to-back calls between two events (no sync between calls;
+    peak.time_ms), median over ``rounds``: kernel time, the host's per-call work overlapped."""
+    device = torch.device("cuda")
+    per_call = [peak.time_ms(fn, device, reps=reps, warmup=warmup if r == 0 else 0) for r in range(rounds)]
     return statistics.median(per_call)
 
 

@@ -177,7 +177,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
 #pragma unroll
       for (int j = 0; j < TN; ++j) tile_max = rdna_fmax(tile_max, s[i][j]);
       for (int x = 1; x < TCW; x <<= 1) tile_max = rdna_fmax(tile_max, rdna_shfl_xor(tile_max, x));
-      const float m_ref = fa2_softmax_update<TD, true>(m[i], l[i], o[i], tile_max);
+      const float m_ref = fa2_softmax_update<TD, P::SKIP_UNMOVED>(m[i], l[i], o[i], tile_max);
 #pragma unroll
       for (int j = 0; j < TN; j += 2) {
         // The row sum adds the probabilities exactly as stored for P.V, so the weights sum to one.

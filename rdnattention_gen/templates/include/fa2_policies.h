@@ -149,8 +149,8 @@ struct RotaryTables {
 // l and the row's output are rescaled, and the reference the tile's probabilities are taken
 // against is returned. A row that has seen no key keeps m = -inf and exponentiates against 0.
 // SKIP_UNMOVED: the output is left alone where the maximum did not move (alpha is exactly 1),
-// which after the first tiles is most of them; the fp16 family measured it on sm_90 (1.1-1.7% at
-// head_dim 64, neutral at 128), the int8 family keeps the unconditional rescale.
+// which after the first tiles is most of them: the fp16 family with fp32 pairs (pairs.h). The int8
+// family keeps the unconditional rescale.
 template <int TD, bool SKIP_UNMOVED = false>
 RDNA_DEVICE float fa2_softmax_update(float& m, float& l, float (&o)[TD], float tile_max) {
   const float m_new = rdna_fmax(m, tile_max);

@@ -18,6 +18,9 @@
 // K_RUNS: a thread stages four consecutive keys' same eight columns and stores each pair row as one
 // run (fa2_forward.h): on sm_90 1.04x at head_dim 64, level at 128. fp16 pairs (AMD) keep a store
 // per pair, as audited.
+// SKIP_UNMOVED: the output rescale is skipped for rows whose maximum stayed (fa2_policies.h); on
+// sm_90 1.015x at head_dim 64, level at 128. On fp16 pairs it cost gfx1030's head_dim 64 kernel
+// 7 VGPRs and a wave per SIMD: off.
 // PREFETCH: the P.V loop reads each step's fragments while the previous step's products run
 // (fa2_forward.h). On for fp32 pairs, whose targets (sm_90; host_f32 mirrors it) measured it
 // faster; off for fp16 pairs, whose AMD kernels hold a wave budget (6 waves per SIMD on RDNA2:
@@ -31,6 +34,7 @@ struct F16Pairs {
   static constexpr bool PREFETCH = false;
   static constexpr int P_ROW_PAIR_GAP = 0;
   static constexpr bool K_RUNS = false;
+  static constexpr bool SKIP_UNMOVED = false;
   RDNA_DEVICE float dot(pair_t a, pair_t b, float acc) { return rdna_dot2(a, b, acc); }
   RDNA_DEVICE pair_t from_halves(unsigned w) { return __builtin_bit_cast(half2_t, w); }
   RDNA_DEVICE pair_t join(half_t x, half_t y) { return pair_t{x, y}; }
@@ -61,6 +65,7 @@ struct F32Pairs {
   static constexpr bool PREFETCH = true;
   static constexpr int P_ROW_PAIR_GAP = 16;
   static constexpr bool K_RUNS = true;
+  static constexpr bool SKIP_UNMOVED = true;
   RDNA_DEVICE float dot(pair_t a, pair_t b, float acc) { return rdna_fma(a.y, b.y, rdna_fma(a.x, b.x, acc)); }
   RDNA_DEVICE pair_t from_halves(unsigned w) {
     const half2_t h = __builtin_bit_cast(half2_t, w);
