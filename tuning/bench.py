@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rdnattention import dispatch, drivers, flash_attn, plan_flash_attn
-from rdnattention import peak
 from rdnattention.peak import fma_peak_tflops, graphed
+from rdnattention.peak import time_ms as back_to_back_ms
 
 # (label, batch, heads_q, heads_kv, seq_q, seq_k, head_dim, causal)
 SHAPES = [
@@ -70,7 +70,7 @@ def stream_ms(fn, reps: int = 25, warmup: int = 3, rounds: int = 5) -> float:
     """GPU time per call of ``reps`` back-to-back calls between two events (no sync between calls;
     peak.time_ms), median over ``rounds``: kernel time, the host's per-call work overlapped."""
     device = torch.device("cuda")
-    per_call = [peak.time_ms(fn, device, reps=reps, warmup=warmup if r == 0 else 0) for r in range(rounds)]
+    per_call = [back_to_back_ms(fn, device, reps=reps, warmup=warmup if r == 0 else 0) for r in range(rounds)]
     return statistics.median(per_call)
 
 

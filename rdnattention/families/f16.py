@@ -83,11 +83,13 @@ def lds_layout(head_dim: int, br: int, bc: int, stage: str) -> dict[str, int]:
     requests exactly this much)."""
     pair = 4 if stage == "f16" else 8
     pad = 4  # pairs (pairs.h CHUNK): rows stay 16-byte aligned, f32 tiles' planes included
+    p_row = (br + pad) * pair
+    p_row_pair_gap = 16 if stage == "f32" else 0  # pairs.h P_ROW_PAIR_GAP
     return {
         "q_bytes": (head_dim // 2) * (br + pad) * pair,
         "kv_bytes": max((head_dim // 2) * (bc + pad), (bc // 2) * head_dim) * pair,
-        # P rows two by two, each two P_ROW_PAIR_GAP bytes apart (pairs.h: 16 for fp32 pairs)
-        "p_bytes": (bc // 4) * (2 * (br + pad) * pair + (16 if stage == "f32" else 0)) + (bc // 2 % 2) * (br + pad) * pair,
+        # bc / 2 rows, two by two, each two p_row_pair_gap bytes apart
+        "p_bytes": (bc // 4) * (2 * p_row + p_row_pair_gap) + (bc // 2 % 2) * p_row,
     }
 
 

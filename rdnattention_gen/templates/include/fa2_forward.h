@@ -69,7 +69,8 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     const int r = i % BR, c = i / BR;
     const int pos = block_pos + r % RPH;
     const half_t* src = q_rows.row(b, head0 + r / RPH, pos);
-    rdna_store_column<P>(qt, QS, 4 * c, r, pos < mask.seq_q() ? rdna_load16(src + 8 * c) : zero);
+    const u32x4 chunk[1] = {pos < mask.seq_q() ? rdna_load16(src + 8 * c) : zero};
+    rdna_store_columns<P, 1>(qt, QS, 4 * c, r, chunk);
   }
   if (rope.enabled()) {
     rdna_block_sync();
@@ -91,18 +92,18 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     for (int c = 0; c < TD; ++c) o[i][c] = 0.f;
   }
 
-  // With P::K_RUNS a thread stages four consecutive keys' same 8 columns and stores them as four
-  // runs (one 16-byte store per pair row and plane) instead of a store per pair.
-  constexpr bool K_RUNS = P::K_RUNS && BC % 4 == 0 && K_ITEMS % (4 * NT) == 0;
+  // A thread stages KG consecutive keys' same 8 columns and stores them as runs of KG pairs: 4
+  // with P::K_RUNS (one 16-byte store per pair row and plane) where the tile divides evenly, else 1.
+  constexpr int KG = P::K_RUNS && BC % 4 == 0 && K_ITEMS % (4 * NT) == 0 ? 4 : 1;
+  constexpr bool K_WHOLE = K_ITEMS % (KG * NT) == 0;  // every thread's items exist
   u32x4 k_stage[KI];
   unsigned v_stage0[VI][VW / 2], v_stage1[VI][VW / 2];
   auto load_k = [&](int k0) {
 #pragma unroll
     for (int t = 0; t < KI; ++t) {
-      const int i = K_RUNS ? (tid + t / 4 * NT) : tid + t * NT;
-      const int key = K_RUNS ? k0 + i % (BC / 4) * 4 + t % 4 : k0 + i % BC;
-      const int chunk = K_RUNS ? i / (BC / 4) : i / BC;
-      k_stage[t] = (K_RUNS || i < K_ITEMS) && key < kv.seq_k() ? rdna_load16(kv.key(key) + 8 * chunk) : zero;
+      const int i = tid + t / KG * NT, key = k0 + i % (BC / KG) * KG + t % KG;
+      k_stage[t] = (K_WHOLE || i < K_ITEMS / KG) && key < kv.seq_k() ? rdna_load16(kv.key(key) + 8 * (i / (BC / KG)))
+                                                                      : zero;
     }
   };
   auto load_v = [&](int k0) {
@@ -119,19 +120,13 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
   if (k_first < key_hi) load_k(k_first);
   for (int k0 = k_first; k0 < key_hi; k0 += BC) {
     rdna_block_sync();  // the previous tile's V and P reads are done
-    if constexpr (K_RUNS) {
 #pragma unroll
-      for (int t = 0; t < KI; t += 4) {
-        const int i = tid + t / 4 * NT;
-        const u32x4 keys[4] = {k_stage[t], k_stage[t + 1], k_stage[t + 2], k_stage[t + 3]};
-        rdna_store_columns4<P>(kvt, KS, 4 * (i / (BC / 4)), i % (BC / 4) * 4, keys);
-      }
-    } else {
+    for (int t = 0; t < KI; t += KG) {
+      const int i = tid + t / KG * NT;
+      u32x4 keys[KG];
 #pragma unroll
-      for (int t = 0; t < KI; ++t) {
-        const int i = tid + t * NT;
-        if (i < K_ITEMS) rdna_store_column<P>(kvt, KS, 4 * (i / BC), i % BC, k_stage[t]);
-      }
+      for (int k = 0; k < KG; ++k) keys[k] = k_stage[t + k];
+      if (K_WHOLE || i < K_ITEMS / KG) rdna_store_columns<P, KG>(kvt, KS, 4 * (i / (BC / KG)), i % (BC / KG) * KG, keys);
     }
     load_v(k0);
     rdna_block_sync();

@@ -43,28 +43,16 @@ RDNA_DEVICE void rdna_outer_product(float (&acc)[M][N], const typename P::pair_t
     for (int j = 0; j < N; ++j) acc[i][j] = P::dot(a[i], b[j], acc[i][j]);
 }
 
-// Eight consecutive fp16 values of one row (a 16-byte chunk) as four pairs down column `col` of a
-// transposed pair tile (pairs.h): rows row .. row + 3.
-template <typename P>
-RDNA_DEVICE void rdna_store_column(typename P::pair_t* tile, int S, int row, int col, u32x4 chunk) {
-  const unsigned words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+// Eight consecutive fp16 values (a 16-byte chunk) of each of K consecutive rows, transposed into
+// four rows of a pair tile (pairs.h): rows row .. row + 3, columns [col, col + K), one run per row.
+template <typename P, int K>
+RDNA_DEVICE void rdna_store_columns(typename P::pair_t* tile, int S, int row, int col, const u32x4 (&chunks)[K]) {
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-    const typename P::pair_t p = P::from_halves(words[w]);
-    P::template store_run<1>(tile, S, row + w, col, &p);
-  }
-}
-
-// Eight consecutive fp16 values of four consecutive keys (four 16-byte chunks) as four rows of a
-// transposed pair tile: rows row .. row + 3, columns [col, col + 4), one run per row.
-template <typename P>
-RDNA_DEVICE void rdna_store_columns4(typename P::pair_t* tile, int S, int row, int col, const u32x4 (&keys)[4]) {
+    typename P::pair_t run[K];
 #pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    typename P::pair_t run[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) run[k] = P::from_halves(keys[k][w]);
-    P::template store_run<4>(tile, S, row + w, col, run);
+    for (int k = 0; k < K; ++k) run[k] = P::from_halves(chunks[k][w]);
+    P::template store_run<K>(tile, S, row + w, col, run);
   }
 }
 
