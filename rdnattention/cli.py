@@ -53,7 +53,10 @@ def _table_facts(table: dispatch.TargetTable) -> dict:
             "constrained_entries": [f"{e.name} ({e.when}, {e.provenance})" for e in entries if e.priority in (1, 3)],
             "alternates": sum(1 for e in entries if e.priority < 0),
         }
+    version = table.code_object_version
     return {"target": table.target, "platform": table.platform, "code_object": str(table.code_object),
+            "code_object_version": version,
+            "loads_on": dispatch.rocm_floor(version) if version in dispatch.ROCM_LOADS else None,
             "isa_targets": list(table.isa_targets), "families": families,
             "dtypes": ["float16"] + (["int8 (flash_attn_int8qk)"] if "i8" in families else []),
             "features": ["causal", "sliding window", "GQA/MQA", "cross-attention and decode",
@@ -81,6 +84,18 @@ def device_info(device: torch.device) -> dict:
     return facts
 
 
+def _amd_code_object_versions() -> list[int]:
+    """The AMD code object versions the built tables record (a table that cannot be read says so
+    where it is chosen, not here)."""
+    versions = set()
+    for path in dispatch.built_tables():
+        try:
+            versions.add(json.loads(path.read_text()).get("code_object_version"))
+        except (OSError, ValueError, AttributeError):
+            continue
+    return sorted(v for v in versions if v in dispatch.ROCM_LOADS)
+
+
 def info() -> dict:
     return {
         "rdnattention": __version__,
@@ -93,6 +108,7 @@ def info() -> dict:
                                 "targets": sorted(p.parent.name for p in r.path.glob("*/dispatch.json"))}
                                for r in dispatch.kernel_roots()],
         "built_targets": sorted({p.parent.name for p in dispatch.built_tables()}),
+        "amd_code_objects": [dispatch.rocm_floor(v) for v in _amd_code_object_versions()],
         "devices": [device_info(d) for d in _devices()],
     }
 
@@ -106,6 +122,8 @@ def _print_info(data: dict) -> None:
     for r in data["kernel_search_path"]:
         print(f"  {r['path']} ({r['source']}): {', '.join(r['targets']) or 'nothing built'}")
     print("built targets: " + (", ".join(data["built_targets"]) or "none"))
+    for floor in data["amd_code_objects"]:
+        print(floor)
     for d in data["devices"]:
         print(f"\n{d['device']}: {d['name']} ({d['arch']})")
         if "error" in d:
@@ -119,8 +137,7 @@ def _print_info(data: dict) -> None:
         if "error" in k:
             print(f"  {k['error']}")
             continue
-        served = "" if k["target"] == d["target"] else f" (ISA-identical fallback for {d['target']})"
-        print(f"  kernels: {k['code_object']}{served}")
+        print(f"  kernels: {k['code_object']}" + (f" ({k['loads_on']})" if k["loads_on"] else ""))
         for name, f in k["families"].items():
             match = "matches" if f["args_digest"] == [f["runtime_args_digest"]] else "DIFFERS from"
             print(f"  family {name}: {f['kernels']} kernels, head_dims {f['head_dims']}, GQA groups {f['gqa_groups']}, "
@@ -136,7 +153,8 @@ def _fix(e: Exception, target: str | None) -> str:
         return f"rebuild the kernels with this version: rdnattention-gen build --targets {target}"
     if isinstance(e, KernelsNotBuiltError):
         return (f"build them: rdnattention-gen build --targets {target} (or pip install the rdnattention-kernels "
-                "package for its GPU family); an ISA-identical target can be forced with RDNATTENTION_TARGET")
+                "package for its GPU family); a GPU of the same instruction set as a built target runs that target's "
+                "kernels only when it reports it: set HSA_OVERRIDE_GFX_VERSION (the message names the value)")
     if isinstance(e, LaunchError):
         return "the driver refused the launch: check the GPU driver, then report the message above"
     if isinstance(e, UnsupportedError):

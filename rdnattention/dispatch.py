@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -19,12 +20,27 @@ from .errors import IncompatibleKernelsError, KernelsNotBuiltError, StaleKernels
 
 _PACKAGE = Path(__file__).resolve().parent
 _CHECKOUT = _PACKAGE.parent
-# AMD code-object versions a table may record (None: not an AMD code object). The generator pins v5.
+# The oldest ROCm whose HIP loads each AMD code object version: hipModuleLoadData first asks comgr
+# for the code object's ISA, and comgr 5.2.x reads v3 and v4 only (v5 from ROCm 5.3, though ROCr's
+# own loader took v5 from 5.2); v6 (generic targets) from ROCm 6.2. The generator builds v4. This is
+# the one statement of the floor: docs/hardware.md and `rdnattention info` print rocm_floor().
+ROCM_LOADS = {4: (4, 1), 5: (5, 3), 6: (6, 2)}
+# AMD code-object versions a table may record that this runtime launches (None: not an AMD code object).
 LOADABLE_CODE_OBJECT_VERSIONS = (None, 4, 5)
 TABLE_FORMAT = 3  # 3: the code object's size and SHA-256 are recorded
 # Priority of an alternate: a kernel built beside the table's own (a host mirror of a GPU target's
 # tile, a tuning candidate) that runs only when a call names it.
 ALTERNATE = -1
+
+
+def rocm_floor(version: int) -> str:
+    """Which ROCm loads AMD code object ``version``, as one phrase."""
+    return (f"AMD code object v{version} loads on ROCm {_rocm(version)} and later"
+            + (", every 6.x included" if ROCM_LOADS[version] < (6, 0) else ""))
+
+
+def _rocm(version: int) -> str:
+    return ".".join(map(str, ROCM_LOADS[version]))
 
 
 def _range_covers(outer: tuple | None, inner: tuple | None) -> bool:
@@ -127,7 +143,9 @@ class TargetTable:
     code_object: Path
     dynamic_lds: bool  # LDS is sized at launch (cuda) rather than in the code object
     kernels: tuple[KernelEntry, ...]
-    isa_targets: tuple[str, ...] = ()  # targets whose GPUs run this code object unchanged
+    # Targets of the same instruction set; their GPUs run this code object only when they report
+    # ``target`` (HSA_OVERRIDE_GFX_VERSION), since HIP matches the exact ISA.
+    isa_targets: tuple[str, ...] = ()
     code_object_bytes: int | None = None   # recorded at build time; None: not checked (tables made in code)
     code_object_sha256: str | None = None
     code_object_version: int | None = None  # the AMD code object ABI it is built for; None: not pinned
@@ -347,8 +365,11 @@ def load_table(path: Path | str) -> TargetTable:
         if code_object_version is not None and type(code_object_version) is not int:
             raise ValueError(f"code_object_version {code_object_version!r} is not an integer or null")
         if code_object_version not in LOADABLE_CODE_OBJECT_VERSIONS:
-            raise StaleKernelsError(f"{path}: AMD code object v{code_object_version}; this runtime launches v4 and "
-                                    f"v5 (which every ROCm from 5.2 loads; v6 needs ROCm 6.2 or later); {rebuild}")
+            loads = (f" (loads on ROCm {_rocm(code_object_version)} and later)"
+                     if code_object_version in ROCM_LOADS else "")
+            ours = " and ".join(f"v{v} (ROCm {_rocm(v)} and later)" for v in LOADABLE_CODE_OBJECT_VERSIONS if v)
+            raise StaleKernelsError(f"{path}: AMD code object v{code_object_version}{loads}; this runtime launches "
+                                    f"{ours}; {rebuild}")
         table = TargetTable(target=path.parent.name, platform=str(platform), code_object=path.parent / code_object,
                             dynamic_lds=bool(data["dynamic_lds"]),
                             kernels=tuple(e for e in kernels if e.family in FAMILIES),
@@ -370,19 +391,36 @@ def built_tables() -> list[Path]:
 
 
 def fallback_chain(target: str) -> list[Path]:
-    """The tables that could serve ``target``, best first: its own (by search order), then those of
-    ISA-identical targets that list it (documented per target in docs/hardware.md)."""
-    own = [root / target / "dispatch.json" for root in search_path() if (root / target / "dispatch.json").is_file()]
-    others = []
+    """The tables that could serve ``target``, best first: its own, in search order. Never another
+    target's, not even one of the same instruction set (gfx1030's for a gfx1034): HIP runs a code
+    object only on a GPU that reports the exact ISA it names (ROCclr's Isa::isCompatible, ROCr's
+    agent check). Such tables are named in the error instead (same_isa_tables)."""
+    return [root / target / "dispatch.json" for root in search_path() if (root / target / "dispatch.json").is_file()]
+
+
+def same_isa_tables(target: str) -> list[Path]:
+    """Other targets' AMD tables built for ``target``'s instruction set (their ``isa_targets`` list it):
+    a GPU of ``target`` runs them when HSA_OVERRIDE_GFX_VERSION makes it report their target."""
+    found = []
     for path in built_tables():
-        if path in own:
+        if path.parent.name == target:
             continue
         try:
-            if target in json.loads(path.read_text()).get("isa_targets", ()):
-                others.append(path)
+            data = json.loads(path.read_text())
+            if data.get("platform") == "amdgcn" and target in data.get("isa_targets", ()):
+                found.append(path)
         except (OSError, ValueError, AttributeError):
-            continue  # an unreadable table is reported when it is the one chosen
-    return own + others
+            continue  # a hint only: an unreadable table is reported when it is the one chosen
+    return found
+
+
+def hsa_override_value(target: str) -> str:
+    """The HSA_OVERRIDE_GFX_VERSION that makes a GPU report ``target``: gfx1030 -> 10.3.0, gfx90c -> 9.0.12
+    (the inverse of drivers.hip.override_arch)."""
+    m = re.fullmatch(r"gfx(\d+)([0-9a-f])([0-9a-f])", target)
+    if not m:
+        raise ValueError(f"{target!r} is not a gfx target")
+    return f"{int(m[1])}.{int(m[2], 16)}.{int(m[3], 16)}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -415,5 +453,10 @@ def table_for(target: str, device_name: str | None = None) -> TargetTable:
     else:  # an installed runtime: a kernel wheel, or the per-user directory
         how = (f"install the rdnattention-kernels wheel that carries {target} (docs/hardware.md), or build them "
                f"with clang-22 and rdnattention[gen]: rdnattention-gen build --user --targets {target}")
+    same_isa = sorted({p.parent.name for p in same_isa_tables(target)})
+    if same_isa:
+        how += (f"; or run {same_isa[0]}'s kernels (the same instruction set) by making the GPU report "
+                f"{same_isa[0]}: HSA_OVERRIDE_GFX_VERSION={hsa_override_value(same_isa[0])} (HIP loads a code object "
+                "only on a GPU that reports the exact ISA it was built for)")
     raise KernelsNotBuiltError(
         f"no kernels built for {gpu} (looked in {looked}; built targets there: {', '.join(built) or 'none'}); {how}")

@@ -9,18 +9,48 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .dispatch import KernelEntry, TargetTable
+from .errors import InvalidArgumentError
 
 if TYPE_CHECKING:  # the generator imports the families, and with them this module, without torch
     import torch
 
+# The strictest of CUDA's and HIP's launch limits, applied on every platform (the host emulator
+# included), so that a call one vendor refuses is refused on all, by us rather than the runtime.
+GRID_X_MAX = 2**31 - 1      # workgroups in x (CUDA)
+GRID_YZ_MAX = 65535         # workgroups in y and in z (CUDA)
+# hipModuleLaunchKernel refuses a grid of more work-items than HSA's dispatch packet counts: its
+# grid size is in work-items, a uint32.
+WORK_ITEMS_MAX = 2**32 - 1
+
+
+def _check_grid(name: str, grid: tuple[int, int, int], threads: int) -> None:
+    """InvalidArgumentError naming the first launch limit that ``grid`` of kernel ``name``, with
+    ``threads`` threads per workgroup, exceeds."""
+    x, y, z = grid
+    limits = ((x <= GRID_X_MAX, f"grid.x = {x} must be at most 2^31 - 1 workgroups (CUDA)"),
+              (y <= GRID_YZ_MAX, f"grid.y = {y} must be at most {GRID_YZ_MAX} workgroups (CUDA)"),
+              (z <= GRID_YZ_MAX, f"grid.z = {z} must be at most {GRID_YZ_MAX} workgroups (CUDA)"),
+              (x * threads <= WORK_ITEMS_MAX,
+               f"grid.x * threads = {x * threads} must be at most 2^32 - 1 work-items (HIP)"))
+    for within, limit in limits:
+        if not within:
+            raise InvalidArgumentError(f"the launch grid {grid} of kernel {name} with {threads} threads exceeds "
+                                       f"the launch limits: {limit}")
+
 
 @dataclass(frozen=True)
 class Launch:
+    """One kernel launch, its grid within every vendor's limits (checked when it is made, so
+    before anything runs)."""
+
     kernel: KernelEntry
     grid: tuple[int, int, int]
     block: int
     shared_bytes: int
     args: ctypes.Structure
+
+    def __post_init__(self) -> None:
+        _check_grid(self.kernel.name, self.grid, self.block)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The resource audit: one row per built kernel, read by the target's platform (metadata notes and
 disassembly on amdgcn, ptxas -v and the PTX on cuda, symbol sizes on host), and the rules every
-build enforces on it."""
+build enforces on it, the platform's launch ABI included (amdgcn: launch_abi.py)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ class KernelAudit:
     loop: dict | None = None
     bound: str | None = None
     peak_share: float | None = None
+    # What the code object says a dispatch must provide (amdgcn: launch_abi.facts), checked against
+    # what the runtime passes; None where the platform does not read it.
+    launch: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -64,7 +67,7 @@ def violations(target: Target, spec: KernelSpec, row: KernelAudit) -> list[str]:
     field = family(spec.family).signatures[spec.tier]
     if field in plat.instructions and getattr(row, field) == 0:
         out.append(f"tier {spec.tier} but no {plat.instructions[field]} instruction in the kernel")
-    return out
+    return out + plat.launch_violations(target, spec, row)
 
 
 def check(target: Target, specs: list[KernelSpec], rows: list[KernelAudit]) -> None:

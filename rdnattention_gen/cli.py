@@ -45,7 +45,8 @@ def cmd_build(matrix: Matrix, args: argparse.Namespace) -> int:
     rows = build.build(matrix, _targets(matrix, args.targets), args.build_dir, jobs=args.jobs)
     if rows:
         print(audit.table(rows))
-        print(f"audit: {len(rows)} kernels, no spills, no scratch, LDS within budget, tier instructions present")
+        print(f"audit: {len(rows)} kernels, no spills, no scratch, LDS within budget, tier instructions present, "
+              "launch ABI as the runtime launches (AMD)")
     return 0
 
 

@@ -47,7 +47,8 @@ def table(target: Target, variants: list[Variant], code_object: Path, dynamic_ld
             "code_object_sha256": hashlib.sha256(code_object.read_bytes()).hexdigest(),
             # The ABI the code object is built for (amdgcn; null where the platform pins none).
             "code_object_version": platform(target.platform).code_object_version,
-            # Targets whose GPUs run this code object unchanged (the same ISA): the runtime's fallback.
+            # Targets of the same instruction set: their GPUs run this code object only when they report
+            # this target (HSA_OVERRIDE_GFX_VERSION); the runtime names them when their own are missing.
             "isa": target.isa, "isa_targets": isa_targets,
             "generator_version": __version__, "toolchain": toolchain, "kernels": entries}
     problems = check_entries(variants)

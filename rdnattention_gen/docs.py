@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from rdnattention.dispatch import rocm_floor
+
 from . import packaging
 from .audit import KernelAudit
 from .families import FAMILIES
 from .matrix import Matrix, Tier
 from .platforms import PLATFORMS, platform
+from .platforms.amdgcn import ELF_ABI_VERSION
 from .render import environment
 
 
@@ -42,6 +45,8 @@ def hardware_md(matrix: Matrix, rows: list[KernelAudit], compiler: str) -> str:
     tuned = "; ".join(f"`{target}`: {len(entries)} entries" for target, entries in sorted(matrix.tuned.items()))
     mirrors = "; ".join(f"`{t.name}` mirrors {', '.join(f'`{m}`' for m in t.mirrors)}" for t in matrix.targets
                         if t.mirrors) or "none"
+    version = PLATFORMS["amdgcn"].code_object_version
     return environment().get_template("docs/hardware.md.j2").render(
+        code_object_version=version, elf_abi_version=ELF_ABI_VERSION[version], rocm_floor=rocm_floor(version),
         tiers=tiers, targets=matrix.targets, distribution=distribution, rows=table, compiler=compiler, tile_tables=tile_tables, tile_rows=tile_rows,
         tuned=tuned or "none yet (a tuner run on the GPU writes them)", mirrors=mirrors)

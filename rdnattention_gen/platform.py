@@ -61,3 +61,8 @@ class Platform:
 
     def audit(self, tc: Toolchain, target: Target, specs: list[KernelSpec], build_dir: Path) -> list[KernelAudit]:
         raise NotImplementedError
+
+    def launch_violations(self, target: Target, spec: KernelSpec, row: KernelAudit) -> list[str]:
+        """Where the built kernel's launch ABI differs from what the runtime passes (one line each);
+        a platform that does not read its launch ABI reports nothing."""
+        return []

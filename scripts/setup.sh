@@ -20,6 +20,13 @@ if ! { ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null; } | grep -q "li
   $SUDO apt-get install -y -qq libamdhip64-5 >/dev/null || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libamdhip64-5 >/dev/null; }
 fi
 
+# ROCm 5.2's code object manager, which HIP asks for a code object's ISA before loading it: the build
+# and the tests ask it about every AMD code object (it refuses code object v5, hence v4).
+if ! { ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null; } | grep -q "libamd_comgr.so"; then
+  echo "== installing libamd-comgr2 (ROCm's code object manager, for the check of the AMD code objects)"
+  $SUDO apt-get install -y -qq libamd-comgr2 >/dev/null || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libamd-comgr2 >/dev/null; }
+fi
+
 # torch: an installed one is reused (a ROCm build included, even from the system site-packages);
 # otherwise $TORCH_SPEC is installed, from $TORCH_INDEX_URL when set. ROCm users:
 #   TORCH_INDEX_URL=https://download.pytorch.org/whl/rocm6.4 TORCH_SPEC=torch bash scripts/setup.sh

@@ -126,7 +126,10 @@ def test_audit_json_lists_every_kernel(matrix, default_audit, build_dir):
     assert len(rows) == len(default_audit)
     assert set(rows[0]) == {"target", "name", "vgprs", "sgprs", "vgpr_spills", "sgpr_spills", "scratch_bytes",
                             "lds_bytes", "wave_size", "waves_per_simd", "dot2", "dot4", "fma_mix", "mad_mix",
-                            "cvt_f32_f16", "loop", "bound", "peak_share"}
+                            "cvt_f32_f16", "loop", "bound", "peak_share", "launch"}
+    amd = next(r for r in rows if r["target"] == "gfx1030")
+    assert set(amd["launch"]) == {"args", "kernarg_segment_size", "kernarg_segment_align", "max_flat_workgroup_size",
+                                  "uses_dynamic_stack", "descriptor"}
 
 
 def test_audit_without_a_build_names_the_command(tmp_path):

@@ -79,7 +79,9 @@ def test_a_version_this_runtime_cannot_launch_is_stale(gfx1030_copy):
     data = json.loads(table.read_text())
     data["code_object_version"] = 6
     table.write_text(json.dumps(data))
-    with pytest.raises(StaleKernelsError, match="AMD code object v6; this runtime launches v4 and v5"):
+    with pytest.raises(StaleKernelsError, match=re.escape(
+            "AMD code object v6 (loads on ROCm 6.2 and later); this runtime launches v4 (ROCm 4.1 and later) "
+            "and v5 (ROCm 5.3 and later)")):
         runtime_dispatch.load_table(table)
 
 
@@ -95,8 +97,23 @@ def test_a_version_that_is_not_an_integer_is_refused(gfx1030_copy, value):
 
 
 def test_hardware_md_states_the_pinned_version():
-    """docs/hardware.md names the version in prose; this keeps it from drifting from the constant."""
+    """docs/hardware.md names the version and the ROCm that loads it in prose; this keeps them from
+    drifting from the constants."""
     n = AMDGCN.code_object_version
-    text = (REPO_ROOT / "docs" / "hardware.md").read_text()
-    assert f"code object version {n} (`-mcode-object-version={n}`)" in text
+    text = " ".join((REPO_ROOT / "docs" / "hardware.md").read_text().split())
+    assert f"code object version {n} (`-mcode-object-version={n}`). {runtime_dispatch.rocm_floor(n)}." in text
     assert f"is not {ELF_ABI_VERSION[n]}." in text
+
+
+def test_the_pin_loads_on_every_rocm_a_supported_torch_ships():
+    """torch 2.4, the oldest we support, ships ROCm 6.0 wheels; v4 loads from ROCm 4.1 (v5 from 5.3,
+    v6 only from 6.2)."""
+    assert AMDGCN.code_object_version == 4
+    assert runtime_dispatch.ROCM_LOADS[AMDGCN.code_object_version] <= (6, 0)
+    assert runtime_dispatch.rocm_floor(4) == "AMD code object v4 loads on ROCm 4.1 and later, every 6.x included"
+    assert runtime_dispatch.rocm_floor(6) == "AMD code object v6 loads on ROCm 6.2 and later"
+
+
+def test_rdnattention_info_states_the_floor(default_audit):
+    from rdnattention import cli
+    assert cli.info()["amd_code_objects"] == [runtime_dispatch.rocm_floor(AMDGCN.code_object_version)]

@@ -1,6 +1,7 @@
 """The runtime's side of the family/platform design: the argument layout digest, dispatch tables
 with constraints, plans, and the import boundary between runtime and generator."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -17,6 +18,7 @@ from rdnattention.abi import ArgStruct
 from rdnattention.dispatch import Constraints, KernelEntry, TargetTable
 from rdnattention.errors import IncompatibleKernelsError, InvalidArgumentError, StaleKernelsError, UnsupportedError
 from rdnattention.families import combine, dec, f16, i8, i8dec
+from rdnattention.plan import Launch
 
 
 def test_import_does_not_load_the_generator():
@@ -153,3 +155,56 @@ def test_plan_options(host_build):
         plan_flash_attn(q, k, v, heavy_first=1)
     with pytest.raises(InvalidArgumentError, match="kernel must be a kernel name"):
         plan_flash_attn(q, k, v, kernel=3)
+
+
+def _launch(grid, threads):
+    return Launch(kernel=dataclasses.replace(_entry("k"), threads=threads), grid=grid, block=threads, shared_bytes=0,
+                  args=f16.Fa2Args())
+
+
+def test_a_grid_at_every_limit_is_accepted():
+    assert _launch((2**31 - 1, 65535, 65535), 2).grid == (2**31 - 1, 65535, 65535)  # 2^32 - 2 work-items
+    assert _launch((2**24 - 1, 1, 1), 256).block == 256
+
+
+@pytest.mark.parametrize("grid, threads, limit", [
+    # within CUDA's 2^31 - 1 workgroups in x, beyond HIP's 2^32 - 1 work-items
+    ((2**24, 1, 1), 256, "grid.x * threads = 4294967296 must be at most 2^32 - 1 work-items (HIP)"),
+    ((2**31, 1, 1), 1, "grid.x = 2147483648 must be at most 2^31 - 1 workgroups (CUDA)"),
+    ((1, 65536, 1), 64, "grid.y = 65536 must be at most 65535 workgroups (CUDA)"),
+    ((1, 1, 65536), 64, "grid.z = 65536 must be at most 65535 workgroups (CUDA)"),
+])
+def test_a_grid_beyond_a_vendor_limit_is_refused(grid, threads, limit):
+    with pytest.raises(InvalidArgumentError) as err:
+        _launch(grid, threads)
+    assert str(err.value) == f"the launch grid {grid} of kernel k with {threads} threads exceeds the launch limits: {limit}"
+
+
+def _meta(*shape):
+    return torch.empty(shape, dtype=torch.float16, device="meta")
+
+
+def test_the_planners_check_the_grid_before_allocating(host_build, monkeypatch):
+    """Meta tensors: shapes whose launches exceed the limits, at no memory. The checks come before
+    the split-KV scratch is allocated, so none is."""
+    table = dispatch.table_for("host")
+    # 2^31 - 1 keys, one slice per step: 2^25 or more workgroups in x of 128 threads, below 2^31
+    one, keys = _meta(1, 1, 1, 64), _meta(1, 1, 2**31 - 1, 64)
+    many_slices = dec.Call(q=one, k=keys, v=keys, out=one, lse=None, window=(-1, -1), softmax_scale=1.0, batch=1,
+                           seq_q=1, seq_k=2**31 - 1, num_splits=2**31 - 1)
+    # the slices fit; their combine, a workgroup per query row, does not
+    rows, cache = _meta(65535, 65535, 1, 64), _meta(65535, 65535, 256, 64)
+    many_rows = dec.Call(q=rows, k=cache, v=cache, out=rows, lse=None, window=(-1, -1), softmax_scale=1.0,
+                         batch=65535, seq_q=1, seq_k=256, num_splits=2)
+    batches = _meta(65536, 1, 64, 64)
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: pytest.fail("scratch allocated before the grid check"))
+    with pytest.raises(InvalidArgumentError, match=r"kernel fa2_dec_\w+ with 128 threads exceeds the launch limits: "
+                                                   r"grid.x \* threads = \d+ must be at most 2\^32 - 1 work-items"):
+        dec.plan(table, many_slices)
+    with pytest.raises(InvalidArgumentError, match=r"kernel fa2_combine_\w+ with \d+ threads exceeds the launch "
+                                                   r"limits: grid.x = 4294836225 must be at most 2\^31 - 1"):
+        dec.plan(table, many_rows)
+    with pytest.raises(InvalidArgumentError, match=r"kernel fa2_f16_\w+ with 256 threads exceeds the launch limits: "
+                                                   r"grid.z = 65536 must be at most 65535"):
+        f16.plan(table, f16.Call(q=batches, k=batches, v=batches, out=batches, lse=None, window=(-1, -1),
+                                 softmax_scale=1.0))

@@ -1,6 +1,7 @@
-"""The HIP driver (platform amdgcn): HSA code objects loaded through ctypes on the libamdhip64 that
-ROCm torch already has in the process (the same runtime and context: a second copy of the library
-fails at launch), launched on torch's current stream.
+"""The HIP driver (platform amdgcn): HSA code objects loaded through ctypes on the HIP runtime
+(libamdhip64 on Linux, amdhip64*.dll on Windows) that ROCm torch already has in the process (the
+same runtime and context: a second copy of the library fails at launch), launched on torch's
+current stream.
 
 Target resolution: RDNATTENTION_TARGET if set, else HSA_OVERRIDE_GFX_VERSION as ROCm reads it
 (10.3.0 -> gfx1030), else the device's gcnArchName without its feature suffix
@@ -11,8 +12,11 @@ from __future__ import annotations
 import ctypes.util
 import functools
 import glob
+import ntpath
 import os
+import posixpath
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -64,47 +68,129 @@ def target(device: torch.device) -> str:
     return _device_arch(device.index if device.index is not None else current_device())
 
 
-def mapped_libraries() -> list[str]:
-    """Every libamdhip64 mapped into this process (torch's, once ROCm torch is initialised)."""
-    found = []
+# The runtime's file names: libamdhip64.so with any version suffix on Linux; on Windows (HIP SDK,
+# torch's ROCm wheels) amdhip64.dll (5.x) or amdhip64_<major>.dll (6.x, 7.x), in any letter case.
+# Another DLL whose name merely starts with amdhip64 is not the runtime: counted as one, it would
+# be refused as a second copy.
+_LINUX_RUNTIME = re.compile(r"libamdhip64\.so.*")
+_WINDOWS_RUNTIME = re.compile(r"amdhip64(_\d+)?\.dll", re.IGNORECASE)
+_WINDOWS = "win32"  # sys.platform's spelling
+
+
+def is_runtime(path: str, platform: str = sys.platform) -> bool:
+    """Whether ``path`` names a HIP runtime library on ``platform`` (a sys.platform value)."""
+    if platform == _WINDOWS:
+        return _WINDOWS_RUNTIME.fullmatch(ntpath.basename(path)) is not None
+    return _LINUX_RUNTIME.fullmatch(posixpath.basename(path)) is not None
+
+
+def _linux_mappings() -> list[str]:
+    """The path of every file mapped into this process (/proc/self/maps), in order, repeats included."""
     try:
         with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split(None, 5)[-1].strip()
-                if "/libamdhip64.so" in path and path not in found:
-                    found.append(path)
+            fields = [line.split(None, 5) for line in maps]
     except OSError:
-        pass
-    return found
+        return []
+    return [f[5].strip() for f in fields if len(f) == 6]  # address, perms, offset, dev, inode, path
 
 
-def library_path() -> str:
-    """The libamdhip64 to bind: the copy already mapped (ROCm torch's), else the one torch ships,
-    else ROCm's, else the system's, else $RDNATTENTION_HIP_LIBRARY. Never a second copy."""
-    mapped = mapped_libraries()
+def _windows_modules() -> list[str]:
+    """The path of every module (DLL) loaded into this process, from kernel32's module list. Not
+    run in CI (nothing Windows runs there): tests give library_path a fake module list instead."""
+    from ctypes import wintypes
+
+    kernel32 = ctypes.WinDLL("kernel32")  # our own instance: windll's is shared, and so are its argtypes
+    kernel32.GetCurrentProcess.restype = wintypes.HANDLE
+    kernel32.K32EnumProcessModules.argtypes = [wintypes.HANDLE, ctypes.POINTER(wintypes.HMODULE), wintypes.DWORD,
+                                               ctypes.POINTER(wintypes.DWORD)]
+    kernel32.GetModuleFileNameW.argtypes = [wintypes.HMODULE, wintypes.LPWSTR, wintypes.DWORD]
+    process, needed = kernel32.GetCurrentProcess(), wintypes.DWORD()
+    handles = (wintypes.HMODULE * 256)()
+    while True:  # modules loaded meanwhile grow the list: ask again with room for them
+        if not kernel32.K32EnumProcessModules(process, handles, ctypes.sizeof(handles), ctypes.byref(needed)):
+            return []
+        if needed.value <= ctypes.sizeof(handles):
+            break
+        handles = (wintypes.HMODULE * (needed.value // ctypes.sizeof(wintypes.HMODULE)))()
+    name = ctypes.create_unicode_buffer(32768)  # the longest path Windows has
+    paths = []
+    for handle in handles[:needed.value // ctypes.sizeof(wintypes.HMODULE)]:
+        if kernel32.GetModuleFileNameW(handle, name, len(name)):
+            paths.append(name.value)
+    return paths
+
+
+def loaded_modules(platform: str = sys.platform) -> list[str]:
+    """The shared libraries loaded into this process, by path, as ``platform``'s loader lists them."""
+    return _windows_modules() if platform == _WINDOWS else _linux_mappings()
+
+
+def runtimes(paths: list[str], platform: str = sys.platform) -> list[str]:
+    """The HIP runtimes among ``paths``, each once, in order."""
+    return list(dict.fromkeys(p for p in paths if is_runtime(p, platform)))
+
+
+def mapped_libraries(platform: str = sys.platform) -> list[str]:
+    """Every HIP runtime loaded into this process (torch's, once ROCm torch is initialised)."""
+    return runtimes(loaded_modules(platform), platform)
+
+
+def _search_dirs(platform: str) -> list[Path]:
+    """The directories a runtime not loaded yet is looked for in, in order: torch's lib/ (where ROCm
+    wheels ship it), then ROCm's $ROCM_PATH/lib; on Windows the HIP SDK's %HIP_PATH%\\bin, then
+    every PATH directory (the system search: ctypes.util.find_library("amdhip64") searches PATH
+    there too, but for amdhip64.dll alone, never amdhip64_6.dll)."""
+    torch_lib = Path(torch.__file__).parent / "lib"
+    if platform != _WINDOWS:
+        return [torch_lib, Path(os.environ.get("ROCM_PATH", "/opt/rocm")) / "lib"]
+    sdk = [Path(os.environ["HIP_PATH"]) / "bin"] if os.environ.get("HIP_PATH") else []
+    return [torch_lib, *sdk, *(Path(d) for d in os.environ.get("PATH", "").split(os.pathsep) if d)]
+
+
+def _candidates(platform: str) -> list[str]:
+    """Every runtime not loaded yet that could be bound, in the order they are tried."""
+    pattern = "amdhip64*.dll" if platform == _WINDOWS else "libamdhip64.so*"
+    found = [p for d in _search_dirs(platform) for p in sorted(glob.glob(os.path.join(glob.escape(str(d)), pattern)))
+             if is_runtime(p, platform)]
+    system = None if platform == _WINDOWS else ctypes.util.find_library("amdhip64")  # Windows: PATH, above
+    explicit = os.environ.get(LIBRARY_ENV)
+    return found + [p for p in (system, explicit) if p]
+
+
+def _same_file(a: str, b: str) -> bool:
+    return os.path.normcase(os.path.realpath(a)) == os.path.normcase(os.path.realpath(b))
+
+
+def library_path(platform: str = sys.platform) -> str:
+    """The HIP runtime to bind: the copy already loaded (ROCm torch's), else the one torch ships,
+    else ROCm's (Windows: the HIP SDK's), else the system's, else $RDNATTENTION_HIP_LIBRARY. Never
+    a second copy. ``platform``: a sys.platform value; the Windows path is tested with a fake
+    module list only (nothing Windows runs in CI)."""
+    mapped = mapped_libraries(platform)
     explicit = os.environ.get(LIBRARY_ENV)
     if len(mapped) > 1:
         raise LaunchError(f"two HIP runtimes are mapped into this process ({', '.join(mapped)}); kernels launched "
                           "through one would not see the other's memory. Load only ROCm torch's")
     if mapped:
-        if explicit and os.path.realpath(explicit) != os.path.realpath(mapped[0]):
+        if explicit and not _same_file(explicit, mapped[0]):
             raise LaunchError(f"{LIBRARY_ENV}={explicit} is not the HIP runtime this process already uses "
                               f"({mapped[0]}); a second copy fails at launch. Unset {LIBRARY_ENV}")
         return mapped[0]
-    candidates = sorted(glob.glob(str(Path(torch.__file__).parent / "lib" / "libamdhip64.so*")))
-    rocm = os.environ.get("ROCM_PATH", "/opt/rocm")
-    candidates += sorted(glob.glob(os.path.join(rocm, "lib", "libamdhip64.so*")))
-    system = ctypes.util.find_library("amdhip64")
-    candidates += [system] if system else []
-    candidates += [explicit] if explicit else []
-    for path in candidates:
-        if os.path.exists(path) or "/" not in path:
+    for path in _candidates(platform):
+        if os.path.exists(path) or not os.path.dirname(path):  # a bare name: the loader searches for it
             return path
-    raise LaunchError(
-        "no HIP runtime (libamdhip64) found: not mapped by torch, none in torch's lib/, "
-        f"{rocm}/lib or the system library path. Install ROCm PyTorch "
-        "(pip install torch --index-url https://download.pytorch.org/whl/rocm6.2) or ROCm, "
-        f"or set {LIBRARY_ENV} to the library ROCm torch uses")
+    raise LaunchError(_not_found(platform))
+
+
+def _not_found(platform: str) -> str:
+    if platform == _WINDOWS:
+        return ("no HIP runtime (amdhip64*.dll) found: not loaded by torch, none in torch's lib\\, "
+                "%HIP_PATH%\\bin or on PATH. Install the HIP SDK or a ROCm build of PyTorch for Windows, "
+                f"or set {LIBRARY_ENV} to the amdhip64 DLL ROCm torch uses")
+    return ("no HIP runtime (libamdhip64) found: not mapped by torch, none in torch's lib/, "
+            f"{os.environ.get('ROCM_PATH', '/opt/rocm')}/lib or the system library path. Install ROCm PyTorch "
+            "(pip install torch --index-url https://download.pytorch.org/whl/rocm6.2) or ROCm, "
+            f"or set {LIBRARY_ENV} to the library ROCm torch uses")
 
 
 DRIVER = ModuleDriver(API, library_path)

@@ -62,6 +62,10 @@ class ModuleDriver:
         self._lib: ctypes.CDLL | None = None
         self._lock = threading.Lock()
         self._modules: dict[tuple[Path, int], ctypes.c_void_p] = {}
+        # Each module's code-object image, by the same key, for as long as the module: ROCr keeps a
+        # pointer into the image it loaded (debuggers and profilers read it later through its
+        # memory:// URI), so the memory handed to the load call must outlive the module.
+        self._images: dict[tuple[Path, int], ctypes.Array] = {}
         self._functions: dict[tuple[Path, int, str, int], ctypes.c_void_p] = {}
         self._resident: dict[tuple[Path, int, str, int, int], int] = {}
 
@@ -110,12 +114,16 @@ class ModuleDriver:
     def _module(self, path: Path, device: int) -> ctypes.c_void_p:
         key = (path, device)
         if key not in self._modules:
+            data = path.read_bytes()
+            image = (ctypes.c_char * len(data)).from_buffer_copy(data)
             # torch's context on this device is made current; the module is loaded into it.
             with torch.cuda.device(device):
                 torch.cuda.init()
                 module = ctypes.c_void_p()
-                self.check(getattr(self.library(), self.api.load)(ctypes.byref(module), path.read_bytes()),
+                self.check(getattr(self.library(), self.api.load)(ctypes.byref(module),
+                                                                  ctypes.c_void_p(ctypes.addressof(image))),
                            f"loading {path}")
+            self._images[key] = image
             self._modules[key] = module
         return self._modules[key]
 

@@ -4,17 +4,11 @@ of a ``dec`` launch (families/dec.py) into the output and its LSE. One launch ov
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..abi import ArgStruct
 from ..dispatch import TargetTable
-from ..errors import InvalidArgumentError
 from ..names import NameField, NameSchema
 from ..plan import Launch
 from . import f16
-
-if TYPE_CHECKING:
-    import torch
 
 NAME = "combine"
 NAMES = NameSchema("fa2_combine", (
@@ -50,11 +44,11 @@ def lds_bytes(facts: dict[str, object]) -> int:
     return sum(lds_layout(facts["head_dim"], facts["tile.threads"]).values())
 
 
-def launch(table: TargetTable, call, head_dim: int, splits: int, scratch: tuple[torch.Tensor, torch.Tensor]) -> Launch:
+def launch(table: TargetTable, call, head_dim: int, splits: int) -> Launch:
+    """The combine launch of a dec call with ``splits`` key slices; the caller sets its part_o and
+    part_lse once the scratch is allocated (after the launch, and with it the grid, is checked)."""
     entry = table.select(NAME, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=1)
-    part_o, part_lse = scratch
-    fields = dict(part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr(), o=call.out.data_ptr(),
-                  batch=call.batch, heads_q=call.q.shape[1], seq_q=call.seq_q, splits=splits)
+    fields = dict(o=call.out.data_ptr(), batch=call.batch, heads_q=call.q.shape[1], seq_q=call.seq_q, splits=splits)
     fields["o_stride_b"], fields["o_stride_h"], fields["o_stride_s"] = call.out.stride()[:3]
     if call.lse is not None:
         fields.update(lse=call.lse.data_ptr(), lse_stride_b=call.lse.stride(0), lse_stride_h=call.lse.stride(1))
@@ -65,7 +59,5 @@ def launch(table: TargetTable, call, head_dim: int, splits: int, scratch: tuple[
     if call.seqused_q is not None:
         fields["seqused_q"] = call.seqused_q.data_ptr()
     rows = call.batch * call.q.shape[1] * call.seq_q
-    if rows >= 2**31:
-        raise InvalidArgumentError(f"{rows} query rows exceed the combine grid's 2^31 - 1 workgroups")
     return Launch(kernel=entry, grid=(rows, 1, 1), block=entry.threads, shared_bytes=table.shared_bytes(entry),
                   args=Fa2CombineArgs(**fields))

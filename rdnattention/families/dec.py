@@ -55,8 +55,6 @@ ARGS = ArgStruct("Fa2DecArgs", (
 ))
 Fa2DecArgs = ARGS.ctype
 
-_GRID_YZ_MAX = 65535
-
 
 def lds_layout(head_dim: int, threads: int, rows: int, wave_size: int) -> dict[str, int]:
     """Bytes of each LDS region: every wave's output rows (its lane groups merged by shuffles),
@@ -191,26 +189,23 @@ def plan(table: TargetTable, call: Call, *, kernel: str | None = None, family: s
         page = k.shape[2]
         fields.update(block_table=call.block_table.data_ptr(), block_table_stride=call.block_table.stride(0),
                       page_shift=page.bit_length() - 1)
-    scratch: tuple = ()
-    if splits > 1:
-        part_o = torch.empty((splits, call.batch, heads_q, call.seq_q, head_dim), dtype=torch.float32,
-                             device=q.device)
-        part_lse = torch.empty((splits, call.batch, heads_q, call.seq_q), dtype=torch.float32, device=q.device)
-        fields.update(part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr())
-        scratch = (part_o, part_lse)
     for key in ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "window_left", "window_right"):
         if not -2**31 <= fields[key] < 2**31:
             raise InvalidArgumentError(f"{key} = {fields[key]} does not fit the kernel's 32-bit field")
-    grid = (chunks * splits, heads_kv, call.batch)
-    if grid[0] >= 2**31 or grid[1] > _GRID_YZ_MAX or grid[2] > _GRID_YZ_MAX:
-        raise InvalidArgumentError(f"the decode grid {grid} exceeds the launch limits (2^31 - 1, {_GRID_YZ_MAX}, "
-                                   f"{_GRID_YZ_MAX})")
     fields.update(extra or {})
-    launches = [Launch(kernel=entry, grid=grid, block=entry.threads, shared_bytes=table.shared_bytes(entry),
-                       args=(args or Fa2DecArgs)(**fields))]
+    # The launches, and with them their grids, are checked before the scratch is allocated: a grid
+    # beyond the limits would otherwise first ask for partials of every one of its workgroups.
+    launches = [Launch(kernel=entry, grid=(chunks * splits, heads_kv, call.batch), block=entry.threads,
+                       shared_bytes=table.shared_bytes(entry), args=(args or Fa2DecArgs)(**fields))]
+    scratch: tuple = ()
     if splits > 1:
         from . import combine
-        launches.append(combine.launch(table, call, head_dim, splits, scratch))
+        launches.append(combine.launch(table, call, head_dim, splits))
+        scratch = (torch.empty((splits, call.batch, heads_q, call.seq_q, head_dim), dtype=torch.float32,
+                               device=q.device),
+                   torch.empty((splits, call.batch, heads_q, call.seq_q), dtype=torch.float32, device=q.device))
+        for launch in launches:  # the slices write the partials, the combine reads them
+            launch.args.part_o, launch.args.part_lse = (t.data_ptr() for t in scratch)
     buffers = tuple(t for t in (q, k, v, call.out, call.lse, call.seqused_k, call.cache_batch_idx, call.block_table,
                                 call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q, *buffers, *scratch)
                     if t is not None)

@@ -99,7 +99,6 @@ def lds_bytes(facts: dict[str, object]) -> int:
 
 _LOG2E = 1.4426950408889634
 _INT32 = (-2**31, 2**31 - 1)
-_GRID_YZ_MAX = 65535
 
 
 @dataclass(frozen=True)
@@ -158,9 +157,6 @@ def row_block_launch(table: TargetTable, entry, args_type, fields: dict) -> Laun
             raise InvalidArgumentError(f"{key} = {fields[key]} does not fit the kernel's 32-bit field")
     rows_per_head = entry.br // entry.gqa_group
     grid = (-(-fields["seq_q"] // rows_per_head), fields["heads_q"] // entry.gqa_group, fields["batch"])
-    if grid[1] > _GRID_YZ_MAX or grid[2] > _GRID_YZ_MAX:
-        raise InvalidArgumentError(f"at most {_GRID_YZ_MAX} head groups and batches per launch, "
-                                   f"got {grid[1]} and {grid[2]}")
     return Launch(kernel=entry, grid=grid, block=entry.threads, shared_bytes=table.shared_bytes(entry),
                   args=args_type(**fields))
 

@@ -1,5 +1,7 @@
 """amdgcn: HSA code objects for AMD GPUs, compiled by clang as device-only HIP with builtins only;
-audited from the AMDGPU metadata note (llvm-readelf) and the disassembly (llvm-objdump)."""
+audited from the AMDGPU metadata note and kernel descriptors (hsaco.py: resources and the launch
+ABI, launch_abi.py), the disassembly (llvm-objdump) and, where the machine has one, ROCm's code
+object manager (comgr.py: the ISA HIP would load it for)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,10 @@ import subprocess
 from pathlib import Path
 
 import ninja
-import yaml
 
-from .. import cost
+from .. import comgr, cost, launch_abi
 from ..audit import COUNTS, AuditError, KernelAudit
+from ..hsaco import CodeObject, CodeObjectError
 from ..matrix import Target
 from ..platform import DEVICE_FLAGS, Platform
 from ..spec import KernelSpec
@@ -32,7 +34,7 @@ _LINE = re.compile(r"^\s+(?P<text>\S.*?)\s*// (?P<addr>[0-9A-F]+):[^<]*(?:<(?P<s
 # e_ident[EI_ABIVERSION] of an HSA code object, by code object version (LLVM's ELF.h:
 # ELFABIVERSION_AMDGPU_HSA_V4 = 2, _V5 = 3, _V6 = 4).
 _ELFOSABI_AMDGPU_HSA = 64
-_ELF_ABI_VERSION = {4: 2, 5: 3, 6: 4}
+ELF_ABI_VERSION = {4: 2, 5: 3, 6: 4}
 
 
 class Amdgcn(Platform):
@@ -44,13 +46,18 @@ class Amdgcn(Platform):
     int8_dots = ("sdot4", "sudot4", "none")
     instructions = {"dot2": "v_dot2", "dot4": "v_dot4", "fma_mix": "v_fma_mix_f32", "mad_mix": "v_mad_mix_f32",
                     "cvt_f32_f16": "v_cvt_f32_f16"}
-    # Pinned below clang 22's default (v6), which ROCm loaders accept only from 6.2 on and which adds
-    # nothing a per-gfx build uses (generic targets); every ROCm since 5.2 loads v5. The sources are
-    # in docs/hardware.md, "Code objects".
-    code_object_version = 5
+    # v4: the oldest version clang 22 still writes (it refuses 3), loaded by every ROCm from 4.1 on,
+    # so by every ROCm that a supported torch ships with. v5 needs ROCm 5.3: hipModuleLoadData asks
+    # comgr for the ISA first, and comgr 5.2.3 (Debian 12) returns status 2 for every v5 object we
+    # built, while it names the v4 build of the same sources. The kernels do not change: every
+    # target's .text is byte-identical at v4 and v5 (gfx1030's at v6 for gfx10-3-generic too), and
+    # no version gives our kernels hidden arguments. v6 needs ROCm 6.2. Floors:
+    # rdnattention.dispatch.ROCM_LOADS; sources and measurements: docs/hardware.md, "Code objects".
+    code_object_version = 4
     # 2: both operations of an RDNA3 dual-issue word are counted; 3: code object version checked;
-    # 4: the main loop's counts and the cost model's estimate
-    audit_version = 5  # 5: the loop analysis weights only the loops that carry the products
+    # 4: the main loop's counts and the cost model's estimate; 5: the loop analysis weights only
+    # the loops that carry the products
+    audit_version = 6  # 6: metadata and descriptors read by hsaco.py; the launch ABI; comgr's ISA name
 
     def validate_target(self, name: str, fields: dict, node: Node) -> None:
         super().validate_target(name, fields, node)
@@ -76,7 +83,13 @@ class Amdgcn(Platform):
         _check_code_object_version(code_object, self.code_object_version)
         from ..families import family
 
-        meta = {k[".name"]: k for k in _metadata(tc, code_object)}
+        try:
+            co = CodeObject.read(code_object)
+            meta = co.kernels
+            launch = {s.name: launch_abi.facts(co, s.name) for s in specs if s.name in meta}
+        except CodeObjectError as e:
+            raise AuditError(str(e)) from None
+        _check_isa_name(co, target)
         counts, code = _disassembly(tc, code_object)
         rows = []
         for spec in specs:
@@ -95,8 +108,18 @@ class Amdgcn(Platform):
                 waves_per_simd=waves,
                 **counts.get(spec.name, dict.fromkeys(COUNTS, 0)),
                 **cost.audit_fields(loop, target, waves),
+                launch=launch[spec.name],
             ))
         return rows
+
+    def launch_violations(self, target: Target, spec: KernelSpec, row: KernelAudit) -> list[str]:
+        return launch_abi.violations(row.launch, launch_abi.RuntimeLaunch.of(target, spec))
+
+
+def isa_name(target: Target) -> str:
+    """The ISA a code object built for ``target`` names (as comgr reads it): no xnack/sramecc
+    setting is built in, so no feature suffix."""
+    return f"amdgcn-amd-amdhsa--{target.name}"
 
 
 def _check_code_object_version(code_object: Path, version: int) -> None:
@@ -106,19 +129,28 @@ def _check_code_object_version(code_object: Path, version: int) -> None:
         ident = f.read(16)
     if ident[:4] != b"\x7fELF" or ident[7] != _ELFOSABI_AMDGPU_HSA:
         raise AuditError(f"{code_object}: not an AMDGPU HSA code object (ELF ident {ident.hex()})")
-    expected = _ELF_ABI_VERSION[version]
+    expected = ELF_ABI_VERSION[version]
     if ident[8] != expected:
-        found = {abi: v for v, abi in _ELF_ABI_VERSION.items()}.get(ident[8])
+        found = {abi: v for v, abi in ELF_ABI_VERSION.items()}.get(ident[8])
         raise AuditError(f"{code_object}: ELF ABI version {ident[8]} (code object "
                          f"{f'v{found}' if found else 'version unknown'}), expected {expected} (code object "
                          f"v{version}, -mcode-object-version={version})")
 
 
-def _metadata(tc: Toolchain, code_object: Path) -> list[dict]:
-    out = subprocess.run([tc.readelf, "--notes", str(code_object)], capture_output=True, text=True, check=True).stdout
-    start = out.index("---")
-    end = out.index("...", start)
-    return yaml.safe_load(out[start:end])["amdhsa.kernels"]
+def _check_isa_name(co: CodeObject, target: Target) -> None:
+    """Where this machine has ROCm's code object manager and it knows the target, it names the ISA
+    the loader will match against the GPU: a code object it refuses would not load under that ROCm
+    (comgr.py). A target newer than that ROCm (gfx11 under comgr 5.2) is not its to judge."""
+    loader = comgr.find()
+    if loader is None or isa_name(target) not in loader.isas:
+        return
+    try:
+        name = loader.isa_name(co.data)
+    except comgr.ComgrError as e:
+        raise AuditError(f"{co.name}: the code object manager {loader} refuses it: {e}; the HIP runtime of that "
+                         "ROCm would not load it") from None
+    if name != isa_name(target):
+        raise AuditError(f"{co.name}: the code object manager {loader} reads ISA {name}, expected {isa_name(target)}")
 
 
 def _disassembly(tc: Toolchain, code_object: Path) -> tuple[dict[str, dict[str, int]],

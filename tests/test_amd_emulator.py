@@ -1,0 +1,239 @@
+"""The real gfx1100 code objects, executed: every family called through the public API, planned by
+the runtime, launched by the HIP driver, run instruction by instruction on an RDNA3 ISA emulator
+(tests/amd_emulator.py) and compared with the float64 oracle.
+
+gfx1100 shares the dot2 templates, wave32, the argument structs and the driver path with gfx1030;
+gfx10 and GCN encodings and the ROCm runtime itself are not executed here. Skipped where the
+emulator snapshot is absent (a checkout without ../shared; RDNATTENTION_TINYGRAD names another)."""
+
+import gc
+
+import pytest
+import torch
+
+import amd_emulator
+from rdnattention import (attention_reference, flash_attn, flash_attn_int8qk, flash_attn_varlen_func,
+                          flash_attn_with_kvcache, plan_flash_attn, plan_flash_attn_int8qk, quantize_per_channel,
+                          quantize_per_token, rotary_tables)
+from rdnattention import api, drivers
+from rdnattention.drivers import hip, module_api
+from rdnattention.families import dec, f16
+from rdnattention_gen import build, toolchain
+from rdnattention_gen.matrix import load_matrix
+from rdnattention_gen.spec import KernelSpec
+
+TARGET = "gfx1100"
+TOL = 2e-3          # as on the host platform: fp16 rounding of the output and of the probabilities
+INT8_REL_RMS = 0.03  # tests/test_int8.py: P's 7-bit quantization against the dequantized oracle
+
+SNAPSHOT = amd_emulator.snapshot()
+pytestmark = [
+    pytest.mark.amd_emulator,
+    pytest.mark.skipif(SNAPSHOT is None, reason=f"the RDNA3 emulator snapshot is absent: set "
+                                                f"{amd_emulator.SNAPSHOT_ENV} to a tinygrad source tree holding "
+                                                f"{amd_emulator.EMULATOR} (CI uses ../shared/third_party/tinygrad)"),
+]
+
+
+class _NoContext:
+    """torch.cuda.device(i) where there is no CUDA: the stand-in has one device."""
+
+    def __init__(self, *_):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        return False
+
+
+@pytest.fixture(scope="module")
+def gpu(matrix, build_dir, monkeypatch_module):
+    """CPU tensors served as if on a gfx1100 GPU: the HIP driver with the stand-in runtime under it."""
+    build.build(matrix, matrix.select(TARGET), build_dir, log=lambda *_: None)
+    tc = toolchain.find()
+    emu = amd_emulator.import_emulator(SNAPSHOT, tc.clang, build_dir / "amd-emulator")
+    stand_in = amd_emulator.EmulatedHip(emu, tc.objdump, matrix.target(TARGET))
+    mp = monkeypatch_module
+    serve = drivers.for_device
+    mp.setattr(drivers, "for_device", lambda d: hip if d.type == "cpu" else serve(d))
+    mp.setenv(drivers.TARGET_ENV, TARGET)
+    mp.setattr(hip.DRIVER, "_lib", stand_in)
+    for cache in ("_modules", "_functions", "_resident"):
+        mp.setattr(hip.DRIVER, cache, {})
+    mp.setattr(module_api, "current_device", lambda: 0)
+    mp.setattr(module_api, "current_stream_handle", lambda index: 0)
+    mp.setattr(torch.cuda, "device", _NoContext)
+    mp.setattr(torch.cuda, "init", lambda: None)
+    mp.setattr(api, "_replays", {})
+    return stand_in
+
+
+@pytest.fixture()
+def dispatched(gpu):
+    """The kernels the test launched, checked for stand-in failures and a live image afterwards."""
+    start = len(gpu.dispatches)
+    names = []
+    yield names
+    assert not gpu.failures, gpu.failures
+    gc.collect()
+    for module in gpu.modules.values():
+        assert gpu.image_intact(module), "the image given to hipModuleLoadData was freed or overwritten"
+    names.extend(d.kernel for d in gpu.dispatches[start:])
+
+
+def _families(gpu, start):
+    return sorted({d.kernel.split("_hd")[0] for d in gpu.dispatches[start:]})
+
+
+def _inputs(b, hq, hk, sq, sk, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, hq, sq, d, generator=g).half(), torch.randn(b, hk, sk, d, generator=g).half(),
+            torch.randn(b, hk, sk, d, generator=g).half())
+
+
+def _max_err(out, ref):
+    return (out.double() - ref).abs().max().item()
+
+
+def _rel_rms(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _dequantized(qi, qs, ki, ks, vi, vs):
+    return (qi.double() * qs.double()[..., None], ki.double() * ks.double()[..., None],
+            vi.double() * vs.double()[:, :, None, :])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_causal_gqa(gpu, dispatched, head_dim):
+    start = len(gpu.dispatches)
+    q, k, v = _inputs(1, 4, 2, 80, 80, head_dim)
+    out, lse = flash_attn(q, k, v, is_causal=True, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, is_causal=True, return_lse=True)
+    assert _families(gpu, start) == ["fa2_f16"]
+    assert gpu.dispatches[start].kernel.split("_")[3] == "g2"  # the GQA-2 kernel
+    assert _max_err(out, ref) <= TOL
+    assert _max_err(lse, ref_lse) <= TOL
+
+
+def test_prefill_window_and_rope(gpu, dispatched):
+    start = len(gpu.dispatches)
+    q, k, v = _inputs(1, 2, 2, 48, 96, 128, seed=1)
+    cos, sin = rotary_tables(96, 64)
+    options = dict(window_size=(32, 8), rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False)
+    out = flash_attn(q, k, v, **options)
+    assert _families(gpu, start) == ["fa2_f16"]
+    assert _max_err(out, attention_reference(q, k, v, **options)) <= TOL
+
+
+def test_int8(gpu, dispatched):
+    start = len(gpu.dispatches)
+    q, k, v = _inputs(1, 2, 1, 64, 64, 64, seed=2)
+    (qi, qs), (ki, ks), (vi, vs) = quantize_per_token(q), quantize_per_token(k), quantize_per_channel(v)
+    out = flash_attn_int8qk(qi, ki, vi, qs, ks, vs, is_causal=True)
+    ref = attention_reference(*_dequantized(qi, qs, ki, ks, vi, vs), is_causal=True)
+    assert _families(gpu, start) == ["fa2_i8"]
+    assert _rel_rms(out, ref) <= INT8_REL_RMS
+
+
+def test_split_kv_decode_and_combine(gpu, dispatched):
+    start = len(gpu.dispatches)
+    q, k, v = _inputs(1, 4, 2, 1, 700, 128, seed=3)
+    out, lse = flash_attn(q, k, v, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, return_lse=True)
+    assert _families(gpu, start) == ["fa2_combine", "fa2_dec"]
+    assert gpu.dispatches[start].grid[0] > 1  # the keys were split into slices
+    assert _max_err(out, ref) <= TOL
+    assert _max_err(lse, ref_lse) <= TOL
+
+
+def test_paged_decode_with_append(gpu, dispatched):
+    start = len(gpu.dispatches)
+    g = torch.Generator().manual_seed(4)
+    batch, page, pages, hk, d = 2, 16, 12, 2, 64
+    pool_k, pool_v = (torch.randn(pages, page, hk, d, generator=g).half() for _ in range(2))
+    table = torch.randperm(pages, generator=g)[:batch * 5].reshape(batch, 5).to(torch.int32)
+    lengths = torch.tensor([37, 70], dtype=torch.int32)
+    q = torch.randn(batch, 1, 4, d, generator=g).half()
+    k_new, v_new = (torch.randn(batch, 1, hk, d, generator=g).half() for _ in range(2))
+    pool_k_before, pool_v_before = pool_k.clone(), pool_v.clone()
+    out = flash_attn_with_kvcache(q, pool_k, pool_v, k_new, v_new, cache_seqlens=lengths, block_table=table)
+    assert "fa2_decpaged" in _families(gpu, start)
+    for b, n in enumerate(lengths.tolist()):
+        rows = lambda pool: pool[table[b].long()].reshape(-1, hk, d)  # noqa: E731
+        keys, values = rows(pool_k_before).clone(), rows(pool_v_before).clone()
+        keys[n], values[n] = k_new[b, 0], v_new[b, 0]
+        assert torch.equal(rows(pool_k)[:n + 1], keys[:n + 1])  # appended in place, nothing else touched
+        ref = attention_reference(q[b:b + 1].transpose(1, 2), keys[None, :n + 1].transpose(1, 2),
+                                  values[None, :n + 1].transpose(1, 2))
+        assert _max_err(out[b:b + 1].transpose(1, 2), ref) <= TOL
+
+
+def test_varlen(gpu, dispatched):
+    start = len(gpu.dispatches)
+    g = torch.Generator().manual_seed(5)
+    lengths_q, lengths_k = [17, 40, 1], [17, 55, 30]
+    q = torch.randn(sum(lengths_q), 4, 64, generator=g).half()
+    k, v = (torch.randn(sum(lengths_k), 2, 64, generator=g).half() for _ in range(2))
+    cu = lambda n: torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
+    cu_q, cu_k = cu(lengths_q), cu(lengths_k)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True)
+    assert "fa2_f16varlen" in _families(gpu, start)
+    view = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731
+    for b in range(len(lengths_q)):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        ref = attention_reference(view(q[qs]), view(k[ks]), view(v[ks]), is_causal=True)
+        assert _max_err(view(out[qs]), ref) <= TOL
+
+
+def _kernels() -> list[str]:
+    m = load_matrix()
+    return sorted(v.spec.name for v in m.variants_for(m.target(TARGET)) if v.spec.family != "combine")
+
+
+@pytest.mark.parametrize("name", _kernels())
+def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
+    """Each gfx1100 kernel, forced by name, on a causal GQA case; the decode kernels with as many
+    query rows per K/V head as their tile takes (fp16 ones split into three key slices, so the
+    combine of their head_dim runs too)."""
+    spec = KernelSpec.from_name(name)
+    start = len(gpu.dispatches)
+    table = api._table(torch.device("cpu"))
+    decode = spec.family in ("dec", "decpaged", "i8dec")
+    rows = spec.tile.br if decode else 80  # query rows per K/V head, two K/V heads
+    q, k, v = _inputs(1, 2 if rows == 1 else 4, 2, max(1, rows // 2), 77, spec.head_dim, seed=spec.head_dim)
+    ref = attention_reference(q, k, v, is_causal=True)
+    if spec.family in ("i8", "i8dec"):
+        (qi, qs), (ki, ks), (vi, vs) = quantize_per_token(q), quantize_per_token(k), quantize_per_channel(v)
+        plan = plan_flash_attn_int8qk(qi, ki, vi, qs, ks, vs, is_causal=True, kernel=name)
+        ref = attention_reference(*_dequantized(qi, qs, ki, ks, vi, vs), is_causal=True)
+    elif spec.family == "f16varlen":  # the batch as one packed sequence pair
+        cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32) for n in (q.shape[2], k.shape[2]))
+        plan = f16.plan(table, f16.Call(q=q, k=k, v=v, out=torch.zeros_like(q), lse=None, window=(-1, 0),
+                                         softmax_scale=spec.head_dim ** -0.5, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                         packed=(1, q.shape[2], k.shape[2])), kernel=name)
+    elif decode:
+        call = dict(q=q, k=k, v=v, out=torch.empty_like(q), lse=torch.empty(q.shape[:3]), window=(-1, 0),
+                    softmax_scale=spec.head_dim ** -0.5, batch=1, seq_q=q.shape[2], seq_k=k.shape[2], num_splits=3)
+        if spec.family == "decpaged":  # five pages of 16 keys, in a shuffled order
+            order = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32)
+            pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 80 - t.shape[2]))  # noqa: E731
+            pool = lambda t: torch.zeros(5, 16, 2, spec.head_dim, dtype=t.dtype).index_copy_(  # noqa: E731
+                0, order.long(), pad(t).transpose(1, 2).reshape(5, 16, 2, spec.head_dim)).transpose(1, 2)
+            call.update(k=pool(k), v=pool(v), block_table=order.view(1, 5), seq_k=80,
+                        seqused_k=torch.tensor([77], dtype=torch.int32))
+        plan = dec.plan(table, dec.Call(**call), kernel=name)
+    else:
+        seqused = torch.tensor([77], dtype=torch.int32) if spec.family == "f16len" else None
+        plan = plan_flash_attn(q, k, v, is_causal=True, kernel=name, seqused_k=seqused)
+    plan.run()
+    ran = [d.kernel for d in gpu.dispatches[start:]]
+    assert ran[0] == name
+    if spec.family in ("dec", "decpaged"):
+        assert any(r.startswith(f"fa2_combine_hd{spec.head_dim}_") for r in ran[1:])
+    if spec.family.startswith("i8"):
+        assert _rel_rms(plan.outputs[0], ref) <= INT8_REL_RMS
+    else:
+        assert _max_err(plan.outputs[0], ref) <= TOL
