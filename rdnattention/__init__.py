@@ -43,7 +43,7 @@ def _load_api() -> None:
     why = problem()
     if why:
         raise ImportError(why)
-    from . import decode, ops  # noqa: F401  (register the rdnattention:: custom ops)
+    from . import decode, ops  # noqa: F401  (register the rdnattention:: custom ops; int8 below registers its own)
     from .api import flash_attn, flash_attn_func, plan_flash_attn, rotary_tables, scaled_dot_product_attention
     from .drivers.host import set_shuffle as set_host_shuffle
     from .errors import (IncompatibleKernelsError, InvalidArgumentError, KernelsNotBuiltError, LaunchError,

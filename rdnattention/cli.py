@@ -17,6 +17,7 @@ import torch
 from . import __version__, dispatch, drivers
 from .errors import IncompatibleKernelsError, KernelsNotBuiltError, LaunchError, RdnaAttentionError, UnsupportedError
 from .families import FAMILIES
+from .table import TargetTable
 
 ENV = ("RDNATTENTION_TARGET", "RDNATTENTION_HOST_TARGET", "HSA_OVERRIDE_GFX_VERSION", "RDNATTENTION_BUILD_DIR",
        "XDG_DATA_HOME",
@@ -38,7 +39,7 @@ def _device_facts(device: torch.device) -> dict:
     return {"device": str(device), "name": props.name, "arch": arch}
 
 
-def _table_facts(table: dispatch.TargetTable) -> dict:
+def _table_facts(table: TargetTable) -> dict:
     families = {}
     for name in sorted({e.family for e in table.kernels}):
         entries = [e for e in table.kernels if e.family == name]

@@ -1,5 +1,5 @@
-"""The INT8 entry points: attention with both products in int8, and the quantizers that make its
-inputs.
+"""The INT8 entry points: attention with both products in int8, its custom op
+``rdnattention::flash_attn_int8qk_fwd``, and the quantizers that make its inputs.
 
 Scale contract (checked on every call): q, k, v are int8 [batch, heads, seq, head_dim] (q with
 heads_q heads, k and v with heads_kv), and they stand for
@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from . import api
-from .errors import InvalidArgumentError, UnsupportedError
-from .families import dec, i8, i8dec
+from . import checks, route
+from .checks import NATIVE, check_fp16
+from .errors import InvalidArgumentError
+from .options import Options, check_rotary, validate
 from .plan import Plan
+from .reference import rotate
 
 _LEVELS = 127.0
 
@@ -83,12 +85,12 @@ def _check_scale(name: str, s: object, shape: tuple[int, ...], device: torch.dev
 
 
 def _validate(q, k, v, q_scale, k_scale, v_scale, *, is_causal, window_size, softmax_scale,
-              return_lse) -> api.Options:
+              return_lse) -> Options:
     """Everything that does not read the tensors' values, so it runs on fake tensors too."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_int8(name, t)
-    options = api._validate(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
-                            rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_lse)
+    options = validate(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
+                       rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_lse)
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
     _check_scale("q_scale", q_scale, (batch, heads_q, seq_q), q.device, "per token of q")
@@ -104,29 +106,23 @@ def _allocate(q: torch.Tensor, return_lse: bool) -> tuple[torch.Tensor, torch.Te
     return out, lse
 
 
-def _plan(q, k, v, q_scale, k_scale, v_scale, o: api.Options, heavy_first=None, kernel=None) -> Plan:
-    """A validated call (see _validate) planned: memory and scale values checked, kernel chosen."""
+def _plan(q, k, v, q_scale, k_scale, v_scale, o: Options, heavy_first=None, kernel=None) -> Plan:
+    """A validated call (see _validate) planned: memory and scale values checked, kernel chosen (route.py)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
-        api._check_memory(name, t)
+        checks.check_memory(name, t)
         if name in "qkv" and t.numel() and t.data_ptr() % 16:
             raise InvalidArgumentError(f"{name}'s data pointer must be 16-byte aligned")
     for name, t in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
         if t.numel() and not bool(((t > 0) & torch.isfinite(t)).all()):
             raise InvalidArgumentError(f"{name} must hold positive finite scales; it has a zero, negative, NaN or "
                                        "infinite value")
-    table = api._table(q.device)
-    if not any(e.family == i8.NAME for e in table.kernels):
-        raise UnsupportedError(f"target {table.target} has no int8 kernels (it has no int8 dot instruction, or they "
-                               "were not built); use flash_attn, the fp16 kernel")
+    table = route.device_table(q.device)
     out, lse = _allocate(q, o.return_lse)
-    call = i8.Call(q=q, k=k, v=v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
-                   lse=lse if o.return_lse else None, window=(o.window_left, o.window_right),
-                   softmax_scale=o.softmax_scale)
-    # Few query rows per K/V head (decode): the int8 split-KV kernels (families/i8dec.py).
-    rows = q.shape[2] * (q.shape[1] // max(k.shape[1], 1))
-    if dec.takes(table, i8dec.NAMES, i8dec.NAME, q.shape[3], rows, kernel, heavy_first):
-        return api._with_outputs(i8dec.plan(table, call, kernel=kernel), out, lse, k)
-    return api._with_outputs(i8.plan(table, call, heavy_first=heavy_first, kernel=kernel), out, lse, k)
+    call = route.Attention(q=q, k=k, v=v, out=out, lse=lse if o.return_lse else None,
+                           window=(o.window_left, o.window_right), softmax_scale=o.softmax_scale, batch=q.shape[0],
+                           seq_q=q.shape[2], seq_k=k.shape[2], scales=(q_scale, k_scale, v_scale),
+                           heavy_first=heavy_first, kernel=kernel)
+    return route.plan(table, call).returning(out, lse, empty=out.numel() == 0 or k.shape[2] == 0)
 
 
 def flash_attn_int8qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
@@ -141,9 +137,8 @@ def flash_attn_int8qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale
                   softmax_scale=softmax_scale, return_lse=return_lse)
     if (torch.compiler.is_compiling() or torch.jit.is_tracing()
             or not all(type(t) is torch.Tensor for t in (q, k, v, q_scale, k_scale, v_scale))):
-        from . import ops
-        out, lse = ops.flash_attn_int8qk_fwd(q, k, v, q_scale, k_scale, v_scale, o.window_left, o.window_right,
-                                             o.softmax_scale, o.return_lse)
+        out, lse = flash_attn_int8qk_fwd(q, k, v, q_scale, k_scale, v_scale, o.window_left, o.window_right,
+                                         o.softmax_scale, o.return_lse)
     else:
         plan = _plan(q, k, v, q_scale, k_scale, v_scale, o)
         plan.run()
@@ -171,9 +166,8 @@ def flash_attn_int8qk_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     """flash_attn's arguments in fp16; RoPE (if given) is applied in fp32, then q and k are quantized
     per token and v per channel, and flash_attn_int8qk runs."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        api._check_tensor(name, t, api._NATIVE)
-    if api._check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k.shape[2]):
-        from .reference import rotate
+        check_fp16(name, t, NATIVE)
+    if check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k.shape[2]):
         seq_q, seq_k = q.shape[2], k.shape[2]
         positions_q = torch.arange(seq_q, device=q.device) + (seq_k - seq_q)
         keys = torch.arange(seq_k, device=q.device)
@@ -184,3 +178,21 @@ def flash_attn_int8qk_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     v_i8, v_scale = quantize_per_channel(v)
     return flash_attn_int8qk(q_i8, k_i8, v_i8, q_scale, k_scale, v_scale, is_causal=is_causal,
                              window_size=window_size, softmax_scale=softmax_scale, return_lse=return_lse)
+
+
+@torch.library.custom_op("rdnattention::flash_attn_int8qk_fwd", mutates_args=())
+def flash_attn_int8qk_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
+                          k_scale: torch.Tensor, v_scale: torch.Tensor, window_left: int, window_right: int,
+                          softmax_scale: float, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The INT8 forward as a custom op (its arguments the kernel's, as in ops.py), with a fake
+    implementation: flash_attn_int8qk runs it where torch traces or the tensors are subclasses."""
+    o = Options(window_left=window_left, window_right=window_right, softmax_scale=softmax_scale,
+                rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_lse)
+    plan = _plan(q, k, v, q_scale, k_scale, v_scale, o)
+    plan.run()
+    return plan.outputs
+
+
+@flash_attn_int8qk_fwd.register_fake
+def _(q, k, v, q_scale, k_scale, v_scale, window_left, window_right, softmax_scale, return_lse):
+    return _allocate(q, return_lse)

@@ -1,17 +1,21 @@
 """flash-attn's ``flash_attn_with_kvcache``: decode and chunked prefill against a preallocated KV
 cache with per-sequence lengths, appending the new keys and values in place.
 
-The attention runs the split-KV decode kernels (decode.py) for paged caches, cache_batch_idx,
-explicit num_splits and calls with few query rows per K/V head, and the fp16 row-block kernels
-with cache lengths (the f16len family, through ``seqused_k``) otherwise. The in-place append and RoPE on the new keys and the queries (reference.rotate, in
-float64) are torch operations, so torch.compile traces them as they are."""
+Plain caches with automatic key slices run as flash_attn calls with cache lengths (ops.py), the
+others through decode.py; route.py chooses the kernels of both: the split-KV decode kernels for
+paged caches, cache_batch_idx, explicit num_splits and calls with few query rows per K/V head, the
+fp16 row-block kernels with cache lengths (the f16len family) otherwise. The in-place append and
+RoPE on the new keys and the queries (reference.rotate, in float64) are torch operations, so
+torch.compile traces them as they are."""
 
 from __future__ import annotations
 
 import torch
 
-from . import api, decode
+from . import decode, ops
+from .checks import TOKEN_MAJOR, can_read, check_fp16, check_int32, check_paged, check_values
 from .errors import InvalidArgumentError
+from .options import check_seqused, validate
 from .reference import rotate
 
 
@@ -48,7 +52,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise InvalidArgumentError(f"num_splits must be a non-negative int, got {num_splits!r}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        api._check_tensor(name, t, api._TOKEN_MAJOR)
+        check_fp16(name, t, TOKEN_MAJOR)
     batch = q.shape[0]
     if v_cache.shape != k_cache.shape:
         raise InvalidArgumentError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape "
@@ -57,13 +61,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise InvalidArgumentError("cache_batch_idx and block_table exclude each other: a paged cache is addressed "
                                    "through its block table")
     if block_table is not None:
-        block_table = decode.check_paged(k_cache, v_cache, block_table, batch, "k_cache", "v_cache")
+        block_table = check_paged(k_cache, v_cache, block_table, batch, "k_cache", "v_cache")
         cache_len = block_table.shape[1] * k_cache.shape[1]
     else:
         cache_len = k_cache.shape[1]
         if cache_batch_idx is not None:
-            cache_batch_idx = decode.check_int32("cache_batch_idx", cache_batch_idx, (batch,), q.device)
-            decode.check_values("cache_batch_idx", cache_batch_idx, 0, k_cache.shape[0] - 1)
+            cache_batch_idx = check_int32("cache_batch_idx", cache_batch_idx, (batch,), q.device)
+            check_values("cache_batch_idx", cache_batch_idx, 0, k_cache.shape[0] - 1)
         elif k_cache.shape[0] != batch:
             raise InvalidArgumentError(f"q has batch {batch}, the cache {k_cache.shape[0]} (give cache_batch_idx to "
                                        "pick cache rows)")
@@ -77,18 +81,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         lengths = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     else:
-        lengths = api._check_seqused(cache_seqlens, q.transpose(1, 2))
+        lengths = check_seqused(cache_seqlens, q.transpose(1, 2))
         if lengths is None:
             raise InvalidArgumentError("cache_seqlens must be an int or an int32 [batch] tensor")
     new = 0
     if k is not None:
         for name, t in (("k", k), ("v", v)):
-            api._check_tensor(name, t, api._TOKEN_MAJOR)
+            check_fp16(name, t, TOKEN_MAJOR)
             if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:] or t.shape != k.shape:
                 raise InvalidArgumentError(f"{name} shape {tuple(t.shape)} must be [batch, seq_new, heads_kv, "
                                            f"head_dim] matching the cache {tuple(k_cache.shape)}")
         new = k.shape[1]
-    if lengths.numel() and decode.can_read(lengths) and not bool(((lengths >= 0) & (lengths + new <= cache_len)).all()):
+    if lengths.numel() and can_read(lengths) and not bool(((lengths >= 0) & (lengths + new <= cache_len)).all()):
         raise InvalidArgumentError(f"cache_seqlens + seq_new ({new}) must lie in [0, cache_len = {cache_len}], "
                                    f"got cache_seqlens {lengths.tolist()}")
 
@@ -97,7 +101,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         positions = lengths.long()[:, None] + torch.arange(new, device=q.device)
         if rotary_cos is not None:
             _check_tables(rotary_cos, rotary_sin, rotary_interleaved, q)
-            needed = int(lengths.max().item()) + max(new, q.shape[1]) if batch and decode.can_read(lengths) else 0
+            needed = int(lengths.max().item()) + max(new, q.shape[1]) if batch and can_read(lengths) else 0
             if rotary_cos.shape[0] < needed:
                 raise InvalidArgumentError(f"rotary tables have {rotary_cos.shape[0]} positions; the new keys and "
                                            f"queries need {needed}")
@@ -125,17 +129,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:  # stand-ins of the logical [batch, heads_kv, cache_len, head_dim] shape: validation reads only shapes
         kv = vv = k_cache.new_empty(k_cache.shape[-1]).as_strided(
             (batch, k_cache.shape[2], cache_len, k_cache.shape[3]), (0, 0, 0, 1))
-    o = api._validate(qv, kv, vv, is_causal=causal, window_size=window_size, softmax_scale=softmax_scale,
-                      rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_softmax_lse,
-                      seqused_k=lengths)
-    # Plain caches with automatic slices go through flash_attn's planning, which picks the split-KV
-    # kernels for few query rows per K/V head and the row-block kernels otherwise.
+    o = validate(qv, kv, vv, is_causal=causal, window_size=window_size, softmax_scale=softmax_scale,
+                 rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_softmax_lse,
+                 seqused_k=lengths)
+    # Plain caches with automatic slices run as flash_attn calls (its custom op takes strided tensors
+    # only); the others through the decode op.
     if block_table is None and cache_batch_idx is None and num_splits == 0:
-        out, lse = api.forward(qv, kv, vv, o, token_major=True)
+        out, lse = ops.forward(qv, kv, vv, o, token_major=True)
         out = out.transpose(1, 2)
         return (out, lse) if return_softmax_lse else out
     out, lse = decode.forward(q_in, k_cache, v_cache, window=(o.window_left, o.window_right),
                               softmax_scale=o.softmax_scale, return_lse=return_softmax_lse,
-                              layout=decode.Layout(batch=batch, seq_q=q.shape[1], seq_k=cache_len), seqused_k=lengths,
-                              block_table=block_table, cache_batch_idx=cache_batch_idx, num_splits=num_splits)
+                              extents=decode.Extents(batch=batch, seq_q=q.shape[1], seq_k=cache_len),
+                              seqused_k=lengths, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                              num_splits=num_splits)
     return (out, lse) if return_softmax_lse else out

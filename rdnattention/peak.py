@@ -29,10 +29,9 @@ def fma_peak_tflops(device: torch.device, iters: int = 4096, reps: int = 20) -> 
     """Median TFLOP/s (2 per FMA) of the probe over ``reps`` launches of 8 workgroups per SM/CU."""
     import torch
 
-    from . import drivers
-    from .api import _table
+    from . import drivers, route
 
-    table = _table(device)
+    table = route.device_table(device)
     driver = drivers.for_device(device)
     out = torch.zeros(1, device=device)
     args = ARGS.ctype(out=out.data_ptr(), mul=0.9999, add=1e-4, iters=iters)

@@ -1,15 +1,17 @@
 """Plans: a validated call becomes a list of launches (kernel, grid, block, shared memory,
-arguments), planned by the kernel family, then run on the device's driver. A family that needs
-two kernels or a scratch buffer returns two launches and keeps the buffer in the plan."""
+arguments), planned by the kernel family route.py chooses, then run on the device's driver. A
+family that needs two kernels or a scratch buffer returns two launches and keeps the buffer in the
+plan."""
 
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .dispatch import KernelEntry, TargetTable
 from .errors import InvalidArgumentError
+from .table import KernelEntry, TargetTable
 
 if TYPE_CHECKING:  # the generator imports the families, and with them this module, without torch
     import torch
@@ -62,6 +64,17 @@ class Plan:
     outputs: tuple[torch.Tensor | None, ...]
     # Every tensor the launches read or write (inputs, outputs, scratch): held as long as the plan is.
     buffers: tuple[torch.Tensor, ...] = field(default=())
+
+    def returning(self, out: torch.Tensor, lse: torch.Tensor, *, empty: bool) -> Plan:
+        """This plan, returning ``(out, lse)`` (lse an empty tensor where it was not asked for: a custom
+        op returns tensors). An ``empty`` call (no output rows, or no keys) launches nothing: its rows
+        are zero and its LSE -inf."""
+        self.outputs = (out, lse)
+        if empty:
+            out.zero_()
+            lse.fill_(-math.inf)
+            self.launches.clear()
+        return self
 
     def run(self) -> None:
         from . import drivers

@@ -1,11 +1,11 @@
 """Packed variable-length batches: torch's `varlen_attn` and flash-attn's `flash_attn_varlen_func`,
-with their signatures and semantics, on the split-KV decode kernels (decode.py).
+with their signatures and semantics, run through decode.py.
 
 Sequences are packed along the first dimension, [total, heads, head_dim], sequence b at rows
 cu_seqlens[b] .. cu_seqlens[b + 1] - 1. Causal masks and windows align each sequence's queries to
-the end of its keys, as both libraries do. Batches with few query rows per K/V head (decode) run
-the split-KV kernels; longer ones the row-block kernels compiled for packed batches (f16varlen);
-paged pools always the split-KV kernels."""
+the end of its keys, as both libraries do. route.py chooses the kernels: batches with few query
+rows per K/V head (decode) run the split-KV kernels, longer ones the row-block kernels compiled for
+packed batches (f16varlen), paged pools always the split-KV kernels."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import math
 
 import torch
 
-from . import api, decode
+from . import decode
+from .checks import can_read, check_int32, check_memory, check_paged, check_values
 from .errors import InvalidArgumentError, UnsupportedError
+from .options import check_window, refuse_missing_features
 
 
 def _check_packed(name: str, t: object, dims: int) -> torch.Tensor:
@@ -41,10 +43,10 @@ def _check_int(name: str, value: object) -> int:
 
 def _lengths(name: str, cu: torch.Tensor, total: int, longest: int, longest_name: str) -> None:
     """cu starts at 0, never decreases, ends within the packed rows, and no sequence exceeds ``longest``
-    (where its values can be read: decode.can_read)."""
-    if cu.numel() == 0 or not decode.can_read(cu):
+    (where its values can be read: checks.can_read)."""
+    if cu.numel() == 0 or not can_read(cu):
         return
-    api._check_memory(name, cu)
+    check_memory(name, cu)
     steps = cu[1:] - cu[:-1]
     if steps.numel():
         first, least, last, most = torch.stack([cu[0], steps.min(), cu[-1], steps.max()]).tolist()
@@ -80,32 +82,32 @@ def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_siz
     if heads_q != heads_kv and not gqa:
         raise InvalidArgumentError(f"query has {heads_q} heads and key {heads_kv}: pass enable_gqa=True for "
                                    "grouped-query attention")
-    cu_q = decode.check_int32("cu_seq_q", cu_q, 1, device)
+    cu_q = check_int32("cu_seq_q", cu_q, 1, device)
     batch = cu_q.shape[0] - 1
     if batch < 0:
         raise InvalidArgumentError("cu_seq_q must hold batch + 1 offsets, got none")
     _lengths("cu_seq_q", cu_q, q.shape[0], max_q, "max_q")
     if seqused_k is not None:
-        seqused_k = decode.check_int32("seqused_k", seqused_k, (batch,), device)
+        seqused_k = check_int32("seqused_k", seqused_k, (batch,), device)
     if paged:
         if seqused_k is None:
             raise InvalidArgumentError("block_table needs seqused_k: the keys each sequence holds in its pages")
         if cu_k is not None:
             raise InvalidArgumentError("cu_seq_k must be None with a block table (keys are found through it)")
-        block_table = decode.check_paged(k, v, block_table, batch, "key", "value")
+        block_table = check_paged(k, v, block_table, batch, "key", "value")
         seq_k = block_table.shape[1] * k.shape[1]
-        decode.check_values("seqused_k", seqused_k, 0, seq_k)
+        check_values("seqused_k", seqused_k, 0, seq_k)
     else:
         if cu_k is None:
             raise InvalidArgumentError("cu_seq_k is required without a block table")
-        cu_k = decode.check_int32("cu_seq_k", cu_k, (batch + 1,), device)
+        cu_k = check_int32("cu_seq_k", cu_k, (batch + 1,), device)
         _lengths("cu_seq_k", cu_k, k.shape[0], max_k, "max_k")
         seq_k = max_k
-        decode.check_values("seqused_k", seqused_k, 0, seq_k)
-        if seqused_k is not None and seqused_k.numel() and decode.can_read(seqused_k):
+        check_values("seqused_k", seqused_k, 0, seq_k)
+        if seqused_k is not None and seqused_k.numel() and can_read(seqused_k):
             if bool((seqused_k > cu_k[1:] - cu_k[:-1]).any()):
                 raise InvalidArgumentError("seqused_k must not exceed each sequence's keys in cu_seq_k")
-    left, right = api._check_window(window_size)
+    left, right = check_window(window_size)
     left, right = (-1 if left >= max(seq_k, 1) else left), (max_q if right >= max_q else right)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
@@ -115,7 +117,7 @@ def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_siz
         raise UnsupportedError("rdnattention is forward-only and an input requires grad: run it under "
                                "torch.no_grad() or torch.inference_mode()")
     return decode.forward(q, k, v, window=(left, right), softmax_scale=float(scale), return_lse=return_lse,
-                          layout=decode.Layout(batch=batch, seq_q=max_q, seq_k=seq_k), seqused_k=seqused_k,
+                          extents=decode.Extents(batch=batch, seq_q=max_q, seq_k=seq_k), seqused_k=seqused_k,
                           block_table=block_table, cu_seqlens_q=cu_q, cu_seqlens_k=None if paged else cu_k,
                           num_splits=num_splits)
 
@@ -148,16 +150,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns out [total_q, heads, head_dim], or ``(out, softmax_lse, None)`` with
     ``return_attn_probs=True`` (lse float32 [heads, total_q]). dropout, softcap and ALiBi raise
     UnsupportedError; the kernels are deterministic, so ``deterministic`` needs nothing."""
-    api.refuse_missing_features(dropout_p, softcap, alibi_slopes)
+    refuse_missing_features(dropout_p, softcap, alibi_slopes)
     for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
             raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
-    left, right = api._check_window(window_size)
+    left, right = check_window(window_size)
     if causal:
         right = 0 if right < 0 else min(right, 0)
     seqused_k = None
     if block_table is not None:  # flash-attn's paged varlen: key lengths from cu_seqlens_k
-        cu = decode.check_int32("cu_seqlens_k", cu_seqlens_k, 1, q.device)
+        cu = check_int32("cu_seqlens_k", cu_seqlens_k, 1, q.device)
         seqused_k = (cu[1:] - cu[:-1]).to(torch.int32)
         cu_seqlens_k = None
     out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,

@@ -15,7 +15,7 @@ import amd_emulator
 from rdnattention import (attention_reference, flash_attn, flash_attn_int8qk, flash_attn_varlen_func,
                           flash_attn_with_kvcache, plan_flash_attn, plan_flash_attn_int8qk, quantize_per_channel,
                           quantize_per_token, rotary_tables)
-from rdnattention import api, drivers
+from rdnattention import drivers, replay, route
 from rdnattention.drivers import hip, module_api
 from rdnattention.families import dec, f16
 from rdnattention_gen import build, toolchain
@@ -66,7 +66,7 @@ def gpu(matrix, build_dir, monkeypatch_module):
     mp.setattr(module_api, "current_stream_handle", lambda index: 0)
     mp.setattr(torch.cuda, "device", _NoContext)
     mp.setattr(torch.cuda, "init", lambda: None)
-    mp.setattr(api, "_replays", {})
+    mp.setattr(replay, "cache", {})
     return stand_in
 
 
@@ -200,7 +200,7 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
     combine of their head_dim runs too)."""
     spec = KernelSpec.from_name(name)
     start = len(gpu.dispatches)
-    table = api._table(torch.device("cpu"))
+    table = route.device_table(torch.device("cpu"))
     decode = spec.family in ("dec", "decpaged", "i8dec")
     rows = spec.tile.br if decode else 80  # query rows per K/V head, two K/V heads
     q, k, v = _inputs(1, 2 if rows == 1 else 4, 2, max(1, rows // 2), 77, spec.head_dim, seed=spec.head_dim)

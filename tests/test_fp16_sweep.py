@@ -55,7 +55,7 @@ def test_shuffled_order_changes_nothing(in_order_results, head_dim, variant):
 @pytest.mark.parametrize("target,name", mirrored_kernels(("f16", "f16len", "f16varlen")))
 def test_mirrored_gpu_tiles_match_oracle(host_build, monkeypatch, target, name):
     from rdnattention import plan_flash_attn
-    from rdnattention.api import _table
+    from rdnattention.route import device_table
     from rdnattention.families import f16
     from rdnattention_gen.spec import KernelSpec
 
@@ -73,7 +73,7 @@ def test_mirrored_gpu_tiles_match_oracle(host_build, monkeypatch, target, name):
             call = f16.Call(q=q, k=k, v=v, out=out, lse=None, window=(-1, 0) if options.get("is_causal") else (-1, -1),
                             softmax_scale=q.shape[-1] ** -0.5, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                             packed=(1, q.shape[2], k.shape[2]))
-            plan = f16.plan(_table(q.device), call, kernel=name)
+            plan = f16.plan(device_table(q.device), call, kernel=name)
             ref = attention_reference(q, k, v, **options)
         else:
             seqused = torch.full((q.shape[0],), k.shape[2] - 7, dtype=torch.int32) if spec.family == "f16len" else None

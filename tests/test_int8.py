@@ -136,10 +136,10 @@ def test_the_scale_contract_is_checked(host_build, index, bad, message):
 
 
 def test_a_target_without_int8_kernels_is_refused(host_build, monkeypatch):
-    from rdnattention import api
-    real = api._table(torch.device("cpu"))
+    from rdnattention import route
+    real = route.device_table(torch.device("cpu"))
     fp16_only = dataclasses.replace(real, kernels=tuple(e for e in real.kernels if e.family != "i8"))
-    monkeypatch.setattr(api, "_table", lambda device: fp16_only)
+    monkeypatch.setattr(route, "device_table", lambda device: fp16_only)
     with pytest.raises(UnsupportedError, match="target host has no int8 kernels .* use flash_attn, the fp16 kernel"):
         flash_attn_int8qk(*_quantized())
 
@@ -170,7 +170,7 @@ def test_opcheck(host_build, return_lse):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_decode_runs_the_int8_split_kv_kernels(host_build, shape, options, head_dim, splits):
     """Few query rows per K/V head: the i8dec kernels (P is not quantized there: only Q, K, V are)."""
-    from rdnattention import api
+    from rdnattention import route
     from rdnattention.families import i8, i8dec
 
     q, k, v = _inputs(d=head_dim, **shape)
@@ -182,7 +182,7 @@ def test_decode_runs_the_int8_split_kv_kernels(host_build, shape, options, head_
     out, lse = torch.empty_like(q), torch.empty(q.shape[:3])
     call = i8.Call(q=qi, k=ki, v=vi, q_scale=qs, k_scale=ks, v_scale=vs, out=out, lse=lse, window=(left, right),
                    softmax_scale=head_dim ** -0.5)
-    plan = i8dec.plan(api._table(q.device), call, num_splits=splits)
+    plan = i8dec.plan(route.device_table(q.device), call, num_splits=splits)
     assert len(plan.launches) == (2 if splits > 1 else 1)
     plan.run()
     ref, ref_lse = attention_reference(*_dequantized(qi, qs, ki, ks, vi, vs), return_lse=True, **options)

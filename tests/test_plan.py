@@ -15,7 +15,7 @@ from conftest import REPO_ROOT
 import rdnattention_gen
 from rdnattention import attention_reference, dispatch, flash_attn, plan_flash_attn
 from rdnattention.abi import ArgStruct
-from rdnattention.dispatch import Constraints, KernelEntry, TargetTable
+from rdnattention.table import Constraints, KernelEntry, TargetTable
 from rdnattention.errors import IncompatibleKernelsError, InvalidArgumentError, StaleKernelsError, UnsupportedError
 from rdnattention.families import combine, dec, f16, i8, i8dec
 from rdnattention.plan import Launch

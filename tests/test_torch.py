@@ -126,13 +126,13 @@ def test_token_major_input_to_the_native_entry_warns_once(host_build, monkeypatc
 
 
 def test_repeated_calls_replay_the_plan_and_still_check_every_argument(host_build):
-    from rdnattention import api
+    from rdnattention import replay
     q, k, v = _qkv(sq=20, sk=20)
-    api._replays.clear()
+    replay.cache.clear()
     first = flash_attn(q, k, v, is_causal=True)
-    assert len(api._replays) == 1
+    assert len(replay.cache) == 1
     again, lse = flash_attn(q.clone(), k.clone(), v.clone(), is_causal=True, return_lse=True)
-    assert torch.equal(again, first) and len(api._replays) == 2
+    assert torch.equal(again, first) and len(replay.cache) == 2
     assert torch.equal(flash_attn(q, k, v, is_causal=True), first)
     with pytest.raises(InvalidArgumentError, match="is_causal must be a bool"):
         flash_attn(q, k, v, is_causal=1)  # equal to True as a key, but not a bool

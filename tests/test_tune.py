@@ -6,7 +6,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from rdnattention.dispatch import Constraints, KernelEntry, TargetTable
+from rdnattention.table import Constraints, KernelEntry, TargetTable
 from rdnattention.errors import UnsupportedError
 from rdnattention_gen import cost, tune
 from rdnattention_gen.audit import KernelAudit

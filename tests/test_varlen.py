@@ -117,17 +117,17 @@ def test_what_is_refused(host_build, change, message):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_packed_prefill_runs_the_row_block_kernels(host_build, monkeypatch, window, head_dim):
     """Many query rows per K/V head: the f16varlen kernels (row blocks past a sequence end at once)."""
-    from rdnattention import decode
+    from rdnattention.families import f16
 
     planned = []
-    real = decode.f16.plan
+    real = f16.plan
 
     def spy(table, call, **kw):
         plan = real(table, call, **kw)
         planned.append(plan.launches[0].kernel.family)
         return plan
 
-    monkeypatch.setattr(decode.f16, "plan", spy)
+    monkeypatch.setattr(f16, "plan", spy)
     lengths_q, lengths_k = [130, 7, 0, 64], [130, 200, 5, 64]
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, d=head_dim)
     out, lse = varlen_attn(q, k, v, cu_q, cu_k, 130, 200, return_aux=Aux(), window_size=window, enable_gqa=True)

@@ -1,7 +1,9 @@
 """Kernel families, runtime side: each module declares a family's name (``NAME``), how its kernel
-names spell their facts (``NAMES``), its argument struct (``ARGS``), the LDS a kernel uses
-(``lds_bytes``) and its launch planning (``plan``). Modules are found by discovery, so adding a family adds a module
-here and edits nothing else in the runtime."""
+names spell their facts (``NAMES``), its argument struct (``ARGS``) and the LDS a kernel uses
+(``lds_bytes``); the generator reads these, and dispatch.py checks every table against them. An
+algorithm's base family (f16, dec, i8, i8dec, combine) also plans its launches; its variants
+compiled for another layout (f16len, f16varlen, decpaged) only declare. Which family serves a call
+is route.py's choice. Modules are found by discovery, so adding a family adds a module here."""
 
 from __future__ import annotations
 

@@ -5,9 +5,9 @@ of a ``dec`` launch (families/dec.py) into the output and its LSE. One launch ov
 from __future__ import annotations
 
 from ..abi import ArgStruct
-from ..dispatch import TargetTable
 from ..names import NameField, NameSchema
 from ..plan import Launch
+from ..table import TargetTable
 from . import f16
 
 NAME = "combine"

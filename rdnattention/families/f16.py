@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..abi import ArgStruct
-from ..dispatch import TargetTable
 from ..errors import InvalidArgumentError
 from ..names import NameField, NameSchema
 from ..plan import Launch, Plan
+from ..table import TargetTable
 
 if TYPE_CHECKING:  # the generator imports this module (names, layout, arguments) without torch
     import torch
@@ -161,23 +161,14 @@ def row_block_launch(table: TargetTable, entry, args_type, fields: dict) -> Laun
                   args=args_type(**fields))
 
 
-def plan(table: TargetTable, call: Call, *, heavy_first: bool | None = None, kernel: str | None = None) -> Plan:
-    """The launches of one call. ``heavy_first`` (default: on under causal-like masks) makes the
-    workgroups take row blocks longest first; ``kernel`` forces a dispatch entry by name."""
-    from . import dec  # dec builds on this module's fields
-
+def plan(table: TargetTable, call: Call, *, family: str | None = None, heavy_first: bool | None = None,
+         kernel: str | None = None) -> Plan:
+    """The launches of one call on ``family``'s kernels (route.py's choice; by default the variant
+    compiled for the call's layout: f16varlen for packed calls, f16len with cache lengths).
+    ``heavy_first`` (default: on under causal-like masks) makes the workgroups take row blocks
+    longest first; ``kernel`` forces a dispatch entry by name."""
     q, k = call.q, call.k
-    # Few query rows per K/V head (decode): the split-KV kernels (families/dec.py), unless the call
-    # rotates in the kernel or asks for a row-block kernel.
-    rows = q.shape[2] * (q.shape[1] // k.shape[1])
-    if (call.packed is None and (call.rotary_cos is None or kernel is not None)
-            and dec.takes(table, dec.NAMES, dec.NAME, q.shape[3], rows, kernel, heavy_first)):
-        return dec.plan(table, dec.Call(q=q, k=k, v=call.v, out=call.out, lse=call.lse, window=call.window,
-                                        softmax_scale=call.softmax_scale, batch=q.shape[0], seq_q=q.shape[2],
-                                        seq_k=k.shape[2], seqused_k=call.seqused_k), kernel=kernel)
-    # Calls with cache lengths run the f16len variant (families/f16len.py), packed batches the
-    # f16varlen one: same struct and layout.
-    name = "f16varlen" if call.packed is not None else NAME if call.seqused_k is None else "f16len"
+    name = family or ("f16varlen" if call.packed is not None else NAME if call.seqused_k is None else "f16len")
     seq_q = q.shape[2] if call.packed is None else call.packed[1]
     entry = table.select(name, head_dim=q.shape[3], heads_per_kv=q.shape[1] // k.shape[1], causal=call.causal_like,
                          seq_q=seq_q, kernel=kernel)

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..abi import ArgStruct
-from ..dispatch import TargetTable
 from ..names import NameField, NameSchema
 from ..plan import Plan
+from ..table import TargetTable
 from . import f16
 
 if TYPE_CHECKING:

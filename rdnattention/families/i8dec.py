@@ -5,10 +5,10 @@ per-token Q and K scales, a per-channel V scale. Its slices are merged by the co
 from __future__ import annotations
 
 from ..abi import ArgStruct
-from ..dispatch import TargetTable
 from ..names import NameSchema
 from ..plan import Plan
-from . import dec, f16, i8
+from ..table import TargetTable
+from . import _splitkv, dec, f16, i8
 
 NAME = "i8dec"
 NAMES = NameSchema("fa2_i8dec", i8.NAMES.fields)
@@ -38,10 +38,11 @@ lds_bytes = dec.lds_bytes
 
 def plan(table: TargetTable, call: i8.Call, *, kernel: str | None = None, num_splits: int = 0) -> Plan:
     """An INT8 call with few query rows per K/V head (i8.Call: [batch, heads, seq, head_dim]);
-    ``num_splits`` as in dec.Call (0: automatic)."""
+    ``num_splits`` as in dec.Call (0: automatic). The split-KV launches of dec's kernel
+    (_splitkv.py), with this family's struct and the scales."""
     q, k = call.q, call.k
     decode = dec.Call(q=q, k=k, v=call.v, out=call.out, lse=call.lse, window=call.window,
                       softmax_scale=call.softmax_scale, batch=q.shape[0], seq_q=q.shape[2], seq_k=k.shape[2],
                       num_splits=num_splits)
-    return dec.plan(table, decode, kernel=kernel, family=NAME, args=Fa2I8DecArgs, extra=i8.scale_fields(call),
-                    buffers=(call.q_scale, call.k_scale, call.v_scale))
+    return _splitkv.plan(table, decode, family=NAME, args_type=Fa2I8DecArgs, kernel=kernel,
+                         extra=i8.scale_fields(call), buffers=(call.q_scale, call.k_scale, call.v_scale))

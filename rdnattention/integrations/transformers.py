@@ -24,9 +24,8 @@ import warnings
 
 import torch
 
-from .. import api
+from .. import api, checks, route
 from ..errors import KernelsNotBuiltError, UnsupportedError
-from ..families import dec
 
 NAME = "rdnattention"
 _warned: set[str] = set()
@@ -155,7 +154,7 @@ def padded_attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Te
             out = api.scaled_dot_product_attention(query, key, value, is_causal=causal and query.shape[2] > 1,
                                                    scale=scale, enable_gqa=key.shape[1] != query.shape[1])
             return out.transpose(1, 2).contiguous()
-        if not api.can_read(mask):
+        if not checks.can_read(mask):
             _warn("a CUDA graph is being captured, and reading the attention mask needs the device")
             return _sdpa(query, key, value, mask, causal, scale)
         runs = _runs(mask, causal)
@@ -181,10 +180,10 @@ def _padded(query, key, value, runs, causal: bool, scale: float) -> torch.Tensor
         key, value = key.contiguous(), value.contiguous()
     out = torch.zeros_like(query)  # same strides as query: one set of offsets serves both
     batch, _, seq_q, _ = query.shape
-    call = dec.Call(q=query, k=key, v=value, out=out, lse=None, window=(-1, 0) if causal else (-1, -1),
-                    softmax_scale=scale, batch=batch, seq_q=seq_q, seq_k=key.shape[2], seqused_k=n,
-                    cu_seqlens_q=_offsets(query, q0), cu_seqlens_k=_offsets(key, k0), seqused_q=sq)
+    call = route.Attention(q=query, k=key, v=value, out=out, lse=None, window=(-1, 0) if causal else (-1, -1),
+                           softmax_scale=scale, batch=batch, seq_q=seq_q, seq_k=key.shape[2], seqused_k=n,
+                           cu_seqlens_q=_offsets(query, q0), cu_seqlens_k=_offsets(key, k0), seqused_q=sq)
     for name, t in (("query", query), ("key", key), ("value", value)):
-        api._check_memory(name, t)
-    dec.plan(api._table(query.device), call).run()
+        checks.check_memory(name, t)
+    route.plan(route.device_table(query.device), call).run()
     return out.transpose(1, 2).contiguous()

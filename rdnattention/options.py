@@ -1,0 +1,151 @@
+"""A call's options, validated into the kernel's terms: the mask (is_causal folded into the window),
+the softmax scale, RoPE tables, per-sequence key counts, the log-sum-exp. Everything here reads
+shapes, strides, dtypes and devices only, never values, so it runs on fake tensors too."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import checks
+from .errors import InvalidArgumentError, UnsupportedError
+
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class Options:
+    """A validated call's options, in the kernel's terms."""
+
+    window_left: int
+    window_right: int
+    softmax_scale: float
+    rotary_cos: torch.Tensor | None
+    rotary_sin: torch.Tensor | None
+    rotary_interleaved: bool
+    return_lse: bool
+    seqused_k: torch.Tensor | None = None  # int32 [batch]: keys each batch uses (a preallocated cache)
+
+
+def check_window(window_size: object) -> tuple[int, int]:
+    """flash-attn's ``window_size``: a pair of ints (left, right), each -1 (unbounded) or more."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise InvalidArgumentError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise InvalidArgumentError(f"window_size values must be >= -1 (-1: unbounded), got {tuple(window_size)}")
+    return left, right
+
+
+def check_rotary(cos: object, sin: object, interleaved: object, q: torch.Tensor, seq_k: int) -> bool:
+    """Validates the RoPE tables (float32 or q's dtype); returns whether RoPE is on."""
+    if cos is None and sin is None:
+        return False
+    if cos is None or sin is None:
+        raise InvalidArgumentError("rotary_cos and rotary_sin must be given together")
+    if not isinstance(interleaved, bool):
+        raise InvalidArgumentError(f"rotary_interleaved must be a bool, got {interleaved!r}")
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.float32, q.dtype):
+            raise InvalidArgumentError(f"{name} must be float32 or q's dtype ({q.dtype}), got {t.dtype}")
+        if t.dim() != 2 or t.shape[1] == 0:
+            raise InvalidArgumentError(f"{name} must be 2-D [positions, rotary_dim/2], got shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise InvalidArgumentError(f"{name} is on {t.device}, q on {q.device}")
+        if t.stride(1) != 1:
+            raise InvalidArgumentError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    if cos.shape != sin.shape or cos.stride() != sin.stride() or cos.dtype != sin.dtype:
+        raise InvalidArgumentError(f"rotary_cos {tuple(cos.shape)} {cos.dtype} and rotary_sin {tuple(sin.shape)} "
+                                   f"{sin.dtype} must have the same shape, strides and dtype")
+    rotary_dim = 2 * cos.shape[1]
+    if rotary_dim > q.shape[3]:
+        raise InvalidArgumentError(f"rotary_dim {rotary_dim} (2 * table width) exceeds head_dim {q.shape[3]}")
+    if q.shape[2] > seq_k:
+        raise InvalidArgumentError(f"with RoPE, seq_q ({q.shape[2]}) must not exceed seq_k ({seq_k}): query i sits at "
+                                   "position i + seq_k - seq_q, which must be a row of the tables")
+    if cos.shape[0] < seq_k:
+        raise InvalidArgumentError(f"rotary tables have {cos.shape[0]} positions; keys need {seq_k} "
+                                   "(positions 0..seq_k-1, queries at the last seq_q of them)")
+    return True
+
+
+def check_seqused(seqused_k: object, q: torch.Tensor) -> torch.Tensor | None:
+    """Cache lengths: int32 [batch] on q's device (their values are checked when planned)."""
+    if seqused_k is None:
+        return None
+    if not isinstance(seqused_k, torch.Tensor):
+        raise InvalidArgumentError(f"seqused_k must be a torch.Tensor or None, got {type(seqused_k).__name__}")
+    if seqused_k.dtype != torch.int32 or tuple(seqused_k.shape) != (q.shape[0],):
+        raise InvalidArgumentError(f"seqused_k must be int32 [batch] = ({q.shape[0]},), got {seqused_k.dtype} "
+                                   f"{tuple(seqused_k.shape)}")
+    if seqused_k.device != q.device:
+        raise InvalidArgumentError(f"seqused_k is on {seqused_k.device}, q on {q.device}")
+    if seqused_k.numel() > 1 and seqused_k.stride(0) != 1:
+        raise InvalidArgumentError(f"seqused_k must be contiguous, got stride {seqused_k.stride()}")
+    return seqused_k
+
+
+def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: object, window_size: object,
+             softmax_scale: object, rotary_cos: object, rotary_sin: object, rotary_interleaved: object,
+             return_lse: object, seqused_k: object = None) -> Options:
+    """Everything but the data pointers, so it runs on fake tensors too. q, k, v: the kernel's view."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.check_rows(name, t)
+    if not isinstance(is_causal, bool):
+        raise InvalidArgumentError(f"is_causal must be a bool, got {is_causal!r}")
+    left, right = check_window(window_size)
+    if is_causal:
+        right = 0 if right < 0 else min(right, 0)
+    batch, heads_q, seq_q, head_dim = q.shape
+    _, heads_kv, seq_k, _ = k.shape
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise InvalidArgumentError(f"k shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} "
+                                   "in batch or head_dim")
+    if v.shape != k.shape:
+        raise InvalidArgumentError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise InvalidArgumentError(f"q heads ({heads_q}) must be a multiple of k/v heads ({heads_kv})")
+    if q.device != k.device or q.device != v.device:
+        raise InvalidArgumentError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if max(seq_q, seq_k) > INT32_MAX:
+        raise InvalidArgumentError(f"sequence lengths must be below 2^31, got {seq_q} and {seq_k}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    elif not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool) or not math.isfinite(softmax_scale):
+        raise InvalidArgumentError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    if abs(float(softmax_scale)) * LOG2E > FLOAT32_MAX:
+        raise InvalidArgumentError(f"softmax_scale {softmax_scale!r} times log2(e) is beyond float32's range; "
+                                   "the kernel scales scores in float32")
+    # Windows at least as long as the sequences change nothing: clamp them so any int packs into
+    # the kernel's 32-bit fields (INT_MAX or 2**40 for "unbounded" behave like -1).
+    if left >= seq_k:
+        left = -1
+    if right >= seq_q:
+        right = seq_q
+    if not isinstance(return_lse, bool):
+        raise InvalidArgumentError(f"return_lse must be a bool, got {return_lse!r}")
+    rope = check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, seq_k)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise UnsupportedError("rdnattention is forward-only and q, k or v requires grad: run it under "
+                               "torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+    return Options(window_left=left, window_right=right, softmax_scale=float(softmax_scale),
+                   rotary_cos=rotary_cos if rope else None, rotary_sin=rotary_sin if rope else None,
+                   rotary_interleaved=bool(rotary_interleaved) if rope else False, return_lse=return_lse,
+                   seqused_k=check_seqused(seqused_k, q))
+
+
+def refuse_missing_features(dropout_p: object, softcap: object, alibi_slopes: object) -> None:
+    """flash-attn's options this library does not have: UnsupportedError naming each."""
+    if dropout_p != 0.0:
+        raise UnsupportedError(f"dropout_p={dropout_p!r}: rdnattention has no dropout (inference only); pass 0.0")
+    if softcap != 0.0:
+        raise UnsupportedError(f"softcap={softcap!r}: logit softcapping is not implemented; pass 0.0")
+    if alibi_slopes is not None:
+        raise UnsupportedError("alibi_slopes: ALiBi is not implemented; pass None")

@@ -1,0 +1,274 @@
+"""Which kernel family serves a call: the one chooser every entry point goes through.
+
+An entry point validates its arguments and describes the call as an :class:`Attention` (the
+tensors in the kernels' view and the options). The chooser reads only what decides the family
+(:class:`Request`: precision, how the keys and values are laid out, head_dim, query rows per K/V
+head, the kernel options the call needs, a kernel forced by name) against :data:`ALGORITHMS`,
+which states every algorithm, the kernel family it is compiled as for each layout and the options
+its kernels take. :func:`choose` returns the family that serves the call, or the typed error that
+says why none does; it is also the "is this supported" check (the transformers integration falls
+back on its error). :func:`plan` hands the call to the chosen algorithm's planner, which picks the
+entry within the family (tile, GQA group, constraints: TargetTable.select)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Mapping
+
+import torch
+
+from . import dispatch, drivers
+from .errors import KernelsNotBuiltError, UnsupportedError
+from .families import dec, decpaged, f16, f16len, f16varlen, i8, i8dec
+from .plan import Plan
+from .table import TargetTable
+
+
+def device_table(device: torch.device) -> TargetTable:
+    """The dispatch table of the target whose kernels run tensors on ``device``."""
+    driver = drivers.for_device(device)
+    target = drivers.target_of(device, driver)
+    try:
+        table = dispatch.table_for(target)
+    except KernelsNotBuiltError:
+        if device.type != "cuda":
+            raise
+        table = dispatch.table_for(target, torch.cuda.get_device_name(device))
+    if table.platform != driver.PLATFORM:  # a forced target of another platform: its kernels cannot read these tensors
+        env = drivers.env_naming_target(device)
+        chosen = f"{env}={target}" if env else f"target {target}"
+        raise UnsupportedError(f"{chosen} names a target of platform {table.platform}, but tensors on {device} "
+                               f"run on {driver.PLATFORM} targets; unset {env or 'it'} or name a {driver.PLATFORM} "
+                               "target")
+    return table
+
+
+class Precision(Enum):
+    FP16 = "fp16"
+    INT8 = "int8"
+
+
+class Layout(Enum):
+    """How a call's keys and values are found (the value is how messages say it)."""
+
+    STRIDED = "strided keys and values"
+    SEQUSED = "strided keys and values with per-sequence key counts (seqused_k)"
+    PACKED = "packed sequences (cu_seqlens)"
+    PAGED = "a paged cache (block_table)"
+
+
+class Option(Enum):
+    """What a call may ask of a kernel beyond reading its layout (the value is how messages say it).
+    A score transform (softcap, ALiBi) becomes one more, taken by the algorithms whose kernels
+    apply it."""
+
+    ROTARY = "RoPE in the kernel (rotary_cos, rotary_sin)"
+    ROW_ORDER = "a row-block order (heavy_first)"
+    CACHE_ROWS = "cache rows chosen per sequence (cache_batch_idx)"
+    KEY_SLICES = "a number of key slices (num_splits)"
+    QUERY_COUNTS = "per-sequence query rows (padded batches)"
+
+
+@dataclass(frozen=True)
+class Attention:
+    """A validated call in the kernels' view: q and out [batch, heads_q, seq_q, head_dim] (packed:
+    [1, heads_q, total_q, head_dim] with cu_seqlens_q), k and v [batch, heads_kv, seq_k, head_dim]
+    (packed: [1, heads_kv, total_k, head_dim] with cu_seqlens_k; paged: [pages, heads_kv,
+    page_size, head_dim] with block_table), lse [batch, heads_q, seq_q] (packed: [heads_q,
+    total_q]) or None. An int8 call carries its scales (int8.py states their contract)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    window: tuple[int, int]  # (left, right) after folding is_causal in; -1: unbounded
+    softmax_scale: float
+    batch: int
+    seq_q: int  # query rows per sequence (packed: the longest)
+    seq_k: int  # keys per sequence at most (paged: pages per row x page size)
+    seqused_k: torch.Tensor | None = None
+    cache_batch_idx: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    seqused_q: torch.Tensor | None = None  # int32 [batch]: query rows of each sequence (padded batches)
+    rotary_cos: torch.Tensor | None = None  # fp32 [positions, rotary_dim / 2]
+    rotary_sin: torch.Tensor | None = None
+    rotary_interleaved: bool = False
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # int8: q_scale, k_scale, v_scale
+    num_splits: int = 0  # key slices of the split-KV kernels; 0: chosen from the grid and the device
+    heavy_first: bool | None = None  # the row-block order; None: the kernel's default
+    kernel: str | None = None  # a kernel forced by name
+
+    @property
+    def layout(self) -> Layout:
+        if self.block_table is not None:
+            return Layout.PAGED
+        if self.cu_seqlens_q is not None:
+            return Layout.PACKED
+        return Layout.SEQUSED if self.seqused_k is not None else Layout.STRIDED
+
+    def request(self) -> Request:
+        layout = self.layout
+        wanted = {Option.ROTARY: self.rotary_cos is not None,
+                  Option.ROW_ORDER: self.heavy_first is not None,
+                  Option.CACHE_ROWS: self.cache_batch_idx is not None,
+                  Option.QUERY_COUNTS: self.seqused_q is not None,
+                  # A slice count asks for the split-KV kernels on a cache (flash_attn_with_kvcache's
+                  # num_splits). On packed batches (varlen_attn's) it applies where they run: a long
+                  # packed prefill runs row blocks, which have no slices, so their results do not
+                  # depend on the batch either.
+                  Option.KEY_SLICES: self.num_splits > 0 and layout is not Layout.PACKED}
+        return Request(precision=Precision.INT8 if self.scales is not None else Precision.FP16, layout=layout,
+                       head_dim=self.q.shape[3], rows=self.q.shape[1] // max(self.k.shape[1], 1) * self.seq_q,
+                       options=frozenset(o for o, on in wanted.items() if on), kernel=self.kernel)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What decides the family of a call."""
+
+    precision: Precision
+    layout: Layout
+    head_dim: int
+    rows: int  # query rows per K/V head: query heads per K/V head times query rows per sequence
+    options: frozenset[Option] = frozenset()
+    kernel: str | None = None
+
+
+def _int8_call(a: Attention) -> i8.Call:
+    q_scale, k_scale, v_scale = a.scales
+    return i8.Call(q=a.q, k=a.k, v=a.v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=a.out, lse=a.lse,
+                   window=a.window, softmax_scale=a.softmax_scale)
+
+
+def _fp16_row_blocks(table: TargetTable, a: Attention, family: str) -> Plan:
+    call = f16.Call(q=a.q, k=a.k, v=a.v, out=a.out, lse=a.lse, window=a.window, softmax_scale=a.softmax_scale,
+                    rotary_cos=a.rotary_cos, rotary_sin=a.rotary_sin, rotary_interleaved=a.rotary_interleaved,
+                    seqused_k=a.seqused_k, cu_seqlens_q=a.cu_seqlens_q, cu_seqlens_k=a.cu_seqlens_k,
+                    packed=(a.batch, a.seq_q, a.seq_k) if a.cu_seqlens_q is not None else None)
+    return f16.plan(table, call, family=family, heavy_first=a.heavy_first, kernel=a.kernel)
+
+
+def _fp16_split_kv(table: TargetTable, a: Attention, family: str) -> Plan:
+    call = dec.Call(q=a.q, k=a.k, v=a.v, out=a.out, lse=a.lse, window=a.window, softmax_scale=a.softmax_scale,
+                    batch=a.batch, seq_q=a.seq_q, seq_k=a.seq_k, seqused_k=a.seqused_k,
+                    cache_batch_idx=a.cache_batch_idx, block_table=a.block_table, cu_seqlens_q=a.cu_seqlens_q,
+                    cu_seqlens_k=a.cu_seqlens_k, seqused_q=a.seqused_q, num_splits=a.num_splits)
+    return dec.plan(table, call, family=family, kernel=a.kernel)
+
+
+def _int8_row_blocks(table: TargetTable, a: Attention, family: str) -> Plan:
+    return i8.plan(table, _int8_call(a), heavy_first=a.heavy_first, kernel=a.kernel)  # one family: i8
+
+
+def _int8_split_kv(table: TargetTable, a: Attention, family: str) -> Plan:
+    return i8dec.plan(table, _int8_call(a), kernel=a.kernel, num_splits=a.num_splits)  # one family: i8dec
+
+
+@dataclass(frozen=True, eq=False)
+class Algorithm:
+    """One way of computing attention, and what it serves: a precision, the layouts it is compiled
+    for (each a kernel family), the options its kernels take, and its planner."""
+
+    name: str
+    precision: Precision
+    split_kv: bool  # key slices for few query rows (flash-decoding), or blocks of query rows
+    families: Mapping[Layout, str]
+    options: frozenset[Option]
+    planner: Callable[[TargetTable, Attention, str], Plan]
+
+
+FP16_ROW_BLOCKS = Algorithm(
+    "fp16 row-block", Precision.FP16, split_kv=False,
+    families={Layout.STRIDED: f16.NAME, Layout.SEQUSED: f16len.NAME, Layout.PACKED: f16varlen.NAME},
+    options=frozenset({Option.ROTARY, Option.ROW_ORDER}), planner=_fp16_row_blocks)
+FP16_SPLIT_KV = Algorithm(
+    "fp16 split-KV", Precision.FP16, split_kv=True,
+    families={Layout.STRIDED: dec.NAME, Layout.SEQUSED: dec.NAME, Layout.PACKED: dec.NAME,
+              Layout.PAGED: decpaged.NAME},
+    options=frozenset({Option.CACHE_ROWS, Option.KEY_SLICES, Option.QUERY_COUNTS}), planner=_fp16_split_kv)
+INT8_ROW_BLOCKS = Algorithm(
+    "int8 row-block", Precision.INT8, split_kv=False, families={Layout.STRIDED: i8.NAME},
+    options=frozenset({Option.ROW_ORDER}), planner=_int8_row_blocks)
+INT8_SPLIT_KV = Algorithm(
+    "int8 split-KV", Precision.INT8, split_kv=True, families={Layout.STRIDED: i8dec.NAME},
+    options=frozenset({Option.KEY_SLICES}), planner=_int8_split_kv)
+ALGORITHMS = (FP16_ROW_BLOCKS, FP16_SPLIT_KV, INT8_ROW_BLOCKS, INT8_SPLIT_KV)
+
+# Query rows per K/V head up to which the split-KV kernels are preferred to the row-block ones
+# (which read K/V once per 64-128 rows but fill the device only with many rows). Measured up to 4
+# rows on the H200 (tuning/results/h200_decode.md); 8 is the untuned bound.
+SPLIT_KV_MAX_ROWS = 8
+
+
+@dataclass(frozen=True)
+class Route:
+    """What serves a call: an algorithm and the kernel family it is compiled as for the call's layout."""
+
+    algorithm: Algorithm
+    family: str
+
+
+def choose(table: TargetTable, request: Request) -> Route:
+    """The algorithm, and its kernel family, that serve ``request`` on ``table``'s target.
+
+    The algorithms of the call's precision compiled for its layout whose kernels take every option
+    it needs serve it. A kernel forced by name runs if its family is one of them. Otherwise few
+    query rows per K/V head (SPLIT_KV_MAX_ROWS) prefer the split-KV algorithm and more rows the
+    row-block one, and the first whose family is built for the head_dim runs. UnsupportedError
+    otherwise, naming what is missing."""
+    if request.precision is Precision.INT8 and not any(
+            e.family in INT8_ROW_BLOCKS.families.values() for e in table.kernels):
+        # INT8 is built on the targets with an int8 dot; its split-KV kernels only beside the row-block ones.
+        raise UnsupportedError(f"target {table.target} has no int8 kernels (it has no int8 dot instruction, or they "
+                               "were not built); use flash_attn, the fp16 kernel")
+    serving = [a for a in ALGORITHMS if a.precision is request.precision and request.layout in a.families]
+    if not serving:
+        raise UnsupportedError(f"no {request.precision.value} kernels read {request.layout.value}")
+    if request.kernel is not None:
+        return _forced(table, request, serving)
+    able = [a for a in serving if request.options <= a.options]
+    if not able:
+        lacking = "; ".join(f"the {a.name} kernels ({a.families[request.layout]}) take no "
+                            f"{', '.join(sorted(o.value for o in request.options - a.options))}" for a in serving)
+        raise UnsupportedError(f"no kernel family serves this {request.precision.value} call with "
+                               f"{request.layout.value}: {lacking}")
+    split_first = request.rows <= SPLIT_KV_MAX_ROWS
+    preferred = sorted(able, key=lambda a: a.split_kv != split_first)
+    for a in preferred:
+        family = a.families[request.layout]
+        if table.entries(family, request.head_dim):
+            return Route(algorithm=a, family=family)
+    missing = []
+    for a in preferred:
+        family = a.families[request.layout]
+        dims = sorted({e.head_dim for e in table.kernels if e.family == family})
+        missing.append(f"no {family} kernel for head_dim {request.head_dim} on {table.target}; built head_dims: "
+                       f"{dims}" if not missing else f"nor a {family} kernel (built head_dims: {dims})")
+    raise UnsupportedError("; ".join(missing))
+
+
+def _forced(table: TargetTable, request: Request, serving: list[Algorithm]) -> Route:
+    """The route of a call that names its kernel: that kernel's family, where it serves the call."""
+    entry = table.named(request.kernel)
+    families = ", ".join(dict.fromkeys(a.families[request.layout] for a in serving))
+    why = "no kernel of that name is built"
+    if entry is not None:
+        why = (f"it is a kernel of family {entry.family}; this {request.precision.value} call with "
+               f"{request.layout.value} runs the kernels of {families}")
+    for a in serving:
+        if entry is not None and a.families[request.layout] == entry.family:
+            lacking = request.options - a.options
+            if not lacking:
+                return Route(algorithm=a, family=entry.family)
+            why = f"the kernels of {entry.family} take no {', '.join(sorted(o.value for o in lacking))}"
+    raise UnsupportedError(f"kernel {request.kernel!r} does not serve this call on {table.target}: {why}")
+
+
+def plan(table: TargetTable, call: Attention) -> Plan:
+    """The launches of ``call``: its route chosen, then planned by the algorithm's planner."""
+    route = choose(table, call.request())
+    return route.algorithm.planner(table, call, route.family)

@@ -1,0 +1,103 @@
+"""The chooser (rdnattention/route.py): which kernel family serves a call, or why none does. Tables
+made in code, so the preference is pinned apart from what a target happens to build."""
+
+import pytest
+import torch
+from conftest import REPO_ROOT
+
+from rdnattention import plan_flash_attn, route
+from rdnattention.errors import UnsupportedError
+from rdnattention.route import Layout, Option, Precision, Request
+from rdnattention.table import Constraints, KernelEntry, TargetTable
+
+
+def _entry(family, head_dim=64):
+    return KernelEntry(name=f"{family}_{head_dim}", family=family, head_dim=head_dim, gqa_group=1, tier="x",
+                       threads=128, br=64, bc=32, tm=4, lds_bytes=0, priority=0, when=Constraints(), provenance="test",
+                       args_digest="x")
+
+
+TABLE = TargetTable("t", "host", REPO_ROOT, False, tuple(
+    _entry(f) for f in ("f16", "f16len", "f16varlen", "dec", "decpaged", "i8", "i8dec")) + (_entry("f16", 96),))
+
+
+def _choose(layout=Layout.STRIDED, rows=1, options=(), kernel=None, precision=Precision.FP16, head_dim=64,
+            table=TABLE):
+    return route.choose(table, Request(precision=precision, layout=layout, head_dim=head_dim, rows=rows,
+                                       options=frozenset(options), kernel=kernel))
+
+
+@pytest.mark.parametrize("layout, rows, options, family", [
+    (Layout.STRIDED, 1, (), "dec"),
+    (Layout.STRIDED, route.SPLIT_KV_MAX_ROWS, (), "dec"),
+    (Layout.STRIDED, route.SPLIT_KV_MAX_ROWS + 1, (), "f16"),
+    (Layout.STRIDED, 1, (Option.ROTARY,), "f16"),       # the row-block kernels rotate
+    (Layout.STRIDED, 1, (Option.ROW_ORDER,), "f16"),    # a row order asks for row blocks
+    (Layout.SEQUSED, 1, (), "dec"),
+    (Layout.SEQUSED, 64, (), "f16len"),
+    (Layout.SEQUSED, 64, (Option.KEY_SLICES,), "dec"),  # flash_attn_with_kvcache's num_splits
+    (Layout.SEQUSED, 64, (Option.CACHE_ROWS,), "dec"),
+    (Layout.PACKED, 4, (), "dec"),
+    (Layout.PACKED, 64, (), "f16varlen"),
+    (Layout.PACKED, 64, (Option.QUERY_COUNTS,), "dec"),  # padded batches (transformers)
+    (Layout.PAGED, 64, (), "decpaged"),
+])
+def test_rows_layout_and_options_choose_the_family(layout, rows, options, family):
+    assert _choose(layout, rows, options).family == family
+
+
+def test_int8_and_a_head_dim_one_algorithm_lacks():
+    assert _choose(rows=1, precision=Precision.INT8).family == "i8dec"
+    assert _choose(rows=100, precision=Precision.INT8).family == "i8"
+    assert _choose(rows=1, head_dim=96).family == "f16"  # no split-KV kernel at 96: the row-block one
+
+
+def test_what_serves_nothing_says_why():
+    with pytest.raises(UnsupportedError, match=r"^no f16 kernel for head_dim 80 on t; built head_dims: \[64, 96\]; "
+                                               r"nor a dec kernel \(built head_dims: \[64\]\)$"):
+        _choose(rows=100, head_dim=80)
+    with pytest.raises(UnsupportedError, match=r"^no int8 kernels read a paged cache \(block_table\)$"):
+        _choose(Layout.PAGED, precision=Precision.INT8)
+    with pytest.raises(UnsupportedError, match=r"the fp16 row-block kernels \(f16\) take no cache rows chosen per "
+                                               r"sequence \(cache_batch_idx\); the fp16 split-KV kernels \(dec\) take "
+                                               r"no RoPE in the kernel"):
+        _choose(options=(Option.ROTARY, Option.CACHE_ROWS))
+    fp16_only = TargetTable("t", "host", REPO_ROOT, False, tuple(e for e in TABLE.kernels if e.family != "i8"))
+    with pytest.raises(UnsupportedError, match="target t has no int8 kernels"):
+        _choose(precision=Precision.INT8, table=fp16_only)
+
+
+def test_a_forced_kernel_runs_where_its_family_serves_the_call():
+    assert _choose(rows=100, kernel="dec_64").family == "dec"
+    assert _choose(rows=1, kernel="f16_64").family == "f16"
+    with pytest.raises(UnsupportedError, match=r"^kernel 'dec_64' does not serve this call on t: the kernels of dec "
+                                               r"take no RoPE in the kernel \(rotary_cos, rotary_sin\)$"):
+        _choose(options=(Option.ROTARY,), kernel="dec_64")
+    with pytest.raises(UnsupportedError, match=r"^kernel 'f16len_64' does not serve this call on t: it is a kernel "
+                                               r"of family f16len; this fp16 call with strided keys and values runs "
+                                               r"the kernels of f16, dec$"):
+        _choose(kernel="f16len_64")
+    with pytest.raises(UnsupportedError, match="kernel 'nope' does not serve this call on t: no kernel of that name"):
+        _choose(kernel="nope")
+
+
+def test_a_call_describes_itself():
+    meta = dict(dtype=torch.float16, device="meta")
+    q, k = torch.empty(2, 8, 3, 64, **meta), torch.empty(2, 2, 50, 64, **meta)
+    call = route.Attention(q=q, k=k, v=k, out=q, lse=None, window=(-1, 0), softmax_scale=1.0, batch=2, seq_q=3,
+                           seq_k=50, seqused_k=torch.empty(2, dtype=torch.int32, device="meta"), num_splits=2)
+    assert call.request() == Request(precision=Precision.FP16, layout=Layout.SEQUSED, head_dim=64, rows=12,
+                                     options=frozenset({Option.KEY_SLICES}))
+    packed = route.Attention(q=q, k=k, v=k, out=q, lse=None, window=(-1, -1), softmax_scale=1.0, batch=2, seq_q=3,
+                             seq_k=50, cu_seqlens_q=k, cu_seqlens_k=k, num_splits=2)
+    assert packed.request().layout is Layout.PACKED and not packed.request().options  # slices where split-KV runs
+
+
+def test_a_forced_split_kv_kernel_with_rope_is_refused(host_build):
+    """It used to run without the rotation; the split-KV kernels have none."""
+    q = torch.randn(1, 2, 1, 64).half()
+    k = torch.randn(1, 2, 40, 64).half()
+    cos, sin = torch.ones(40, 16), torch.zeros(40, 16)
+    name = next(e.name for e in route.device_table(q.device).kernels if e.family == "dec" and e.head_dim == 64)
+    with pytest.raises(UnsupportedError, match="the kernels of dec take no RoPE in the kernel"):
+        plan_flash_attn(q, k, k, rotary_cos=cos, rotary_sin=sin, kernel=name)
