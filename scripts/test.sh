@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Runs the test suite with the interpreter scripts/setup.sh installed into.
+# Runs the test suite with the interpreter scripts/setup.sh installed into, without the tests marked
+# slow (whole-pipeline runs: scripts/test_slow.sh, which CI runs too). Arguments go to pytest; a
+# later -m replaces the default selection (bash scripts/test.sh -m "" runs everything).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] && PYTHON=.venv/bin/python
-exec "$PYTHON" -m pytest -q "$@"
+exec "$PYTHON" -m pytest -q -m "not slow" "$@"

@@ -139,6 +139,7 @@ def test_audit_without_a_build_names_the_command(tmp_path):
     assert "run: rdnattention-gen build --targets gfx1030" in out.stderr
 
 
+@pytest.mark.slow
 def test_new_target_needs_only_a_yaml_entry(tmp_path):
     """gfx1013 (an RDNA1 part) is not listed; one entry in a copy of variants.yaml builds it."""
     text = DEFAULT_VARIANTS.read_text()

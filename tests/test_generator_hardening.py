@@ -54,6 +54,7 @@ def _hostile_env(root: Path) -> dict:
     return {"PYTHONPATH": str(root), "RDNATTENTION_CLANG": str(next((root / "bin").iterdir()))}
 
 
+@pytest.mark.slow
 def test_hostile_checkout_and_build_dir_build_and_run_nothing_else(hostile_checkout):
     root, env = hostile_checkout, _hostile_env(hostile_checkout)
     cwd = root.parent / "cwd"
@@ -139,6 +140,7 @@ def test_every_platforms_rules_keep_hostile_paths_whole(hostile_checkout):
     _assert_nothing_else_ran(root.parent)
 
 
+@pytest.mark.slow
 def test_a_depfile_holds_space_dollar_and_hash(tmp_path):
     """Paths ninja's depfile reader takes keep the depfile; a second build finds nothing to do."""
     build_dir = tmp_path / "d$ir #1 (x)" / "build"

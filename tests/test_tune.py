@@ -239,6 +239,7 @@ def test_rank_puts_pruned_candidates_last():
     assert "pruned: spills 3 VGPRs" in table and "| default |" in table
 
 
+@pytest.mark.slow
 def test_tune_builds_ranks_and_refuses_measuring_without_the_gpu(tmp_path):
     """End to end on the CPU: a narrow space for gfx1030, built and audited, then --measure refused."""
     import subprocess
@@ -295,6 +296,7 @@ def test_sass_listings_resolve_labels_for_the_loop_analysis():
     assert counts == cost.LoopCounts(products=2, valu=1 + 2 + 4, lds_bytes=16, lds_waits=0)
 
 
+@pytest.mark.slow
 def test_tune_runs_end_to_end_on_the_host_emulator(tmp_path):
     """The whole tuner (build, audit, oracle check, interleaved timing, overlay, chart) on the host
     platform, which times nothing meaningful but runs every step the GPU run does."""
@@ -335,6 +337,7 @@ def test_the_fma_peak_probe_is_in_every_code_object_and_runs_on_the_host(host_bu
         assert f"  {ctype} {name};" in text
 
 
+@pytest.mark.slow
 def test_tune_measures_the_int8_family_on_the_host_emulator(tmp_path):
     """The int8 harness: quantized inputs, forced int8 plans, the dequantized oracle, an overlay."""
     import subprocess
@@ -354,6 +357,7 @@ def test_tune_measures_the_int8_family_on_the_host_emulator(tmp_path):
     load_tuned(tuned / "host.yaml", {"host"}, load_matrix(tuned_dir=None).kernels)
 
 
+@pytest.mark.slow
 def test_tune_measures_the_decode_family_on_the_host_emulator(tmp_path):
     """The decode harness: one query position per GQA head, 1-8 rows per K/V head, each row count
     a key of its own (`when: {rows: [r, r]}`), in GB/s; what it writes loads."""
