@@ -15,7 +15,6 @@ from pathlib import Path
 
 from .errors import IncompatibleKernelsError, KernelsNotBuiltError, StaleKernelsError
 from .families import FAMILIES
-# The table's types, under this module's name too: the generator and the tools read them from here.
 from .table import ALTERNATE, Constraints, KernelEntry, TargetTable
 
 _PACKAGE = Path(__file__).resolve().parent

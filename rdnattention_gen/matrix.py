@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from rdnattention.dispatch import ALTERNATE, Constraints  # ALTERNATE: the priority of an alternate entry
+from rdnattention.table import ALTERNATE, Constraints  # ALTERNATE: the priority of an alternate entry
 
 from . import DEFAULT_VARIANTS, TUNED_DIR
 from .spec import KernelSpec, Tile

@@ -29,7 +29,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from rdnattention.dispatch import Constraints
+from rdnattention.table import Constraints
 
 from . import audit, build
 from .matrix import Matrix, Target

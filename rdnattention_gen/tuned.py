@@ -21,7 +21,7 @@ import datetime
 from dataclasses import dataclass
 from pathlib import Path
 
-from rdnattention.dispatch import Constraints
+from rdnattention.table import Constraints
 
 from .spec import Tile
 from .strict_yaml import Node, VariantsError, load

@@ -14,6 +14,7 @@ from cases import mirrored_kernels
 from rdnattention import attention_reference, dispatch, drivers, plan_flash_attn
 from rdnattention.errors import UnsupportedError
 from rdnattention.families import dec
+from rdnattention.table import TargetTable
 
 TOL = 2e-3
 
@@ -215,7 +216,7 @@ def test_resident_workgroups_match_the_audit(table):
 
 
 def test_a_table_without_decode_kernels_says_so(table):
-    bare = dispatch.TargetTable(target=table.target, platform=table.platform, code_object=table.code_object,
+    bare = TargetTable(target=table.target, platform=table.platform, code_object=table.code_object,
                                 dynamic_lds=table.dynamic_lds,
                                 kernels=tuple(e for e in table.kernels if e.family not in ("dec", "decpaged")))
     q, k, v = _inputs(1, 2, 2, 1, 50, 64)
