@@ -84,7 +84,7 @@ def lds_layout(head_dim: int, br: int, bc: int, stage: str) -> dict[str, int]:
     pair = 4 if stage == "f16" else 8
     pad = 4  # pairs (pairs.h CHUNK): rows stay 16-byte aligned, f32 tiles' planes included
     p_row = (br + pad) * pair
-    p_row_pair_gap = 16 if stage == "f32" else 0  # pairs.h P_ROW_PAIR_GAP
+    p_row_pair_gap = 16 if stage == "f32" else 0  # pipeline.h P_ROW_PAIR_GAP
     return {
         "q_bytes": (head_dim // 2) * (br + pad) * pair,
         "kv_bytes": max((head_dim // 2) * (bc + pad), (bc // 2) * head_dim) * pair,

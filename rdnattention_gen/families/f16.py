@@ -1,6 +1,7 @@
 """fp16 FlashAttention-2 forward: fp16 Q, K, V and output; both products and the softmax in fp32.
 
-Kernel body: templates/include/fa2_f16.h, composed from the policies in fa2_policies.h."""
+Kernel body: templates/include/fa2_f16.h (the fp16 element policy over fa2_forward.h), composed
+from the policies in fa2_policies.h and a schedule policy of pipeline.h."""
 
 from __future__ import annotations
 
@@ -129,9 +130,14 @@ class F16(Family):
         # S: tm x (bc / tcw) over head_dim / 2 pairs; P.V: tm x (head_dim / tcw) over bc / 2 pairs.
         return per_pair * spec.tile.tm * spec.tile.bc * spec.head_dim / threads_per_row(spec)
 
+    # The main loop's schedule policy (include/pipeline.h) by staging precision: fp32 pairs are
+    # sm_90's (and host_f32's, which mirrors it), fp16 pairs the AMD targets' (and the host's). The
+    # runtime's lds_layout sizes the P tile's row-pair gap by the same rule.
+    PIPELINES = {"f16": "LeanPipeline", "f32": "PrefetchPipeline"}
+
     def context(self, spec: KernelSpec) -> dict:
-        return {"pairs": "F32Pairs" if spec.stage == "f32" else "F16Pairs", "lds_bytes": self.lds_bytes(spec),
-                "lengths": False, "varlen": False}
+        return {"pairs": "F32Pairs" if spec.stage == "f32" else "F16Pairs", "pipeline": self.PIPELINES[spec.stage],
+                "lds_bytes": self.lds_bytes(spec), "lengths": False, "varlen": False}
 
 
 FAMILY = F16()

@@ -38,6 +38,9 @@ RDNA_DEVICE float rdna_shfl_xor(float v, int mask) {
 }
 
 RDNA_DEVICE float rdna_exp2(float x) { return __nvvm_ex2_approx_f(x); }
+// exp2 where a result below 2^-126 may be 0: one MUFU.EX2, without the three instructions that
+// scale a denormal result.
+RDNA_DEVICE float rdna_exp2_flush(float x) { return __nvvm_ex2_approx_ftz_f(x); }
 RDNA_DEVICE float rdna_fmax(float a, float b) { return __builtin_fmaxf(a, b); }
 RDNA_DEVICE float rdna_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 RDNA_DEVICE float rdna_log2(float x) { return __nvvm_lg2_approx_f(x); }

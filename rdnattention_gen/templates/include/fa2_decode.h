@@ -71,15 +71,15 @@ struct DecodeF16 {
   static constexpr int CPL = 8;
   static constexpr bool LAYOUTS = true;  // packed batches, cache lengths, cache rows: read from the arguments
   struct Q {
-    typename P::pair_t p[4];
+    typename P::pack_t p[4];
   };
   RDNA_DEVICE Q query(u32x4 c) {
-    return Q{{P::from_halves(c.x), P::from_halves(c.y), P::from_halves(c.z), P::from_halves(c.w)}};
+    return Q{{P::from_word(c.x), P::from_word(c.y), P::from_word(c.z), P::from_word(c.w)}};
   }
   struct K {
-    typename P::pair_t p[4];
+    typename P::pack_t p[4];
   };
-  RDNA_DEVICE K key(u32x4 c) { return K{{P::from_halves(c.x), P::from_halves(c.y), P::from_halves(c.z), P::from_halves(c.w)}}; }
+  RDNA_DEVICE K key(u32x4 c) { return K{{P::from_word(c.x), P::from_word(c.y), P::from_word(c.z), P::from_word(c.w)}}; }
   RDNA_DEVICE float dot(const Q& q, const K& k) {
     return P::dot(q.p[3], k.p[3], P::dot(q.p[2], k.p[2], P::dot(q.p[1], k.p[1], P::dot(q.p[0], k.p[0], 0.f))));
   }

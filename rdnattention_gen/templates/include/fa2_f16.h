@@ -1,18 +1,48 @@
-// The fp16 family's kernel body: its argument struct (Fa2Args) turned into the policies of the
-// FlashAttention-2 main loop: row blocks (longest first under causal-like masks), strided K/V, a
-// sliding-window/causal mask, RoPE, and the normalising epilogue.
+// The fp16 family's kernel body: its element policy (pairs of fp16 values) and its argument struct
+// (Fa2Args) turned into the policies of the FlashAttention-2 main loop: row blocks (longest first
+// under causal-like masks), strided K/V, a sliding-window/causal mask, RoPE, and the normalising
+// epilogue.
 #pragma once
 
 #include "tiles.h"
 #include "pairs.h"
+#include "pipeline.h"
 #include "fa2_policies.h"
 #include "fa2_forward.h"
+
+// fp16 Q, K, V through the pairs type P (the target's dot2 lowering or fp32 pairs, pairs.h): both
+// products and the softmax in fp32.
+template <class P>
+struct ForwardF16 : P {
+  typedef half_t input_t;
+  typedef float acc_t;
+  typedef typename P::pack_t pack_t;
+  static constexpr int PACK = 2;
+  static constexpr int VW = 4;  // value columns per staging item: one run of pairs
+  static constexpr bool EXACT_LSE = false;  // the LSE comes from the row sum as stored
+  RDNA_DEVICE float exp2(float x) { return rdna_exp2(x); }
+  // Two key rows' words (VW fp16 values each) as VW (key, key + 1) pairs, one per column.
+  RDNA_DEVICE void pack_columns(const unsigned (&rows)[PACK][VW / 2], pack_t (&out)[VW]) {
+#pragma unroll
+    for (int e = 0; e < VW; ++e) {
+      const half2_t x = __builtin_bit_cast(half2_t, rows[0][e / 2]), y = __builtin_bit_cast(half2_t, rows[1][e / 2]);
+      out[e] = P::join(e % 2 ? x.y : x.x, e % 2 ? y.y : y.x);
+    }
+  }
+  // Two keys' probabilities as one pair; l adds them as stored.
+  RDNA_DEVICE pack_t probabilities(const float (&e)[PACK], float& l, float&) {
+    const pack_t p = P::make(e[0], e[1]);
+    l += P::sum(p);
+    return p;
+  }
+};
 
 // LENGTHS: the cache-length variant (family f16len): batch b uses its first seqused_k[b] keys.
 // VARLEN: the packed-batch variant (family f16varlen): batch b's query rows start at
 // cu_seqlens_q[b] and its keys at cu_seqlens_k[b], as many as the next offsets say (keys: or
 // seqused_k[b]); row blocks past its query rows end at once.
-template <class P, int D, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, bool LENGTHS, bool VARLEN = false>
+template <class P, class Pipe, int D, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, bool LENGTHS,
+          bool VARLEN = false>
 RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a, unsigned char* lds) {
   const RowBlockSchedule<BR, G> sched(a.seq_q, a.heads_q, a.heads_kv, a.heavy_first);
   const long long b = sched.batch;
@@ -27,5 +57,5 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a, unsigned char* lds) {
   const WindowMask<Fa2Args, LENGTHS || VARLEN, VARLEN> mask{a, keys, sq};
   const RotaryTables<Fa2Args> rope{a};
   const NormalizeEpilogue<Fa2Args> epi{a, q0};
-  fa2_forward<P, D, G, BR, BC, NT, TM, LDS_BYTES>(lds, sched, q, kv, mask, rope, epi);
+  fa2_forward<ForwardF16<P>, Pipe, D, G, BR, BC, NT, TM, LDS_BYTES>(lds, sched, q, kv, mask, rope, NoScales{}, epi);
 }

@@ -1,56 +1,79 @@
-// FlashAttention-2 forward main loop: fp16 Q, K, V; softmax and both products accumulate in fp32.
+// FlashAttention-2 forward main loop, written once over an element policy E: fp16 pairs with both
+// products and the softmax in fp32 (fa2_f16.h), or int8 quads with both products in int32 and
+// the per-token and per-channel scales of the Scales policy (fa2_i8.h).
 //
 // Threads form a (BR/TM) x TCW grid: a thread owns TM consecutive rows, TN keys of each S tile and
 // TD columns of the output, so every value it reads from LDS feeds several products (register
 // tiles), and a row's statistics stay in the TCW lanes that share it. Keys and columns are dealt
 // to the TCW lanes in 16-byte chunks, round robin, so their LDS reads never share a bank.
 //
-// LDS holds pair tiles of the precision policy P (pairs.h) along each product's reduction
-// dimension, as rows of pairs:
-//   qt  [D/2][BR+pad]   Q transposed, staged once (RoPE applied in place)
-//   kv  K tile transposed [D/2][BC+pad], then the V tile [BC/2][D] as key pairs
-//   pt  [BC/2][BR+pad]  probabilities, transposed, as key pairs; rows go two by two, each two
-//                       P::P_ROW_PAIR_GAP bytes apart (pairs.h)
+// LDS holds tiles of E's packs (E::PACK values along each product's reduction dimension: pairs or
+// quads), laid out as the pipeline says (pipeline.h, pairs.h), as rows of packs:
+//   qt  [D/PACK][BR+pad]   Q transposed, staged once (RoPE applied in place)
+//   kv  K tile transposed [D/PACK][BC+pad], then the V tile [BC/PACK][D] as packs of keys
+//   pt  [BC/PACK][BR+pad]  probabilities, transposed, as packs of keys; rows go two by two, each
+//                          two Pipe::P_ROW_PAIR_GAP bytes apart
+//   ks  [BC]               the K tile's scales, where the Scales policy has them (int8)
 // The family's lds_layout (Python) states the same sizes; LDS_BYTES is checked against them.
 //
-// What varies between kernels lives in the policies (fa2_policies.h): which rows a workgroup
-// owns (Schedule), where queries (Q) and keys and values (Kv) come from, how scores are scaled
-// and masked (Mask), the RoPE tables (Rope), and what is written at the end (Epilogue).
+// What varies between kernels lives in the policies: the element type and what it does to
+// scores, probabilities and values (E), what runs ahead and how LDS is laid out (Pipe,
+// pipeline.h), and the problem (fa2_policies.h): which rows a workgroup owns (Schedule), where
+// queries (Q) and keys and values (Kv) come from, how scores are masked (Mask), the RoPE tables
+// (Rope), the scales of quantized inputs (Scales), and what is written at the end (Epilogue).
+//
+// E provides: pack_t, elem_t, input_t (the element type in memory), acc_t (the products'
+// accumulator: float, or int for products accumulated apart and then added to the fp32 scores and
+// output), PACK, VW (value columns per staging item), from_word, dot, exp2 (for the probabilities),
+// pack_columns (PACK key rows' words to one pack per column), probabilities (a pack of
+// probabilities, added to the row's sums) and EXACT_LSE (the LSE comes from the unrounded sum).
 #pragma once
 
-template <class P, int D, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, class Schedule, class Q, class Kv,
-          class Mask, class Rope, class Epilogue>
+template <class E, class Pipe, int D, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, class Schedule, class Q,
+          class Kv, class Mask, class Rope, class Scales, class Epilogue>
 RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q& q_rows, const Kv& kv,
-                             const Mask& mask, const Rope& rope, const Epilogue& epi) {
-  using pair_t = typename P::pair_t;
+                             const Mask& mask, const Rope& rope, const Scales& scales, const Epilogue& epi) {
+  using P = typename Pipe::template Tile<E>;  // E's packs in the pipeline's LDS layout
+  using pack_t = typename E::pack_t;
+  using acc_t = typename E::acc_t;
+  constexpr int PK = E::PACK;
+  static_assert(PK == 2 || PK == 4, "pairs or quads");
+  // Integer products (int8) accumulate apart from the fp32 scores and output they become.
+  constexpr bool INT_ACC = !__is_same(acc_t, float);
   constexpr int TRW = BR / TM;
   constexpr int TCW = NT / TRW;
   constexpr int TN = BC / TCW;
   constexpr int TD = D / TCW;
   constexpr int RPH = BR / G;
-  constexpr int D2 = D / 2, BC2 = BC / 2;
+  constexpr int DP = D / PK, BCP = BC / PK;  // packs along head_dim, along the keys of a tile
   constexpr int PAD = P::CHUNK;
   constexpr int QS = BR + PAD, KS = BC + PAD;
-  constexpr int Q_PAIRS = D2 * QS;
-  constexpr int KV_PAIRS = rdna_max(D2 * KS, BC2 * D);
-  constexpr int P_ROWS2 = 2 * QS + P::P_ROW_PAIR_GAP / (int)sizeof(pair_t);  // pairs per two rows of P
-  constexpr int P_PAIRS = BC2 / 2 * P_ROWS2 + BC2 % 2 * QS;
-  // A thread's rows, keys (S) and output columns (P.V) come in chunks of CM / CK / CD pairs,
+  constexpr int Q_PACKS = DP * QS;
+  constexpr int KV_PACKS = rdna_max(DP * KS, BCP * D);
+  constexpr int P_ROWS2 = 2 * QS + Pipe::P_ROW_PAIR_GAP / (int)sizeof(pack_t);  // packs per two rows of P
+  constexpr int P_PACKS = BCP / 2 * P_ROWS2 + BCP % 2 * QS;
+  constexpr int KS_BYTES = Scales::ENABLED ? BC * (int)sizeof(float) : 0;
+  // A thread's rows, keys (S) and output columns (P.V) come in chunks of CM / CK / CD packs,
   // interleaved with the other TCW threads of its row so that their LDS reads are consecutive.
   constexpr int CM = rdna_chunk<TM, PAD>, CK = rdna_chunk<TN, PAD>, CD = rdna_chunk<TD, PAD>;
-  constexpr int VW = P::CHUNK;  // columns per V staging store
+  constexpr int VW = E::VW;  // value columns per V staging item
+  constexpr int VWORDS = VW * (int)sizeof(typename E::input_t) / 4;  // words of one key row of an item
   // K and V tiles are staged through registers: each tile's global loads are issued one compute
-  // step ahead (K during the previous P.V, V during Q.K^T), so their latency is hidden.
-  constexpr int K_ITEMS = BC * D / 8, V_ITEMS = BC2 * D / VW;
-  constexpr int KI = (K_ITEMS + NT - 1) / NT, VI = (V_ITEMS + NT - 1) / NT;
+  // step ahead (K during the previous P.V, V during Q.K^T), so their latency is hidden. A K item
+  // is 16 bytes (four packs) of one key; a V item VW columns of PACK keys.
+  constexpr int CHUNK_VALUES = 4 * PK;  // input values per 16-byte chunk
+  constexpr int K_ITEMS = BC * D / CHUNK_VALUES, V_ITEMS = BCP * D / VW;
+  constexpr int KI = (K_ITEMS + NT - 1) / NT, VI = (V_ITEMS + NT - 1) / NT, KSI = (BC + NT - 1) / NT;
   static_assert(BR % TM == 0 && NT % TRW == 0 && TCW <= RDNA_WAVE_SIZE && (TCW & (TCW - 1)) == 0, "thread grid");
-  static_assert(BC % TCW == 0 && TN % 2 == 0 && D % TCW == 0 && TD % 2 == 0 && BR % G == 0, "tile shape");
-  static_assert(LDS_BYTES == (Q_PAIRS + KV_PAIRS + P_PAIRS) * (int)sizeof(pair_t), "LDS layout");
+  static_assert(BC % TCW == 0 && CK % PK == 0 && D % TCW == 0 && TD % 2 == 0 && BR % G == 0, "tile shape");
+  static_assert(D % CHUNK_VALUES == 0 && (D / VW) * VW == D && VW % P::CHUNK == 0, "staging items");
+  static_assert(LDS_BYTES == (Q_PACKS + KV_PACKS + P_PACKS) * (int)sizeof(pack_t) + KS_BYTES, "LDS layout");
 
-  pair_t* const qt = reinterpret_cast<pair_t*>(lds);
-  pair_t* const kvt = qt + Q_PAIRS;
-  pair_t* const pt = kvt + KV_PAIRS;
-  auto p_row = [&](int kp) { return pt + kp / 2 * P_ROWS2 + kp % 2 * QS; };  // a P tile row of QS pairs
+  pack_t* const qt = reinterpret_cast<pack_t*>(lds);
+  pack_t* const kvt = qt + Q_PACKS;
+  pack_t* const pt = kvt + KV_PACKS;
+  float* const ks = reinterpret_cast<float*>(pt + P_PACKS);
+  auto p_row = [&](int kp) { return pt + kp / 2 * P_ROWS2 + kp % 2 * QS; };  // a P tile row of QS packs
 
   const int tid = rdna_thread_id();
   const int ty = tid / TCW, tx = tid % TCW;
@@ -64,12 +87,12 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
   const int key_hi = mask.key_hi(last_pos);
   const u32x4 zero = {0u, 0u, 0u, 0u};
 
-  // Q, transposed: consecutive threads take consecutive rows of one 8-element chunk.
-  for (int i = tid; i < BR * D / 8; i += NT) {
+  // Q, transposed: consecutive threads take consecutive rows of one 16-byte chunk.
+  for (int i = tid; i < BR * D / CHUNK_VALUES; i += NT) {
     const int r = i % BR, c = i / BR;
     const int pos = block_pos + r % RPH;
-    const half_t* src = q_rows.row(b, head0 + r / RPH, pos);
-    const u32x4 chunk[1] = {pos < mask.seq_q() ? rdna_load16(src + 8 * c) : zero};
+    const auto src = q_rows.row(b, head0 + r / RPH, pos);
+    const u32x4 chunk[1] = {pos < mask.seq_q() ? rdna_load16(src + CHUNK_VALUES * c) : zero};
     rdna_store_columns<P, 1>(qt, QS, 4 * c, r, chunk);
   }
   if (rope.enabled()) {
@@ -78,41 +101,57 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
   }
 
   int pos[TM], diag[TM];
+  float rs[TM];  // each row's score scale (Scales)
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
     pos[i] = block_pos + (row0 + i) % RPH;
     diag[i] = mask.diag(pos[i]);
+    rs[i] = pos[i] < mask.seq_q() ? scales.row(mask, b, head0 + (row0 + i) / RPH, pos[i]) : 0.f;
   }
-  float o[TM][TD], m[TM], l[TM];
+  // l sums the probabilities as stored for P.V (it normalises O, so a row's weights sum to one);
+  // with E::EXACT_LSE, lx sums them unrounded for the log-sum-exp.
+  float o[TM][TD], m[TM], l[TM], lx[TM];
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
     m[i] = -__builtin_inff();
     l[i] = 0.f;
+    lx[i] = 0.f;
 #pragma unroll
     for (int c = 0; c < TD; ++c) o[i][c] = 0.f;
   }
 
-  // A thread stages KG consecutive keys' same 8 columns and stores them as runs of KG pairs: 4
-  // with P::K_RUNS (one 16-byte store per pair row and plane) where the tile divides evenly, else 1.
-  constexpr int KG = P::K_RUNS && BC % 4 == 0 && K_ITEMS % (4 * NT) == 0 ? 4 : 1;
+  // A thread stages KG consecutive keys' same 16 bytes and stores them as runs of KG packs: 4
+  // with Pipe::K_RUNS (one 16-byte store per pack row and plane) where the tile divides evenly, else 1.
+  constexpr int KG = Pipe::K_RUNS && BC % 4 == 0 && K_ITEMS % (4 * NT) == 0 ? 4 : 1;
   constexpr bool K_WHOLE = K_ITEMS % (KG * NT) == 0;  // every thread's items exist
   u32x4 k_stage[KI];
-  unsigned v_stage0[VI][VW / 2], v_stage1[VI][VW / 2];
+  float ks_stage[KSI];  // the K tile's scales (Scales::ENABLED), loaded with it where Pipe::PREFETCH
+  unsigned v_stage[VI][PK][VWORDS];
   auto load_k = [&](int k0) {
 #pragma unroll
     for (int t = 0; t < KI; ++t) {
       const int i = tid + t / KG * NT, key = k0 + i % (BC / KG) * KG + t % KG;
-      k_stage[t] = (K_WHOLE || i < K_ITEMS / KG) && key < kv.seq_k() ? rdna_load16(kv.key(key) + 8 * (i / (BC / KG)))
-                                                                      : zero;
+      k_stage[t] = (K_WHOLE || i < K_ITEMS / KG) && key < kv.seq_k()
+                       ? rdna_load16(kv.key(key) + CHUNK_VALUES * (i / (BC / KG)))
+                       : zero;
+    }
+    if constexpr (Scales::ENABLED && Pipe::PREFETCH) {
+#pragma unroll
+      for (int t = 0; t < KSI; ++t) {
+        const int j = tid + t * NT;
+        ks_stage[t] = j < BC && k0 + j < kv.seq_k() ? scales.key(k0 + j) : 0.f;
+      }
     }
   };
   auto load_v = [&](int k0) {
 #pragma unroll
     for (int t = 0; t < VI; ++t) {
-      const int i = tid + t * NT, key = k0 + 2 * (i / (D / VW));
-      const half_t* row = kv.value(key) + i % (D / VW) * VW;
-      rdna_load_key_rows<VW>(v_stage0[t], v_stage1[t], row, row + kv.value_stride(), i < V_ITEMS && key < kv.seq_k(),
-                             i < V_ITEMS && key + 1 < kv.seq_k());
+      const int i = tid + t * NT, key = k0 + PK * (i / (D / VW));
+      const auto row = kv.value(key) + i % (D / VW) * VW;
+      for (int r = 0; r < PK; r += 2)
+        rdna_load_key_rows(v_stage[t][r], v_stage[t][r + 1], row + r * kv.value_stride(),
+                           row + (r + 1) * kv.value_stride(), i < V_ITEMS && key + r < kv.seq_k(),
+                           i < V_ITEMS && key + r + 1 < kv.seq_k());
     }
   };
 
@@ -128,6 +167,13 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
       for (int k = 0; k < KG; ++k) keys[k] = k_stage[t + k];
       if (K_WHOLE || i < K_ITEMS / KG) rdna_store_columns<P, KG>(kvt, KS, 4 * (i / (BC / KG)), i % (BC / KG) * KG, keys);
     }
+    if constexpr (Scales::ENABLED) {
+#pragma unroll
+      for (int t = 0; t < KSI; ++t) {
+        const int j = tid + t * NT;
+        if (j < BC) ks[j] = Pipe::PREFETCH ? ks_stage[t] : k0 + j < kv.seq_k() ? scales.key(k0 + j) : 0.f;
+      }
+    }
     load_v(k0);
     rdna_block_sync();
     if (rope.enabled()) {
@@ -136,97 +182,144 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     }
 
     // S = Q K^T: a TM x TN register tile per thread.
-    float s[TM][TN];
+    acc_t sa[TM][TN];
 #pragma unroll
     for (int i = 0; i < TM; ++i)
 #pragma unroll
-      for (int j = 0; j < TN; ++j) s[i][j] = 0.f;
+      for (int j = 0; j < TN; ++j) sa[i][j] = 0;
 #pragma unroll 4
-    for (int d2 = 0; d2 < D2; ++d2) {
-      pair_t qf[TM], kf[TN];
-      rdna_read_pairs<P, TM, CM>(qf, qt, QS, d2, row0, CM);
-      rdna_read_pairs<P, TN, CK>(kf, kvt, KS, d2, tx * CK, TCW * CK);
-      rdna_outer_product<P>(s, qf, kf);
+    for (int dp = 0; dp < DP; ++dp) {
+      pack_t qf[TM], kf[TN];
+      rdna_read_packs<P, TM, CM>(qf, qt, QS, dp, row0, CM);
+      rdna_read_packs<P, TN, CK>(kf, kvt, KS, dp, tx * CK, TCW * CK);
+      rdna_outer_product<P>(sa, qf, kf);
+    }
+    float kscale[TN] = {};  // the thread's keys' scales (Scales::ENABLED)
+    if constexpr (Scales::ENABLED) {
+#pragma unroll
+      for (int j = 0; j < TN; ++j) kscale[j] = ks[((j / CK) * TCW + tx) * CK + j % CK];
     }
 
-    // Scale and mask in one place; masked scores are -inf.
+    // Scale and mask in one place (in place where the products are fp32); masked scores are -inf.
+    float s_int[INT_ACC ? TM : 1][TN];
+    auto& s = rdna_pick<INT_ACC>(s_int, sa);
     if (mask.template whole<BC>(k0, block_pos, last_pos)) {
 #pragma unroll
       for (int i = 0; i < TM; ++i)
 #pragma unroll
-        for (int j = 0; j < TN; ++j) s[i][j] = mask.scale(s[i][j]);
+        for (int j = 0; j < TN; ++j) s[i][j] = scales.score(mask, sa[i][j], rs[i], kscale[j]);
     } else {
 #pragma unroll
       for (int i = 0; i < TM; ++i)
 #pragma unroll
         for (int j = 0; j < TN; ++j) {
           const int key = k0 + ((j / CK) * TCW + tx) * CK + j % CK;
-          s[i][j] = mask.visible(key, pos[i], diag[i]) ? mask.scale(s[i][j]) : -__builtin_inff();
+          s[i][j] = mask.visible(key, pos[i], diag[i]) ? scales.score(mask, sa[i][j], rs[i], kscale[j])
+                                                       : -__builtin_inff();
         }
     }
 
-    pair_t p[TN / 2][TM];  // by key pair, then row: each key pair's rows are stored in runs
+    pack_t p[TN / PK][TM];  // by key pack, then row: each key pack's rows are stored in runs
+    float o_alpha[INT_ACC ? TM : 1];  // integer products: each row's rescale, applied as they are added
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
       float tile_max = -__builtin_inff();
 #pragma unroll
       for (int j = 0; j < TN; ++j) tile_max = rdna_fmax(tile_max, s[i][j]);
       for (int x = 1; x < TCW; x <<= 1) tile_max = rdna_fmax(tile_max, rdna_shfl_xor(tile_max, x));
-      const float m_ref = fa2_softmax_update<TD, P::SKIP_UNMOVED>(m[i], l[i], o[i], tile_max);
+      float alpha;
+      const float m_ref = fa2_softmax_update<TD, Pipe::SKIP_UNMOVED, INT_ACC>(m[i], l[i], o[i], tile_max, alpha);
+      if constexpr (INT_ACC) o_alpha[i] = alpha;
+      if constexpr (E::EXACT_LSE) lx[i] *= alpha;
 #pragma unroll
-      for (int j = 0; j < TN; j += 2) {
+      for (int j = 0; j < TN; j += PK) {
         // The row sum adds the probabilities exactly as stored for P.V, so the weights sum to one.
-        p[j / 2][i] = P::make(rdna_exp2(s[i][j] - m_ref), rdna_exp2(s[i][j + 1] - m_ref));
-        l[i] += P::sum(p[j / 2][i]);
+        // (The exponentials written out, not looped: a loop here costs the fp16 kernels registers.)
+        float e[PK];
+        e[0] = E::exp2(s[i][j] - m_ref);
+        e[1] = E::exp2(s[i][j + 1] - m_ref);
+        if constexpr (PK == 4) {
+          e[2] = E::exp2(s[i][j + 2] - m_ref);
+          e[3] = E::exp2(s[i][j + 3] - m_ref);
+        }
+        p[j / PK][i] = E::probabilities(e, l[i], lx[i]);
       }
     }
 #pragma unroll
-    for (int j = 0; j < TN; j += 2)
+    for (int j = 0; j < TN; j += PK)
 #pragma unroll
       for (int c = 0; c < TM / CM; ++c)
-        P::template store_run<CM>(p_row((((j / CK) * TCW + tx) * CK + j % CK) / 2), QS, 0, row0 + c * CM, &p[j / 2][c * CM]);
+        P::template store_run<CM>(p_row((((j / CK) * TCW + tx) * CK + j % CK) / PK), QS, 0, row0 + c * CM,
+                                  &p[j / PK][c * CM]);
 
     rdna_block_sync();  // K reads are done; kvt becomes the V tile
 #pragma unroll
     for (int t = 0; t < VI; ++t) {
       const int i = tid + t * NT;
-      if (i < V_ITEMS) rdna_store_key_pairs<P, VW>(kvt, D, i / (D / VW), i % (D / VW) * VW, v_stage0[t], v_stage1[t]);
+      if (i < V_ITEMS) rdna_store_key_packs<P, VW>(kvt, D, i / (D / VW), i % (D / VW) * VW, v_stage[t]);
     }
     if (k0 + BC < key_hi) load_k(k0 + BC);
     rdna_block_sync();
 
-    // O += P V over key pairs: a TM x TD register tile per thread. With P::PREFETCH each step's
-    // fragments are read while the previous step's products run (pairs.h says where).
-    if constexpr (P::PREFETCH) {
-      pair_t pf[TM], vf[TD];
-      rdna_read_pairs<P, TM, CM>(pf, p_row(0), QS, 0, row0, CM);
-      rdna_read_pairs<P, TD, CD>(vf, kvt, D, 0, tx * CD, TCW * CD);
+    // O += P V over key packs: a TM x TD register tile per thread. fp32 products accumulate into the
+    // output; integer ones into a tile of their own, added to the output as it is rescaled. With
+    // Pipe::PREFETCH each step's fragments are read while the previous step's products run.
+    acc_t o_int[INT_ACC ? TM : 1][TD];
+    auto& acc = rdna_pick<INT_ACC>(o_int, o);
+    if constexpr (INT_ACC) {
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int c = 0; c < TD; ++c) acc[i][c] = 0;
+    }
+    if constexpr (Pipe::PREFETCH) {
+      pack_t pf[TM], vf[TD];
+      rdna_read_packs<P, TM, CM>(pf, p_row(0), QS, 0, row0, CM);
+      rdna_read_packs<P, TD, CD>(vf, kvt, D, 0, tx * CD, TCW * CD);
 #pragma unroll 8
-      for (int kp = 1; kp < BC2; ++kp) {
-        pair_t pn[TM], vn[TD];
-        rdna_read_pairs<P, TM, CM>(pn, p_row(kp), QS, 0, row0, CM);
-        rdna_read_pairs<P, TD, CD>(vn, kvt, D, kp, tx * CD, TCW * CD);
-        rdna_outer_product<P>(o, pf, vf);
+      for (int kp = 1; kp < BCP; ++kp) {
+        pack_t pn[TM], vn[TD];
+        rdna_read_packs<P, TM, CM>(pn, p_row(kp), QS, 0, row0, CM);
+        rdna_read_packs<P, TD, CD>(vn, kvt, D, kp, tx * CD, TCW * CD);
+        rdna_outer_product<P>(acc, pf, vf);
 #pragma unroll
         for (int i = 0; i < TM; ++i) pf[i] = pn[i];
 #pragma unroll
         for (int c = 0; c < TD; ++c) vf[c] = vn[c];
       }
-      rdna_outer_product<P>(o, pf, vf);
+      rdna_outer_product<P>(acc, pf, vf);
     } else {
-      for (int kp = 0; kp < BC2; ++kp) {
-        pair_t pf[TM], vf[TD];
-        rdna_read_pairs<P, TM, CM>(pf, p_row(kp), QS, 0, row0, CM);
-        rdna_read_pairs<P, TD, CD>(vf, kvt, D, kp, tx * CD, TCW * CD);
-        rdna_outer_product<P>(o, pf, vf);
+      for (int kp = 0; kp < BCP; ++kp) {
+        pack_t pf[TM], vf[TD];
+        rdna_read_packs<P, TM, CM>(pf, p_row(kp), QS, 0, row0, CM);
+        rdna_read_packs<P, TD, CD>(vf, kvt, D, kp, tx * CD, TCW * CD);
+        rdna_outer_product<P>(acc, pf, vf);
       }
+    }
+    if constexpr (INT_ACC) {
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int c = 0; c < TD; ++c) o[i][c] = rdna_fma(o[i][c], o_alpha[i], (float)acc[i][c]);
     }
   }
 
+  float vs[TD] = {};  // the thread's output columns' scales (Scales::ENABLED)
+  if constexpr (Scales::ENABLED) {
+#pragma unroll
+    for (int c = 0; c < TD; ++c) vs[c] = scales.value(((c / CD) * TCW + tx) * CD + c % CD);
+  }
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
     for (int x = 1; x < TCW; x <<= 1) l[i] += rdna_shfl_xor(l[i], x);
+    if constexpr (E::EXACT_LSE)
+      for (int x = 1; x < TCW; x <<= 1) lx[i] += rdna_shfl_xor(lx[i], x);
     if (pos[i] >= mask.seq_q()) continue;
-    epi.template store<TD, CD, TCW>(b, head0 + (row0 + i) / RPH, pos[i], tx, o[i], m[i], l[i]);
+    if constexpr (Scales::ENABLED) {
+#pragma unroll
+      for (int c = 0; c < TD; ++c) o[i][c] *= vs[c];
+    }
+    epi.template store<TD, CD, TCW>(b, head0 + (row0 + i) / RPH, pos[i], tx, o[i], m[i], l[i],
+                                    E::EXACT_LSE ? lx[i] : l[i]);
   }
 }

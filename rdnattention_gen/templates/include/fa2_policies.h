@@ -14,7 +14,7 @@ template <class Args>
 struct StridedQ {
   const Args& a;
   long long q0 = 0;
-  RDNA_METHOD const half_t* row(long long b, int h, int pos) const {
+  RDNA_METHOD decltype(Args::q) row(long long b, int h, int pos) const {
     return a.q + b * a.q_stride_b + h * a.q_stride_h + (q0 + pos) * a.q_stride_s;
   }
 };
@@ -62,8 +62,8 @@ RDNA_DEVICE int fa2_keys(const Args& a, long long b) {
 template <class Args, bool LENGTHS = false>
 struct StridedKv {
   const Args& a;
-  const half_t* k;
-  const half_t* v;
+  decltype(Args::k) k;  // fp16 or int8 rows
+  decltype(Args::v) v;
   int n;
 
   // key0: the batch's first key row (packed batches: cu_seqlens_k[b], with a zero batch stride).
@@ -71,8 +71,8 @@ struct StridedKv {
       : a(args), k(args.k + b * args.k_stride_b + key0 * args.k_stride_s + head_kv * args.k_stride_h),
         v(args.v + b * args.v_stride_b + key0 * args.v_stride_s + head_kv * args.v_stride_h), n(keys) {}
   RDNA_METHOD int seq_k() const { return LENGTHS ? n : a.seq_k; }
-  RDNA_METHOD const half_t* key(int i) const { return k + (long long)i * a.k_stride_s; }
-  RDNA_METHOD const half_t* value(int i) const { return v + (long long)i * a.v_stride_s; }
+  RDNA_METHOD decltype(Args::k) key(int i) const { return k + (long long)i * a.k_stride_s; }
+  RDNA_METHOD decltype(Args::v) value(int i) const { return v + (long long)i * a.v_stride_s; }
   RDNA_METHOD long long value_stride() const { return a.v_stride_s; }
 };
 
@@ -124,7 +124,7 @@ struct RotaryTables {
   // whole (x1, x2) pairs and writes single elements. Row r holds position first + r % period and
   // uses table row position + shift; rows at or past `limit` are padding and stay as they are.
   template <typename P, int ROWS, int NT>
-  RDNA_METHOD void apply(typename P::pair_t* tile, int tile_stride, int first, int period, int limit,
+  RDNA_METHOD void apply(typename P::pack_t* tile, int tile_stride, int first, int period, int limit,
                          int shift) const {
     const int half_dim = a.rotary_dim / 2;
     for (int i = rdna_thread_id(); i < ROWS * half_dim; i += NT) {
@@ -144,21 +144,43 @@ struct RotaryTables {
   }
 };
 
+// No rotation (the int8 family).
+struct NoRope {
+  RDNA_METHOD bool enabled() const { return false; }
+  template <typename P, int ROWS, int NT>
+  RDNA_METHOD void apply(typename P::pack_t*, int, int, int, int, int) const {}
+};
+
+// --- score and output scales ---------------------------------------------------------------------
+// How the products of a tile become log2-domain scores, and what multiplies each output column
+// before it is normalised. fp16 products are the raw scores: the mask scales them. The int8
+// family's per-token and per-channel scales (fa2_i8.h) replace this policy.
+struct NoScales {
+  static constexpr bool ENABLED = false;
+  template <class Mask>
+  RDNA_METHOD float row(const Mask&, long long, int, int) const { return 1.f; }
+  RDNA_METHOD float key(int) const { return 1.f; }
+  template <class Mask>
+  RDNA_METHOD float score(const Mask& mask, float acc, float, float) const { return mask.scale(acc); }
+  RDNA_METHOD float value(int) const { return 1.f; }
+};
+
 // --- online softmax ------------------------------------------------------------------------------
 // One row's running max m and sum l (log2 domain) meet a tile whose max is tile_max: m moves up,
 // l and the row's output are rescaled, and the reference the tile's probabilities are taken
-// against is returned. A row that has seen no key keeps m = -inf and exponentiates against 0.
+// against is returned; alpha is the factor the row's sums were rescaled by. A row that has seen no
+// key keeps m = -inf and exponentiates against 0.
 // SKIP_UNMOVED: the output is left alone where the maximum did not move (alpha is exactly 1),
-// which after the first tiles is most of them: the fp16 family with fp32 pairs (pairs.h). The int8
-// family keeps the unconditional rescale.
-template <int TD, bool SKIP_UNMOVED = false>
-RDNA_DEVICE float fa2_softmax_update(float& m, float& l, float (&o)[TD], float tile_max) {
+// which after the first tiles is most of them (a schedule choice, pipeline.h). DEFER: the output is
+// left alone; the caller rescales it by alpha when it adds the tile's products (int8: one FMA each).
+template <int TD, bool SKIP_UNMOVED, bool DEFER = false>
+RDNA_DEVICE float fa2_softmax_update(float& m, float& l, float (&o)[TD], float tile_max, float& alpha) {
   const float m_new = rdna_fmax(m, tile_max);
   const float m_ref = m_new == -__builtin_inff() ? 0.f : m_new;
-  const float alpha = rdna_exp2(m - m_ref);
+  alpha = rdna_exp2(m - m_ref);
   m = m_new;
   l *= alpha;
-  if (!SKIP_UNMOVED || alpha != 1.f) {
+  if (!DEFER && (!SKIP_UNMOVED || alpha != 1.f)) {
 #pragma unroll
     for (int c = 0; c < TD; ++c) o[c] *= alpha;
   }
@@ -166,15 +188,17 @@ RDNA_DEVICE float fa2_softmax_update(float& m, float& l, float (&o)[TD], float t
 }
 
 // --- epilogue ----------------------------------------------------------------------------------
-// The final output: each row divided by its sum and stored as fp16, and the natural-log
-// log-sum-exp of the scaled scores (m and l live in the log2 domain) where asked for.
+// The final output: each row divided by its sum l and stored as fp16, and the natural-log
+// log-sum-exp of the scaled scores (m and lse_sum, the sum of the unrounded probabilities, live in
+// the log2 domain) where asked for.
 template <class Args>
 struct NormalizeEpilogue {
   const Args& a;
   long long q0 = 0;  // the batch's first row (packed batches), as in StridedQ
 
   template <int TD, int CD, int TCW>
-  RDNA_METHOD void store(long long b, int head, int pos, int tx, const float (&row)[TD], float m, float l) const {
+  RDNA_METHOD void store(long long b, int head, int pos, int tx, const float (&row)[TD], float m, float l,
+                         float lse_sum) const {
     // A row that saw no key (l == 0) is zero, its LSE -inf; a NaN score made l NaN, and the
     // row and its LSE stay NaN (never mistaken for "no visible key").
     const float inv = l == 0.f ? 0.f : 1.f / l;
@@ -182,7 +206,8 @@ struct NormalizeEpilogue {
     rdna_store_row<TD, CD>(out, TCW * CD, row, inv);
     if (a.lse && tx == 0) {
       const float ln2 = 0.6931471805599453f;
-      a.lse[b * a.lse_stride_b + head * a.lse_stride_h + q0 + pos] = l == 0.f ? -__builtin_inff() : (m + rdna_log2(l)) * ln2;
+      a.lse[b * a.lse_stride_b + head * a.lse_stride_h + q0 + pos] =
+          lse_sum == 0.f ? -__builtin_inff() : (m + rdna_log2(lse_sum)) * ln2;
     }
   }
 };

@@ -1,5 +1,6 @@
 // Tile helpers shared by the attention kernels: 16-byte global and LDS moves, register-tile
-// products. Written against the intrinsics layer and a pairs policy P (pairs.h) only.
+// products. Written against the intrinsics layer and a tile policy P (an element type in an LDS
+// layout, pairs.h) only.
 #pragma once
 
 template <typename T>
@@ -16,80 +17,77 @@ RDNA_DEVICE unsigned rdna_pack_half2(float lo, float hi) {
          ((unsigned)__builtin_bit_cast(unsigned short, (half_t)hi) << 16);
 }
 
+// a where A, else b: one name for either of two arrays of different types.
+template <bool A, typename X, typename Y>
+RDNA_DEVICE auto& rdna_pick(X& a, Y& b) {
+  if constexpr (A)
+    return a;
+  else
+    return b;
+}
+
 // Items per lane per access: the largest power of two up to C that divides N (C items = 16 bytes).
 template <int N, int C>
 constexpr int rdna_chunk = N % C == 0 ? C : rdna_chunk<N, C / 2>;
 template <int N>
 constexpr int rdna_chunk<N, 1> = 1;
 
-// N pairs in chunks of C (one access each): chunk c at src + c * stride. With src = base + lane * C
-// and stride = lanes * C, the lanes of a wave read consecutive addresses: no bank conflicts.
-template <int N, int C, typename T>
-RDNA_DEVICE void rdna_lds_read(T (&dst)[N], const T* src, int stride) {
-#pragma unroll
-  for (int c = 0; c < N / C; ++c) {
-    const void* chunk = __builtin_assume_aligned(src + c * stride, C * sizeof(T));
-    __builtin_memcpy(&dst[c * C], chunk, C * sizeof(T));
-  }
-}
-
-// acc[i][j] += a[i] . b[j]: one register tile step, every loaded pair used M or N times.
-template <typename P, int M, int N>
-RDNA_DEVICE void rdna_outer_product(float (&acc)[M][N], const typename P::pair_t (&a)[M],
-                                    const typename P::pair_t (&b)[N]) {
+// acc[i][j] = a[i] . b[j] + acc[i][j]: one register tile step, every loaded pack used M or N times.
+template <typename P, int M, int N, typename Acc>
+RDNA_DEVICE void rdna_outer_product(Acc (&acc)[M][N], const typename P::pack_t (&a)[M],
+                                    const typename P::pack_t (&b)[N]) {
 #pragma unroll
   for (int i = 0; i < M; ++i)
 #pragma unroll
     for (int j = 0; j < N; ++j) acc[i][j] = P::dot(a[i], b[j], acc[i][j]);
 }
 
-// Eight consecutive fp16 values (a 16-byte chunk) of each of K consecutive rows, transposed into
-// four rows of a pair tile (pairs.h): rows row .. row + 3, columns [col, col + K), one run per row.
+// A 16-byte chunk (four packs) of each of K consecutive rows, transposed into four rows of a pack
+// tile (pairs.h): rows row .. row + 3, columns [col, col + K), one run per row.
 template <typename P, int K>
-RDNA_DEVICE void rdna_store_columns(typename P::pair_t* tile, int S, int row, int col, const u32x4 (&chunks)[K]) {
+RDNA_DEVICE void rdna_store_columns(typename P::pack_t* tile, int S, int row, int col, const u32x4 (&chunks)[K]) {
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-    typename P::pair_t run[K];
+    typename P::pack_t run[K];
 #pragma unroll
-    for (int k = 0; k < K; ++k) run[k] = P::from_halves(chunks[k][w]);
+    for (int k = 0; k < K; ++k) run[k] = P::from_word(chunks[k][w]);
     P::template store_run<K>(tile, S, row + w, col, run);
   }
 }
 
-// N pairs of tile row `row` (pairs.h) in runs of C: run c at columns [col + c * col_stride, + C).
+// N packs of tile row `row` (pairs.h) in runs of C: run c at columns [col + c * col_stride, + C).
 // With col = lane * C and col_stride = lanes * C, the lanes of a wave read consecutive addresses.
 template <typename P, int N, int C>
-RDNA_DEVICE void rdna_read_pairs(typename P::pair_t (&dst)[N], const typename P::pair_t* tile, int S, int row, int col,
+RDNA_DEVICE void rdna_read_packs(typename P::pack_t (&dst)[N], const typename P::pack_t* tile, int S, int row, int col,
                                  int col_stride) {
 #pragma unroll
   for (int c = 0; c < N / C; ++c) P::template load_run<C>(&dst[c * C], tile, S, row, col + c * col_stride);
 }
 
-// Two-row staging, split so the global loads of a tile can be in flight while the previous step
-// computes: N fp16 values (N / 2 words) of key rows `key` and `key + 1`, zero where a row is absent.
-// The words stay as loaded until the store: splitting them into halves here would wait for the loads.
-template <int N>
-RDNA_DEVICE void rdna_load_key_rows(unsigned (&a)[N / 2], unsigned (&b)[N / 2], const half_t* row0, const half_t* row1,
-                                    bool has0, bool has1) {
+// Value staging, two key rows at a time, split so the global loads of a tile can be in flight while
+// the previous step computes: the W words of key rows `row0` and `row1`, zero where a row is absent.
+// The words stay as loaded until the store: splitting them into their values here would wait for
+// the loads.
+template <int W, typename T>
+RDNA_DEVICE void rdna_load_key_rows(unsigned (&a)[W], unsigned (&b)[W], const T* row0, const T* row1, bool has0,
+                                    bool has1) {
 #pragma unroll
-  for (int w = 0; w < N / 2; ++w) a[w] = b[w] = 0u;
-  if (has0) __builtin_memcpy(a, __builtin_assume_aligned(row0, N * sizeof(half_t)), N * sizeof(half_t));
-  if (has1) __builtin_memcpy(b, __builtin_assume_aligned(row1, N * sizeof(half_t)), N * sizeof(half_t));
+  for (int w = 0; w < W; ++w) a[w] = b[w] = 0u;
+  if (has0) __builtin_memcpy(a, __builtin_assume_aligned(row0, 4 * W), 4 * W);
+  if (has1) __builtin_memcpy(b, __builtin_assume_aligned(row1, 4 * W), 4 * W);
 }
 
-// ... then stored as N (key, key + 1) pairs at columns [col, col + N) of pair-tile row `row`, one
-// run (N = the policy's CHUNK), so consecutive lanes taking consecutive column groups store to
-// consecutive addresses.
-template <typename P, int N>
-RDNA_DEVICE void rdna_store_key_pairs(typename P::pair_t* tile, int S, int row, int col, const unsigned (&a)[N / 2],
-                                      const unsigned (&b)[N / 2]) {
-  typename P::pair_t pairs[N];
+// ... then the R = PACK rows' words stored as N packs (one per column, its values from the R rows)
+// at columns [col, col + N) of pack-tile row `row`, in runs of the layout's CHUNK, so consecutive
+// lanes taking consecutive column groups store to consecutive addresses.
+template <typename P, int N, int R, int W>
+RDNA_DEVICE void rdna_store_key_packs(typename P::pack_t* tile, int S, int row, int col,
+                                      const unsigned (&words)[R][W]) {
+  constexpr int C = P::CHUNK;
+  typename P::pack_t packs[N];
+  P::pack_columns(words, packs);
 #pragma unroll
-  for (int e = 0; e < N; ++e) {
-    const half2_t x = __builtin_bit_cast(half2_t, a[e / 2]), y = __builtin_bit_cast(half2_t, b[e / 2]);
-    pairs[e] = P::join(e % 2 ? x.y : x.x, e % 2 ? y.y : y.x);
-  }
-  P::template store_run<N>(tile, S, row, col, pairs);
+  for (int c = 0; c < N / C; ++c) P::template store_run<C>(tile, S, row, col + c * C, packs + c * C);
 }
 
 // One output row slice held in chunks of C columns: chunk c covers columns [c * stride, c * stride + C)
