@@ -11,10 +11,11 @@ from pathlib import Path
 import ninja
 
 from . import HOST_DIR, INCLUDE_DIR, audit, dispatch, toolchain
-from .matrix import Matrix, Target
+from .matrix import Matrix
 from .ninja_paths import Writer, command_path
 from .platforms import PLATFORMS, platform
 from .render import generate, write_if_changed
+from .target import Target
 
 
 class BuildError(RuntimeError):

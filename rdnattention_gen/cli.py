@@ -7,11 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from . import DEFAULT_VARIANTS, TUNED_DIR, audit, build, docs, packaging, probe, toolchain, tune
-from .matrix import Matrix, Target, load_matrix
+from . import DEFAULT_VARIANTS, TUNED_DIR, audit, build, docs, kernel_audit, packaging, probe, toolchain, tune
+from .matrix import Matrix, load_matrix
 from .ninja_paths import NinjaPathError
 from .render import generate, write_if_changed
 from .strict_yaml import VariantsError
+from .target import Target
 
 
 def _targets(matrix: Matrix, selector: str) -> list[Target]:
@@ -44,7 +45,7 @@ def cmd_build(matrix: Matrix, args: argparse.Namespace) -> int:
         print(f"build: into the per-user kernel directory {args.build_dir}")
     rows = build.build(matrix, _targets(matrix, args.targets), args.build_dir, jobs=args.jobs)
     if rows:
-        print(audit.table(rows))
+        print(kernel_audit.table(rows))
         print(f"audit: {len(rows)} kernels, no spills, no scratch, LDS within budget, tier instructions present, "
               "launch ABI as the runtime launches (AMD)")
     return 0
@@ -57,7 +58,7 @@ def cmd_audit(matrix: Matrix, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.to_json() for r in rows], indent=2))
     else:
-        print(audit.table(rows))
+        print(kernel_audit.table(rows))
     return 0
 
 

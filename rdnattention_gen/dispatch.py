@@ -10,16 +10,16 @@ from pathlib import Path
 from rdnattention.dispatch import TABLE_FORMAT
 
 from . import __version__
-from .matrix import Target, Variant
+from .families import family
+from .matrix import Variant, check_entries
 from .platforms import platform
+from .target import Target
 
 
 def table(target: Target, variants: list[Variant], code_object: Path, dynamic_lds: bool, toolchain: str,
           isa_targets: list[str]) -> dict:
     """The table of one built target; ``code_object`` is the built file, whose size and SHA-256 the
     table records so that the runtime never loads a truncated or replaced one."""
-    from .families import family
-
     entries = []
     for v in variants:
         spec, fam = v.spec, family(v.spec.family)
@@ -55,36 +55,6 @@ def table(target: Target, variants: list[Variant], code_object: Path, dynamic_ld
     if problems:
         raise ValueError(f"dispatch table for {target.name}: " + "; ".join(problems))
     return data
-
-
-def check_entries(variants: list[Variant]) -> list[str]:
-    """Entries no call can reach (a higher-priority entry of the same key admits every call they
-    admit), entries of equal priority that some call could match both (the choice would depend
-    on order), keys without an unconstrained entry, and (family, head_dim) pairs with no group-1
-    kernel to fall back on. Alternates (negative priority) serve only calls that name them."""
-    problems = []
-    keys: dict[tuple, list[Variant]] = {}
-    for v in variants:
-        if v.priority < 0:  # an alternate: chosen only by name
-            continue
-        keys.setdefault((v.spec.family, v.spec.head_dim, v.spec.gqa_group), []).append(v)
-    for key, entries in sorted(keys.items()):
-        for i, v in enumerate(entries):
-            for o in entries[i + 1:]:
-                if o.priority == v.priority and o.when.overlaps(v.when):
-                    problems.append(f"{v.spec.name} ({v.where}) and {o.spec.name} ({o.where}) both serve some calls "
-                                    "at the same priority; give them disjoint `when:`")
-            for o in entries:
-                if o.priority > v.priority and o.when.covers(v.when):
-                    problems.append(f"{v.spec.name} ({v.where}) is never chosen: {o.spec.name} ({o.where}) "
-                                    "serves every call it would")
-                    break
-        if not any(not v.when.to_json() for v in entries):
-            problems.append(f"{key[0]} head_dim {key[1]} group {key[2]} has no entry without `when:`")
-    for fam, hd in sorted({(k[0], k[1]) for k in keys}):
-        if (fam, hd, 1) not in keys:
-            problems.append(f"{fam} head_dim {hd} has no gqa_group 1 kernel to fall back on")
-    return problems
 
 
 def dumps(data: dict) -> str:

@@ -5,12 +5,13 @@ from __future__ import annotations
 from rdnattention.dispatch import rocm_floor
 
 from . import packaging
-from .audit import KernelAudit
-from .families import FAMILIES
-from .matrix import Matrix, Tier
+from .families import FAMILIES, family, spec_from_name
+from .kernel_audit import KernelAudit
+from .matrix import Matrix
 from .platforms import PLATFORMS, platform
 from .platforms.amdgcn import ELF_ABI_VERSION
 from .render import environment
+from .target import Tier
 
 
 def hardware_md(matrix: Matrix, rows: list[KernelAudit], compiler: str) -> str:
@@ -24,8 +25,8 @@ def hardware_md(matrix: Matrix, rows: list[KernelAudit], compiler: str) -> str:
     for r in rows:
         target = matrix.target(r.target)
         plat = platform(target.platform)
-        spec_family = next(f for f in FAMILIES.values() if f.from_name(r.name) is not None)
-        field = spec_family.signatures[spec_family.from_name(r.name).tier]
+        spec = spec_from_name(r.name)
+        field = family(spec.family).signatures[spec.tier]
         sig = f"{getattr(r, field)} × `{plat.instructions[field]}`" if field in plat.instructions else "-"
         share = f"{r.peak_share:.0%}" if r.peak_share is not None else "-"
         table.append({**r.to_json(), "signature": sig, "share": share})

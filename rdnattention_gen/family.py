@@ -10,9 +10,9 @@ from typing import Callable
 
 from rdnattention.abi import ArgStruct
 
-from .matrix import Target
 from .spec import KernelSpec, NameSchema, Tile
 from .strict_yaml import Node
+from .target import Target
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class Family:
 
     def tile_space(self, target: Target, head_dim: int) -> dict[str, tuple[int, ...]] | None:
         """Values of each tile field (br, bc, threads, tm) the tuner tries; None: not tuned. Register
-        budgets (waves) come from the target (tune.register_budgets)."""
+        budgets (waves) come from the target (target.register_budgets)."""
         return None
 
     def products_per_step(self, spec: KernelSpec) -> float | None:

@@ -15,8 +15,8 @@ from typing import Callable
 from rdnattention.families import family as runtime_family
 
 from .hsaco import CodeObject
-from .matrix import Target
 from .spec import KernelSpec
+from .target import Target
 
 # User SGPRs a kernel may ask the dispatch for. The kernarg segment pointer carries our struct.
 # The private segment buffer is the scratch resource the command processor builds from the queue

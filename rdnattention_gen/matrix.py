@@ -3,7 +3,6 @@ variants.yaml (and tuned/<target>.yaml overlays), expanded into dispatch entries
 
 from __future__ import annotations
 
-import enum
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -11,68 +10,16 @@ from pathlib import Path
 from rdnattention.table import ALTERNATE, Constraints  # ALTERNATE: the priority of an alternate entry
 
 from . import DEFAULT_VARIANTS, TUNED_DIR
+from .families import FAMILIES, family
+from .platforms import PLATFORMS
 from .spec import KernelSpec, Tile
 from .strict_yaml import Node, VariantsError, load
-from .tuned import TunedEntry
+from .target import MIXED_FMAS, STAGES, STATUSES, Target
+from .tuned import TunedEntry, load_tuned
+from .when import constraints
 
-MIXED_FMAS = ("fma_mix", "mad_mix", "cvt_fma")
-STATUSES = ("tested", "builds")
-STAGES = ("f16", "f32")
 _TARGET_RE = re.compile(r"gfx[0-9a-f]{3,4}|sm_[0-9]{2,3}|host(_[a-z0-9]+)?")
 _TABLE_RE = re.compile(r"[a-z][a-z0-9_]*")
-
-
-class Tier(str, enum.Enum):
-    """How a target multiplies fp16 pairs into an fp32 accumulator (same result on all)."""
-
-    DOT2 = "dot2"        # v_dot2_f32_f16
-    FMA_MIX = "fma_mix"  # two v_fma_mix_f32, selected by the compiler
-    MAD_MIX = "mad_mix"  # two v_mad_mix_f32, by inline asm
-    CVT_FMA = "cvt_fma"  # convert both halves, then fp32 FMAs
-
-
-@dataclass(frozen=True)
-class Target:
-    name: str
-    platform: str
-    family: str
-    parts: str
-    wave_size: int
-    lds_bytes: int
-    lds_per_cu: int
-    vgprs_per_simd: int
-    vgpr_granule: int
-    max_waves_per_simd: int
-    simds_per_cu: int
-    valu_lanes: int           # lanes one SIMD's VALU completes per clock (a wave instruction: wave_size / this)
-    lds_bytes_per_clock: int  # LDS bandwidth of one CU/WGP/SM (the simds_per_cu SIMDs sharing it)
-    fdot2: bool
-    int8_dot: str
-    mixed_fma: str
-    hw_tier: int
-    default: bool
-    status: str
-    stage: str  # LDS staging precision: f16 pairs, or f32 pairs converted once at staging
-    tiles: str  # the tile table its kernels take their tiles from
-    isa: str    # targets with the same isa share an instruction set, not code objects (default: its own name)
-    # Host targets: GPU targets whose every tile this one builds too (as alternates), so that the
-    # oracle sweep runs each of their kernels' tile configurations on the CPU.
-    mirrors: tuple[str, ...] = ()
-
-    @property
-    def tier(self) -> Tier:
-        return Tier.DOT2 if self.fdot2 else Tier(self.mixed_fma)
-
-    def waves_per_simd(self, vgprs: int, lds: int, threads: int) -> int:
-        """Occupancy from VGPRs (LLVM's allocation rule) and from LDS."""
-        alloc = max(self.vgpr_granule, -(-max(vgprs, 1) // self.vgpr_granule) * self.vgpr_granule)
-        by_vgpr = min(self.max_waves_per_simd, self.vgprs_per_simd // alloc)
-        if lds == 0:
-            return by_vgpr
-        waves_per_group = -(-threads // self.wave_size)
-        groups = self.lds_per_cu // lds
-        by_lds = groups * waves_per_group // self.simds_per_cu
-        return min(by_vgpr, by_lds)
 
 
 @dataclass(frozen=True)
@@ -144,8 +91,6 @@ class Matrix:
     def variants_for(self, target: Target) -> list[Variant]:
         """Every dispatch entry of ``target``: the matrix's tiles, then tuned ones, which replace
         any matrix entry they cover."""
-        from .families import family
-
         out: list[Variant] = []
         for fam_name, axes in self.kernels.items():
             fam = family(fam_name)
@@ -180,8 +125,6 @@ class Matrix:
 
     def _alternates(self, target: Target, entries: list[Variant]) -> list[Variant]:
         """The mirrored targets' tiles and the candidates, as alternates, where no entry has the tile."""
-        from .families import family
-
         # (family, head_dim, GQA group or None for every group, tile, provenance, where)
         wanted: list[tuple[str, int, int | None, Tile, str, str]] = []
         for name in target.mirrors:
@@ -232,8 +175,6 @@ def _positive(node: Node, key: str) -> int:
 
 
 def _target(name: str, node: object, parent: Node) -> Target:
-    from .platforms import PLATFORMS
-
     if not _TARGET_RE.fullmatch(name):
         raise parent.fail(name, "target names are gfxNNN[N] (lower-case hex), sm_NN, or host[_suffix]")
     if not isinstance(node, Node):
@@ -276,27 +217,6 @@ def _tile(item: object, parent: Node, key: str) -> tuple[Tile, Constraints]:
         when = constraints(item.child("when"))
     item.finish()
     return tile, when
-
-
-def _range(node: Node, key: str) -> tuple[int, int | None] | None:
-    value = node.take(key, list, None)
-    if value is None:
-        return None
-    ok = (len(value) == 2 and isinstance(value[0], int) and not isinstance(value[0], bool) and value[0] >= 0
-          and (value[1] is None or (isinstance(value[1], int) and not isinstance(value[1], bool)
-                                    and value[1] >= value[0])))
-    if not ok:
-        raise node.fail(key, f"expected [min, max] with 0 <= min <= max (max null: open), got {value!r}")
-    return (value[0], value[1])
-
-
-def constraints(node: Node) -> Constraints:
-    """``when: {causal: bool, seq_q: [min, max or null], rows: [min, max or null]}``; rows: query
-    rows per K/V head (query heads per K/V head times seq_q)."""
-    causal = node.take("causal", bool, None)
-    seq_q, rows = _range(node, "seq_q"), _range(node, "rows")
-    node.finish()
-    return Constraints(causal=causal, seq_q=seq_q, rows=rows)
 
 
 def tile_choices(value: object, parent: Node, key: str, provenance: str) -> tuple[TileChoice, ...]:
@@ -343,9 +263,6 @@ def _tile_table(name: str, node: object, parent: Node, kernels: dict[str, dict],
 def load_matrix(path: Path | str = DEFAULT_VARIANTS, tuned_dir: Path | str | None = TUNED_DIR) -> Matrix:
     """Load and validate a variants file and the tuned overlays in ``tuned_dir`` (None: none);
     every error names the file, line and key path."""
-    from .families import FAMILIES
-    from .tuned import load_tuned
-
     path = Path(path)
     root = load(path)
     kernels_node = root.child("kernels")
@@ -395,9 +312,6 @@ def load_matrix(path: Path | str = DEFAULT_VARIANTS, tuned_dir: Path | str | Non
 
 def check_matrix(matrix: Matrix, target_lines: dict[str, int]) -> None:
     """Every entry of every target must be generable, fit the target, and be reachable."""
-    from . import dispatch
-    from .families import family
-
     path = matrix.source
     for target in matrix.targets:
         variants = matrix.variants_for(target)
@@ -405,7 +319,37 @@ def check_matrix(matrix: Matrix, target_lines: dict[str, int]) -> None:
             problems = family(v.spec.family).problems(v.spec, target)
             if problems:
                 raise VariantsError(f"{v.where}: kernel {v.spec.name} for {target.name}: {'; '.join(problems)}")
-        problems = dispatch.check_entries(variants)
+        problems = check_entries(variants)
         if problems:
             raise VariantsError(f"{path.name}:{target_lines[target.name]}: targets.{target.name}: "
                                 + "; ".join(problems))
+
+
+def check_entries(variants: list[Variant]) -> list[str]:
+    """Entries no call can reach (a higher-priority entry of the same key admits every call they
+    admit), entries of equal priority that some call could match both (the choice would depend
+    on order), keys without an unconstrained entry, and (family, head_dim) pairs with no group-1
+    kernel to fall back on. Alternates (negative priority) serve only calls that name them."""
+    problems = []
+    keys: dict[tuple, list[Variant]] = {}
+    for v in variants:
+        if v.priority < 0:  # an alternate: chosen only by name
+            continue
+        keys.setdefault((v.spec.family, v.spec.head_dim, v.spec.gqa_group), []).append(v)
+    for key, entries in sorted(keys.items()):
+        for i, v in enumerate(entries):
+            for o in entries[i + 1:]:
+                if o.priority == v.priority and o.when.overlaps(v.when):
+                    problems.append(f"{v.spec.name} ({v.where}) and {o.spec.name} ({o.where}) both serve some calls "
+                                    "at the same priority; give them disjoint `when:`")
+            for o in entries:
+                if o.priority > v.priority and o.when.covers(v.when):
+                    problems.append(f"{v.spec.name} ({v.where}) is never chosen: {o.spec.name} ({o.where}) "
+                                    "serves every call it would")
+                    break
+        if not any(not v.when.to_json() for v in entries):
+            problems.append(f"{key[0]} head_dim {key[1]} group {key[2]} has no entry without `when:`")
+    for fam, hd in sorted({(k[0], k[1]) for k in keys}):
+        if (fam, hd, 1) not in keys:
+            problems.append(f"{fam} head_dim {hd} has no gqa_group 1 kernel to fall back on")
+    return problems

@@ -19,7 +19,8 @@ from pathlib import Path
 from rdnattention.dispatch import ENTRY_POINT_GROUP
 
 from . import __version__
-from .matrix import Matrix, Target
+from .matrix import Matrix
+from .target import Target
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9.]*")
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import ninja
 
-from .audit import KernelAudit
-from .matrix import Target
+from .kernel_audit import KernelAudit
 from .spec import KernelSpec
 from .strict_yaml import Node
+from .target import Target
 from .toolchain import Toolchain
 
 # Always optimised: unoptimised builds of the V path are known to race (see docs/hardware.md).

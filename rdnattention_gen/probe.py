@@ -7,7 +7,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .matrix import Target
+from .target import Target
 from .toolchain import Toolchain
 
 _HEADER = """typedef _Float16 half2_t __attribute__((ext_vector_type(2)));

@@ -13,10 +13,11 @@ from pathlib import Path
 import jinja2
 
 from . import TEMPLATES
-from .families import family
-from .matrix import Matrix, Target
+from .families import FAMILIES, family
+from .matrix import Matrix
 from .platforms import platform
 from .spec import KernelSpec
+from .target import Target
 
 
 def environment(templates: Path = TEMPLATES) -> jinja2.Environment:
@@ -85,8 +86,6 @@ def target_files(env: jinja2.Environment, matrix: Matrix, target: Target) -> dic
              "fma_peak.cpp": render_fma_peak(env, target)}
     # Families that share a template share its argument header (f16len and f16varlen include
     # args_f16.h): every family whose struct a built family uses gets its header.
-    from .families import FAMILIES
-
     digests = {family(s.family).args.digest for s in specs}
     files.update({f"args_{name}.h": render_args(env, name) for name, fam in sorted(FAMILIES.items())
                   if fam.args.digest in digests})

@@ -1,11 +1,13 @@
 """Kernel specs and their names: one frozen spec per generated kernel, one name that is its file
-stem, symbol and dispatch id, and that parses back into the spec. Each family owns its name
-schema (rdnattention.names, shared with the runtime, which checks tables against it)."""
+stem, symbol and dispatch id, and that parses back into the spec (families.spec_from_name). Each
+family's name schema and LDS layout are its runtime module's (rdnattention.families), which
+checks every dispatch table against them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rdnattention.families import family as runtime_family
 from rdnattention.names import NameField, NameSchema  # noqa: F401  (re-exported for families)
 
 
@@ -40,23 +42,14 @@ class KernelSpec:
 
     @property
     def name(self) -> str:
-        from .families import family
-        return family(self.family).schema.name(self.value)
-
-    @classmethod
-    def from_name(cls, name: str) -> "KernelSpec":
-        from .families import FAMILIES
-        for fam in FAMILIES.values():
-            spec = fam.from_name(name)
-            if spec is not None:
-                return spec
-        raise ValueError(f"not a kernel name: {name!r}")
+        return runtime_family(self.family).NAMES.name(self.value)
 
     @property
     def lds_bytes(self) -> int:
-        """LDS one workgroup of this kernel allocates (its family's layout)."""
-        from .families import family
-        return family(self.family).lds_bytes(self)
+        """LDS one workgroup of this kernel allocates: its family's layout, as the runtime module
+        states it for the facts the name spells (and checks every dispatch entry against)."""
+        fam = runtime_family(self.family)
+        return fam.lds_bytes({f.key: self.value(f.key) for f in fam.NAMES.fields})
 
     def option(self, key: str, default: object = None) -> object:
         return dict(self.options).get(key, default)

@@ -32,8 +32,11 @@ from pathlib import Path
 from rdnattention.table import Constraints
 
 from . import audit, build
-from .matrix import Matrix, Target
+from .families import family, spec_from_name
+from .family import HeadDimAxis
+from .matrix import Matrix
 from .spec import KernelSpec, Tile
+from .target import Target, register_budgets
 
 
 class TuneError(RuntimeError):
@@ -73,24 +76,10 @@ def parse_space(text: str | None) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def register_budgets(target: Target, lowest: int = 128) -> tuple[int, ...]:
-    """Waves-per-SIMD caps worth trying on ``target``: those that leave each thread between
-    ``lowest`` and 255 registers (for the row-block tiles 128: a tighter cap spills them; a looser
-    one changes nothing)."""
-    out = []
-    for waves in range(1, target.max_waves_per_simd + 1):
-        budget = target.vgprs_per_simd // waves // target.vgpr_granule * target.vgpr_granule
-        if lowest <= budget < 256:
-            out.append(waves)
-    return tuple(out)
-
-
 def candidates(matrix: Matrix, target: Target, family_name: str, head_dims: list[int],
                space: dict[str, tuple[int, ...]]) -> list[tuple[str, int, Tile]]:
     """Every tile of the family's space (with ``space`` overrides) its rules accept on ``target``; a
     register budget for more waves than the tile's LDS lets the target hold is left out."""
-    from .families import family
-
     fam = family(family_name)
     out = []
     for hd in head_dims:
@@ -504,9 +493,6 @@ def tuned_yaml(target: Target, family_name: str, results: list[dict], facts: dic
     this run did not measure are kept."""
     import yaml
 
-    from .families import family
-    from .family import HeadDimAxis
-
     grouped = not isinstance(family(family_name), HeadDimAxis)  # families with a GQA-group axis
     harness = HARNESSES[family_name]
 
@@ -591,7 +577,7 @@ def load_candidates(build_dir: Path, target: Target) -> tuple[str, list[Candidat
         data = json.loads(path.read_text())
         if data["target"] != target.name:
             raise TuneError(f"{path} holds {data['target']} candidates, not {target.name}'s")
-        return data["family"], [Candidate(KernelSpec.from_name(c["name"]),
+        return data["family"], [Candidate(spec_from_name(c["name"]),
                                           audit.KernelAudit(**c["row"]) if c["row"] else None,
                                           tuple(c["problems"]), c["default"],
                                           tuple(Constraints.from_json(w) for w in c["whens"]))

@@ -25,6 +25,7 @@ from rdnattention.table import Constraints
 
 from .spec import Tile
 from .strict_yaml import Node, VariantsError, load
+from .when import constraints
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,6 @@ def _measured(node: Node) -> dict:
 
 def load_tuned(path: Path, targets: set[str], kernels: dict[str, dict]) -> tuple[str, tuple[TunedEntry, ...]]:
     """Reads one overlay strictly; returns (target, entries)."""
-    from .matrix import constraints
-
     root = load(path, display_name=f"tuned/{path.name}")
     target = root.take("target", str)
     if target != path.stem:

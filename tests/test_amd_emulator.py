@@ -20,7 +20,7 @@ from rdnattention.drivers import hip, module_api
 from rdnattention.families import dec, f16
 from rdnattention_gen import build, toolchain
 from rdnattention_gen.matrix import load_matrix
-from rdnattention_gen.spec import KernelSpec
+from rdnattention_gen.families import spec_from_name
 
 TARGET = "gfx1100"
 TOL = 2e-3          # as on the host platform: fp16 rounding of the output and of the probabilities
@@ -198,7 +198,7 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
     """Each gfx1100 kernel, forced by name, on a causal GQA case; the decode kernels with as many
     query rows per K/V head as their tile takes (fp16 ones split into three key slices, so the
     combine of their head_dim runs too)."""
-    spec = KernelSpec.from_name(name)
+    spec = spec_from_name(name)
     start = len(gpu.dispatches)
     table = route.device_table(torch.device("cpu"))
     decode = spec.family in ("dec", "decpaged", "i8dec")

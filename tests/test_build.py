@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO_ROOT
 
 from rdnattention_gen import DEFAULT_VARIANTS, audit, build, toolchain
-from rdnattention_gen.spec import KernelSpec
+from rdnattention_gen.families import spec_from_name
 
 INT8_KERNELS = ("fa2_i8_", "fa2_i8dec_")  # both products through dot4: the INT8 family and its decode
 
@@ -90,7 +90,7 @@ def test_every_head_dim_is_built_for_every_target(matrix, default_audit, tier2_a
     assert head_dims == set(range(32, 513, 32))
     for target in list(TIER2) + [t.name for t in matrix.select("default")]:
         rows = [r for r in default_audit + tier2_audit if r.target == target]
-        assert {KernelSpec.from_name(r.name).head_dim for r in rows} == head_dims, target
+        assert {spec_from_name(r.name).head_dim for r in rows} == head_dims, target
         assert all((r.vgpr_spills, r.sgpr_spills, r.scratch_bytes) == (0, 0, 0) for r in rows), target
         assert all(r.lds_bytes <= matrix.target(target).lds_bytes for r in rows), target
 

@@ -57,10 +57,10 @@ def test_mirrored_gpu_tiles_match_oracle(host_build, monkeypatch, target, name):
     from rdnattention import plan_flash_attn
     from rdnattention.route import device_table
     from rdnattention.families import f16
-    from rdnattention_gen.spec import KernelSpec
+    from rdnattention_gen.families import spec_from_name
 
     monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
-    spec = KernelSpec.from_name(name)
+    spec = spec_from_name(name)
     cases = ["plain", "causal", "window_two_sided", "gqa"] if spec.family == "f16" else ["causal", "gqa"]
     for variant in cases:
         q, k, v, options = make_case(variant, spec.head_dim)

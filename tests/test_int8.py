@@ -194,10 +194,10 @@ def test_decode_runs_the_int8_split_kv_kernels(host_build, shape, options, head_
 # case through each of them.
 @pytest.mark.parametrize("target,name", mirrored_kernels(("i8",)))
 def test_mirrored_gpu_tiles_match_the_oracle(host_build, monkeypatch, target, name):
-    from rdnattention_gen.spec import KernelSpec
+    from rdnattention_gen.families import spec_from_name
 
     monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
-    spec = KernelSpec.from_name(name)
+    spec = spec_from_name(name)
     for case in ("plain", "causal", "two_sided", "cross"):
         shape, options = CASES[case]
         q, k, v = _inputs(d=spec.head_dim, **shape)

@@ -4,10 +4,13 @@ from pathlib import Path
 
 import pytest
 
+from rdnattention.families import family as runtime_family
 from rdnattention_gen import DEFAULT_VARIANTS
-from rdnattention_gen.matrix import Tier, load_matrix
+from rdnattention_gen.families import FAMILIES, family, spec_from_name
+from rdnattention_gen.matrix import load_matrix
 from rdnattention_gen.spec import KernelSpec, Tile
 from rdnattention_gen.strict_yaml import VariantsError
+from rdnattention_gen.target import Tier
 
 DEFAULT_TARGETS = ["gfx1030", "gfx1031", "gfx1032", "gfx1033", "gfx1034", "gfx1035", "gfx1036",
                    "gfx1011", "gfx1012", "gfx906"]
@@ -35,7 +38,17 @@ def test_every_spec_name_round_trips(matrix):
     specs = {s for t in matrix.targets for s in matrix.specs_for(t)}
     assert specs
     for spec in specs:
-        assert KernelSpec.from_name(spec.name) == spec
+        assert spec_from_name(spec.name) == spec
+
+
+def test_names_and_lds_are_the_runtime_familys(matrix):
+    """A spec spells its name and sizes its LDS with its runtime family module: the generator
+    family's schema is that module's, and its layout comes to the same bytes."""
+    for name, fam in FAMILIES.items():
+        assert fam.schema is runtime_family(name).NAMES, name
+    specs = {s for t in matrix.targets for s in matrix.specs_for(t)}
+    for spec in specs:
+        assert spec.lds_bytes == family(spec.family).lds_bytes(spec), spec.name
 
 
 def test_name_spells_every_field():
@@ -43,7 +56,7 @@ def test_name_spells_every_field():
                       wave_size=64, tier="mad_mix", stage="f16")
     assert spec.name == "fa2_f16_hd128_g2_br128_bc32_nt256_tm8_w64_mad_mix_sf16"
     with pytest.raises(ValueError, match="not a kernel name"):
-        KernelSpec.from_name("fa2_f16_hd128")
+        spec_from_name("fa2_f16_hd128")
 
 
 def test_target_selection(matrix):

@@ -10,9 +10,11 @@ from rdnattention.table import Constraints, KernelEntry, TargetTable
 from rdnattention.errors import UnsupportedError
 from rdnattention_gen import cost, tune
 from rdnattention_gen.audit import KernelAudit
+from rdnattention_gen.families import family, spec_from_name
 from rdnattention_gen.matrix import ALTERNATE, load_matrix
 from rdnattention_gen.spec import KernelSpec, Tile
 from rdnattention_gen.strict_yaml import VariantsError
+from rdnattention_gen.target import register_budgets
 from rdnattention_gen.tuned import load_tuned
 
 from conftest import REPO_ROOT
@@ -24,12 +26,12 @@ VARIANTS = REPO_ROOT / "rdnattention_gen" / "variants.yaml"
 
 def test_a_register_budget_is_part_of_the_name_only_when_set(matrix):
     t = matrix.target("gfx1030")
-    fam = __import__("rdnattention_gen.families", fromlist=["family"]).family("f16")
+    fam = family("f16")
     plain = fam.spec(t, {"head_dim": 128, "gqa_group": 2}, Tile(64, 64, 256, 2))
     capped = fam.spec(t, {"head_dim": 128, "gqa_group": 2}, Tile(64, 64, 256, 2, waves=6))
     assert plain.name == "fa2_f16_hd128_g2_br64_bc64_nt256_tm2_w32_dot2_sf16"
     assert capped.name == "fa2_f16_hd128_g2_br64_bc64_nt256_tm2_wv6_w32_dot2_sf16"
-    assert KernelSpec.from_name(capped.name) == capped and KernelSpec.from_name(plain.name) == plain
+    assert spec_from_name(capped.name) == capped and spec_from_name(plain.name) == plain
 
 
 def test_a_register_budget_beyond_the_targets_wave_slots_is_refused(tmp_path):
@@ -52,7 +54,7 @@ def test_the_amd_defaults_are_built_for_their_occupancy(matrix):
 def test_the_rendered_kernel_carries_its_budget(matrix):
     from rdnattention_gen.render import environment, render_kernel
 
-    fam = __import__("rdnattention_gen.families", fromlist=["family"]).family("f16")
+    fam = family("f16")
     spec = fam.spec(matrix.target("gfx1030"), {"head_dim": 64, "gqa_group": 1}, Tile(128, 32, 256, 2, waves=6))
     assert "RDNA_KERNEL_WAVES(256, 6) void fa2_f16_hd64_g1_br128_bc32_nt256_tm2_wv6" in render_kernel(environment(), spec)
     spec = fam.spec(matrix.target("gfx1030"), {"head_dim": 64, "gqa_group": 1}, Tile(128, 32, 256, 2))
@@ -156,9 +158,9 @@ def test_the_audit_estimates_the_amd_defaults(default_audit):
 # --------------------------------------------------------------------------- the tuner
 
 def test_register_budgets_follow_the_register_file(matrix):
-    assert tune.register_budgets(matrix.target("gfx1030")) == (5, 6, 7, 8)
-    assert tune.register_budgets(matrix.target("gfx906")) == (2,)
-    assert tune.register_budgets(matrix.target("sm_90")) == (3, 4)
+    assert register_budgets(matrix.target("gfx1030")) == (5, 6, 7, 8)
+    assert register_budgets(matrix.target("gfx906")) == (2,)
+    assert register_budgets(matrix.target("sm_90")) == (3, 4)
 
 
 def test_the_space_can_be_narrowed_and_bad_spaces_are_named(matrix):

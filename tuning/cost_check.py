@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rdnattention_gen import cost  # noqa: E402
+from rdnattention_gen.families import spec_from_name  # noqa: E402
 from rdnattention_gen.families.f16 import threads_per_row  # noqa: E402
 from rdnattention_gen.matrix import load_matrix  # noqa: E402
-from rdnattention_gen.spec import KernelSpec  # noqa: E402
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -58,7 +58,7 @@ def main() -> int:
     for m in measured:
         est, got = {}, {}
         for name, tflops in m["figures"].items():
-            spec = KernelSpec.from_name(name)
+            spec = spec_from_name(name)
             # cvt_fma on sm_90 stages fp32 pairs: two FFMA per pair product
             per_step = 2 * spec.tile.tm * spec.tile.bc * spec.head_dim / threads_per_row(spec)
             counts = cost.loop_counts(sass.get(name, []), "FFMA", per_step, cost.SASS)

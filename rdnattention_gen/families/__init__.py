@@ -6,6 +6,7 @@ from __future__ import annotations
 from rdnattention.discovery import modules
 
 from ..family import Family
+from ..spec import KernelSpec
 
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in modules(__name__, __path__)}
 
@@ -15,3 +16,12 @@ def family(name: str) -> Family:
         return FAMILIES[name]
     except KeyError:
         raise KeyError(f"unknown kernel family {name!r}; known: {', '.join(sorted(FAMILIES))}") from None
+
+
+def spec_from_name(name: str) -> KernelSpec:
+    """The spec a kernel name encodes (``spec_from_name(spec.name) == spec``)."""
+    for fam in FAMILIES.values():
+        spec = fam.from_name(name)
+        if spec is not None:
+            return spec
+    raise ValueError(f"not a kernel name: {name!r}")

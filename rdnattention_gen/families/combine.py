@@ -9,8 +9,8 @@ from __future__ import annotations
 from rdnattention.families import combine as runtime
 
 from ..family import Family, HeadDimAxis, Rule
-from ..matrix import Target
 from ..spec import KernelSpec, Tile
+from ..target import Target
 from .f16 import WHOLE_WAVES
 
 RULES = (

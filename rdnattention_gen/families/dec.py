@@ -10,8 +10,8 @@ from __future__ import annotations
 from rdnattention.families import dec as runtime
 
 from ..family import Family, HeadDimAxis, Rule
-from ..matrix import Target
 from ..spec import KernelSpec, Tile
+from ..target import Target, register_budgets
 from .f16 import F16, LDS_RULE, REGISTER_BUDGET, WHOLE_WAVES
 
 
@@ -85,8 +85,6 @@ class Dec(HeadDimAxis, Family):
         """1, 2, 4 or 8 rows per workgroup, 1-8 keys per lane group per step, 128 threads, and
         register budgets of 80-255 registers: a memory stream hides latency with waves more than
         with registers (tuning/results/h200_decode.md)."""
-        from ..tune import register_budgets
-
         groups = max(1, 128 // (head_dim // 8))
         return {"br": (1, 2, 4, 8), "tm": (1, 2, 4, 8), "bc": tuple(groups * t for t in (1, 2, 4, 8)), "threads": (128,),
                 "waves": (0,) + register_budgets(target, lowest=80)}

@@ -8,9 +8,9 @@ from __future__ import annotations
 from rdnattention.families import f16 as runtime
 
 from ..family import Family, OracleCase, Rule
-from ..matrix import Target
 from ..spec import KernelSpec, Tile
 from ..strict_yaml import Node
+from ..target import Target
 
 
 def thread_grid(spec: KernelSpec) -> dict[str, int]:

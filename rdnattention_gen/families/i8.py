@@ -10,8 +10,8 @@ from __future__ import annotations
 from rdnattention.families import i8 as runtime
 
 from ..family import Rule
-from ..matrix import Target
 from ..spec import KernelSpec, Tile
+from ..target import Target
 from .f16 import COLUMNS_RULE, GRID_RULES, LDS_RULE, F16, threads_per_row
 
 

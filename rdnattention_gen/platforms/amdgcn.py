@@ -12,12 +12,13 @@ from pathlib import Path
 import ninja
 
 from .. import comgr, cost, launch_abi
-from ..audit import COUNTS, AuditError, KernelAudit
+from ..families import family
 from ..hsaco import CodeObject, CodeObjectError
-from ..matrix import Target
+from ..kernel_audit import COUNTS, AuditError, KernelAudit
 from ..platform import DEVICE_FLAGS, Platform
 from ..spec import KernelSpec
 from ..strict_yaml import Node
+from ..target import Target
 from ..toolchain import Toolchain
 
 # Audit count -> mnemonic prefix in the disassembly.
@@ -81,8 +82,6 @@ class Amdgcn(Platform):
     def audit(self, tc: Toolchain, target: Target, specs: list[KernelSpec], build_dir: Path) -> list[KernelAudit]:
         code_object = self.code_object_path(target, build_dir)
         _check_code_object_version(code_object, self.code_object_version)
-        from ..families import family
-
         try:
             co = CodeObject.read(code_object)
             meta = co.kernels

@@ -9,11 +9,11 @@ from pathlib import Path
 import ninja
 
 from .. import toolchain
-from ..audit import AuditError, KernelAudit
-from ..matrix import Target
+from ..kernel_audit import AuditError, KernelAudit
 from ..ninja_paths import command_path
 from ..platform import DEVICE_FLAGS, Platform
 from ..spec import KernelSpec
+from ..target import Target
 from ..toolchain import Toolchain
 
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']+)'")

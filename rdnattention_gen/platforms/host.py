@@ -12,11 +12,11 @@ from pathlib import Path
 import ninja
 
 from .. import HOST_DIR, INCLUDE_DIR
-from ..audit import AuditError, KernelAudit
-from ..matrix import Target
+from ..kernel_audit import AuditError, KernelAudit
 from ..ninja_paths import depfile_safe
 from ..platform import Platform
 from ..spec import KernelSpec
+from ..target import Target
 from ..toolchain import Toolchain
 
 HOST_FLAGS = "-O2 -std=c++17 -fno-strict-aliasing -fPIC -Wall -Wno-pass-failed"
