@@ -193,6 +193,7 @@ def _kernels() -> list[str]:
     return sorted(v.spec.name for v in m.variants_for(m.target(TARGET)) if v.spec.family != "combine")
 
 
+@pytest.mark.slow  # every kernel by name; the entry-point paths above run in the fast suite
 @pytest.mark.parametrize("name", _kernels())
 def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
     """Each gfx1100 kernel, forced by name, on a causal GQA case; the decode kernels with as many

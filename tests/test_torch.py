@@ -117,7 +117,7 @@ def test_rotary_tables_in_q_dtype(host_build):
 
 def test_token_major_input_to_the_native_entry_warns_once(host_build, monkeypatch):
     monkeypatch.setattr(rdnattention.api, "_warned_layout", False)
-    q = torch.randn(1, 8, 600, 64).half().transpose(1, 2)  # [b, s, h, d] passed as [b, h, s, d]
+    q = torch.randn(1, 2, 513, 64).half().transpose(1, 2)  # [b, s, h, d] passed as [b, h, s, d]: 513 heads
     with pytest.warns(UserWarning, match="use rdnattention.flash_attn_func for that layout"):
         flash_attn(q, q, q)
     with warnings.catch_warnings():
