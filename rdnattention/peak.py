@@ -1,7 +1,8 @@
 """The FP32 FMA peak of the device at hand, the figure benchmarks and the tuner divide by: a probe
 kernel (``rdna_fma_peak``, templates/fma_peak.hip.j2) built into every target's code object by the
 project's own toolchain, launched through the same driver as the attention kernels (CUDA, HIP, or
-the host emulator, where the figure means nothing), and the timing helper the tuner shares."""
+the host emulator, where the figure means nothing), and the two timing primitives the tuner and
+tuning/timing.py build on (``time_ms``: back-to-back calls; ``graphed``: a CUDA-graph replay)."""
 
 from __future__ import annotations
 

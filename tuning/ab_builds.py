@@ -1,25 +1,24 @@
 """A/B two builds of the same kernels on a GPU, interleaved (A B A B ...), launches only.
 
-    python3 tuning/ab_builds.py --a build --b path/to/other/build
+    python -m tuning.ab_builds --a build --b path/to/other/build
 
 Both builds must hold the same target's kernels under the same names (a code object from another
 revision with this revision's dispatch.json beside it, for instance). For each bench.py shape the
 call is planned once against A's table; B runs the same launches from B's code object. Medians of
---rounds rounds, each timing A then B (bench.time_ms)."""
+--rounds rounds, each timing A then B (timing.interleaved_ms)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import SHAPES, flops, interleaved_ms, shape_inputs  # noqa: E402
+from rdnattention import dispatch, drivers, plan_flash_attn
 
-from rdnattention import dispatch, drivers, plan_flash_attn  # noqa: E402
+from .bench import SHAPES, flops, shape_inputs
+from .timing import interleaved_ms
 
 
 def main() -> int:

@@ -1,12 +1,12 @@
 """A/B two source trees on a GPU, each with its own build, in alternating processes (A B A B ...).
 
-    python3 tuning/ab_trees.py --a ../old-checkout --b . --rounds 3
+    python -m tuning.ab_trees --a ../old-checkout --b . --rounds 3
 
 ab_builds.py compares two builds in one process; it cannot compare revisions whose kernels' LDS
 layout or arguments differ, since one runtime refuses kernels built for another layout. Here each
 tree runs its own runtime and its own kernels (its build/), one process per (round, tree),
 alternating, so drift on the machine falls on both. Each process times every prefill shape of its
-tree's bench.py (bench.time_ms: median of 25 launches); the table gives the median over rounds
+tree's bench.py (timing.call_ms: median of 25 launches); the table gives the median over rounds
 per tree, TFLOP/s, and A / B."""
 
 from __future__ import annotations
@@ -19,12 +19,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-# Run inside each tree: that tree's bench.py shapes and timing, that tree's runtime.
+# Run inside each tree: that tree's bench.py shapes and timing, that tree's runtime. Trees from before
+# tuning/timing.py kept the same timing loop as bench.time_ms.
 _CHILD = """
-import json, sys
-sys.path.insert(0, "tuning")
+import json
 import torch
-from bench import SHAPES, flops, shape_inputs, time_ms
+from tuning.bench import SHAPES, flops, shape_inputs
+try:
+    from tuning.timing import call_ms
+except ImportError:
+    from tuning.bench import time_ms as call_ms
 from rdnattention import plan_flash_attn
 out = []
 for label, b, hq, hk, sq, sk, d, causal in SHAPES:
@@ -32,7 +36,7 @@ for label, b, hq, hk, sq, sk, d, causal in SHAPES:
         continue
     q, k, v = shape_inputs(b, hq, hk, sq, sk, d, torch.device("cuda"))
     plan = plan_flash_attn(q, k, v, is_causal=causal)
-    out.append([label, causal, time_ms(plan.run), flops(b, hq, sq, sk, d, causal)])
+    out.append([label, causal, call_ms(plan.run), flops(b, hq, sq, sk, d, causal)])
 print("AB_RESULT " + json.dumps(out))
 """
 

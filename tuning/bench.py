@@ -1,22 +1,22 @@
 """Forward fp16 benchmark on an NVIDIA GPU (cuda platform), against peers measured in the same run.
 
-    python3 tuning/bench.py --out results/
+    python -m tuning.bench --out results/
 
-For each shape: the GPU time per call of back-to-back calls (stream_ms: 25 calls between two CUDA
-events, median of 5 rounds, after warm-up; the host enqueues the next call while the GPU runs the
-last, as in a model's forward pass), TFLOP/s with FLOPs = 4*B*H*Sq*Sk*D (halved for causal when
+For each shape: the GPU time per call of back-to-back calls (timing.stream_ms: 25 calls between
+two CUDA events, median of 5 rounds, after warm-up; the host enqueues the next call while the GPU
+runs the last, as in a model's forward pass), TFLOP/s with FLOPs = 4*B*H*Sq*Sk*D (halved for causal when
 Sq == Sk), % of the FP32 FMA peak measured here by the probe kernel built into the target's code
 object (rdnattention/peak.py), and ratios to torch's math attention in fp32 with TF32 off (no
 tensor cores) and to torch's default scaled_dot_product_attention in fp16 (tensor cores;
 context), all timed the same way. The "one call" column times single calls with the GPU idle
-before each (time_ms: median of 25, events around each call): the host's launch latency included.
+before each (timing.call_ms: median of 25, events around each call): the host's launch latency
+included.
 Causal rows also time the launch with row blocks in launch order instead of longest first.
 Writes bench.md and bench.png to --out."""
 
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 import torch
@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rdnattention import dispatch, drivers, flash_attn, plan_flash_attn
-from rdnattention.peak import fma_peak_tflops, graphed
-from rdnattention.peak import time_ms as back_to_back_ms
+from rdnattention.peak import fma_peak_tflops
+
+from .timing import call_ms, graph_ms, interleaved_ms, stream_ms
 
 # (label, batch, heads_q, heads_kv, seq_q, seq_k, head_dim, causal)
 SHAPES = [
@@ -51,29 +52,6 @@ DECODE = [
 ]
 
 
-def time_ms(fn, reps: int = 25, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def stream_ms(fn, reps: int = 25, warmup: int = 3, rounds: int = 5) -> float:
-    """GPU time per call of ``reps`` back-to-back calls between two events (no sync between calls;
-    peak.time_ms), median over ``rounds``: kernel time, the host's per-call work overlapped."""
-    device = torch.device("cuda")
-    per_call = [back_to_back_ms(fn, device, reps=reps, warmup=warmup if r == 0 else 0) for r in range(rounds)]
-    return statistics.median(per_call)
-
-
 def shape_inputs(b, hq, hk, sq, sk, d, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp16 q, k, v of one SHAPES row, N(0, 1), the same on every run."""
     g = torch.Generator(device=device).manual_seed(0)
@@ -82,16 +60,15 @@ def shape_inputs(b, hq, hk, sq, sk, d, device) -> tuple[torch.Tensor, torch.Tens
             torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g))
 
 
-def graph_ms(plans: dict, rounds: int, calls: int = 20) -> dict:
-    """Median ms per call of each plan replayed from a CUDA graph of ``calls`` calls, the plans
-    timed in turn ``rounds`` times: kernel time without the host's launch overhead, which for a
-    decode call is longer than the kernels (serving engines replay decode steps as graphs)."""
-    replays = {key: graphed(plan.run, torch.device("cuda"), calls) for key, plan in plans.items()}
-    times: dict = {key: [] for key in plans}
-    for _ in range(rounds):
-        for key, replay in replays.items():
-            times[key].append(time_ms(replay, reps=1, warmup=1) / calls)
-    return {key: statistics.median(t) for key, t in times.items()}
+class SdpaPlan:
+    """torch's scaled_dot_product_attention (fp16, its default backend) on q, k, v, with a plan's
+    ``run``: a peer to time beside our plans."""
+
+    def __init__(self, q, k, v):
+        self.q, self.k, self.v = q, k, v
+
+    def run(self):
+        F.scaled_dot_product_attention(self.q, self.k, self.v, enable_gqa=self.k.shape[1] != self.q.shape[1])
 
 
 def decode_bytes(shape) -> int:
@@ -122,14 +99,6 @@ def decode_inputs(shape, device):
     return q, k, v, dec.Call(k=paged(k), v=paged(v), block_table=block_table, **common)
 
 
-def interleaved_ms(plans: dict, rounds: int) -> dict:
-    """Median ms per plan over ``rounds`` rounds, each timing every plan in turn (10 launches each)."""
-    times: dict = {key: [] for key in plans}
-    for _ in range(rounds):
-        for key, plan in plans.items():
-            times[key].append(time_ms(plan.run, reps=10))
-    return {key: statistics.median(t) for key, t in times.items()}
-
 
 def flops(b, hq, sq, sk, d, causal) -> float:
     f = 4 * b * hq * sq * sk * d
@@ -143,7 +112,7 @@ def run_shape(shape, device, with_peers=True, reps=25):
     torch.cuda.reset_peak_memory_stats(device)
     row["ours_ms"] = stream_ms(lambda: flash_attn(q, k, v, is_causal=causal), reps=reps)
     row["ours_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-    row["ours_one_call_ms"] = time_ms(lambda: flash_attn(q, k, v, is_causal=causal), reps=reps)
+    row["ours_one_call_ms"] = call_ms(lambda: flash_attn(q, k, v, is_causal=causal), reps=reps)
     if causal and with_peers:  # the same launch with row blocks in launch order, not longest first
         natural = plan_flash_attn(q, k, v, is_causal=causal, heavy_first=False)
         row["natural_ms"] = stream_ms(natural.run, reps=reps)
@@ -168,14 +137,6 @@ def decode_section(device, rounds: int = 7) -> str:
     times single calls (interleaved_ms), host launch overhead included. Slices chosen automatically."""
     from rdnattention.families import dec
 
-    class Sdpa:
-        def __init__(self, q, k, v):
-            self.args = (q, k, v)
-
-        def run(self):
-            q, k, v = self.args
-            F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
-
     lines = [f"GPU: {torch.cuda.get_device_name(device)}; torch {torch.__version__}; decode GB/s counts the K and V "
              "bytes read; kernel times from CUDA-graph replays", "",
              "| shape | ours ms | ours GB/s | slices | sdpa ms | sdpa GB/s | ours / sdpa | paged / contiguous time | "
@@ -183,7 +144,7 @@ def decode_section(device, rounds: int = 7) -> str:
     for shape in DECODE:
         q, k, v, call = decode_inputs(shape, device)
         table = dispatch.table_for(drivers.target_of(device))
-        plans = {"ours": dec.plan(table, call), "sdpa": Sdpa(q, k, v)}
+        plans = {"ours": dec.plan(table, call), "sdpa": SdpaPlan(q, k, v)}
         if call.block_table is not None:
             plans["contiguous"] = dec.plan(table, dec.Call(**{**call.__dict__, "k": k, "v": v, "block_table": None}))
         ms = graph_ms(plans, rounds)

@@ -1,24 +1,22 @@
 """INT8 against fp16, both ours, on an NVIDIA GPU (cuda platform), in the same run.
 
-    python3 tuning/bench_int8.py [--rounds 5]
+    python -m tuning.bench_int8 [--rounds 5]
 
 For each tuning/bench.py shape: the fp16 kernel (flash_attn) and the int8 kernel
 (flash_attn_int8qk on inputs quantized beforehand), launches only, interleaved (fp16 then int8,
---rounds times, medians). TFLOP/s-equivalent uses the fp16 FLOP count for both; the ratio is
+--rounds times, medians: timing.interleaved_ms). TFLOP/s-equivalent uses the fp16 FLOP count for both; the ratio is
 int8 / fp16. Accuracy: tuning/int8_accuracy.py."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import SHAPES, flops, interleaved_ms, shape_inputs  # noqa: E402
+from rdnattention import plan_flash_attn, plan_flash_attn_int8qk, quantize_per_channel, quantize_per_token
 
-from rdnattention import plan_flash_attn, plan_flash_attn_int8qk, quantize_per_channel, quantize_per_token  # noqa: E402
+from .bench import SHAPES, flops, shape_inputs
+from .timing import interleaved_ms
 
 
 def main() -> int:

@@ -3,7 +3,7 @@
 compared. Exits 1 on any difference.
 
     rdnattention-gen audit --json --targets all > after.json
-    python3 tuning/compare_audits.py before.json after.json
+    python -m tuning.compare_audits before.json after.json
 """
 
 from __future__ import annotations

@@ -2,26 +2,23 @@
 dispatch choice forced per run: how a tile or a `when:` entry is justified before it goes into
 variants.yaml or tuned/<target>.yaml.
 
-    python3 tuning/compare_kernels.py --tiles br128_bc64_nt256_tm8,br64_bc64_nt128_tm8 --causal
+    python -m tuning.compare_kernels --tiles br128_bc64_nt256_tm8,br64_bc64_nt128_tm8 --causal
 
 For each shape and tile, the kernel of the build whose name holds the tile and that serves the
 call (largest GQA group first); TFLOP/s with FLOPs = 4*B*H*Sq*Sk*D (halved for causal when
-Sq == Sk), median over rounds; each round times every kernel once (bench.time_ms)."""
+Sq == Sk), median over rounds; each round times every kernel once (timing.interleaved_ms)."""
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import SHAPES, flops, time_ms  # noqa: E402
+from rdnattention import dispatch, drivers, plan_flash_attn
+from rdnattention.errors import UnsupportedError
 
-from rdnattention import dispatch, drivers, plan_flash_attn  # noqa: E402
-from rdnattention.errors import UnsupportedError  # noqa: E402
+from .bench import SHAPES, flops, shape_inputs
+from .timing import interleaved_ms
 
 
 def main() -> int:
@@ -38,10 +35,7 @@ def main() -> int:
     for label, b, hq, hk, sq, sk, d, causal in SHAPES:
         if args.causal and not causal or sq == 1:
             continue
-        g = torch.Generator(device=device).manual_seed(0)
-        q = torch.randn(b, hq, sq, d, device=device, dtype=torch.float16, generator=g)
-        k = torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g)
-        v = torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g)
+        q, k, v = shape_inputs(b, hq, hk, sq, sk, d, device)
         plans = {}
         for tile in tiles:
             names = sorted((e for e in table.kernels if e.head_dim == d and f"_{tile}_" in e.name),
@@ -52,12 +46,9 @@ def main() -> int:
                     break
                 except UnsupportedError:
                     continue
-        times: dict[str, list[float]] = {t: [] for t in plans}
-        for _ in range(args.rounds):
-            for tile, plan in plans.items():
-                times[tile].append(time_ms(plan.run, reps=10))
+        ms = interleaved_ms(plans, args.rounds)
         f = flops(b, hq, sq, sk, d, causal)
-        cells = [f"{f / statistics.median(times[t]) / 1e9:.2f}" if t in times else "-" for t in tiles]
+        cells = [f"{f / ms[t] / 1e9:.2f}" if t in ms else "-" for t in tiles]
         print(f"| {label} | {causal} | " + " | ".join(cells) + " |")
     return 0
 

@@ -3,7 +3,7 @@ peak from each tuned candidate's SASS (cuobjdump -sass; the same loop analysis t
 on its disassembly) against the TFLOP/s `rdnattention-gen tune --measure` recorded.
 
     rdnattention-gen tune --targets sm_90 --build-dir build/tune90 --no-build --measure
-    python3 tuning/cost_check.py --build-dir build/tune90 > results/h200_cost_model.md
+    python -m tuning.cost_check --build-dir build/tune90 > tuning/results/h200_cost_model.md
 
 Per (head_dim, mask): Spearman's rank correlation between estimate and measurement, how the
 model's top pick measured, and the rank the measured best had in the model's order."""
@@ -13,16 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from rdnattention_gen import cost
+from rdnattention_gen.families import spec_from_name
+from rdnattention_gen.families.f16 import threads_per_row
+from rdnattention_gen.matrix import load_matrix
 
-from rdnattention_gen import cost  # noqa: E402
-from rdnattention_gen.families import spec_from_name  # noqa: E402
-from rdnattention_gen.families.f16 import threads_per_row  # noqa: E402
-from rdnattention_gen.matrix import load_matrix  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

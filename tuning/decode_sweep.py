@@ -1,34 +1,25 @@
 """Split-KV decode variants on a GPU, interleaved: builds (tiles, register budgets) and slice counts.
 
-    python3 tuning/decode_sweep.py --builds A=build B=build/other [--splits 1,4,8,16,32]
+    python -m tuning.decode_sweep --builds A=build B=build/other [--splits 1,4,8,16,32]
 
 Each build is a build directory holding this GPU's target (dispatch.json and code object). Every
 decode shape of bench.py (DECODE) is planned against each build's table with the automatic slice
 count, and with each --splits count on the first build; all plans of a shape are timed in turn,
---rounds times from CUDA-graph replays (bench.graph_ms), torch SDPA among them. GB/s counts the K and V bytes read."""
+--rounds times from CUDA-graph replays (timing.graph_ms), torch SDPA among them. GB/s counts the K
+and V bytes read."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import DECODE, decode_bytes, decode_inputs, graph_ms  # noqa: E402
+from rdnattention import dispatch, drivers
+from rdnattention.families import dec
 
-from rdnattention import dispatch, drivers  # noqa: E402
-from rdnattention.families import dec  # noqa: E402
-
-
-class _Sdpa:
-    def __init__(self, q, k, v):
-        self.q, self.k, self.v = q, k, v
-
-    def run(self):
-        F.scaled_dot_product_attention(self.q, self.k, self.v, enable_gqa=self.k.shape[1] != self.q.shape[1])
+from .bench import DECODE, SdpaPlan, decode_bytes, decode_inputs
+from .timing import graph_ms
 
 
 def main() -> int:
@@ -49,7 +40,7 @@ def main() -> int:
     for shape in DECODE:
         label = shape[0]
         q, k, v, call = decode_inputs(shape, device)
-        plans = {"sdpa": _Sdpa(q, k, v)}
+        plans = {"sdpa": SdpaPlan(q, k, v)}
         for name, table in tables.items():
             plans[name] = dec.plan(table, call)
         first = next(iter(tables.values()))

@@ -1,6 +1,6 @@
 """Accuracy of the INT8 kernel against the float64 oracle, beside the fp16 kernel's.
 
-    python3 tuning/int8_accuracy.py [--device cpu|cuda]
+    python -m tuning.int8_accuracy [--device cpu|cuda]
 
 Inputs: fp16 q, k, v [1, 8, 512, head_dim] (K/V with 4 heads: GQA), N(0, 1), and "outliers":
 the same with 4 channels of q and k scaled by 10 (a few large-magnitude channels, as real

@@ -2,7 +2,7 @@
 in a loop with one synchronisation at the end, for flash_attn and, in the same run, torch's
 scaled_dot_product_attention.
 
-    python3 tuning/overhead.py            # a GPU if there is one, and the CPU path with the launch excluded
+    python -m tuning.overhead            # a GPU if there is one, and the CPU path with the launch excluded
 
 On the CPU the emulator's launch is replaced by a no-op for the measurement, so the figure is the
 Python (validation, dispatch, planning, argument packing) around it."""
@@ -10,7 +10,6 @@ Python (validation, dispatch, planning, argument packing) around it."""
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
@@ -19,16 +18,7 @@ from rdnattention import dispatch, drivers, flash_attn
 from rdnattention.drivers import host
 from rdnattention.errors import KernelsNotBuiltError
 
-
-def per_call_us(fn, calls: int, sync) -> float:
-    for _ in range(50):
-        fn()
-    sync()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    sync()
-    return (time.perf_counter() - start) / calls * 1e6
+from .timing import host_us
 
 
 def main() -> int:
@@ -43,8 +33,8 @@ def main() -> int:
         q = torch.randn(shape_q, device=dev, dtype=torch.float16)
         k, v = (torch.randn(shape_kv, device=dev, dtype=torch.float16) for _ in range(2))
         with torch.inference_mode():
-            ours = per_call_us(lambda: flash_attn(q, k, v), args.calls, torch.cuda.synchronize)
-            sdpa = per_call_us(lambda: F.scaled_dot_product_attention(q, k, v), args.calls, torch.cuda.synchronize)
+            ours = host_us(lambda: flash_attn(q, k, v), args.calls, torch.cuda.synchronize)
+            sdpa = host_us(lambda: F.scaled_dot_product_attention(q, k, v), args.calls, torch.cuda.synchronize)
         print(f"| {torch.cuda.get_device_name(dev)} | {ours:.1f} | {sdpa:.1f} | {ours / sdpa:.2f}x |")
         if args.profile:
             import cProfile
@@ -64,11 +54,11 @@ def main() -> int:
     host.launch_kernel = lambda *a, **kw: None  # measure the Python around the launch
     try:
         with torch.inference_mode():
-            ours = per_call_us(lambda: flash_attn(q, k, v), args.calls, lambda: None)
+            ours = host_us(lambda: flash_attn(q, k, v), args.calls, lambda: None)
     finally:
         host.launch_kernel = launch
     with torch.inference_mode():
-        sdpa = per_call_us(lambda: F.scaled_dot_product_attention(q, k, v), args.calls, lambda: None)
+        sdpa = host_us(lambda: F.scaled_dot_product_attention(q, k, v), args.calls, lambda: None)
     print(f"| CPU, launch excluded | {ours:.1f} | {sdpa:.1f} (runs the math) | - |")
     return 0
 

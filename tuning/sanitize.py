@@ -1,6 +1,6 @@
 """Representative cuda-platform launches for compute-sanitizer (memcheck, racecheck, synccheck).
 
-    compute-sanitizer --tool racecheck python3 tuning/sanitize.py
+    compute-sanitizer --tool racecheck python -m tuning.sanitize
 
 Each case is also checked against the float64 oracle; exit status 1 on any mismatch."""
 

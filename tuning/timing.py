@@ -1,0 +1,79 @@
+"""GPU timing for the tuning scripts, one helper per way of timing. The two primitives the runtime
+and the tuner share (back-to-back calls between two events, a CUDA-graph capture) stay in
+rdnattention/peak.py, which cannot import tuning/; everything here builds on them.
+
+- ``call_ms``: single calls, the GPU idle before each, events around each: launch latency included.
+- ``stream_ms``: back-to-back calls between two events: kernel time, host work overlapped.
+- ``graph_ms``: plans replayed from CUDA graphs, timed in turn: kernel time, no launch overhead.
+- ``interleaved_ms``: plans timed in turn with ``call_ms``, round after round (A B A B ...).
+- ``host_us``: the wall clock around a loop of calls: the host's cost per call."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from rdnattention.peak import graphed
+from rdnattention.peak import time_ms as back_to_back_ms
+
+
+def call_ms(fn, reps: int = 25, warmup: int = 3) -> float:
+    """Median over ``reps`` single calls of ``fn`` of the CUDA-event time around each, after
+    ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def stream_ms(fn, reps: int = 25, warmup: int = 3, rounds: int = 5) -> float:
+    """GPU time per call of ``reps`` back-to-back calls between two events (no sync between calls;
+    peak.time_ms), median over ``rounds``: kernel time, the host's per-call work overlapped."""
+    device = torch.device("cuda")
+    per_call = [back_to_back_ms(fn, device, reps=reps, warmup=warmup if r == 0 else 0) for r in range(rounds)]
+    return statistics.median(per_call)
+
+
+def graph_ms(plans: dict, rounds: int, calls: int = 20) -> dict:
+    """Median ms per call of each plan replayed from a CUDA graph of ``calls`` calls, the plans
+    timed in turn ``rounds`` times: kernel time without the host's launch overhead, which for a
+    decode call is longer than the kernels (serving engines replay decode steps as graphs)."""
+    replays = {key: graphed(plan.run, torch.device("cuda"), calls) for key, plan in plans.items()}
+    times: dict = {key: [] for key in plans}
+    for _ in range(rounds):
+        for key, replay in replays.items():
+            times[key].append(call_ms(replay, reps=1, warmup=1) / calls)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def interleaved_ms(plans: dict, rounds: int, reps: int = 10) -> dict:
+    """Median ms per plan over ``rounds`` rounds, each timing every plan in turn (``call_ms`` of
+    ``reps`` launches each), so drift on the machine falls on every plan alike."""
+    times: dict = {key: [] for key in plans}
+    for _ in range(rounds):
+        for key, plan in plans.items():
+            times[key].append(call_ms(plan.run, reps=reps))
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def host_us(fn, calls: int, sync, warmup: int = 50) -> float:
+    """Microseconds of wall clock per call of ``fn`` over ``calls`` calls with one ``sync()`` at the
+    end, after ``warmup`` calls: on a GPU the host's cost per call once it exceeds the kernel's."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / calls * 1e6
