@@ -11,8 +11,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-import msgpack
-from elftools.elf.elffile import ELFFile
+try:
+    import msgpack
+    from elftools.elf.elffile import ELFFile
+except ImportError as e:  # only the amdgcn audit and the AMD tests read code objects; cuda and host builds never do
+    _MISSING: str | None = e.name
+else:
+    _MISSING = None
 
 _NT_AMDGPU_METADATA = 32
 _KD_BYTES = 64
@@ -94,6 +99,9 @@ class CodeObject:
     """One HSA code object, from its bytes."""
 
     def __init__(self, data: bytes, name: str = "code object"):
+        if _MISSING:
+            raise ImportError(f"reading AMD code objects needs pyelftools and msgpack ({_MISSING} is missing): "
+                              "pip install 'rdnattention[gen]'")
         self.data, self.name = data, name
         if data[:4] != b"\x7fELF":
             raise CodeObjectError(f"{name}: not an ELF file")
