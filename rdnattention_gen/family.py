@@ -28,7 +28,12 @@ class Rule:
 
 @dataclass(frozen=True)
 class OracleCase:
-    """A shape and options the test sweep runs every kernel of the family on, against the oracle."""
+    """A shape and options the test sweep runs every kernel of the family on, against the oracle
+    (tests/cases.py turns it into a call of the entry point that serves the family). ``options`` are
+    the call's (is_causal, window_size, softmax_scale, rope) and its layout's: ``seqused_k`` (keys
+    each sequence uses), ``seqlens_q``/``seqlens_k`` (a packed batch: batch, seq_q and seq_k are
+    their count and longest), ``page_size`` (a paged cache of seq_k keys per sequence),
+    ``num_splits`` (key slices)."""
 
     batch: int
     heads_q: int

@@ -1,23 +1,45 @@
-"""The oracle sweep's cases, from the matrix: every head_dim of a family x every case it declares
-(rdnattention_gen/families/<family>.py: oracle_cases), so a new family or head_dim is swept
-without editing the tests."""
+"""The oracle sweep's cases, from the matrix: every family of it x every head_dim the host targets
+build for it x every case the family declares (rdnattention_gen/families/<family>.py:
+oracle_cases), so a new family, head_dim or case is swept without editing the tests. How a case
+becomes a call of the entry point that serves its family: ENTRY_POINTS, by family."""
 
 import torch
 
-from rdnattention import rotary_tables
+from rdnattention import (attention_reference, flash_attn, flash_attn_int8qk, flash_attn_varlen_func,
+                          flash_attn_with_kvcache, quantize_per_channel, quantize_per_token, rotary_tables)
 from rdnattention_gen.families import family
 from rdnattention_gen.matrix import load_matrix
 
+HOST_TARGETS = ("host", "host_f32")  # host: the fp16-staging GPU targets' kernels; host_f32: sm_90's
 FAMILY = family("f16")
 HEAD_DIMS = list(load_matrix().kernels["f16"]["head_dims"])
 VARIANTS = list(FAMILY.oracle_cases)
 TOL = 2e-3      # output: fp16 rounding of the result, of the probabilities and (RoPE) of rotated Q/K
 LSE_TOL = 2e-3  # log-sum-exp, fp32
+# INT8, against the oracle on the dequantized inputs: P's 7-bit quantization and the fp16 output
+# (relative RMS error of the output, as tests/test_int8.py); the LSE comes from the unquantized P.
+INT8_REL_RMS = 0.03
+INT8_LSE_TOL = 1e-3
 
 
-def make_case(name, head_dim):
-    case = FAMILY.oracle_cases[name]
-    g = torch.Generator().manual_seed(head_dim * 100 + VARIANTS.index(name))
+def host_head_dims(target: str, name: str) -> list[int]:
+    """The head_dims ``target`` builds kernels of family ``name`` for."""
+    m = load_matrix()
+    return sorted({v.spec.head_dim for v in m.variants_for(m.target(target)) if v.spec.family == name})
+
+
+def sweep() -> list[tuple[str, str, int, str]]:
+    """(host target, family, head_dim, case) for every family of the matrix."""
+    return [(t, name, hd, case) for t in HOST_TARGETS for name in load_matrix().kernels
+            for hd in host_head_dims(t, name) for case in family(name).oracle_cases]
+
+
+def make_case(name, head_dim, fam="f16"):
+    """q, k, v [batch, heads, seq, head_dim] (fp16) and the flash_attn options of case ``name`` of
+    family ``fam`` (layout options as the case declares them: see OracleCase)."""
+    cases = family(fam).oracle_cases
+    case = cases[name]
+    g = torch.Generator().manual_seed(head_dim * 100 + list(cases).index(name))
     q = torch.randn(case.batch, case.heads_q, case.seq_q, head_dim, generator=g).half()
     k = torch.randn(case.batch, case.heads_kv, case.seq_k, head_dim, generator=g).half()
     v = torch.randn(case.batch, case.heads_kv, case.seq_k, head_dim, generator=g).half()
@@ -27,12 +49,82 @@ def make_case(name, head_dim):
         rotary_dim = head_dim if head_dim <= 64 else head_dim // 2
         options["rotary_cos"], options["rotary_sin"] = rotary_tables(case.seq_k + 3, rotary_dim)
         options["rotary_interleaved"] = head_dim % 64 == 0
+    if "seqused_k" in options:
+        options["seqused_k"] = torch.tensor(options["seqused_k"], dtype=torch.int32)
     return q, k, v, options
+
+
+# --- entry points: each runs a case and returns (out, lse, ref, ref_lse, int8)
+
+def _flash_attn(q, k, v, options):
+    out, lse = flash_attn(q, k, v, return_lse=True, **options)
+    return (out, lse, *attention_reference(q, k, v, return_lse=True, **options), False)
+
+
+def _packed(t, lengths):  # [batch, heads, longest, d] -> [sum(lengths), heads, d]
+    return torch.cat([t[b, :, :n].transpose(0, 1) for b, n in enumerate(lengths)])
+
+
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _varlen(q, k, v, options):
+    """Sequence b: its first seqlens_q[b] query rows and seqlens_k[b] keys, packed."""
+    lq, lk = options.pop("seqlens_q"), options.pop("seqlens_k")
+    causal, window = options.pop("is_causal", False), options.pop("window_size", (-1, -1))
+    out, lse, _ = flash_attn_varlen_func(_packed(q, lq), _packed(k, lk), _packed(v, lk), _cu(lq), _cu(lk), max(lq),
+                                         max(lk), causal=causal, window_size=window, return_attn_probs=True, **options)
+    refs = [attention_reference(q[b:b + 1, :, :nq], k[b:b + 1, :, :nk], v[b:b + 1, :, :nk], return_lse=True,
+                                is_causal=causal, window_size=window, **options)
+            for b, (nq, nk) in enumerate(zip(lq, lk))]
+    ref = torch.cat([r[0, :].transpose(0, 1) for r, _ in refs])  # packed [total_q, heads, d]
+    ref_lse = torch.cat([x[0] for _, x in refs], dim=1)         # [heads, total_q]
+    return out, lse, ref, ref_lse, False
+
+
+def _int8(q, k, v, options):
+    (qi, qs), (ki, ks), (vi, vs) = quantize_per_token(q), quantize_per_token(k), quantize_per_channel(v)
+    out, lse = flash_attn_int8qk(qi, ki, vi, qs, ks, vs, return_lse=True, **options)
+    dequantized = (qi.double() * qs.double()[..., None], ki.double() * ks.double()[..., None],
+                   vi.double() * vs.double()[:, :, None, :])
+    return (out, lse, *attention_reference(*dequantized, return_lse=True, **options), True)
+
+
+def _kvcache(q, k, v, options):
+    """flash_attn_with_kvcache on the keys as a cache (token-major), paged where the case gives a page size."""
+    page = options.pop("page_size", None)
+    lengths = options.pop("seqused_k", None)
+    kc, vc = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # [batch, seq_k, heads_kv, d]
+    block_table = None
+    if page is not None:  # pages of every sequence in a shuffled order in one pool
+        b, sk, hk, d = kc.shape
+        order = torch.randperm(b * sk // page, generator=torch.Generator().manual_seed(sk + page)).to(torch.int32)
+        block_table = order.view(b, sk // page)
+        pool = torch.empty(b * sk // page, page, hk, d, dtype=kc.dtype)
+        kc, vc = (pool.clone().index_copy_(0, order.long(), t.reshape(-1, page, hk, d)) for t in (kc, vc))
+    causal = options.pop("is_causal", False)
+    out, lse = flash_attn_with_kvcache(q.transpose(1, 2).contiguous(), kc, vc, cache_seqlens=lengths,
+                                       block_table=block_table, causal=causal, return_softmax_lse=True, **options)
+    options.pop("num_splits", None)
+    ref, ref_lse = attention_reference(q, k, v, is_causal=causal, seqused_k=lengths, return_lse=True, **options)
+    return out.transpose(1, 2), lse, ref, ref_lse, False
+
+
+ENTRY_POINTS = {"f16": _flash_attn, "f16len": _flash_attn, "dec": _flash_attn, "f16varlen": _varlen,
+                "i8": _int8, "i8dec": _int8, "decpaged": _kvcache, "combine": _kvcache}
+
+
+def run_case(fam, name, head_dim):
+    """Case ``name`` of family ``fam`` at ``head_dim`` through the entry point that serves the family:
+    (out, lse, ref, ref_lse, int8)."""
+    q, k, v, options = make_case(name, head_dim, fam)
+    return ENTRY_POINTS[fam](q, k, v, options)
 
 
 def mirrored_kernels(families: tuple[str, ...]) -> list[tuple[str, str]]:
     """(host target, kernel) for every alternate of ``families`` the host targets build as mirrors
     of GPU targets' tiles (host: the AMD tables; host_f32: sm_90's tuned tiles)."""
     m = load_matrix()
-    return sorted((t, v.spec.name) for t in ("host", "host_f32") for v in m.variants_for(m.target(t))
+    return sorted((t, v.spec.name) for t in HOST_TARGETS for v in m.variants_for(m.target(t))
                   if v.priority < 0 and v.spec.family in families)

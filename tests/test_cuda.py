@@ -9,6 +9,7 @@ from cases import HEAD_DIMS, LSE_TOL, TOL, VARIANTS, make_case
 from rdnattention import attention_reference, flash_attn, flash_attn_with_kvcache, varlen_attn
 from rdnattention.reference import rotate
 from rdnattention_gen import build, toolchain
+from rdnattention_gen.families import family
 
 INT8_KERNELS = ("fa2_i8_", "fa2_i8dec_")  # both products through dot4: the INT8 family and its decode
 
@@ -148,7 +149,7 @@ def test_gpu_torch_compile_fullgraph():
 @pytest.mark.gpu
 def test_gpu_cuda_graph_capture_and_replay():
     device = _gpu()
-    q, k, v, _ = make_case("decode", 128)
+    q, k, v, _ = make_case("decode", 128, "dec")
     qd, kd, vd = q.to(device), k.to(device), v.to(device)
     with torch.inference_mode():
         flash_attn(qd, kd, vd)  # loads the module before capture
@@ -196,11 +197,11 @@ def test_gpu_tensors_refuse_a_forced_host_target(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("variant", ["plain", "causal", "window_two_sided", "gqa", "mqa", "cross", "decode"])
-def test_gpu_int8_matches_the_dequantized_oracle(head_dim, variant):
+@pytest.mark.parametrize("fam,variant", [(f, c) for f in ("i8", "i8dec") for c in family(f).oracle_cases])
+def test_gpu_int8_matches_the_dequantized_oracle(head_dim, fam, variant):
     from rdnattention import flash_attn_int8qk, quantize_per_channel, quantize_per_token
     device = _gpu()
-    q, k, v, options = make_case(variant, head_dim)
+    q, k, v, options = make_case(variant, head_dim, fam)
     (qi, qs), (ki, ks), (vi, vs) = quantize_per_token(q), quantize_per_token(k), quantize_per_channel(v)
     out, lse = flash_attn_int8qk(*(t.to(device) for t in (qi, ki, vi, qs, ks, vs)), return_lse=True, **options)
     ref, ref_lse = attention_reference(qi.double() * qs.double()[..., None], ki.double() * ks.double()[..., None],

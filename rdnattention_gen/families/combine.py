@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from rdnattention.families import combine as runtime
 
-from ..family import Family, HeadDimAxis, Rule
+from ..family import Family, HeadDimAxis, OracleCase, Rule
 from ..spec import KernelSpec, Tile
 from ..target import Target
 from .f16 import WHOLE_WAVES
@@ -28,7 +28,11 @@ class Combine(HeadDimAxis, Family):
     schema = runtime.NAMES
     rules = RULES
     signatures = {"fp32": "none"}  # fp32 only: no tier instruction to find
-    oracle_cases: dict = {}  # runs with the dec family (tests/test_decode.py)
+    # It runs after the dec kernels when a call asks for several key slices.
+    oracle_cases = {
+        "slices": OracleCase(2, 4, 2, 1, 300, {"num_splits": 3}),
+        "slices_causal": OracleCase(1, 4, 1, 2, 257, {"num_splits": 5, "is_causal": True}),
+    }
     tiles_family = "dec"
     tile_constraints = False  # one combine per threads count, whatever rows the dec tile is for
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from rdnattention.families import dec as runtime
 
-from ..family import Family, HeadDimAxis, Rule
+from ..family import Family, HeadDimAxis, OracleCase, Rule
 from ..spec import KernelSpec, Tile
 from ..target import Target, register_budgets
 from .f16 import F16, LDS_RULE, REGISTER_BUDGET, WHOLE_WAVES
@@ -68,7 +68,13 @@ class Dec(HeadDimAxis, Family):
     schema = runtime.NAMES
     rules = RULES
     signatures = F16.signatures
-    oracle_cases: dict = {}  # tests/test_decode.py runs its own sweep
+    # Decode rows: at most 8 query rows per K/V head (route.SPLIT_KV_MAX_ROWS), against many keys.
+    oracle_cases = {
+        "decode": OracleCase(2, 4, 2, 1, 203),
+        "rows_causal": OracleCase(1, 6, 2, 2, 150, {"is_causal": True}),
+        "window": OracleCase(1, 2, 1, 4, 120, {"window_size": (16, 3)}),
+        "lengths": OracleCase(3, 4, 2, 1, 200, {"seqused_k": (200, 1, 77)}),
+    }
 
     def tier(self, target: Target) -> str | None:
         return target.tier.value

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from rdnattention.families import f16len as runtime
 
+from ..family import OracleCase
 from ..spec import KernelSpec
 from .f16 import F16
 
@@ -15,7 +16,12 @@ class F16Len(F16):
     name = "f16len"
     schema = runtime.NAMES
     tiles_family = "f16"  # takes f16's tiles from every tile table
-    oracle_cases: dict = {}  # tests/test_seqused.py runs its own sweep
+    # Enough query rows per K/V head for the row-block kernels; a used length of 0 is an empty row.
+    oracle_cases = {
+        "lengths": OracleCase(3, 2, 2, 16, 100, {"seqused_k": (100, 37, 0)}),
+        "causal_gqa": OracleCase(2, 4, 2, 24, 90, {"is_causal": True, "seqused_k": (90, 30)}),
+        "window": OracleCase(2, 2, 2, 20, 80, {"window_size": (16, 3), "seqused_k": (80, 41)}),
+    }
 
     def context(self, spec: KernelSpec) -> dict:
         return {**super().context(spec), "lengths": True}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from rdnattention.families import f16varlen as runtime
 
+from ..family import OracleCase
 from ..spec import KernelSpec
 from .f16 import F16
 
@@ -14,7 +15,12 @@ class F16Varlen(F16):
     name = "f16varlen"
     schema = runtime.NAMES
     tiles_family = "f16"
-    oracle_cases: dict = {}  # tests/test_varlen.py runs its own sweep
+    # Packed batches (batch, seq_q, seq_k: the count and the longest of the lengths).
+    oracle_cases = {
+        "packed": OracleCase(3, 2, 2, 30, 60, {"seqlens_q": (30, 1, 17), "seqlens_k": (30, 60, 17)}),
+        "causal_gqa": OracleCase(2, 4, 2, 20, 50, {"is_causal": True, "seqlens_q": (20, 9), "seqlens_k": (50, 9)}),
+        "window": OracleCase(2, 2, 2, 40, 70, {"window_size": (21, 9), "seqlens_q": (12, 40), "seqlens_k": (70, 40)}),
+    }
 
     def context(self, spec: KernelSpec) -> dict:
         return {**super().context(spec), "varlen": True}

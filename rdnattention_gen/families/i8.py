@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from rdnattention.families import i8 as runtime
 
-from ..family import Rule
+from ..family import OracleCase, Rule
 from ..spec import KernelSpec, Tile
 from ..target import Target
 from .f16 import COLUMNS_RULE, GRID_RULES, LDS_RULE, F16, threads_per_row
@@ -41,7 +41,14 @@ class I8(F16):
     def products_per_step(self, spec: KernelSpec) -> float | None:
         # dot4 over quads: S tm x (bc / tcw) over head_dim / 4; P.V tm x (head_dim / tcw) over bc / 4.
         return spec.tile.tm * spec.tile.bc * spec.head_dim / (2 * threads_per_row(spec))
-    oracle_cases: dict = {}  # tests/test_int8.py runs its own sweep against the dequantized oracle
+    # Against the oracle on the dequantized inputs (per-token Q, K and per-channel V scales); prefill
+    # shapes: more query rows per K/V head than the i8dec family takes.
+    oracle_cases = {
+        "plain": OracleCase(1, 2, 2, 64, 64),
+        "causal_gqa": OracleCase(1, 4, 2, 70, 70, {"is_causal": True}),
+        "cross": OracleCase(1, 2, 2, 33, 120, {"is_causal": True}),
+        "window_scale": OracleCase(1, 2, 2, 60, 60, {"window_size": (21, 9), "softmax_scale": 0.05}),
+    }
 
     def tier(self, target: Target) -> str | None:
         return None if target.int8_dot == "none" else target.int8_dot

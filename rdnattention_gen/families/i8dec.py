@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from rdnattention.families import i8dec as runtime
 
-from ..family import HeadDimAxis
+from ..family import HeadDimAxis, OracleCase
 from ..spec import KernelSpec
 from .dec import decode_rules, waves_per_simd
 from .i8 import I8
@@ -19,7 +19,12 @@ class I8Dec(HeadDimAxis, I8):
     args = runtime.ARGS
     schema = runtime.NAMES
     rules = decode_rules(runtime.LANE_VALUES)
-    oracle_cases: dict = {}  # tests/test_int8.py runs it against the dequantized oracle
+    # As i8's, with at most 8 query rows per K/V head (route.SPLIT_KV_MAX_ROWS).
+    oracle_cases = {
+        "decode": OracleCase(2, 4, 2, 1, 203),
+        "rows_causal": OracleCase(1, 8, 2, 2, 150, {"is_causal": True}),
+        "window": OracleCase(1, 2, 2, 3, 120, {"window_size": (40, 0)}),
+    }
 
     def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
         return runtime.lds_layout(spec.head_dim, spec.tile.threads, spec.tile.br, spec.wave_size)
