@@ -13,12 +13,12 @@ entry within the family (tile, GQA group, constraints: TargetTable.select)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Callable, Mapping
 
 import torch
 
 from . import dispatch, drivers
+from .call import Attention, Layout, Option, Precision, Request
 from .errors import KernelsNotBuiltError, UnsupportedError
 from .families import dec, decpaged, f16, f16len, f16varlen, i8, i8dec
 from .plan import Plan
@@ -44,100 +44,6 @@ def device_table(device: torch.device) -> TargetTable:
     return table
 
 
-class Precision(Enum):
-    FP16 = "fp16"
-    INT8 = "int8"
-
-
-class Layout(Enum):
-    """How a call's keys and values are found (the value is how messages say it)."""
-
-    STRIDED = "strided keys and values"
-    SEQUSED = "strided keys and values with per-sequence key counts (seqused_k)"
-    PACKED = "packed sequences (cu_seqlens)"
-    PAGED = "a paged cache (block_table)"
-
-
-class Option(Enum):
-    """What a call may ask of a kernel beyond reading its layout (the value is how messages say it).
-    A score transform (softcap, ALiBi) becomes one more, taken by the algorithms whose kernels
-    apply it."""
-
-    ROTARY = "RoPE in the kernel (rotary_cos, rotary_sin)"
-    ROW_ORDER = "a row-block order (heavy_first)"
-    CACHE_ROWS = "cache rows chosen per sequence (cache_batch_idx)"
-    KEY_SLICES = "a number of key slices (num_splits)"
-    QUERY_COUNTS = "per-sequence query rows (padded batches)"
-
-
-@dataclass(frozen=True)
-class Attention:
-    """A validated call in the kernels' view: q and out [batch, heads_q, seq_q, head_dim] (packed:
-    [1, heads_q, total_q, head_dim] with cu_seqlens_q), k and v [batch, heads_kv, seq_k, head_dim]
-    (packed: [1, heads_kv, total_k, head_dim] with cu_seqlens_k; paged: [pages, heads_kv,
-    page_size, head_dim] with block_table), lse [batch, heads_q, seq_q] (packed: [heads_q,
-    total_q]) or None. An int8 call carries its scales (int8.py states their contract)."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    out: torch.Tensor
-    lse: torch.Tensor | None
-    window: tuple[int, int]  # (left, right) after folding is_causal in; -1: unbounded
-    softmax_scale: float
-    batch: int
-    seq_q: int  # query rows per sequence (packed: the longest)
-    seq_k: int  # keys per sequence at most (paged: pages per row x page size)
-    seqused_k: torch.Tensor | None = None
-    cache_batch_idx: torch.Tensor | None = None
-    block_table: torch.Tensor | None = None
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    seqused_q: torch.Tensor | None = None  # int32 [batch]: query rows of each sequence (padded batches)
-    rotary_cos: torch.Tensor | None = None  # fp32 [positions, rotary_dim / 2]
-    rotary_sin: torch.Tensor | None = None
-    rotary_interleaved: bool = False
-    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # int8: q_scale, k_scale, v_scale
-    num_splits: int = 0  # key slices of the split-KV kernels; 0: chosen from the grid and the device
-    heavy_first: bool | None = None  # the row-block order; None: the kernel's default
-    kernel: str | None = None  # a kernel forced by name
-
-    @property
-    def layout(self) -> Layout:
-        if self.block_table is not None:
-            return Layout.PAGED
-        if self.cu_seqlens_q is not None:
-            return Layout.PACKED
-        return Layout.SEQUSED if self.seqused_k is not None else Layout.STRIDED
-
-    def request(self) -> Request:
-        layout = self.layout
-        wanted = {Option.ROTARY: self.rotary_cos is not None,
-                  Option.ROW_ORDER: self.heavy_first is not None,
-                  Option.CACHE_ROWS: self.cache_batch_idx is not None,
-                  Option.QUERY_COUNTS: self.seqused_q is not None,
-                  # A slice count asks for the split-KV kernels on a cache (flash_attn_with_kvcache's
-                  # num_splits). On packed batches (varlen_attn's) it applies where they run: a long
-                  # packed prefill runs row blocks, which have no slices, so their results do not
-                  # depend on the batch either.
-                  Option.KEY_SLICES: self.num_splits > 0 and layout is not Layout.PACKED}
-        return Request(precision=Precision.INT8 if self.scales is not None else Precision.FP16, layout=layout,
-                       head_dim=self.q.shape[3], rows=self.q.shape[1] // max(self.k.shape[1], 1) * self.seq_q,
-                       options=frozenset(o for o, on in wanted.items() if on), kernel=self.kernel)
-
-
-@dataclass(frozen=True)
-class Request:
-    """What decides the family of a call."""
-
-    precision: Precision
-    layout: Layout
-    head_dim: int
-    rows: int  # query rows per K/V head: query heads per K/V head times query rows per sequence
-    options: frozenset[Option] = frozenset()
-    kernel: str | None = None
-
-
 def _int8_call(a: Attention) -> i8.Call:
     q_scale, k_scale, v_scale = a.scales
     return i8.Call(q=a.q, k=a.k, v=a.v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=a.out, lse=a.lse,
@@ -153,11 +59,7 @@ def _fp16_row_blocks(table: TargetTable, a: Attention, family: str) -> Plan:
 
 
 def _fp16_split_kv(table: TargetTable, a: Attention, family: str) -> Plan:
-    call = dec.Call(q=a.q, k=a.k, v=a.v, out=a.out, lse=a.lse, window=a.window, softmax_scale=a.softmax_scale,
-                    batch=a.batch, seq_q=a.seq_q, seq_k=a.seq_k, seqused_k=a.seqused_k,
-                    cache_batch_idx=a.cache_batch_idx, block_table=a.block_table, cu_seqlens_q=a.cu_seqlens_q,
-                    cu_seqlens_k=a.cu_seqlens_k, seqused_q=a.seqused_q, num_splits=a.num_splits)
-    return dec.plan(table, call, family=family, kernel=a.kernel)
+    return dec.plan(table, a, family=family, kernel=a.kernel)  # dec plans the call as it is
 
 
 def _int8_row_blocks(table: TargetTable, a: Attention, family: str) -> Plan:

@@ -7,19 +7,14 @@ combine family's merge of the slices) are planned by _splitkv.py, which i8dec sh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from ..abi import ArgStruct
+from ..call import Attention
 from ..names import NameSchema
 from ..plan import Plan
 from ..table import TargetTable
 from . import _splitkv, f16
 # The slice rules, under dec's name as before (_splitkv.py states them for every split-KV family).
 from ._splitkv import resident, slices, splits_for  # noqa: F401
-
-if TYPE_CHECKING:
-    import torch
 
 NAME = "dec"
 # br = tm: the query rows one workgroup holds (every thread holds all of them); bc: keys per step.
@@ -64,31 +59,9 @@ def lds_bytes(facts: dict[str, object]) -> int:
     return sum(lds_layout(facts["head_dim"], facts["tile.threads"], facts["tile.br"], facts["wave_size"]).values())
 
 
-@dataclass(frozen=True)
-class Call:
-    """A validated decode call in the kernel's view: q and out [batch, heads_q, seq_q, head_dim]
-    (packed: [1, heads_q, total_q, head_dim] with cu_seqlens_q), k and v [batch, heads_kv, seq_k,
-    head_dim] (packed: [1, heads_kv, total_k, head_dim] with cu_seqlens_k; paged: [num_pages,
-    heads_kv, page_size, head_dim] with block_table), lse [batch, heads_q, seq_q] (packed:
-    [heads_q, total_q])."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    out: torch.Tensor
-    lse: torch.Tensor | None
-    window: tuple[int, int]
-    softmax_scale: float
-    batch: int
-    seq_q: int   # query rows per batch (packed: the longest)
-    seq_k: int   # keys per batch at most (paged: pages per row x page size)
-    seqused_k: torch.Tensor | None = None
-    cache_batch_idx: torch.Tensor | None = None
-    block_table: torch.Tensor | None = None
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    seqused_q: torch.Tensor | None = None  # int32 [batch]: query rows of each batch (padded batches)
-    num_splits: int = 0  # 0: chosen from the grid and the device
+# A decode call is the call description every entry point builds (call.py): the planner reads its
+# tensors, lengths, layout fields and num_splits.
+Call = Attention
 
 
 def plan(table: TargetTable, call: Call, *, family: str | None = None, kernel: str | None = None) -> Plan:
