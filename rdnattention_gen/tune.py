@@ -353,7 +353,7 @@ class _F16Harness:
 
 class _I8Harness(_F16Harness):
     """int8 inputs (the package's quantizers) through plan_flash_attn_int8qk; the relative RMS error
-    against the oracle on the dequantized inputs (tests/test_int8.py's bound)."""
+    against the oracle on the dequantized inputs (tests/kernels/test_int8.py's bound)."""
 
     tolerance, metric = 0.03, "relative RMS error"
 

@@ -52,4 +52,4 @@ echo "== rdnattention-gen build --user --targets host"
 "$WORK/venv/bin/rdnattention" info > info.txt
 head -8 info.txt
 echo "== host-emulator tests against the install"
-RDNATTENTION_TEST_INSTALLED=1 "$VPY" -m pytest -q -p no:cacheprovider tests/test_host_kernel.py tests/test_torch.py
+RDNATTENTION_TEST_INSTALLED=1 "$VPY" -m pytest -q -p no:cacheprovider tests/kernels/test_host_kernel.py tests/runtime/test_torch.py

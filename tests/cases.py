@@ -17,7 +17,7 @@ VARIANTS = list(FAMILY.oracle_cases)
 TOL = 2e-3      # output: fp16 rounding of the result, of the probabilities and (RoPE) of rotated Q/K
 LSE_TOL = 2e-3  # log-sum-exp, fp32
 # INT8, against the oracle on the dequantized inputs: P's 7-bit quantization and the fp16 output
-# (relative RMS error of the output, as tests/test_int8.py); the LSE comes from the unquantized P.
+# (relative RMS error of the output, as tests/kernels/test_int8.py); the LSE comes from the unquantized P.
 INT8_REL_RMS = 0.03
 INT8_LSE_TOL = 1e-3
 

@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,10 @@ from rdnattention_gen import build
 from rdnattention_gen.matrix import load_matrix
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# The tests sit in one folder per layer (generator/, runtime/, kernels/ on the host emulator, gpu/);
+# the helpers they share (cases.py, amd_emulator.py, tiny_amdgcn.py) sit here, beside this file.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 # RDNATTENTION_TEST_INSTALLED=1: test an installed (non-editable) rdnattention from a copy of these
@@ -45,7 +50,7 @@ BUILD_DIR = _build_dir()
 
 
 def pytest_addoption(parser):
-    parser.addoption("--update-goldens", action="store_true", help="rewrite tests/golden from the templates")
+    parser.addoption("--update-goldens", action="store_true", help="rewrite tests/generator/golden from the templates")
 
 
 @pytest.fixture(scope="session")

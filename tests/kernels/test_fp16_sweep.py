@@ -1,5 +1,5 @@
 """The GPU targets' tiles of the fp16 families, mirrored as the host targets' alternates, against the
-float64 oracle by name. (Every family's cases on every host head_dim: tests/test_oracle_sweep.py.)"""
+float64 oracle by name. (Every family's cases on every host head_dim: tests/kernels/test_oracle_sweep.py.)"""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from rdnattention import attention_reference
 
 # The AMD tables' tiles (and sm_90's tuned ones) run here as the host's alternates: every case of the
 # sweep through each of them, by name. f16len runs with cache lengths, f16varlen on a packed batch.
-# (The int8 ones: tests/test_int8.py.)
+# (The int8 ones: tests/kernels/test_int8.py.)
 @pytest.mark.parametrize("target,name", mirrored_kernels(("f16", "f16len", "f16varlen")))
 def test_mirrored_gpu_tiles_match_oracle(host_build, monkeypatch, target, name):
     from rdnattention import plan_flash_attn

@@ -97,7 +97,7 @@ def test_the_generator_renders_without_torch():
             "for t in m.select('default,host,sm_90'):\n"
             "    render.target_files(render.environment(), m, t)\n"
             "print('ok')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 

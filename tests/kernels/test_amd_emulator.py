@@ -24,7 +24,7 @@ from rdnattention_gen.families import spec_from_name
 
 TARGET = "gfx1100"
 TOL = 2e-3          # as on the host platform: fp16 rounding of the output and of the probabilities
-INT8_REL_RMS = 0.03  # tests/test_int8.py: P's 7-bit quantization against the dequantized oracle
+INT8_REL_RMS = 0.03  # tests/kernels/test_int8.py: P's 7-bit quantization against the dequantized oracle
 
 SNAPSHOT = amd_emulator.snapshot()
 pytestmark = [
