@@ -71,6 +71,12 @@ class Attention:
     kernel: str | None = None  # a kernel forced by name
 
     @property
+    def causal_like(self) -> bool:
+        """Visible keys grow with the query position (no left bound, a right bound)."""
+        left, right = self.window
+        return left < 0 and right >= 0
+
+    @property
     def layout(self) -> Layout:
         if self.block_table is not None:
             return Layout.PAGED

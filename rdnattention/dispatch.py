@@ -26,7 +26,7 @@ _CHECKOUT = _PACKAGE.parent
 ROCM_LOADS = {4: (4, 1), 5: (5, 3), 6: (6, 2)}
 # AMD code-object versions a table may record that this runtime launches (None: not an AMD code object).
 LOADABLE_CODE_OBJECT_VERSIONS = (None, 4, 5)
-TABLE_FORMAT = 3  # 3: the code object's size and SHA-256 are recorded
+TABLE_FORMAT = 4  # 3: the code object's size and SHA-256 are recorded; 4: entries name their layout option
 
 
 def rocm_floor(version: int) -> str:
@@ -121,11 +121,14 @@ def _entry(e: dict, i: int) -> KernelEntry:
     when = e.get("when", {})
     if not isinstance(when, dict):
         raise ValueError(f"kernels[{i}].when is not an object")
+    layout = e.get("layout")
+    if layout is not None and type(layout) is not str:
+        raise ValueError(f"kernels[{i}].layout = {layout!r} is not a string or null")
     return KernelEntry(
         name=e["name"], family=e["family"], head_dim=e["head_dim"], gqa_group=e["gqa_group"], tier=e["tier"],
         threads=e["threads"], br=e["br"], bc=e["bc"], tm=e["tm"], lds_bytes=e["lds_bytes"],
         priority=e["priority"], when=Constraints.from_json(when), provenance=e["provenance"],
-        args_digest=e["args_digest"])
+        args_digest=e["args_digest"], layout=layout)
 
 
 def _check_entry(path: Path, i: int, e: KernelEntry, wave_size: object, rebuild: str) -> None:
@@ -140,6 +143,13 @@ def _check_entry(path: Path, i: int, e: KernelEntry, wave_size: object, rebuild:
         raise IncompatibleKernelsError(f"{path}: kernels[{i}] ({e.name}) has an impossible tile: group "
                                        f"{e.gqa_group}, br {e.br}, bc {e.bc}, threads {e.threads}, tm {e.tm}; "
                                        f"{rebuild}")
+    layouts = getattr(fam, "LAYOUTS", {})
+    if e.layout is not None and e.layout not in layouts:
+        raise IncompatibleKernelsError(f"{path}: kernels[{i}].layout {e.layout!r} is not a layout of family "
+                                       f"{e.family} (it has {', '.join(sorted(layouts)) or 'none'}); {rebuild}")
+    if e.layout != facts.get("options.layout"):
+        raise IncompatibleKernelsError(f"{path}: kernels[{i}].layout is {e.layout!r} but kernel {e.name} was built "
+                                       f"for {facts.get('options.layout')!r}; {rebuild}")
     for key, value in facts.items():
         field = key.rsplit(".", 1)[-1]
         recorded = wave_size if field == "wave_size" else getattr(e, field, value)

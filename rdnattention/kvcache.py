@@ -4,7 +4,7 @@ cache with per-sequence lengths, appending the new keys and values in place.
 Plain caches with automatic key slices run as flash_attn calls with cache lengths (ops.py), the
 others through decode.py; route.py chooses the kernels of both: the split-KV decode kernels for
 paged caches, cache_batch_idx, explicit num_splits and calls with few query rows per K/V head, the
-fp16 row-block kernels with cache lengths (the f16len family) otherwise. The in-place append and
+fp16 row-block kernels with cache lengths (f16 of layout len) otherwise. The in-place append and
 RoPE on the new keys and the queries (reference.rotate, in float64) are torch operations, so
 torch.compile traces them as they are."""
 

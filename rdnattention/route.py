@@ -4,11 +4,12 @@ An entry point validates its arguments and describes the call as an :class:`Atte
 tensors in the kernels' view and the options). The chooser reads only what decides the family
 (:class:`Request`: precision, how the keys and values are laid out, head_dim, query rows per K/V
 head, the kernel options the call needs, a kernel forced by name) against :data:`ALGORITHMS`,
-which states every algorithm, the kernel family it is compiled as for each layout and the options
-its kernels take. :func:`choose` returns the family that serves the call, or the typed error that
-says why none does; it is also the "is this supported" check (the transformers integration falls
-back on its error). :func:`plan` hands the call to the chosen algorithm's planner, which picks the
-entry within the family (tile, GQA group, constraints: TargetTable.select)."""
+which states every algorithm: its kernel family, the layout option its kernels are compiled with
+for each way a call's keys are laid out, and the options its kernels take. :func:`choose` returns
+the family and layout that serve the call, or the typed error that says why none does; it is also
+the "is this supported" check (the transformers integration falls back on its error).
+:func:`plan` hands the call to the chosen algorithm's planner, which picks the entry within the
+family (tile, GQA group, constraints: TargetTable.select)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ import torch
 from . import dispatch, drivers
 from .call import Attention, Layout, Option, Precision, Request
 from .errors import KernelsNotBuiltError, UnsupportedError
-from .families import dec, decpaged, f16, f16len, f16varlen, i8, i8dec
+from .families import dec, f16, i8, i8dec
 from .plan import Plan
-from .table import TargetTable
+from .table import TargetTable, kind
 
 
 def device_table(device: torch.device) -> TargetTable:
@@ -50,53 +51,54 @@ def _int8_call(a: Attention) -> i8.Call:
                    window=a.window, softmax_scale=a.softmax_scale)
 
 
-def _fp16_row_blocks(table: TargetTable, a: Attention, family: str) -> Plan:
-    call = f16.Call(q=a.q, k=a.k, v=a.v, out=a.out, lse=a.lse, window=a.window, softmax_scale=a.softmax_scale,
-                    rotary_cos=a.rotary_cos, rotary_sin=a.rotary_sin, rotary_interleaved=a.rotary_interleaved,
-                    seqused_k=a.seqused_k, cu_seqlens_q=a.cu_seqlens_q, cu_seqlens_k=a.cu_seqlens_k,
-                    packed=(a.batch, a.seq_q, a.seq_k) if a.cu_seqlens_q is not None else None)
-    return f16.plan(table, call, family=family, heavy_first=a.heavy_first, kernel=a.kernel)
+def _fp16_row_blocks(table: TargetTable, a: Attention) -> Plan:
+    return f16.plan(table, a)  # on the kernels of its layout
 
 
-def _fp16_split_kv(table: TargetTable, a: Attention, family: str) -> Plan:
-    return dec.plan(table, a, family=family, kernel=a.kernel)  # dec plans the call as it is
+def _fp16_split_kv(table: TargetTable, a: Attention) -> Plan:
+    return dec.plan(table, a, kernel=a.kernel)  # dec plans the call as it is
 
 
-def _int8_row_blocks(table: TargetTable, a: Attention, family: str) -> Plan:
-    return i8.plan(table, _int8_call(a), heavy_first=a.heavy_first, kernel=a.kernel)  # one family: i8
+def _int8_row_blocks(table: TargetTable, a: Attention) -> Plan:
+    return i8.plan(table, _int8_call(a), heavy_first=a.heavy_first, kernel=a.kernel)
 
 
-def _int8_split_kv(table: TargetTable, a: Attention, family: str) -> Plan:
-    return i8dec.plan(table, _int8_call(a), kernel=a.kernel, num_splits=a.num_splits)  # one family: i8dec
+def _int8_split_kv(table: TargetTable, a: Attention) -> Plan:
+    return i8dec.plan(table, _int8_call(a), kernel=a.kernel, num_splits=a.num_splits)
 
 
 @dataclass(frozen=True, eq=False)
 class Algorithm:
-    """One way of computing attention, and what it serves: a precision, the layouts it is compiled
-    for (each a kernel family), the options its kernels take, and its planner."""
+    """One way of computing attention, and what it serves: a precision, its kernel family, the
+    layouts it reads (each with the family's layout option its kernels are compiled with for it,
+    None for the plain kernels), the options its kernels take, and its planner."""
 
     name: str
     precision: Precision
     split_kv: bool  # key slices for few query rows (flash-decoding), or blocks of query rows
-    families: Mapping[Layout, str]
+    family: str
+    layouts: Mapping[Layout, str | None]
     options: frozenset[Option]
-    planner: Callable[[TargetTable, Attention, str], Plan]
+    planner: Callable[[TargetTable, Attention], Plan]
+
+    def kind(self, layout: Layout) -> str:
+        """The kernels that read ``layout``, as messages say them: ``f16 len``."""
+        return kind(self.family, self.layouts[layout])
 
 
 FP16_ROW_BLOCKS = Algorithm(
-    "fp16 row-block", Precision.FP16, split_kv=False,
-    families={Layout.STRIDED: f16.NAME, Layout.SEQUSED: f16len.NAME, Layout.PACKED: f16varlen.NAME},
+    "fp16 row-block", Precision.FP16, split_kv=False, family=f16.NAME,
+    layouts={Layout.STRIDED: None, Layout.SEQUSED: "len", Layout.PACKED: "varlen"},
     options=frozenset({Option.ROTARY, Option.ROW_ORDER}), planner=_fp16_row_blocks)
 FP16_SPLIT_KV = Algorithm(
-    "fp16 split-KV", Precision.FP16, split_kv=True,
-    families={Layout.STRIDED: dec.NAME, Layout.SEQUSED: dec.NAME, Layout.PACKED: dec.NAME,
-              Layout.PAGED: decpaged.NAME},
+    "fp16 split-KV", Precision.FP16, split_kv=True, family=dec.NAME,
+    layouts={Layout.STRIDED: None, Layout.SEQUSED: None, Layout.PACKED: None, Layout.PAGED: "paged"},
     options=frozenset({Option.CACHE_ROWS, Option.KEY_SLICES, Option.QUERY_COUNTS}), planner=_fp16_split_kv)
 INT8_ROW_BLOCKS = Algorithm(
-    "int8 row-block", Precision.INT8, split_kv=False, families={Layout.STRIDED: i8.NAME},
+    "int8 row-block", Precision.INT8, split_kv=False, family=i8.NAME, layouts={Layout.STRIDED: None},
     options=frozenset({Option.ROW_ORDER}), planner=_int8_row_blocks)
 INT8_SPLIT_KV = Algorithm(
-    "int8 split-KV", Precision.INT8, split_kv=True, families={Layout.STRIDED: i8dec.NAME},
+    "int8 split-KV", Precision.INT8, split_kv=True, family=i8dec.NAME, layouts={Layout.STRIDED: None},
     options=frozenset({Option.KEY_SLICES}), planner=_int8_split_kv)
 ALGORITHMS = (FP16_ROW_BLOCKS, FP16_SPLIT_KV, INT8_ROW_BLOCKS, INT8_SPLIT_KV)
 
@@ -108,69 +110,69 @@ SPLIT_KV_MAX_ROWS = 8
 
 @dataclass(frozen=True)
 class Route:
-    """What serves a call: an algorithm and the kernel family it is compiled as for the call's layout."""
+    """What serves a call: an algorithm, its kernel family and the layout option of the kernels
+    that read the call's layout (None: the plain kernels)."""
 
     algorithm: Algorithm
     family: str
+    layout: str | None = None
 
 
 def choose(table: TargetTable, request: Request) -> Route:
-    """The algorithm, and its kernel family, that serve ``request`` on ``table``'s target.
+    """The algorithm, its kernel family and layout option, that serve ``request`` on ``table``'s target.
 
     The algorithms of the call's precision compiled for its layout whose kernels take every option
     it needs serve it. A kernel forced by name runs if its family is one of them. Otherwise few
     query rows per K/V head (SPLIT_KV_MAX_ROWS) prefer the split-KV algorithm and more rows the
     row-block one, and the first whose family is built for the head_dim runs. UnsupportedError
     otherwise, naming what is missing."""
-    if request.precision is Precision.INT8 and not any(
-            e.family in INT8_ROW_BLOCKS.families.values() for e in table.kernels):
+    if request.precision is Precision.INT8 and not any(e.family == INT8_ROW_BLOCKS.family for e in table.kernels):
         # INT8 is built on the targets with an int8 dot; its split-KV kernels only beside the row-block ones.
         raise UnsupportedError(f"target {table.target} has no int8 kernels (it has no int8 dot instruction, or they "
                                "were not built); use flash_attn, the fp16 kernel")
-    serving = [a for a in ALGORITHMS if a.precision is request.precision and request.layout in a.families]
+    serving = [a for a in ALGORITHMS if a.precision is request.precision and request.layout in a.layouts]
     if not serving:
         raise UnsupportedError(f"no {request.precision.value} kernels read {request.layout.value}")
     if request.kernel is not None:
         return _forced(table, request, serving)
     able = [a for a in serving if request.options <= a.options]
     if not able:
-        lacking = "; ".join(f"the {a.name} kernels ({a.families[request.layout]}) take no "
+        lacking = "; ".join(f"the {a.name} kernels ({a.kind(request.layout)}) take no "
                             f"{', '.join(sorted(o.value for o in request.options - a.options))}" for a in serving)
         raise UnsupportedError(f"no kernel family serves this {request.precision.value} call with "
                                f"{request.layout.value}: {lacking}")
     split_first = request.rows <= SPLIT_KV_MAX_ROWS
     preferred = sorted(able, key=lambda a: a.split_kv != split_first)
     for a in preferred:
-        family = a.families[request.layout]
-        if table.entries(family, request.head_dim):
-            return Route(algorithm=a, family=family)
+        layout = a.layouts[request.layout]
+        if table.entries(a.family, request.head_dim, layout):
+            return Route(algorithm=a, family=a.family, layout=layout)
     missing = []
     for a in preferred:
-        family = a.families[request.layout]
-        dims = sorted({e.head_dim for e in table.kernels if e.family == family})
-        missing.append(f"no {family} kernel for head_dim {request.head_dim} on {table.target}; built head_dims: "
-                       f"{dims}" if not missing else f"nor a {family} kernel (built head_dims: {dims})")
+        dims = table.head_dims(a.family, a.layouts[request.layout])
+        what = a.kind(request.layout)
+        missing.append(f"no {what} kernel for head_dim {request.head_dim} on {table.target}; built head_dims: "
+                       f"{dims}" if not missing else f"nor a {what} kernel (built head_dims: {dims})")
     raise UnsupportedError("; ".join(missing))
 
 
 def _forced(table: TargetTable, request: Request, serving: list[Algorithm]) -> Route:
-    """The route of a call that names its kernel: that kernel's family, where it serves the call."""
+    """The route of a call that names its kernel: that kernel's family and layout, where they serve the call."""
     entry = table.named(request.kernel)
-    families = ", ".join(dict.fromkeys(a.families[request.layout] for a in serving))
+    kinds = ", ".join(dict.fromkeys(a.kind(request.layout) for a in serving))
     why = "no kernel of that name is built"
     if entry is not None:
-        why = (f"it is a kernel of family {entry.family}; this {request.precision.value} call with "
-               f"{request.layout.value} runs the kernels of {families}")
+        why = (f"it is a {entry.kind} kernel; this {request.precision.value} call with "
+               f"{request.layout.value} runs the {kinds} kernels")
     for a in serving:
-        if entry is not None and a.families[request.layout] == entry.family:
+        if entry is not None and (a.family, a.layouts[request.layout]) == (entry.family, entry.layout):
             lacking = request.options - a.options
             if not lacking:
-                return Route(algorithm=a, family=entry.family)
-            why = f"the kernels of {entry.family} take no {', '.join(sorted(o.value for o in lacking))}"
+                return Route(algorithm=a, family=entry.family, layout=entry.layout)
+            why = f"the {entry.kind} kernels take no {', '.join(sorted(o.value for o in lacking))}"
     raise UnsupportedError(f"kernel {request.kernel!r} does not serve this call on {table.target}: {why}")
 
 
 def plan(table: TargetTable, call: Attention) -> Plan:
     """The launches of ``call``: its route chosen, then planned by the algorithm's planner."""
-    route = choose(table, call.request())
-    return route.algorithm.planner(table, call, route.family)
+    return choose(table, call.request()).algorithm.planner(table, call)

@@ -1,8 +1,8 @@
 """A target's dispatch table in memory and how it chooses a kernel within a family.
 
 A table (built as ``<target>/dispatch.json``, found and loaded by dispatch.py) lists entries: a
-kernel, the key it serves (family, head_dim, GQA group), optional constraints (``when``), a
-priority and where it came from. :meth:`TargetTable.select` answers both which entry of a family
+kernel, the key it serves (family, the layout option it is compiled for, head_dim, GQA group),
+optional constraints (``when``), a priority and where it came from. :meth:`TargetTable.select` answers both which entry of a family
 runs a call and, when none can, why not. Which family serves a call is route.py's choice."""
 
 from __future__ import annotations
@@ -109,6 +109,18 @@ class KernelEntry:
     when: Constraints
     provenance: str
     args_digest: str
+    # The family's layout option the kernel is compiled for (a key of the family's LAYOUTS: f16's
+    # len and varlen, dec's paged); None: the plain kernels.
+    layout: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """The family, and the layout where the kernel has one, as messages say it: ``dec paged``."""
+        return kind(self.family, self.layout)
+
+
+def kind(family: str, layout: str | None) -> str:
+    return family if layout is None else f"{family} {layout}"
 
 
 @dataclass(frozen=True)
@@ -126,9 +138,9 @@ class TargetTable:
     code_object_version: int | None = None  # the AMD code object ABI it is built for; None: not pinned
 
     def __post_init__(self) -> None:
-        by_key: dict[tuple[str, int], list[KernelEntry]] = {}
+        by_key: dict[tuple[str, str | None, int], list[KernelEntry]] = {}
         for e in self.kernels:
-            by_key.setdefault((e.family, e.head_dim), []).append(e)
+            by_key.setdefault((e.family, e.layout, e.head_dim), []).append(e)
         object.__setattr__(self, "_by_key", {k: tuple(v) for k, v in by_key.items()})
 
     def shared_bytes(self, entry: KernelEntry) -> int:
@@ -136,25 +148,29 @@ class TargetTable:
         launch, 0 where the code object allocates it."""
         return entry.lds_bytes if self.dynamic_lds else 0
 
-    def entries(self, family: str, head_dim: int) -> tuple[KernelEntry, ...]:
-        """Every entry of ``family`` at ``head_dim`` (alternates included): whether the family is built there."""
-        return self._by_key.get((family, head_dim), ())
+    def entries(self, family: str, head_dim: int, layout: str | None = None) -> tuple[KernelEntry, ...]:
+        """Every entry of ``family`` compiled for ``layout`` at ``head_dim`` (alternates included):
+        whether those kernels are built there."""
+        return self._by_key.get((family, layout, head_dim), ())
+
+    def head_dims(self, family: str, layout: str | None = None) -> list[int]:
+        """The head_dims ``family``'s kernels compiled for ``layout`` are built for."""
+        return sorted({e.head_dim for e in self.kernels if e.family == family and e.layout == layout})
 
     def named(self, name: str) -> KernelEntry | None:
         """The entry of kernel ``name``, or None when the table has no such kernel."""
         return next((e for e in self.kernels if e.name == name), None)
 
     def select(self, family: str, *, head_dim: int, heads_per_kv: int, causal: bool, seq_q: int,
-               kernel: str | None = None, rows: int | None = None) -> KernelEntry:
-        """The entry that serves a call: among those of the family and head_dim whose GQA group
-        divides the query heads per K/V head and whose constraints admit the call, the largest
-        group, then the highest priority. ``kernel`` forces one entry by name (it must fit); entries
+               kernel: str | None = None, rows: int | None = None, layout: str | None = None) -> KernelEntry:
+        """The entry that serves a call: among those of the family compiled for ``layout`` at
+        head_dim whose GQA group divides the query heads per K/V head and whose constraints admit
+        the call, the largest group, then the highest priority. ``kernel`` forces one entry by name (it must fit); entries
         of negative priority (alternates: host mirrors of GPU tiles, tuning candidates) run only so."""
-        same = self._by_key.get((family, head_dim), ())
+        same = self._by_key.get((family, layout, head_dim), ())
         if not same:
-            dims = sorted({e.head_dim for e in self.kernels if e.family == family})
-            raise UnsupportedError(f"no {family} kernel for head_dim {head_dim} on {self.target}; "
-                                   f"built head_dims: {dims}")
+            raise UnsupportedError(f"no {kind(family, layout)} kernel for head_dim {head_dim} on {self.target}; "
+                                   f"built head_dims: {self.head_dims(family, layout)}")
         if rows is None:
             rows = heads_per_kv * seq_q
         fits = [e for e in same
@@ -169,7 +185,7 @@ class TargetTable:
         fits = [e for e in fits if e.priority > ALTERNATE]  # alternates serve only calls that name them
         if not fits:
             offered = "; ".join(f"{e.name} (group {e.gqa_group}, {e.when})" for e in same)
-            raise UnsupportedError(f"no {family} kernel on {self.target} serves head_dim {head_dim} with "
+            raise UnsupportedError(f"no {kind(family, layout)} kernel on {self.target} serves head_dim {head_dim} with "
                                    f"{heads_per_kv} query heads per K/V head, causal={causal}, seq_q={seq_q}; "
                                    f"built: {offered}")
         return max(fits, key=lambda e: (e.gqa_group, e.priority))

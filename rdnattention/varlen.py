@@ -5,7 +5,7 @@ Sequences are packed along the first dimension, [total, heads, head_dim], sequen
 cu_seqlens[b] .. cu_seqlens[b + 1] - 1. Causal masks and windows align each sequence's queries to
 the end of its keys, as both libraries do. route.py chooses the kernels: batches with few query
 rows per K/V head (decode) run the split-KV kernels, longer ones the row-block kernels compiled for
-packed batches (f16varlen), paged pools always the split-KV kernels."""
+packed batches (layout varlen), paged pools always the split-KV kernels."""
 
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ def table(target: Target, variants: list[Variant], code_object: Path, dynamic_ld
         entries.append({
             "name": spec.name,
             "family": spec.family,
+            "layout": spec.option("layout"),  # the family's layout option; null: the plain kernels
             "head_dim": spec.head_dim,
             "gqa_group": spec.gqa_group,
             "tier": spec.tier,

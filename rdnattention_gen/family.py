@@ -1,7 +1,8 @@
 """What a kernel family is to the generator. A family module under families/ defines one
 :class:`Family`: its axes in variants.yaml, its validation rules, its name schema, its LDS layout,
 its argument struct (imported from the runtime, which owns it), its audit signature per tier, its
-template, and the cases the oracle sweep runs it on. Nothing outside the module knows them."""
+template, the layout options its kernels are also compiled with, and the cases the oracle sweep
+runs it on. Which family serves a call is the runtime chooser's (rdnattention/route.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class Rule:
 @dataclass(frozen=True)
 class OracleCase:
     """A shape and options the test sweep runs every kernel of the family on, against the oracle
-    (tests/cases.py turns it into a call of the entry point that serves the family). ``options`` are
+    (tests/cases.py turns it into a call of the entry point that serves the family). ``layout``: the
+    family's layout option whose kernels the case runs (None: the plain ones). ``options`` are
     the call's (is_causal, window_size, softmax_scale, rope) and its layout's: ``seqused_k`` (keys
     each sequence uses), ``seqlens_q``/``seqlens_k`` (a packed batch: batch, seq_q and seq_k are
     their count and longest), ``page_size`` (a paged cache of seq_k keys per sequence),
@@ -41,6 +43,7 @@ class OracleCase:
     seq_q: int
     seq_k: int
     options: dict = field(default_factory=dict)
+    layout: str | None = None
 
 
 class Family:
@@ -51,7 +54,11 @@ class Family:
     rules: tuple[Rule, ...]
     signatures: dict[str, str]        # tier -> audit count that must be non-zero
     oracle_cases: dict[str, OracleCase]
-    tiles_family: str | None = None   # take another family's tiles (a variant of it); None: its own
+    # The layout options the kernels are also compiled with (the runtime module's LAYOUTS: option ->
+    # what those kernels read), each at the head_dims `layouts:` lists under the family in
+    # variants.yaml; the same template and tiles, the option a compile-time switch.
+    layouts: dict[str, str] = {}
+    tiles_family: str | None = None   # take another family's tiles (the combine: dec's); None: its own
     tile_constraints: bool = True     # False: the tiles' `when:` does not apply (the kernel serves every call)
 
     # --- the matrix
@@ -60,8 +67,37 @@ class Family:
         raise NotImplementedError
 
     def points(self, axes: dict) -> list[dict]:
-        """Every (head_dim, gqa_group, ...) point of the axes."""
+        """Every (head_dim, gqa_group, ...) point of the axes, and the layout points: the same at the
+        head_dims each layout option lists (``layout``: the option; absent for the plain kernels)."""
+        plain = self.plain_points(axes)
+        return plain + [{**p, "layout": layout} for layout, dims in axes.get("layouts", {}).items()
+                        for p in plain if p["head_dim"] in dims]
+
+    def plain_points(self, axes: dict) -> list[dict]:
         raise NotImplementedError
+
+    def layout_axes(self, node: Node, head_dims: tuple[int, ...]) -> dict:
+        """``layouts: {<option>: [head_dims]}`` under the family (optional): each a layout of the
+        family's and a subset of its head_dims."""
+        if "layouts" not in node:
+            return {}
+        layouts = node.child("layouts")
+        out = {}
+        for key in sorted(layouts, key=lambda k: layouts.key_lines.get(k, 0)):
+            if key not in self.layouts:
+                raise layouts.fail(key, f"not a layout of {self.name} (its layouts: "
+                                        f"{', '.join(sorted(self.layouts)) or 'none'})")
+            dims = layouts.int_list(key)
+            extra = [d for d in dims if d not in head_dims]
+            layouts.check(key, not extra, f"head_dims {extra} are not {self.name}'s head_dims {list(head_dims)}")
+            out[key] = dims
+        layouts.finish()
+        return {"layouts": out} if out else {}
+
+    @staticmethod
+    def options(point: dict) -> tuple[tuple[str, object], ...]:
+        """A spec's options for ``point``: its layout, where it has one."""
+        return (("layout", point["layout"]),) if point.get("layout") else ()
 
     def tier(self, target: Target) -> str | None:
         """This family's lowering on ``target``, or None when it has no kernels there."""
@@ -110,8 +146,9 @@ class HeadDimAxis:
 
     def axes(self, node: Node) -> dict:
         axes = {"head_dims": node.int_list("head_dims")}
+        axes.update(self.layout_axes(node, axes["head_dims"]))
         node.finish()
         return axes
 
-    def points(self, axes: dict) -> list[dict]:
+    def plain_points(self, axes: dict) -> list[dict]:
         return [{"head_dim": hd, "gqa_group": 1} for hd in axes["head_dims"]]

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from rdnattention.table import ALTERNATE, Constraints  # ALTERNATE: the priority of an alternate entry
+from rdnattention.table import ALTERNATE, Constraints, kind  # ALTERNATE: the priority of an alternate entry
 
 from . import DEFAULT_VARIANTS, TUNED_DIR
 from .families import FAMILIES, family
@@ -99,9 +99,9 @@ class Matrix:
             for point in fam.points(axes):
                 hd, group = point["head_dim"], point["gqa_group"]
                 # (tile, when, priority, provenance, where): the tile table's choices (priority 0,
-                # with `when` 1), then the tuned ones (2, with `when` 3). A family that takes
-                # another's tiles (decpaged, f16len, ...) takes its tuned ones too, unless it has
-                # its own tuned entry for the same calls.
+                # with `when` 1), then the tuned ones (2, with `when` 3), for every layout the
+                # family's kernels are compiled for. A family that takes another's tiles (combine)
+                # takes its tuned ones too, unless it has its own tuned entry for the same calls.
                 choices = [(c.tile, c.when, 1 if c.when.to_json() else 0, c.provenance, c.where)
                            for c in self.tile_choices(target.tiles, fam.tiles_family or fam_name, hd)]
                 tuned = [t for t in self.tuned.get(target.name, ())
@@ -133,14 +133,15 @@ class Matrix:
                                v.where))
         for fam_name, hd, tile in self.alternates.get(target.name, ()):
             wanted.append((fam_name, hd, None, tile, "candidate", f"candidate {fam_name} head_dim {hd} {tile}"))
-        have = {(v.spec.family, v.spec.head_dim, v.spec.gqa_group, v.spec.tile) for v in entries}
+        have = {(v.spec.family, v.spec.option("layout"), v.spec.head_dim, v.spec.gqa_group, v.spec.tile)
+                for v in entries}
         out = []
         for fam_name, hd, group, tile, provenance, where in wanted:
             fam = family(fam_name)
             if fam_name not in self.kernels or fam.tier(target) is None:
                 continue
             for point in fam.points(self.kernels[fam_name]):
-                key = (fam_name, point["head_dim"], point["gqa_group"], tile)
+                key = (fam_name, point.get("layout"), point["head_dim"], point["gqa_group"], tile)
                 if point["head_dim"] != hd or group not in (None, point["gqa_group"]) or key in have:
                     continue
                 have.add(key)
@@ -335,7 +336,7 @@ def check_entries(variants: list[Variant]) -> list[str]:
     for v in variants:
         if v.priority < 0:  # an alternate: chosen only by name
             continue
-        keys.setdefault((v.spec.family, v.spec.head_dim, v.spec.gqa_group), []).append(v)
+        keys.setdefault((kind(v.spec.family, v.spec.option("layout")), v.spec.head_dim, v.spec.gqa_group), []).append(v)
     for key, entries in sorted(keys.items()):
         for i, v in enumerate(entries):
             for o in entries[i + 1:]:

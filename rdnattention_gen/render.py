@@ -84,8 +84,8 @@ def target_files(env: jinja2.Environment, matrix: Matrix, target: Target) -> dic
     specs = matrix.specs_for(target)
     files = {"prelude.h": render_prelude(env, target), "kernels.cpp": render_unity(target, specs),
              "fma_peak.cpp": render_fma_peak(env, target)}
-    # Families that share a template share its argument header (f16len and f16varlen include
-    # args_f16.h): every family whose struct a built family uses gets its header.
+    # Every family whose struct a built family uses gets its header (families that share a struct
+    # share its header).
     digests = {family(s.family).args.digest for s in specs}
     files.update({f"args_{name}.h": render_args(env, name) for name, fam in sorted(FAMILIES.items())
                   if fam.args.digest in digests})

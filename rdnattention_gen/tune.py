@@ -115,6 +115,9 @@ def restricted(matrix: Matrix, family_name: str, head_dims: list[int], groups: l
     (decode: the combine) keeps it at those head_dims."""
     axes = dict(matrix.kernels[family_name])
     axes["head_dims"] = [h for h in axes["head_dims"] if h in head_dims]
+    # The plain kernels only: the family's layout options take the same tiles (one tile table per
+    # algorithm), so what the plain kernels measure holds for them.
+    axes.pop("layouts", None)
     if "gqa_groups" in axes:
         unknown = sorted(set(groups) - set(axes["gqa_groups"]))
         if unknown:
@@ -378,25 +381,6 @@ class _I8Harness(_F16Harness):
         return ((out.double().cpu() - ref).norm() / ref.norm()).item()
 
 
-class _F16LenHarness(_F16Harness):
-    """The cache-length kernels (f16len): fp16 inputs with ``seqused_k`` given (every key used, so
-    the oracle is the plain one), which is what routes a call to them."""
-
-    def inputs(self, q, k, v):
-        import torch
-
-        return q, k, v, torch.full((k.shape[0],), k.shape[2], dtype=torch.int32, device=k.device)
-
-    def plan(self, inputs, causal: bool, kernel: str | None):
-        from rdnattention import plan_flash_attn
-
-        q, k, v, lengths = inputs
-        return plan_flash_attn(q, k, v, is_causal=causal, seqused_k=lengths, kernel=kernel)
-
-    def reference(self, inputs, causal: bool):
-        return super().reference(inputs[:3], causal)
-
-
 class _DecHarness(_F16Harness):
     """Split-KV decode: one query position of 8 K/V heads, 1, 2, 4 and 8 query rows per K/V head
     (GQA groups), against 16 x seq keys (more bytes than a GPU's L2 at the default seq), in GB/s of
@@ -425,7 +409,7 @@ class _DecHarness(_F16Harness):
 
 
 # How --measure runs each family's kernels (shapes, inputs, forced plan, oracle check, figure).
-HARNESSES = {"f16": _F16Harness(), "f16len": _F16LenHarness(), "i8": _I8Harness(), "dec": _DecHarness()}
+HARNESSES = {"f16": _F16Harness(), "i8": _I8Harness(), "dec": _DecHarness()}
 
 
 def device_facts() -> dict:

@@ -1,7 +1,8 @@
 """The oracle sweep's cases, from the matrix: every family of it x every head_dim the host targets
 build for it x every case the family declares (rdnattention_gen/families/<family>.py:
-oracle_cases), so a new family, head_dim or case is swept without editing the tests. How a case
-becomes a call of the entry point that serves its family: ENTRY_POINTS, by family."""
+oracle_cases), each at the head_dims its layout's kernels are built for, so a new family, layout,
+head_dim or case is swept without editing the tests. How a case becomes a call of the entry point
+that serves its family: ENTRY_POINTS, by family and layout."""
 
 import torch
 
@@ -22,16 +23,22 @@ INT8_REL_RMS = 0.03
 INT8_LSE_TOL = 1e-3
 
 
-def host_head_dims(target: str, name: str) -> list[int]:
-    """The head_dims ``target`` builds kernels of family ``name`` for."""
+def host_head_dims(target: str, name: str, layout: str | None = None) -> list[int]:
+    """The head_dims ``target`` builds kernels of family ``name`` compiled for ``layout`` for."""
     m = load_matrix()
-    return sorted({v.spec.head_dim for v in m.variants_for(m.target(target)) if v.spec.family == name})
+    return sorted({v.spec.head_dim for v in m.variants_for(m.target(target))
+                   if v.spec.family == name and v.spec.option("layout") == layout})
 
 
 def sweep() -> list[tuple[str, str, int, str]]:
-    """(host target, family, head_dim, case) for every family of the matrix."""
+    """(host target, family, head_dim, case) for every family of the matrix and every case it
+    declares, at the head_dims of the case's layout."""
     return [(t, name, hd, case) for t in HOST_TARGETS for name in load_matrix().kernels
-            for hd in host_head_dims(t, name) for case in family(name).oracle_cases]
+            for case, c in family(name).oracle_cases.items() for hd in host_head_dims(t, name, c.layout)]
+
+
+def layout_of(fam: str, case: str) -> str | None:
+    return family(fam).oracle_cases[case].layout
 
 
 def make_case(name, head_dim, fam="f16"):
@@ -111,15 +118,17 @@ def _kvcache(q, k, v, options):
     return out.transpose(1, 2), lse, ref, ref_lse, False
 
 
-ENTRY_POINTS = {"f16": _flash_attn, "f16len": _flash_attn, "dec": _flash_attn, "f16varlen": _varlen,
-                "i8": _int8, "i8dec": _int8, "decpaged": _kvcache, "combine": _kvcache}
+# (family, layout) -> the entry point that serves it.
+ENTRY_POINTS = {("f16", None): _flash_attn, ("f16", "len"): _flash_attn, ("f16", "varlen"): _varlen,
+                ("dec", None): _flash_attn, ("dec", "paged"): _kvcache,
+                ("i8", None): _int8, ("i8dec", None): _int8, ("combine", None): _kvcache}
 
 
 def run_case(fam, name, head_dim):
-    """Case ``name`` of family ``fam`` at ``head_dim`` through the entry point that serves the family:
-    (out, lse, ref, ref_lse, int8)."""
+    """Case ``name`` of family ``fam`` at ``head_dim`` through the entry point that serves the
+    family's kernels of the case's layout: (out, lse, ref, ref_lse, int8)."""
     q, k, v, options = make_case(name, head_dim, fam)
-    return ENTRY_POINTS[fam](q, k, v, options)
+    return ENTRY_POINTS[(fam, layout_of(fam, name))](q, k, v, options)
 
 
 def mirrored_kernels(families: tuple[str, ...]) -> list[tuple[str, str]]:

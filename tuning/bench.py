@@ -172,7 +172,7 @@ def int8_decode_line(device, rounds: int = 7) -> str:
 
 
 def varlen_section(device, rounds: int = 5) -> str:
-    """Packed prefill (varlen_attn, the f16varlen kernels) against flash_attn on the same sequences
+    """Packed prefill (varlen_attn, the f16 kernels of layout varlen) against flash_attn on the same sequences
     padded into [batch, heads, seq, head_dim], causal, timed in turn."""
     from rdnattention import varlen_attn
 

@@ -1,5 +1,5 @@
-"""Split-KV planning (flash-decoding), shared by the families whose kernels run it: dec (and its
-paged variant decpaged) over fp16 rows, i8dec over int8 rows. Each family brings its argument
+"""Split-KV planning (flash-decoding), shared by the families whose kernels run it: dec (its
+plain and paged kernels) over fp16 rows, i8dec over int8 rows. Each family brings its argument
 struct and extra fields; the grid, the key slices and the combine are the same. A helper of this
 package, not a family (discovery skips modules whose name starts with an underscore).
 
@@ -61,24 +61,26 @@ def slices(seq_k: int, keys_per_step: int, splits: int) -> int:
     return max(1, -(-seq_k // per)) if seq_k else 1
 
 
-def select(table: TargetTable, family: str, head_dim: int, rows: int, kernel: str | None = None) -> KernelEntry:
-    """The entry of ``family`` for ``rows`` query rows per K/V head (tiles for few rows say so with
-    ``when: {rows: ...}``); rows beyond its br take several row chunks."""
-    return table.select(family, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=rows, rows=rows,
-                        kernel=kernel)
+def select(table: TargetTable, family: str, head_dim: int, rows: int, kernel: str | None = None,
+           layout: str | None = None) -> KernelEntry:
+    """The entry of ``family`` (compiled for ``layout``) for ``rows`` query rows per K/V head (tiles
+    for few rows say so with ``when: {rows: ...}``); rows beyond its br take several row chunks."""
+    return table.select(family, layout=layout, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=rows,
+                        rows=rows, kernel=kernel)
 
 
-def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Structure], kernel: str | None = None,
-         extra: dict | None = None, buffers: tuple = ()) -> Plan:
-    """The launches of a split-KV call (a dec.Call) on ``family``'s kernels: their struct
-    ``args_type``, ``extra`` fields beyond the shared ones and the tensors ``buffers`` they read."""
+def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Structure], layout: str | None = None,
+         kernel: str | None = None, extra: dict | None = None, buffers: tuple = ()) -> Plan:
+    """The launches of a split-KV call (a dec.Call) on ``family``'s kernels compiled for ``layout``:
+    their struct ``args_type``, ``extra`` fields beyond the shared ones and the tensors ``buffers``
+    they read."""
     import torch
 
     q, k, v = call.q, call.k, call.v
     heads_q, head_dim = q.shape[1], q.shape[3]
     heads_kv = k.shape[1]
     group = heads_q // heads_kv
-    entry = select(table, family, head_dim, group * call.seq_q, kernel)
+    entry = select(table, family, head_dim, group * call.seq_q, kernel, layout)
     chunks = -(-group * call.seq_q // entry.br)
     if call.num_splits:
         splits = slices(call.seq_k, entry.bc, call.num_splits)

@@ -1,7 +1,7 @@
 """Split-KV decode (flash-decoding), runtime side: few query rows per K/V head against many keys.
 
 Its kernels read strided caches (``cache_batch_idx``), packed variable-length batches
-(``cu_seqlens_q``/``cu_seqlens_k``) and, compiled as the decpaged family, paged caches
+(``cu_seqlens_q``/``cu_seqlens_k``) and, compiled with the paged layout option, paged caches
 (``block_table``). The launches (a workgroup per row chunk, key slice, K/V head and batch, then the
 combine family's merge of the slices) are planned by _splitkv.py, which i8dec shares."""
 
@@ -17,8 +17,12 @@ from . import _splitkv, f16
 from ._splitkv import resident, slices, splits_for  # noqa: F401
 
 NAME = "dec"
+# Strided caches, cache lengths and packed batches are read from the arguments; a paged cache by
+# kernels compiled for it, so that the others hold no page state (the page lookup's scalar
+# registers spilled on GCN when both lived in one kernel).
+LAYOUTS = {"paged": "a paged cache (block_table)"}
 # br = tm: the query rows one workgroup holds (every thread holds all of them); bc: keys per step.
-NAMES = NameSchema("fa2_dec", f16.NAMES.fields)
+NAMES = NameSchema("fa2_dec", (f16.layout_field(LAYOUTS),) + f16.FP16_NAME_FIELDS)
 
 # Paged caches: key i of batch b lives in page block_table[b * block_table_stride + i >> page_shift],
 # row i & (2^page_shift - 1); k_stride_b and v_stride_b are then the page strides.
@@ -64,8 +68,11 @@ def lds_bytes(facts: dict[str, object]) -> int:
 Call = Attention
 
 
-def plan(table: TargetTable, call: Call, *, family: str | None = None, kernel: str | None = None) -> Plan:
-    """The launches of a decode call on ``family``'s kernels (route.py's choice; by default this
-    family's, decpaged's with a block table)."""
-    family = family or ("decpaged" if call.block_table is not None else NAME)
-    return _splitkv.plan(table, call, family=family, args_type=Fa2DecArgs, kernel=kernel)
+def layout_of(call: Call) -> str | None:
+    """The kernels' layout option that reads ``call``: paged with a block table, else the plain ones."""
+    return "paged" if call.block_table is not None else None
+
+
+def plan(table: TargetTable, call: Call, *, kernel: str | None = None) -> Plan:
+    """The launches of a decode call on the kernels compiled for its layout (layout_of)."""
+    return _splitkv.plan(table, call, family=NAME, layout=layout_of(call), args_type=Fa2DecArgs, kernel=kernel)

@@ -5,17 +5,12 @@ the G query heads that share a K/V head."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from ..abi import ArgStruct
+from ..call import Attention
 from ..errors import InvalidArgumentError
 from ..names import NameField, NameSchema
 from ..plan import Launch, Plan
 from ..table import TargetTable
-
-if TYPE_CHECKING:  # the generator imports this module (names, layout, arguments) without torch
-    import torch
 
 NAME = "f16"
 
@@ -31,10 +26,27 @@ TILE_NAME_FIELDS = (
     NameField("tile.waves", "_wv{}", r"\d+", optional=True),  # a register budget: waves per SIMD
     NameField("wave_size", "_w{}", r"32|64"),
 )
-NAMES = NameSchema("fa2_f16", TILE_NAME_FIELDS + (
+FP16_NAME_FIELDS = TILE_NAME_FIELDS + (
     NameField("tier", "_{}", r"dot2|fma_mix|mad_mix|cvt_fma", str),
     NameField("stage", "_s{}", r"f16|f32", str),
-))
+)
+
+
+def layout_field(layouts: dict[str, str]) -> NameField:
+    """A family's compile-time layout option (``options.layout``), spelled right after its prefix
+    (``fa2_f16len_...``) and absent for the kernels that read plain strided tensors."""
+    return NameField("options.layout", "{}", "|".join(layouts), str, optional=True)
+
+
+# The kernels compiled for another way of finding the keys, beside the plain ones (which read
+# strided [batch, heads, seq, head_dim] tensors): option value -> what it reads. Each is the same
+# kernel body and tiles with a compile-time switch, so the plain kernels hold no state for it (a
+# per-batch key count held in registers cost 5% at head_dim 64 on the H200).
+LAYOUTS = {
+    "len": "per-sequence key counts (seqused_k)",
+    "varlen": "packed sequences (cu_seqlens_q, cu_seqlens_k)",
+}
+NAMES = NameSchema("fa2_f16", (layout_field(LAYOUTS),) + FP16_NAME_FIELDS)
 
 # Argument fields every fa2 family shares. Strides are in elements; the last dimension is contiguous.
 STRIDE_FIELDS = tuple((f"{t}_stride_{d}", "long long") for t in "qkvo" for d in "bhs")
@@ -52,7 +64,7 @@ SHAPE_FIELDS = (
 LSE_FIELDS = (("lse", "float*"), ("lse_stride_b", "long long"), ("lse_stride_h", "long long"))
 # Cache lengths, int32 [batch]: batch b uses its first seqused_k[b] keys; null: all seq_k.
 SEQUSED_FIELDS = (("seqused_k", "const int*"),)
-# Packed batches (the f16varlen variant): batch b's rows start at cu_seqlens_q[b] / cu_seqlens_k[b]
+# Packed batches (the varlen layout): batch b's rows start at cu_seqlens_q[b] / cu_seqlens_k[b]
 # (int32 [batch + 1]; zero batch strides), as many as the next offset says; null: not packed.
 VARLEN_FIELDS = (("cu_seqlens_q", "const int*"), ("cu_seqlens_k", "const int*"))
 
@@ -101,32 +113,9 @@ _LOG2E = 1.4426950408889634
 _INT32 = (-2**31, 2**31 - 1)
 
 
-@dataclass(frozen=True)
-class Call:
-    """A validated call: tensors [batch, heads, seq, head_dim], outputs allocated."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    out: torch.Tensor
-    lse: torch.Tensor | None
-    window: tuple[int, int]  # (left, right) after folding is_causal in; -1: unbounded
-    softmax_scale: float
-    rotary_cos: torch.Tensor | None = None
-    rotary_sin: torch.Tensor | None = None
-    rotary_interleaved: bool = False
-    seqused_k: torch.Tensor | None = None  # int32 [batch]
-    # Packed batches: q, out [1, heads_q, total_q, head_dim], k, v [1, heads_kv, total_k, head_dim],
-    # lse [heads_q, total_q]; batch and the longest sequences given here.
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    packed: tuple[int, int, int] | None = None  # (batch, max_q, max_k)
-
-    @property
-    def causal_like(self) -> bool:
-        """Visible keys grow with the query position (no left bound, a right bound)."""
-        left, right = self.window
-        return left < 0 and right >= 0
+# A call is the description every entry point builds (call.py): the planner reads its tensors, the
+# options and, for a packed batch (cu_seqlens_q), batch and the longest sequences.
+Call = Attention
 
 
 def common_fields(q, k, v, out, lse, window: tuple[int, int], softmax_scale: float, causal_like: bool,
@@ -161,21 +150,24 @@ def row_block_launch(table: TargetTable, entry, args_type, fields: dict) -> Laun
                   args=args_type(**fields))
 
 
-def plan(table: TargetTable, call: Call, *, family: str | None = None, heavy_first: bool | None = None,
-         kernel: str | None = None) -> Plan:
-    """The launches of one call on ``family``'s kernels (route.py's choice; by default the variant
-    compiled for the call's layout: f16varlen for packed calls, f16len with cache lengths).
+def layout_of(call: Call) -> str | None:
+    """The kernels' layout option that reads ``call``: varlen for packed calls, len with cache
+    lengths, None (the plain kernels) otherwise."""
+    return "varlen" if call.cu_seqlens_q is not None else None if call.seqused_k is None else "len"
+
+
+def plan(table: TargetTable, call: Call) -> Plan:
+    """The launches of one call on the kernels compiled for its layout (layout_of). The call's
     ``heavy_first`` (default: on under causal-like masks) makes the workgroups take row blocks
-    longest first; ``kernel`` forces a dispatch entry by name."""
+    longest first; its ``kernel`` forces a dispatch entry by name."""
     q, k = call.q, call.k
-    name = family or ("f16varlen" if call.packed is not None else NAME if call.seqused_k is None else "f16len")
-    seq_q = q.shape[2] if call.packed is None else call.packed[1]
-    entry = table.select(name, head_dim=q.shape[3], heads_per_kv=q.shape[1] // k.shape[1], causal=call.causal_like,
-                         seq_q=seq_q, kernel=kernel)
+    packed = call.cu_seqlens_q is not None
+    entry = table.select(NAME, layout=layout_of(call), head_dim=q.shape[3], heads_per_kv=q.shape[1] // k.shape[1],
+                         causal=call.causal_like, seq_q=call.seq_q if packed else q.shape[2], kernel=call.kernel)
     fields = common_fields(q, k, call.v, call.out, call.lse, call.window, call.softmax_scale, call.causal_like,
-                           heavy_first, call.seqused_k)
-    if call.packed is not None:
-        fields.update(batch=call.packed[0], seq_q=call.packed[1], seq_k=call.packed[2],
+                           call.heavy_first, call.seqused_k)
+    if packed:
+        fields.update(batch=call.batch, seq_q=call.seq_q, seq_k=call.seq_k,
                       cu_seqlens_q=call.cu_seqlens_q.data_ptr(), cu_seqlens_k=call.cu_seqlens_k.data_ptr(),
                       q_stride_b=0, k_stride_b=0, v_stride_b=0, o_stride_b=0)
         if call.lse is not None:  # [heads_q, total_q]

@@ -3,7 +3,9 @@ per K/V head against many keys. The tile: br = tm, the query rows one workgroup 
 thread holds them all); bc, the keys a workgroup reads per step; threads, in lane groups of
 head_dim / 8 lanes per key.
 
-Kernel body: templates/include/fa2_decode.h. Its partial outputs are merged by the combine family."""
+Kernel body: templates/include/fa2_decode.h over the fp16 element policy (DecodeF16). Its partial
+outputs are merged by the combine family. Also compiled for paged caches (layout ``paged``), so
+that the plain kernels hold no page state."""
 
 from __future__ import annotations
 
@@ -68,30 +70,44 @@ class Dec(HeadDimAxis, Family):
     schema = runtime.NAMES
     rules = RULES
     signatures = F16.signatures
+    layouts = runtime.LAYOUTS  # paged: a paged cache (block_table)
+    lane_values = 8  # fp16 values of each key per lane (16 bytes)
     # Decode rows: at most 8 query rows per K/V head (route.SPLIT_KV_MAX_ROWS), against many keys.
     oracle_cases = {
         "decode": OracleCase(2, 4, 2, 1, 203),
         "rows_causal": OracleCase(1, 6, 2, 2, 150, {"is_causal": True}),
         "window": OracleCase(1, 2, 1, 4, 120, {"window_size": (16, 3)}),
         "lengths": OracleCase(3, 4, 2, 1, 200, {"seqused_k": (200, 1, 77)}),
+        # A page pool in shuffled page order; seq_k: pages per sequence x page_size.
+        "paged": OracleCase(2, 4, 2, 1, 256, {"page_size": 16, "seqused_k": (256, 100)}, layout="paged"),
+        "paged_causal": OracleCase(2, 4, 2, 3, 128, {"page_size": 64, "is_causal": True, "seqused_k": (128, 70)},
+                                   layout="paged"),
     }
 
     def tier(self, target: Target) -> str | None:
         return target.tier.value
 
+    def stage(self, target: Target) -> str:
+        return target.stage
+
     def spec(self, target: Target, point: dict, tile: Tile) -> KernelSpec:
         return KernelSpec(family=self.name, head_dim=point["head_dim"], gqa_group=1, tile=tile,
-                          wave_size=target.wave_size, tier=self.tier(target), stage=target.stage)
+                          wave_size=target.wave_size, tier=self.tier(target), stage=self.stage(target),
+                          options=self.options(point))
 
     def from_name(self, name: str) -> KernelSpec | None:
-        spec = F16.from_name(self, name)
-        return None if spec is None else KernelSpec(**{**spec.__dict__, "family": self.name})
+        v = self.schema.parse(name)
+        if v is None:
+            return None
+        return KernelSpec(family=self.name, head_dim=v["head_dim"], gqa_group=v["gqa_group"],
+                          tile=Tile.from_name_fields(v), wave_size=v["wave_size"], tier=v["tier"],
+                          stage=v.get("stage", "i8"), options=self.options({"layout": v.get("options.layout")}))
 
     def tile_space(self, target: Target, head_dim: int) -> dict[str, tuple[int, ...]] | None:
         """1, 2, 4 or 8 rows per workgroup, 1-8 keys per lane group per step, 128 threads, and
         register budgets of 80-255 registers: a memory stream hides latency with waves more than
         with registers (tuning/results/h200_decode.md)."""
-        groups = max(1, 128 // (head_dim // 8))
+        groups = max(1, 128 // (head_dim // self.lane_values))
         return {"br": (1, 2, 4, 8), "tm": (1, 2, 4, 8), "bc": tuple(groups * t for t in (1, 2, 4, 8)), "threads": (128,),
                 "waves": (0,) + register_budgets(target, lowest=80)}
 
@@ -100,7 +116,7 @@ class Dec(HeadDimAxis, Family):
 
     def context(self, spec: KernelSpec) -> dict:
         return {"pairs": "F32Pairs" if spec.stage == "f32" else "F16Pairs", "lds_bytes": self.lds_bytes(spec),
-                "waves": waves_per_simd(spec), "paged": False}
+                "waves": waves_per_simd(spec), "paged": spec.option("layout") == "paged"}
 
 
 FAMILY = Dec()

@@ -79,6 +79,7 @@ class F16(Family):
     rules = RULES
     # The instruction each tier's kernels must contain (audit counts).
     signatures = {"dot2": "dot2", "fma_mix": "fma_mix", "mad_mix": "mad_mix", "cvt_fma": "cvt_f32_f16"}
+    layouts = runtime.LAYOUTS  # len: cache lengths (seqused_k); varlen: packed batches
     oracle_cases = {
         "plain": OracleCase(2, 2, 2, 100, 100),
         "causal": OracleCase(1, 2, 2, 150, 150, {"is_causal": True}),
@@ -91,14 +92,28 @@ class F16(Family):
         # them (fewer go to the dec family).
         "single_row": OracleCase(2, 12, 1, 1, 203),
         "rope": OracleCase(1, 4, 2, 90, 90, {"is_causal": True, "rope": True}),
+        # Cache lengths: enough query rows per K/V head for the row-block kernels; a used length
+        # of 0 is an empty row.
+        "lengths": OracleCase(3, 2, 2, 16, 100, {"seqused_k": (100, 37, 0)}, layout="len"),
+        "lengths_causal_gqa": OracleCase(2, 4, 2, 24, 90, {"is_causal": True, "seqused_k": (90, 30)}, layout="len"),
+        "lengths_window": OracleCase(2, 2, 2, 20, 80, {"window_size": (16, 3), "seqused_k": (80, 41)},
+                                     layout="len"),
+        # Packed batches (batch, seq_q, seq_k: the count and the longest of the lengths).
+        "packed": OracleCase(3, 2, 2, 30, 60, {"seqlens_q": (30, 1, 17), "seqlens_k": (30, 60, 17)},
+                             layout="varlen"),
+        "packed_causal_gqa": OracleCase(2, 4, 2, 20, 50, {"is_causal": True, "seqlens_q": (20, 9),
+                                                          "seqlens_k": (50, 9)}, layout="varlen"),
+        "packed_window": OracleCase(2, 2, 2, 40, 70, {"window_size": (21, 9), "seqlens_q": (12, 40),
+                                                      "seqlens_k": (70, 40)}, layout="varlen"),
     }
 
     def axes(self, node: Node) -> dict:
         axes = {"head_dims": node.int_list("head_dims"), "gqa_groups": node.int_list("gqa_groups")}
+        axes.update(self.layout_axes(node, axes["head_dims"]))
         node.finish()
         return axes
 
-    def points(self, axes: dict) -> list[dict]:
+    def plain_points(self, axes: dict) -> list[dict]:
         return [{"head_dim": hd, "gqa_group": g} for hd in axes["head_dims"] for g in axes["gqa_groups"]]
 
     def tier(self, target: Target) -> str | None:
@@ -106,7 +121,8 @@ class F16(Family):
 
     def spec(self, target: Target, point: dict, tile: Tile) -> KernelSpec:
         return KernelSpec(family=self.name, head_dim=point["head_dim"], gqa_group=point["gqa_group"], tile=tile,
-                          wave_size=target.wave_size, tier=self.tier(target), stage=target.stage)
+                          wave_size=target.wave_size, tier=self.tier(target), stage=target.stage,
+                          options=self.options(point))
 
     def from_name(self, name: str) -> KernelSpec | None:
         v = self.schema.parse(name)
@@ -114,7 +130,8 @@ class F16(Family):
             return None
         return KernelSpec(family=self.name, head_dim=v["head_dim"], gqa_group=v["gqa_group"],
                           tile=Tile.from_name_fields(v),
-                          wave_size=v["wave_size"], tier=v["tier"], stage=v["stage"])
+                          wave_size=v["wave_size"], tier=v["tier"], stage=v["stage"],
+                          options=self.options({"layout": v.get("options.layout")}))
 
     def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
         return runtime.lds_layout(spec.head_dim, spec.tile.br, spec.tile.bc, spec.stage)
@@ -139,7 +156,8 @@ class F16(Family):
 
     def context(self, spec: KernelSpec) -> dict:
         return {"pairs": "F32Pairs" if spec.stage == "f32" else "F16Pairs", "pipeline": self.PIPELINES[spec.stage],
-                "lds_bytes": self.lds_bytes(spec), "lengths": False, "varlen": False}
+                "lds_bytes": self.lds_bytes(spec), "lengths": spec.option("layout") == "len",
+                "varlen": spec.option("layout") == "varlen"}
 
 
 FAMILY = F16()

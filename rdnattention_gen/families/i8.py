@@ -37,6 +37,7 @@ class I8(F16):
     rules = RULES
     # Every int8 kernel must contain the target's dot4 instruction.
     signatures = {"sdot4": "dot4", "sudot4": "dot4", "dp4a": "dot4", "exact": "dot4"}
+    layouts = {}  # [batch, heads, seq, head_dim] tensors only (flash_attn_int8qk)
 
     def products_per_step(self, spec: KernelSpec) -> float | None:
         # dot4 over quads: S tm x (bc / tcw) over head_dim / 4; P.V tm x (head_dim / tcw) over bc / 4.

@@ -1,24 +1,30 @@
-"""Split-KV decode over int8 Q, K, V: the dec family's kernel (templates/include/fa2_decode.h) with
-the int8 element policy (fa2_i8_decode.h): 16 int8 values of each key per lane, scores through the
-target's dot4 with the per-token Q and K scales, V's per-channel scale at the end. Built where the
-INT8 family is (targets with an int8 dot); its slices are merged by the combine family."""
+"""Split-KV decode over int8 Q, K, V: the dec family's algorithm and kernel body
+(templates/include/fa2_decode.h) with the int8 element policy (fa2_i8_decode.h): 16 int8 values of
+each key per lane, scores through the target's dot4 with the per-token Q and K scales, V's
+per-channel scale at the end. Its own tiles and tile space (lane groups of head_dim / 16 lanes) and
+its own product count. Built on the targets with an int8 dot, as the INT8 family is; its slices are
+merged by the combine family."""
 
 from __future__ import annotations
 
 from rdnattention.families import i8dec as runtime
 
-from ..family import HeadDimAxis, OracleCase
+from ..family import OracleCase
 from ..spec import KernelSpec
-from .dec import decode_rules, waves_per_simd
+from ..target import Target
+from .dec import Dec, decode_rules, waves_per_simd
 from .i8 import I8
 
 
-class I8Dec(HeadDimAxis, I8):
+class I8Dec(Dec):
     name = "i8dec"
     template = "fa2_i8dec.hip.j2"
     args = runtime.ARGS
     schema = runtime.NAMES
+    lane_values = runtime.LANE_VALUES
     rules = decode_rules(runtime.LANE_VALUES)
+    signatures = I8.signatures
+    layouts = {}  # [batch, heads, seq, head_dim] tensors only (flash_attn_int8qk)
     # As i8's, with at most 8 query rows per K/V head (route.SPLIT_KV_MAX_ROWS).
     oracle_cases = {
         "decode": OracleCase(2, 4, 2, 1, 203),
@@ -26,8 +32,17 @@ class I8Dec(HeadDimAxis, I8):
         "window": OracleCase(1, 2, 2, 3, 120, {"window_size": (40, 0)}),
     }
 
-    def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
-        return runtime.lds_layout(spec.head_dim, spec.tile.threads, spec.tile.br, spec.wave_size)
+    def tier(self, target: Target) -> str | None:
+        return I8.tier(self, target)
+
+    def stage(self, target: Target) -> str:
+        return "i8"
+
+    def products_per_step(self, spec: KernelSpec) -> float | None:
+        # Each lane holds 16 values of its keys: four dot4 per key and row for the scores, over the
+        # bc / (threads / (head_dim / 16)) keys of its lane group per step (P.V is in fp32).
+        lanes = spec.head_dim // self.lane_values
+        return spec.tile.br * spec.tile.bc * lanes / spec.tile.threads * (self.lane_values // 4)
 
     def context(self, spec: KernelSpec) -> dict:
         return {"lds_bytes": self.lds_bytes(spec), "waves": waves_per_simd(spec)}

@@ -1,5 +1,6 @@
 """variants.yaml loading: the shipped matrix, spec names, and exact error messages."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,28 @@ def _load(tmp_path: Path, text: str, tuned: dict[str, str] | None = None):
     return load_matrix(path, tuned_dir)
 
 
+def test_a_layout_option_is_built_with_the_familys_tiles_at_its_head_dims(tmp_path):
+    matrix = _load(tmp_path, MINIMAL.replace("    gqa_groups: [1, 2]\n", "    gqa_groups: [1, 2]\n    layouts:\n"
+                                             "      varlen: [64]\n"))
+    specs = matrix.specs_for(matrix.target("gfx1030"))
+    assert [(s.name, s.option("layout")) for s in specs if s.option("layout")] == [
+        ("fa2_f16varlen_hd64_g1_br128_bc64_nt256_tm8_w32_dot2_sf16", "varlen"),
+        ("fa2_f16varlen_hd64_g2_br128_bc64_nt256_tm8_w32_dot2_sf16", "varlen")]
+    assert all(family("f16").from_name(s.name) == s for s in specs)  # the name spells the option back
+
+
+@pytest.mark.parametrize("layouts, message", [
+    ("      paged: [64]\n", "variants.yaml:26: kernels.f16.layouts.paged: not a layout of f16 (its layouts: len, "
+                             "varlen)"),
+    ("      len: [128]\n", "variants.yaml:26: kernels.f16.layouts.len: head_dims [128] are not f16's head_dims [64]"),
+    ("      len: []\n", "variants.yaml:26: kernels.f16.layouts.len: expected a non-empty list of positive integers"),
+])
+def test_a_bad_layout_option_is_named(tmp_path, layouts, message):
+    text = MINIMAL.replace("    gqa_groups: [1, 2]\n", "    gqa_groups: [1, 2]\n    layouts:\n" + layouts)
+    with pytest.raises(VariantsError, match=re.escape(message)):
+        _load(tmp_path, text)
+
+
 def test_minimal_matrix_loads(tmp_path):
     matrix = _load(tmp_path, MINIMAL)
     assert [s.name for s in matrix.specs_for(matrix.target("gfx1030"))] == [
@@ -149,7 +172,7 @@ def test_minimal_matrix_loads(tmp_path):
      "variants.yaml:28: tiles.small.f16.default: kernel fa2_f16_hd512_g1_br128_bc64_nt256_tm8_w32_dot2_sf16 for "
      "gfx1030: needs 221696 bytes of LDS, over the 65536 budget"),
     ("  f16:\n    head_dims", "  f17:\n    head_dims",
-     "variants.yaml:22: kernels.f17: unknown kernel family; known: combine, dec, decpaged, f16, f16len, f16varlen, i8, i8dec"),
+     "variants.yaml:22: kernels.f17: unknown kernel family; known: combine, dec, f16, i8, i8dec"),
     ("    gqa_groups: [1, 2]\n", "    gqa_groups: [1, 2]\n    template: fa2_f16.hip.j2\n",
      "variants.yaml:25: kernels.f16.template: unknown key"),
     ("kernels:\n", "kernel:\n", "variants.yaml:1: kernels: is missing"),

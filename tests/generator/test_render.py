@@ -101,10 +101,14 @@ def test_the_generator_renders_without_torch():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-def test_a_family_that_shares_a_template_gets_its_argument_header(matrix):
-    """f16len kernels include args_f16.h: a build of f16len alone must render it too."""
+def test_a_family_renders_its_argument_header_for_every_layout(matrix):
+    """A build of f16 alone renders args_f16.h, which its kernels of every layout include, and no
+    other family's header."""
     import dataclasses
 
-    only = dataclasses.replace(matrix, kernels={"f16len": matrix.kernels["f16len"]})
+    only = dataclasses.replace(matrix, kernels={"f16": matrix.kernels["f16"]})
     files = target_files(environment(), only, only.target("gfx1030"))
-    assert "args_f16.h" in files and "args_f16len.h" in files and "args_dec.h" not in files
+    assert "args_f16.h" in files and "args_dec.h" not in files
+    kernels = {name: text for name, text in files.items() if name.startswith("fa2_")}
+    assert any(n.startswith("fa2_f16len_") for n in kernels) and any(n.startswith("fa2_f16varlen_") for n in kernels)
+    assert all('#include "args_f16.h"' in text for text in kernels.values())

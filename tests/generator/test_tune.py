@@ -177,6 +177,23 @@ def test_the_space_can_be_narrowed_and_bad_spaces_are_named(matrix):
             tune.parse_space(bad)
 
 
+def test_int8_decode_has_its_own_tile_space_and_product_count(matrix):
+    """i8dec is dec's algorithm over int8 rows: lane groups of head_dim / 16 lanes (16 int8 values a
+    lane), so its candidates are decode tiles, and each step issues four dot4 per key a lane holds."""
+    fam = family("i8dec")
+    for target in ("gfx1030", "gfx906", "sm_90"):
+        cands = tune.candidates(matrix, matrix.target(target), "i8dec", [64, 128], {})
+        assert cands and all(t.br == t.tm and t.threads == 128 for _, _, t in cands), target
+        assert {hd for _, hd, _ in cands} == {64, 128}
+    # head_dim 64: 4 lanes a key, 32 lane groups; 64 keys a step is two keys a lane group.
+    (spec,) = [v.spec for v in matrix.variants_for(matrix.target("gfx1030"))
+               if v.spec.family == "i8dec" and v.spec.head_dim == 64]
+    assert (spec.tile.br, spec.tile.bc) == (1, 64) and fam.products_per_step(spec) == 2 * 4
+    # 16 keys a step fill dec's 16 lane groups of 8 lanes at head_dim 64, not i8dec's 32 groups of 4.
+    assert tune.candidates(matrix, matrix.target("gfx1030"), "dec", [64], {"bc": (16,)})
+    assert not tune.candidates(matrix, matrix.target("gfx1030"), "i8dec", [64], {"bc": (16,)})
+
+
 def _candidate(label_tile, default=False, problems=()):
     spec = KernelSpec(family="f16", head_dim=128, gqa_group=1, tile=label_tile, wave_size=32, tier="cvt_fma",
                       stage="f32")
@@ -267,8 +284,7 @@ def test_tune_builds_ranks_and_refuses_measuring_without_the_gpu(tmp_path):
                           (["--head-dims", "64,x"], "--head-dims: '64,x' is not a comma list of integers"),
                           (["--head-dims", "80"], "f16 is not built for head_dim [80]"),
                           (["--family", "f17"], "no kernel family 'f17'"),
-                          (["--family", "f16varlen", "--measure"],
-                           "--measure times the dec, f16, f16len, i8 families; f16varlen has no timing harness")):
+                          (["--family", "combine", "--measure"], "combine has no tile space to tune")):
         bad = subprocess.run(cli[:5] + ["gfx1030"] + args + ["--build-dir", str(tmp_path / "bad")],
                              capture_output=True, text=True, cwd=REPO_ROOT)
         assert bad.returncode == 2 and f"rdnattention-gen: error: {message}" in bad.stderr, bad.stderr
@@ -392,7 +408,9 @@ def test_tune_measures_the_decode_family_on_the_host_emulator(tmp_path):
     ET.fromstring((tuned / "host-dec.svg").read_text())
 
 
-def test_a_family_that_takes_anothers_tiles_takes_its_tuned_ones_unless_it_has_its_own(tmp_path):
+def test_tuned_entries_serve_every_layout_of_their_family(tmp_path):
+    """One tile table per algorithm: f16's tuned tile serves its len and varlen kernels, dec's its
+    paged ones, and the combine (which takes dec's tiles) stays one entry per threads count."""
     (tmp_path / "sm_90.yaml").write_text(textwrap.dedent("""\
         target: sm_90
         entries:
@@ -400,11 +418,6 @@ def test_a_family_that_takes_anothers_tiles_takes_its_tuned_ones_unless_it_has_i
             head_dim: 64
             when: {causal: true}
             tile: {br: 64, bc: 32, threads: 128, tm: 4}
-            measured: {device: X, toolchain: Y, date: 2026-11-01, figures: {tflops: 1.0}}
-          - family: f16len
-            head_dim: 64
-            when: {causal: true}
-            tile: {br: 64, bc: 64, threads: 256, tm: 2}
             measured: {device: X, toolchain: Y, date: 2026-11-01, figures: {tflops: 1.0}}
           - family: dec
             head_dim: 128
@@ -415,12 +428,12 @@ def test_a_family_that_takes_anothers_tiles_takes_its_tuned_ones_unless_it_has_i
     matrix = load_matrix(tuned_dir=tmp_path)
     variants = matrix.variants_for(matrix.target("sm_90"))
 
-    def tuned(family, hd):
+    def tuned(family, hd, layout=None):
         return {(v.spec.tile.br, v.spec.tile.bc, v.spec.tile.tm) for v in variants
-                if v.spec.family == family and v.spec.head_dim == hd and v.provenance == "tuned/sm_90.yaml"}
+                if v.spec.family == family and v.spec.option("layout") == layout and v.spec.head_dim == hd
+                and v.provenance == "tuned/sm_90.yaml"}
 
-    assert tuned("f16", 64) == {(64, 32, 4)} and tuned("f16varlen", 64) == {(64, 32, 4)}  # inherited
-    assert tuned("f16len", 64) == {(64, 64, 2)}  # its own entry wins over f16's for the same calls
-    assert tuned("decpaged", 128) == {(2, 32, 2)}
+    assert tuned("f16", 64) == tuned("f16", 64, "len") == tuned("f16", 64, "varlen") == {(64, 32, 4)}
+    assert tuned("dec", 128) == tuned("dec", 128, "paged") == {(2, 32, 2)}
     combine = [v for v in variants if v.spec.family == "combine" and v.spec.head_dim == 128]
     assert len(combine) == 1 and not combine[0].when.to_json()  # one combine per threads count, still

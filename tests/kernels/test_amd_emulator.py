@@ -202,7 +202,8 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
     spec = spec_from_name(name)
     start = len(gpu.dispatches)
     table = route.device_table(torch.device("cpu"))
-    decode = spec.family in ("dec", "decpaged", "i8dec")
+    layout = spec.option("layout")
+    decode = spec.family in ("dec", "i8dec")
     rows = spec.tile.br if decode else 80  # query rows per K/V head, two K/V heads
     q, k, v = _inputs(1, 2 if rows == 1 else 4, 2, max(1, rows // 2), 77, spec.head_dim, seed=spec.head_dim)
     ref = attention_reference(q, k, v, is_causal=True)
@@ -210,15 +211,15 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
         (qi, qs), (ki, ks), (vi, vs) = quantize_per_token(q), quantize_per_token(k), quantize_per_channel(v)
         plan = plan_flash_attn_int8qk(qi, ki, vi, qs, ks, vs, is_causal=True, kernel=name)
         ref = attention_reference(*_dequantized(qi, qs, ki, ks, vi, vs), is_causal=True)
-    elif spec.family == "f16varlen":  # the batch as one packed sequence pair
+    elif layout == "varlen":  # the batch as one packed sequence pair
         cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32) for n in (q.shape[2], k.shape[2]))
         plan = f16.plan(table, f16.Call(q=q, k=k, v=v, out=torch.zeros_like(q), lse=None, window=(-1, 0),
                                          softmax_scale=spec.head_dim ** -0.5, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                         packed=(1, q.shape[2], k.shape[2])), kernel=name)
+                                         batch=1, seq_q=q.shape[2], seq_k=k.shape[2], kernel=name))
     elif decode:
         call = dict(q=q, k=k, v=v, out=torch.empty_like(q), lse=torch.empty(q.shape[:3]), window=(-1, 0),
                     softmax_scale=spec.head_dim ** -0.5, batch=1, seq_q=q.shape[2], seq_k=k.shape[2], num_splits=3)
-        if spec.family == "decpaged":  # five pages of 16 keys, in a shuffled order
+        if layout == "paged":  # five pages of 16 keys, in a shuffled order
             order = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32)
             pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 80 - t.shape[2]))  # noqa: E731
             pool = lambda t: torch.zeros(5, 16, 2, spec.head_dim, dtype=t.dtype).index_copy_(  # noqa: E731
@@ -227,12 +228,12 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
                         seqused_k=torch.tensor([77], dtype=torch.int32))
         plan = dec.plan(table, dec.Call(**call), kernel=name)
     else:
-        seqused = torch.tensor([77], dtype=torch.int32) if spec.family == "f16len" else None
+        seqused = torch.tensor([77], dtype=torch.int32) if layout == "len" else None
         plan = plan_flash_attn(q, k, v, is_causal=True, kernel=name, seqused_k=seqused)
     plan.run()
     ran = [d.kernel for d in gpu.dispatches[start:]]
     assert ran[0] == name
-    if spec.family in ("dec", "decpaged"):
+    if spec.family == "dec":
         assert any(r.startswith(f"fa2_combine_hd{spec.head_dim}_") for r in ran[1:])
     if spec.family.startswith("i8"):
         assert _rel_rms(plan.outputs[0], ref) <= INT8_REL_RMS

@@ -1,4 +1,4 @@
-"""Split-KV decode (the dec, decpaged and combine families) on the host platform, against the float64
+"""Split-KV decode (the dec family, its paged kernels, and the combine family) on the host platform, against the float64
 oracle: key slices, cache lengths, GQA, windows, causal masks, paged caches and packed batches. Paged
 and contiguous calls of the same keys, and one slice against several, run the same arithmetic per
 slice, so they are compared exactly where the math is the same."""
@@ -15,6 +15,7 @@ from rdnattention import attention_reference, dispatch, drivers, plan_flash_attn
 from rdnattention.errors import UnsupportedError
 from rdnattention.families import dec
 from rdnattention.table import TargetTable
+from rdnattention_gen.families import spec_from_name
 
 TOL = 2e-3
 
@@ -135,7 +136,7 @@ def test_paged_is_contiguous_bit_for_bit(table, page, splits, options):
     contiguous = _run(table, _call(q, k, v, options, seqused_k=seqused, num_splits=splits))
     paged = _run(table, _call(q, _paged(k, page, order), _paged(v, page, order), options, seqused_k=seqused,
                               block_table=block_table, seq_k=sk, num_splits=splits))
-    assert paged.launches[0].kernel.family == "decpaged"
+    assert (paged.launches[0].kernel.family, paged.launches[0].kernel.layout) == ("dec", "paged")
     assert torch.equal(paged.outputs[0], contiguous.outputs[0])
     assert torch.equal(paged.outputs[1], contiguous.outputs[1])
     ref, ref_lse = attention_reference(q, k, v, seqused_k=seqused.cpu(), return_lse=True, **options)
@@ -218,7 +219,7 @@ def test_resident_workgroups_match_the_audit(table):
 def test_a_table_without_decode_kernels_says_so(table):
     bare = TargetTable(target=table.target, platform=table.platform, code_object=table.code_object,
                                 dynamic_lds=table.dynamic_lds,
-                                kernels=tuple(e for e in table.kernels if e.family not in ("dec", "decpaged")))
+                                kernels=tuple(e for e in table.kernels if e.family != "dec"))
     q, k, v = _inputs(1, 2, 2, 1, 50, 64)
     with pytest.raises(UnsupportedError, match="no dec .*head_dim 64"):
         dec.plan(bare, _call(q, k, v, {}))
@@ -257,7 +258,7 @@ def test_any_combination_matches_the_oracle_and_paged_is_contiguous(host_build, 
     _check(*contiguous.outputs, ref, ref_lse)
 
 
-@pytest.mark.parametrize("target,name", mirrored_kernels(("dec", "decpaged")))
+@pytest.mark.parametrize("target,name", mirrored_kernels(("dec",)))
 def test_mirrored_gpu_decode_tiles_match_the_oracle(host_build, monkeypatch, target, name):
     """sm_90's tuned decode tiles (alternates of host_f32) through every oracle case, forced by name;
     the paged kernels on a paged copy of the same keys."""
@@ -269,7 +270,7 @@ def test_mirrored_gpu_decode_tiles_match_the_oracle(host_build, monkeypatch, tar
         q, k, v = _inputs(b, hq, hk, sq, sk, d)
         for splits in (1, 3):
             call = _call(q, k, v, options, num_splits=splits)
-            if "decpaged" in name:
+            if spec_from_name(name).option("layout") == "paged":
                 page = 16
                 pages = -(-sk // page)
                 pad = pages * page - sk

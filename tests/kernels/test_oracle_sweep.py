@@ -1,12 +1,13 @@
 """The generic oracle sweep on the host platform: every family of the matrix x every head_dim the
 host targets build for it x every case the family declares (tests/cases.py), through the entry
-point that serves the family, against the float64 oracle, checking that the family did run; then
-the fp16 family's cases again with the emulator's fiber order shuffled at every sync point, which
-must change nothing."""
+point that serves the family, against the float64 oracle, checking that the family (and layout)
+did run; then every case again (the plain fp16 kernels at every head_dim, the others at their
+smallest) with the emulator's fiber order shuffled at every sync point, which must change nothing
+(a missing barrier would)."""
 
 import pytest
 import torch
-from cases import INT8_LSE_TOL, INT8_REL_RMS, LSE_TOL, TOL, run_case, sweep
+from cases import INT8_LSE_TOL, INT8_REL_RMS, LSE_TOL, TOL, layout_of, run_case, sweep
 
 import rdnattention
 from rdnattention import replay, route
@@ -19,22 +20,24 @@ IDS = ["-".join(map(str, p)) for p in SWEEP]
 in_order_results = {}
 
 
-def test_every_family_declares_cases_and_is_swept():
-    for name in load_matrix().kernels:
+def test_every_family_and_layout_declares_cases_and_is_swept():
+    for name, axes in load_matrix().kernels.items():
         assert family(name).oracle_cases, f"family {name} declares no oracle_cases"
-        assert any(p[1] == name for p in SWEEP), f"the host targets build no {name} kernel to sweep"
+        for layout in (None, *axes.get("layouts", {})):
+            assert any(p[1] == name and layout_of(name, p[3]) == layout for p in SWEEP), \
+                f"no {name} case of layout {layout} is swept (none declared, or the host targets build none)"
 
 
 @pytest.fixture
 def families_run(monkeypatch):
-    """The families of the kernels each call planned (route.plan), with the fp16 replay cache empty
-    so that every call is planned."""
+    """The (family, layout) of the kernels each call planned (route.plan), with the fp16 replay
+    cache empty so that every call is planned."""
     ran = []
     plan = route.plan
 
     def recording(table, call):
         p = plan(table, call)
-        ran.append({launch.kernel.family for launch in p.launches})
+        ran.append({(launch.kernel.family, launch.kernel.layout) for launch in p.launches})
         return p
 
     monkeypatch.setattr(route, "plan", recording)
@@ -46,8 +49,8 @@ def families_run(monkeypatch):
 def test_matches_oracle(host_build, monkeypatch, families_run, target, fam, head_dim, case):
     monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
     out, lse, ref, ref_lse, int8 = run_case(fam, case, head_dim)
-    assert families_run and all(fam in ran for ran in families_run), \
-        f"the call ran the families {families_run}, not {fam}"
+    assert families_run and all((fam, layout_of(fam, case)) in ran for ran in families_run), \
+        f"the call ran the kernels {families_run}, not {fam} of layout {layout_of(fam, case)}"
     assert torch.isfinite(out).all()
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
@@ -63,10 +66,12 @@ def test_matches_oracle(host_build, monkeypatch, families_run, target, fam, head
     in_order_results[(target, fam, head_dim, case)] = (out, lse)
 
 
-FP16 = [p for p in SWEEP if p[1] == "f16"]
+# The plain fp16 kernels at every head_dim; every other family and layout at its smallest one.
+SHUFFLED = [p for p in SWEEP if (p[1] == "f16" and layout_of(p[1], p[3]) is None)
+            or p[2] == min(q[2] for q in SWEEP if q[:2] == p[:2] and q[3] == p[3])]
 
 
-@pytest.mark.parametrize("target,fam,head_dim,case", FP16, ids=["-".join(map(str, p)) for p in FP16])
+@pytest.mark.parametrize("target,fam,head_dim,case", SHUFFLED, ids=["-".join(map(str, p)) for p in SHUFFLED])
 def test_shuffled_order_changes_nothing(host_build, monkeypatch, target, fam, head_dim, case):
     if (target, fam, head_dim, case) not in in_order_results:
         pytest.skip("the in-order run of this case did not pass")

@@ -116,7 +116,7 @@ def test_what_is_refused(host_build, change, message):
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (50, 0)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_packed_prefill_runs_the_row_block_kernels(host_build, monkeypatch, window, head_dim):
-    """Many query rows per K/V head: the f16varlen kernels (row blocks past a sequence end at once)."""
+    """Many query rows per K/V head: the f16 kernels of layout varlen (row blocks past a sequence end at once)."""
     from rdnattention.families import f16
 
     planned = []
@@ -124,14 +124,14 @@ def test_packed_prefill_runs_the_row_block_kernels(host_build, monkeypatch, wind
 
     def spy(table, call, **kw):
         plan = real(table, call, **kw)
-        planned.append(plan.launches[0].kernel.family)
+        planned.append(plan.launches[0].kernel.kind)
         return plan
 
     monkeypatch.setattr(f16, "plan", spy)
     lengths_q, lengths_k = [130, 7, 0, 64], [130, 200, 5, 64]
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, d=head_dim)
     out, lse = varlen_attn(q, k, v, cu_q, cu_k, 130, 200, return_aux=Aux(), window_size=window, enable_gqa=True)
-    assert planned == ["f16varlen"]
+    assert planned == ["f16 varlen"]
     _check(out, lse, q, k, v, cu_q, cu_k, window_size=window)
     used = torch.tensor([100, 3, 0, 64], dtype=torch.int32)
     out = varlen_attn(q, k, v, cu_q, cu_k, 130, 200, window_size=window, enable_gqa=True, seqused_k=used)

@@ -88,12 +88,28 @@ def test_a_foreign_argument_layout_is_refused(host_copy, monkeypatch):
 
 @pytest.mark.parametrize("text, message", [
     ("{not json", "unreadable dispatch table (JSONDecodeError"),
-    ('{"format": 1, "kernels": []}', "table format 1, this runtime reads format 3"),
-    ('{"format": 3, "kernels": [{"family": "f16"}]}', "unreadable dispatch table (ValueError: kernels[0] has no head_dim, gqa_group"),
+    ('{"format": 3, "kernels": []}', "table format 3, this runtime reads format 4"),
+    ('{"format": 4, "kernels": [{"family": "f16"}]}', "unreadable dispatch table (ValueError: kernels[0] has no head_dim, gqa_group"),
 ])
 def test_a_malformed_table_is_a_typed_error(host_copy, text, message):
     host_copy.write_text(text)
     with pytest.raises(IncompatibleKernelsError, match=re.escape(message)):
+        dispatch.load_table(host_copy)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda e: e.update(layout="paged"), "kernels[{i}].layout 'paged' is not a layout of family f16 (it has len, "
+                                         "varlen)"),
+    (lambda e: e.update(layout="len"), "kernels[{i}].layout is 'len' but kernel {name} was built for None"),
+    (lambda e: e.update(layout=7), "kernels[{i}].layout = 7 is not a string or null"),
+])
+def test_an_entry_whose_layout_its_kernel_lacks_is_refused(host_copy, change, message):
+    """A plain kernel listed as compiled for a layout would read its arguments another way."""
+    data = json.loads(host_copy.read_text())
+    i = next(i for i, e in enumerate(data["kernels"]) if e["family"] == "f16" and e["layout"] is None)
+    change(data["kernels"][i])
+    host_copy.write_text(json.dumps(data))
+    with pytest.raises(IncompatibleKernelsError, match=re.escape(message.format(i=i, name=data["kernels"][i]["name"]))):
         dispatch.load_table(host_copy)
 
 
@@ -207,4 +223,4 @@ def test_the_planners_check_the_grid_before_allocating(host_build, monkeypatch):
     with pytest.raises(InvalidArgumentError, match=r"kernel fa2_f16_\w+ with 256 threads exceeds the launch limits: "
                                                    r"grid.z = 65536 must be at most 65535"):
         f16.plan(table, f16.Call(q=batches, k=batches, v=batches, out=batches, lse=None, window=(-1, -1),
-                                 softmax_scale=1.0))
+                                 softmax_scale=1.0, batch=65536, seq_q=64, seq_k=64))

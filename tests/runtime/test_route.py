@@ -1,4 +1,4 @@
-"""The chooser (rdnattention/route.py): which kernel family serves a call, or why none does. Tables
+"""The chooser (rdnattention/route.py): which kernel family and layout serve a call, or why none do. Tables
 made in code, so the preference is pinned apart from what a target happens to build."""
 
 import pytest
@@ -11,14 +11,16 @@ from rdnattention.route import Layout, Option, Precision, Request
 from rdnattention.table import Constraints, KernelEntry, TargetTable
 
 
-def _entry(family, head_dim=64):
-    return KernelEntry(name=f"{family}_{head_dim}", family=family, head_dim=head_dim, gqa_group=1, tier="x",
-                       threads=128, br=64, bc=32, tm=4, lds_bytes=0, priority=0, when=Constraints(), provenance="test",
-                       args_digest="x")
+def _entry(family, head_dim=64, layout=None):
+    return KernelEntry(name=f"{family}{layout or ''}_{head_dim}", family=family, head_dim=head_dim, gqa_group=1,
+                       tier="x", threads=128, br=64, bc=32, tm=4, lds_bytes=0, priority=0, when=Constraints(),
+                       provenance="test", args_digest="x", layout=layout)
 
 
 TABLE = TargetTable("t", "host", REPO_ROOT, False, tuple(
-    _entry(f) for f in ("f16", "f16len", "f16varlen", "dec", "decpaged", "i8", "i8dec")) + (_entry("f16", 96),))
+    _entry(f, layout=layout) for f, layout in (("f16", None), ("f16", "len"), ("f16", "varlen"), ("dec", None),
+                                              ("dec", "paged"), ("i8", None), ("i8dec", None)))
+    + (_entry("f16", 96),))
 
 
 def _choose(layout=Layout.STRIDED, rows=1, options=(), kernel=None, precision=Precision.FP16, head_dim=64,
@@ -27,23 +29,24 @@ def _choose(layout=Layout.STRIDED, rows=1, options=(), kernel=None, precision=Pr
                                        options=frozenset(options), kernel=kernel))
 
 
-@pytest.mark.parametrize("layout, rows, options, family", [
-    (Layout.STRIDED, 1, (), "dec"),
-    (Layout.STRIDED, route.SPLIT_KV_MAX_ROWS, (), "dec"),
-    (Layout.STRIDED, route.SPLIT_KV_MAX_ROWS + 1, (), "f16"),
-    (Layout.STRIDED, 1, (Option.ROTARY,), "f16"),       # the row-block kernels rotate
-    (Layout.STRIDED, 1, (Option.ROW_ORDER,), "f16"),    # a row order asks for row blocks
-    (Layout.SEQUSED, 1, (), "dec"),
-    (Layout.SEQUSED, 64, (), "f16len"),
-    (Layout.SEQUSED, 64, (Option.KEY_SLICES,), "dec"),  # flash_attn_with_kvcache's num_splits
-    (Layout.SEQUSED, 64, (Option.CACHE_ROWS,), "dec"),
-    (Layout.PACKED, 4, (), "dec"),
-    (Layout.PACKED, 64, (), "f16varlen"),
-    (Layout.PACKED, 64, (Option.QUERY_COUNTS,), "dec"),  # padded batches (transformers)
-    (Layout.PAGED, 64, (), "decpaged"),
+@pytest.mark.parametrize("layout, rows, options, family, compiled", [
+    (Layout.STRIDED, 1, (), "dec", None),
+    (Layout.STRIDED, route.SPLIT_KV_MAX_ROWS, (), "dec", None),
+    (Layout.STRIDED, route.SPLIT_KV_MAX_ROWS + 1, (), "f16", None),
+    (Layout.STRIDED, 1, (Option.ROTARY,), "f16", None),       # the row-block kernels rotate
+    (Layout.STRIDED, 1, (Option.ROW_ORDER,), "f16", None),    # a row order asks for row blocks
+    (Layout.SEQUSED, 1, (), "dec", None),                     # the split-KV kernels read lengths as they are
+    (Layout.SEQUSED, 64, (), "f16", "len"),
+    (Layout.SEQUSED, 64, (Option.KEY_SLICES,), "dec", None),  # flash_attn_with_kvcache's num_splits
+    (Layout.SEQUSED, 64, (Option.CACHE_ROWS,), "dec", None),
+    (Layout.PACKED, 4, (), "dec", None),
+    (Layout.PACKED, 64, (), "f16", "varlen"),
+    (Layout.PACKED, 64, (Option.QUERY_COUNTS,), "dec", None),  # padded batches (transformers)
+    (Layout.PAGED, 64, (), "dec", "paged"),
 ])
-def test_rows_layout_and_options_choose_the_family(layout, rows, options, family):
-    assert _choose(layout, rows, options).family == family
+def test_rows_layout_and_options_choose_the_family_and_layout(layout, rows, options, family, compiled):
+    route_ = _choose(layout, rows, options)
+    assert (route_.family, route_.layout) == (family, compiled)
 
 
 def test_int8_and_a_head_dim_one_algorithm_lacks():
@@ -56,6 +59,9 @@ def test_what_serves_nothing_says_why():
     with pytest.raises(UnsupportedError, match=r"^no f16 kernel for head_dim 80 on t; built head_dims: \[64, 96\]; "
                                                r"nor a dec kernel \(built head_dims: \[64\]\)$"):
         _choose(rows=100, head_dim=80)
+    with pytest.raises(UnsupportedError, match=r"^no f16 len kernel for head_dim 96 on t; built head_dims: \[64\]; "
+                                               r"nor a dec kernel \(built head_dims: \[64\]\)$"):
+        _choose(Layout.SEQUSED, rows=100, head_dim=96)
     with pytest.raises(UnsupportedError, match=r"^no int8 kernels read a paged cache \(block_table\)$"):
         _choose(Layout.PAGED, precision=Precision.INT8)
     with pytest.raises(UnsupportedError, match=r"the fp16 row-block kernels \(f16\) take no cache rows chosen per "
@@ -70,12 +76,14 @@ def test_what_serves_nothing_says_why():
 def test_a_forced_kernel_runs_where_its_family_serves_the_call():
     assert _choose(rows=100, kernel="dec_64").family == "dec"
     assert _choose(rows=1, kernel="f16_64").family == "f16"
-    with pytest.raises(UnsupportedError, match=r"^kernel 'dec_64' does not serve this call on t: the kernels of dec "
+    forced = _choose(Layout.PAGED, rows=1, kernel="decpaged_64")
+    assert (forced.family, forced.layout) == ("dec", "paged")
+    with pytest.raises(UnsupportedError, match=r"^kernel 'dec_64' does not serve this call on t: the dec kernels "
                                                r"take no RoPE in the kernel \(rotary_cos, rotary_sin\)$"):
         _choose(options=(Option.ROTARY,), kernel="dec_64")
-    with pytest.raises(UnsupportedError, match=r"^kernel 'f16len_64' does not serve this call on t: it is a kernel "
-                                               r"of family f16len; this fp16 call with strided keys and values runs "
-                                               r"the kernels of f16, dec$"):
+    with pytest.raises(UnsupportedError, match=r"^kernel 'f16len_64' does not serve this call on t: it is a f16 len "
+                                               r"kernel; this fp16 call with strided keys and values runs the f16, dec "
+                                               r"kernels$"):
         _choose(kernel="f16len_64")
     with pytest.raises(UnsupportedError, match="kernel 'nope' does not serve this call on t: no kernel of that name"):
         _choose(kernel="nope")
@@ -99,5 +107,5 @@ def test_a_forced_split_kv_kernel_with_rope_is_refused(host_build):
     k = torch.randn(1, 2, 40, 64).half()
     cos, sin = torch.ones(40, 16), torch.zeros(40, 16)
     name = next(e.name for e in route.device_table(q.device).kernels if e.family == "dec" and e.head_dim == 64)
-    with pytest.raises(UnsupportedError, match="the kernels of dec take no RoPE in the kernel"):
+    with pytest.raises(UnsupportedError, match="the dec kernels take no RoPE in the kernel"):
         plan_flash_attn(q, k, k, rotary_cos=cos, rotary_sin=sin, kernel=name)

@@ -24,8 +24,8 @@
 #include "pairs.h"
 #include "fa2_policies.h"
 
-// Key rows of one (batch, K/V head) in any of the three layouts. Offsets in elements. PAGED: a
-// kernel variant of its own (family decpaged), so the others hold no page state.
+// Key rows of one (batch, K/V head) in any of the three layouts. Offsets in elements. PAGED: the
+// kernels of layout paged, compiled apart so that the others hold no page state.
 template <class Args, bool PAGED>
 struct DecodeKv {
   const Args& a;

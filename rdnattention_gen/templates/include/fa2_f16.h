@@ -37,8 +37,8 @@ struct ForwardF16 : P {
   }
 };
 
-// LENGTHS: the cache-length variant (family f16len): batch b uses its first seqused_k[b] keys.
-// VARLEN: the packed-batch variant (family f16varlen): batch b's query rows start at
+// LENGTHS: the kernels of layout len: batch b uses its first seqused_k[b] keys.
+// VARLEN: the kernels of layout varlen (packed batches): batch b's query rows start at
 // cu_seqlens_q[b] and its keys at cu_seqlens_k[b], as many as the next offsets say (keys: or
 // seqused_k[b]); row blocks past its query rows end at once.
 template <class P, class Pipe, int D, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, bool LENGTHS,
