@@ -112,10 +112,10 @@ def _plan(q, k, v, q_scale, k_scale, v_scale, o: Options, heavy_first=None, kern
         checks.check_memory(name, t)
         if name in "qkv" and t.numel() and t.data_ptr() % 16:
             raise InvalidArgumentError(f"{name}'s data pointer must be 16-byte aligned")
+    values = checks.Values()  # one device read for the three
     for name, t in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
-        if t.numel() and not bool(((t > 0) & torch.isfinite(t)).all()):
-            raise InvalidArgumentError(f"{name} must hold positive finite scales; it has a zero, negative, NaN or "
-                                       "infinite value")
+        values.positive(name, t)
+    values.check()
     table = route.device_table(q.device)
     out, lse = _allocate(q, o.return_lse)
     call = route.Attention(q=q, k=k, v=v, out=out, lse=lse if o.return_lse else None,
