@@ -562,3 +562,84 @@ def test_a_varlen_scale_beyond_float32_is_refused(host_build, entry, kw):
     with pytest.raises(InvalidArgumentError, match=f"{name} -?3e\\+38 times log2\\(e\\) is beyond float32's range"):
         getattr(rdnattention, entry)(q, q, q, cu, cu, 3, 3, **kw)
 
+
+# --- availability: what is on the search path never stops the runtime ---------------------------
+
+def test_a_foreign_table_with_null_fields_does_not_break_the_lookup(host_copy, tmp_path, monkeypatch):
+    import json
+
+    from rdnattention import cli, dispatch
+    from rdnattention.errors import KernelsNotBuiltError
+    foreign = tmp_path / "foreign"
+    (foreign / "gfx1030").mkdir(parents=True)
+    (foreign / "gfx1030" / "dispatch.json").write_text(json.dumps(
+        {"format": 3, "platform": "amdgcn", "isa_targets": None, "code_object_version": [None], "kernels": None}))
+    monkeypatch.setattr(dispatch, "search_path", lambda: [foreign, tmp_path])
+    dispatch.table_for.cache_clear()
+    assert dispatch.table_for("host").target == "host"
+    with pytest.raises(KernelsNotBuiltError, match="no kernels built for target 'gfx1031'"):
+        dispatch.table_for("gfx1031")  # the error path reads every table (same_isa_tables)
+    assert cli._amd_code_object_versions() == []  # no AMD table records a version; the foreign list is ignored
+    dispatch.table_for.cache_clear()
+
+
+def test_a_kernel_distribution_that_raises_on_import_is_skipped_with_a_warning(host_build, tmp_path, monkeypatch):
+    import importlib.metadata
+
+    from rdnattention import cli, dispatch
+    (tmp_path / "broken_kernels" / "kernels").mkdir(parents=True)
+    (tmp_path / "broken_kernels" / "__init__.py").write_text("raise RuntimeError('broken on import')\n")
+    (tmp_path / "broken_kernels" / "kernels" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ep = importlib.metadata.EntryPoint(name="broken", value="broken_kernels.kernels", group=dispatch.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [ep] if group else [])
+    monkeypatch.setattr(dispatch, "_skipped", set())
+    with pytest.warns(RuntimeWarning, match="kernel distribution 'broken' .* skipped: RuntimeError: broken on import"):
+        roots = dispatch.kernel_roots()
+    assert not any("broken" in r.source for r in roots)
+    dispatch.table_for.cache_clear()
+    q = torch.randn(1, 2, 8, 64).half()
+    assert flash_attn(q, q, q).shape == q.shape
+    assert "devices" in cli.info()
+
+
+@pytest.mark.parametrize("value", ["relative/dir", ".", ""])
+def test_a_relative_xdg_data_home_is_ignored(monkeypatch, value):
+    from pathlib import Path
+
+    from rdnattention import dispatch
+    monkeypatch.setenv("XDG_DATA_HOME", value)
+    assert dispatch.user_kernel_dir() == Path.home() / ".local" / "share" / "rdnattention" / "kernels"
+    monkeypatch.setenv("XDG_DATA_HOME", "/srv/data")
+    assert dispatch.user_kernel_dir() == Path("/srv/data/rdnattention/kernels")
+
+
+def test_build_user_into_a_file_is_a_one_line_error(tmp_path):
+    afile = tmp_path / "a_file"
+    afile.write_text("")
+    out = subprocess.run([sys.executable, "-m", "rdnattention_gen.cli", "build", "--user", "--targets", "host"],
+                         capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "XDG_DATA_HOME": str(afile)},
+                         timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"cannot create the per-user kernel directory {afile}/rdnattention/kernels" in out.stderr
+
+
+@pytest.mark.parametrize("content", ['{"target": "gfx1030", "family": "f16", "candidates": [{"name": '
+                                     '"fa2_f16_hd64_g1_br64_bc64_nt128_tm4_w32_dot2_sf16", "row": null, '
+                                     '"problems": [], "default": true, "whens": [[1]]}]}', "[1]", "null"])
+def test_a_malformed_tune_json_is_a_one_line_error(tmp_path, content):
+    (tmp_path / "tune.json").write_text(content)
+    out = subprocess.run([sys.executable, "-m", "rdnattention_gen.cli", "tune", "--targets", "gfx1030", "--build-dir",
+                          str(tmp_path), "--no-build"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"{tmp_path / 'tune.json'}: not a candidate list this version wrote" in out.stderr
+
+
+@pytest.mark.parametrize("quantize", ["quantize_per_token", "quantize_per_channel"])
+def test_tiny_values_quantize_to_a_usable_scale(quantize):
+    x = torch.full((1, 2, 8, 64), 1e-44)
+    x[0, 1, :, 3] = 1e-30
+    q, scale = getattr(rdnattention, quantize)(x)
+    assert bool((scale >= torch.finfo(torch.float32).tiny).all()) and bool(torch.isfinite(scale).all())
+    back = q.float() * (scale[..., None] if quantize == "quantize_per_token" else scale[:, :, None, :])
+    assert (back - x).abs().max().item() <= torch.finfo(torch.float32).tiny * 127
