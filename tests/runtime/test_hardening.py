@@ -545,7 +545,10 @@ call = lambda: step(packed_q, packed_k, packed_v, cu_q, cu_k)
                                                      "decrease"),
     (_COMPILED_PACKED.format(change="cu_q[2] = 6"), "InvalidArgumentError: cu_seqlens_q ends at 6, past the 5 packed "
                                                     "rows"),
-])
+], ids=["pool-strided-head-dim", "pool-row-stride", "cache-rows-strided-head-dim", "cache-rows-row-stride",
+        "short-cache-seqlens", "short-k", "empty-v", "short-rotary-sin", "short-k-cache", "short-block-table",
+        "compiled-page-id", "compiled-append-page-id", "compiled-append-cache-row", "compiled-append-capacity",
+        "compiled-cu-seqlens-k-past-the-end", "compiled-cu-seqlens-k-decreasing", "compiled-cu-seqlens-q-past-the-rows"])
 def test_hostile_cache_and_packed_calls_are_refused_in_their_own_process(host_build, setup, message):
     out = _run(_HOSTILE.format(setup=textwrap.dedent(setup)))
     assert out.returncode == 0, out.stderr[-3000:]
