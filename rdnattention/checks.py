@@ -78,20 +78,108 @@ def check_int32(name: str, t: object, shape: tuple[int, ...] | int, device: torc
     return t
 
 
+def _shown(t: torch.Tensor) -> str:
+    """A refused index tensor's values for a message (read once more: the call fails anyway)."""
+    return str(t.tolist()) if t.numel() <= 16 else f"{int(t.min())}..{int(t.max())}"
+
+
+class Values:
+    """Checks of the values of index and scale tensors, gathered, then read from the device at once
+    by :meth:`check`: the one place a call reads its arguments' values (every other check reads
+    shapes, strides, dtypes and devices only). One read costs a device synchronisation on a GPU.
+    Nothing is read where values cannot be (see can_read): those calls rely on an eager call with
+    the same tensors having been checked. Each check method adds its reductions and returns self."""
+
+    def __init__(self) -> None:
+        self._scalars: list[torch.Tensor] = []
+        self._tests: list[tuple[int, int, object]] = []
+
+    def _add(self, name: str, t: torch.Tensor, scalars: list[torch.Tensor], test) -> Values:
+        check_memory(name, t)
+        self._tests.append((len(self._scalars), len(scalars), test))
+        self._scalars += [s.to(torch.float64).reshape(()) for s in scalars]
+        return self
+
+    def _readable(self, t: torch.Tensor | None) -> bool:
+        return t is not None and t.numel() > 0 and can_read(t)
+
+    def within(self, name: str, t: torch.Tensor | None, lo: int, hi: int, hi_name: str = "",
+               rule: str | None = None) -> Values:
+        """Every value in [lo, hi] (compared in Python: no integer wraps); ``hi_name`` names the
+        upper bound in the message, ``rule`` replaces its statement of the bounds."""
+        if not self._readable(t):
+            return self
+
+        def test(v: list[float]) -> None:
+            if v[0] < lo or v[1] > hi:
+                bound = f"{hi_name} = {hi}" if hi_name else str(hi)
+                said = rule or f"{name} values must lie in [{lo}, {bound}]"
+                got = f"{name} {_shown(t)}" if rule else _shown(t)
+                raise InvalidArgumentError(f"{said}, got {got}")
+        return self._add(name, t, [t.min(), t.max()], test)
+
+    def offsets(self, name: str, cu: torch.Tensor | None, total: int, longest: int, longest_name: str) -> Values:
+        """Offsets of packed sequences: they start at 0, never decrease, end within the ``total``
+        packed rows, and no sequence is longer than ``longest`` (named ``longest_name``)."""
+        if not self._readable(cu):
+            return self
+        wide = cu.long()
+        steps = wide[1:] - wide[:-1]
+        scalars = [wide[0], wide[-1]] + ([steps.min(), steps.max()] if steps.numel() else [])
+
+        def test(v: list[float]) -> None:
+            first, last = int(v[0]), int(v[1])
+            least, most = (int(v[2]), int(v[3])) if len(v) > 2 else (0, 0)
+            if first != 0 or least < 0:
+                raise InvalidArgumentError(f"{name} must start at 0 and never decrease")
+            if last > total:
+                raise InvalidArgumentError(f"{name} ends at {last}, past the {total} packed rows")
+            if most > longest:
+                raise InvalidArgumentError(f"a sequence of {most} rows in {name} is longer than {longest_name} = "
+                                           f"{longest}")
+        return self._add(name, cu, scalars, test)
+
+    def at_most(self, name: str, t: torch.Tensor | None, bound: torch.Tensor, what: str) -> Values:
+        """``t`` at most ``bound`` (a tensor of its shape), element by element."""
+        if not self._readable(t):
+            return self
+
+        def test(v: list[float]) -> None:
+            if v[0] > 0:
+                raise InvalidArgumentError(f"{name} must not exceed {what}")
+        return self._add(name, t, [(t.long() - bound.long()).max()], test)
+
+    def positive(self, name: str, t: torch.Tensor | None) -> Values:
+        """Every value positive and finite (scales)."""
+        if not self._readable(t):
+            return self
+
+        def test(v: list[float]) -> None:
+            if not v[0] > 0 or v[1] < 1:
+                raise InvalidArgumentError(f"{name} must hold positive finite scales; it has a zero, negative, NaN "
+                                           "or infinite value")
+        return self._add(name, t, [t.min(), torch.isfinite(t).all()], test)
+
+    def check(self) -> None:
+        """Reads every gathered reduction in one device read and raises the first failed check's
+        InvalidArgumentError (in the order the checks were added)."""
+        if not self._scalars:
+            return
+        values = torch.stack(self._scalars).tolist()
+        for start, count, test in self._tests:
+            test(values[start:start + count])
+
+
 def check_values(name: str, t: torch.Tensor | None, lo: int, hi: int) -> None:
     """Values in [lo, hi] (where they can be read: see can_read), in one device read."""
-    if t is None or t.numel() == 0 or not can_read(t):
-        return
-    check_memory(name, t)
-    low, high = torch.stack([t.min(), t.max()]).tolist()
-    if low < lo or high > hi:
-        raise InvalidArgumentError(f"{name} values must lie in [{lo}, {hi}], got {low}..{high}")
+    Values().within(name, t, lo, hi).check()
 
 
 def check_paged(k: torch.Tensor, v: torch.Tensor, block_table: object, batch: int, k_name: str,
                 v_name: str) -> torch.Tensor:
     """A page pool [pages, page_size, heads_kv, head_dim] (page_size a power of two, K and V with one
-    layout) and its int32 [batch, pages per sequence] table, whose values name pages of the pool."""
+    layout) and its int32 [batch, pages per sequence] table. Its values (pages of the pool) are
+    checked where the call is run (Values)."""
     table = check_int32("block_table", block_table, 2, k.device)
     if table.shape[0] != batch:
         raise InvalidArgumentError(f"block_table has {table.shape[0]} rows; there are {batch} sequences")
@@ -102,5 +190,4 @@ def check_paged(k: torch.Tensor, v: torch.Tensor, block_table: object, batch: in
     if k.stride() != v.stride():
         raise InvalidArgumentError(f"paged {k_name} and {v_name} must share one layout, got strides {k.stride()} "
                                    f"and {v.stride()}")
-    check_values("block_table", table, 0, k.shape[0] - 1)
     return table

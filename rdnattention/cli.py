@@ -91,7 +91,9 @@ def _amd_code_object_versions() -> list[int]:
     versions = set()
     for path in dispatch.built_tables():
         try:
-            versions.add(json.loads(path.read_text()).get("code_object_version"))
+            version = json.loads(path.read_text()).get("code_object_version")
+            if type(version) is int:
+                versions.add(version)
         except (OSError, ValueError, AttributeError):
             continue
     return sorted(v for v in versions if v in dispatch.ROCM_LOADS)

@@ -1,18 +1,21 @@
 """Calls on caches and packed batches, behind `flash_attn_with_kvcache` (paged caches,
-cache_batch_idx, explicit num_splits) and the variable-length entry points (varlen.py): `run` is
-the one place such a call is checked against memory and planned (route.py chooses the kernels:
-the split-KV ones, or for a packed prefill the row-block ones compiled for packed batches); the
-custom op `rdnattention::flash_attn_decode_fwd` wraps it for torch.compile and tensor subclasses."""
+cache_batch_idx, explicit num_splits) and the variable-length entry points (varlen.py): `prepare`
+is the one place such a call is checked against memory and its index values (check_values) and
+planned (route.py chooses the kernels: the split-KV ones, or for a packed prefill the row-block
+ones compiled for packed batches), `run` runs it; the custom op
+`rdnattention::flash_attn_decode_fwd` wraps it for torch.compile and tensor subclasses, so its
+implementation checks what an eager call checks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
 from . import checks, route
 from .errors import InvalidArgumentError
+from .plan import Plan
 
 
 @dataclass(frozen=True)
@@ -27,23 +30,87 @@ class Extents:
     seq_k: int  # per batch at most; paged: pages per row x page size
 
 
-def run(q, k, v, *, window: tuple[int, int], softmax_scale: float, return_lse: bool, extents: Extents,
-        seqused_k=None, block_table=None, cache_batch_idx=None, cu_seqlens_q=None, cu_seqlens_k=None,
-        num_splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plans and runs a validated call (shapes and index values checked by the caller); returns
-    (out, lse) in the layout of q (lse: [batch, heads_q, seq_q], packed [heads_q, total_q]; empty
-    unless asked for)."""
+def check_values(q, k, *, extents: Extents, seqused_k=None, block_table=None, cache_batch_idx=None,
+                 cu_seqlens_q=None, cu_seqlens_k=None, names: Mapping[str, str] | None = None) -> None:
+    """The index tensors' values, in one device read (checks.Values): pages within the pool, cache
+    rows within the cache, offsets from 0, never decreasing, within the packed rows and no sequence
+    longer than seq_q / seq_k, key counts within seq_k and each sequence's keys. Run by the eager
+    entry points and by the custom op's implementation alike, so a compiled call is checked as an
+    eager one. ``names``: the entry point's names of the arguments, for messages."""
+    def n(name: str) -> str:
+        return (names or {}).get(name, name)
+
+    values = checks.Values()
+    values.within(n("block_table"), block_table, 0, k.shape[0] - 1)
+    values.within(n("cache_batch_idx"), cache_batch_idx, 0, k.shape[0] - 1)
+    values.offsets(n("cu_seqlens_q"), cu_seqlens_q, q.shape[0], extents.seq_q, n("seq_q"))
+    values.offsets(n("cu_seqlens_k"), cu_seqlens_k, k.shape[0], extents.seq_k, n("seq_k"))
+    values.within(n("seqused_k"), seqused_k, 0, extents.seq_k, n("seq_k"))
+    if seqused_k is not None and cu_seqlens_k is not None:
+        values.at_most(n("seqused_k"), seqused_k, cu_seqlens_k[1:] - cu_seqlens_k[:-1],
+                       f"each sequence's keys in {n('cu_seqlens_k')}")
+    values.check()
+
+
+def _check_extents(q, k, v, extents: Extents, seqused_k, block_table, cache_batch_idx, cu_seqlens_q,
+                   cu_seqlens_k) -> None:
+    """The tensors agree with the extents (shapes only): the entry points guarantee it; a direct
+    call of the custom op is held to it."""
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise InvalidArgumentError(f"flash_attn_decode_fwd: {what}")
+
+    batch = extents.batch
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        need(t.dtype == torch.float16 and t.device == q.device and t.dim() in (3, 4),
+             f"{name} must be a float16 tensor of 3 or 4 dimensions on q's device")
+    need(k.shape == v.shape and k.shape[-1] == q.shape[-1] and k.shape[-2] > 0 and q.shape[-2] % k.shape[-2] == 0,
+         f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape, q's head_dim and a divisor of its heads")
+    need(min(batch, extents.seq_q, extents.seq_k) >= 0, f"extents {extents} must not be negative")
+    for name, t, shape in (("seqused_k", seqused_k, (batch,)), ("cache_batch_idx", cache_batch_idx, (batch,)),
+                           ("cu_seqlens_q", cu_seqlens_q, (batch + 1,)), ("cu_seqlens_k", cu_seqlens_k, (batch + 1,)),
+                           ("block_table", block_table, 2)):
+        if t is not None:
+            checks.check_int32(name, t, shape, q.device)
+    if cu_seqlens_q is not None:
+        need(q.dim() == 3, "packed q must be [total_q, heads_q, head_dim]")
+    else:
+        need(q.dim() == 4 and q.shape[0] == batch and q.shape[1] == extents.seq_q,
+             f"q {tuple(q.shape)} must be [batch = {batch}, seq_q = {extents.seq_q}, heads_q, head_dim]")
+    if block_table is not None:
+        page = k.shape[1] if k.dim() == 4 else 0
+        need(k.dim() == 4 and cu_seqlens_k is None and cache_batch_idx is None and block_table.shape[0] == batch
+             and page > 0 and page & (page - 1) == 0 and extents.seq_k <= block_table.shape[1] * page,
+             f"a page pool {tuple(k.shape)} (pages of a power of two rows) with block_table "
+             f"{tuple(block_table.shape)} must hold seq_k = {extents.seq_k} keys for each of {batch} sequences")
+    elif cu_seqlens_k is not None:
+        need(k.dim() == 3 and cache_batch_idx is None, "packed k must be [total_k, heads_kv, head_dim]")
+    else:
+        need(k.dim() == 4 and extents.seq_k <= k.shape[1] and (cache_batch_idx is not None or k.shape[0] >= batch),
+             f"k {tuple(k.shape)} must hold seq_k = {extents.seq_k} keys for each of {batch} sequences")
+
+
+def prepare(q, k, v, *, window: tuple[int, int], softmax_scale: float, return_lse: bool, extents: Extents,
+            seqused_k=None, block_table=None, cache_batch_idx=None, cu_seqlens_q=None, cu_seqlens_k=None,
+            num_splits: int = 0, names: Mapping[str, str] | None = None,
+            values_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
+    """Checks a validated call against memory and its index values (not where the caller has,
+    ``values_checked``) and plans it: (out, lse, plan), plan None where nothing is launched. Nothing
+    is launched or written; `run` runs it."""
     packed = cu_seqlens_q is not None
+    _check_extents(q, k, v, extents, seqused_k, block_table, cache_batch_idx, cu_seqlens_q, cu_seqlens_k)
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_memory(name, t)
         if t.data_ptr() % 16:
             raise InvalidArgumentError(f"{name} must start on a 16-byte boundary")
-    # The index tensors' values were checked by the entry point (kvcache.py, varlen.py), before any
-    # in-place append; here only that their memory is real.
     for name, t in (("seqused_k", seqused_k), ("block_table", block_table), ("cache_batch_idx", cache_batch_idx),
                     ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if t is not None:
             checks.check_memory(name, t)
+    if not values_checked:
+        check_values(q, k, extents=extents, seqused_k=seqused_k, block_table=block_table,
+                     cache_batch_idx=cache_batch_idx, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                     names=names)
     out, lse = allocate(q, return_lse, packed)
     if packed:  # [1, heads, total, head_dim] views
         qv, ov = q.unsqueeze(0).transpose(1, 2), out.unsqueeze(0).transpose(1, 2)
@@ -55,13 +122,22 @@ def run(q, k, v, *, window: tuple[int, int], softmax_scale: float, return_lse: b
         kv_, vv = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
     if extents.batch == 0 or out.numel() == 0:
         lse.fill_(float("-inf"))
-        return out, lse
+        return out, lse, None
     call = route.Attention(q=qv, k=kv_, v=vv, out=ov, lse=lse if return_lse else None, window=window,
                            softmax_scale=softmax_scale, batch=extents.batch, seq_q=extents.seq_q,
                            seq_k=extents.seq_k, seqused_k=seqused_k, cache_batch_idx=cache_batch_idx,
                            block_table=block_table, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                            num_splits=num_splits)
-    route.plan(route.device_table(q.device), call).run()
+    return out, lse, route.plan(route.device_table(q.device), call)
+
+
+def run(q, k, v, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks, plans and runs a validated call (shapes checked by the caller; `prepare` takes the
+    arguments); returns (out, lse) in the layout of q (lse: [batch, heads_q, seq_q], packed
+    [heads_q, total_q]; empty unless asked for)."""
+    out, lse, plan = prepare(q, k, v, **kw)
+    if plan is not None:
+        plan.run()
     return out, lse
 
 
@@ -82,6 +158,7 @@ def forward(q, k, v, **kw) -> tuple[torch.Tensor, torch.Tensor]:
                            kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")) if t is not None]
     if (torch.compiler.is_compiling() or torch.jit.is_tracing()
             or not all(type(t) is torch.Tensor for t in tensors)):
+        # The op's implementation checks the index values itself (with the op's argument names).
         extents = kw["extents"]
         return flash_attn_decode_fwd(q, k, v, kw.get("seqused_k"), kw.get("block_table"), kw.get("cache_batch_idx"),
                                      kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k"), extents.batch, extents.seq_q,

@@ -45,8 +45,12 @@ ENTRY_POINT_GROUP = "rdnattention.kernels"  # kernel distributions: name = packa
 
 def user_kernel_dir() -> Path:
     """Where `rdnattention-gen build --user` writes: $XDG_DATA_HOME/rdnattention/kernels (default
-    ~/.local/share/rdnattention/kernels)."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    ~/.local/share/rdnattention/kernels). A relative XDG_DATA_HOME is ignored, as the XDG base
+    directory specification says: kernels (native code on the host) are never looked for relative
+    to the current directory."""
+    base = os.environ.get("XDG_DATA_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".local", "share")
     return Path(base) / "rdnattention" / "kernels"
 
 
@@ -76,22 +80,41 @@ def kernel_roots() -> list[KernelRoot]:
     return roots
 
 
+_skipped: set[str] = set()
+
+
+def _skip(what: str, e: BaseException) -> None:
+    """A search-path entry that cannot be read is skipped, with one warning per entry."""
+    message = f"{what} skipped: {type(e).__name__}: {e}"
+    if message not in _skipped:
+        _skipped.add(message)
+        warnings.warn(f"rdnattention: {message}", RuntimeWarning, stacklevel=3)
+
+
 def _distributions() -> list[KernelRoot]:
     """Installed kernel distributions, by name. One whose package cannot be found is skipped (it is
-    reported by `rdnattention info`); it never stops the others."""
+    reported by `rdnattention info`), and one that cannot be read (its package raises on import, its
+    metadata is broken) is skipped with a warning: it never stops the others."""
     from importlib.metadata import entry_points
     from importlib.util import find_spec
 
+    try:
+        eps = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+    except Exception as e:  # noqa: BLE001 - broken metadata of some distribution
+        _skip(f"kernel distributions (entry points {ENTRY_POINT_GROUP})", e)
+        return []
     roots = []
-    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+    for ep in eps:
         try:
             spec = find_spec(ep.value)
+            if spec is None or not spec.submodule_search_locations:
+                continue
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else ep.name
+            roots.append(KernelRoot(Path(list(spec.submodule_search_locations)[0]), f"distribution {dist}"))
         except (ImportError, ValueError):
-            spec = None
-        if spec is None or not spec.submodule_search_locations:
             continue
-        dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else ep.name
-        roots.append(KernelRoot(Path(list(spec.submodule_search_locations)[0]), f"distribution {dist}"))
+        except Exception as e:  # noqa: BLE001 - a package whose import raises must not stop the others
+            _skip(f"kernel distribution {ep.name!r} ({ep.value})", e)
     return roots
 
 
@@ -217,8 +240,16 @@ def load_table(path: Path | str) -> TargetTable:
 
 
 def built_tables() -> list[Path]:
-    """Every dispatch.json on the search path, in search order."""
-    return [p for root in search_path() if root.is_dir() for p in sorted(root.glob("*/dispatch.json"))]
+    """Every dispatch.json on the search path, in search order (a directory that cannot be listed is
+    skipped with a warning)."""
+    found = []
+    for root in search_path():
+        try:
+            if root.is_dir():
+                found += sorted(root.glob("*/dispatch.json"))
+        except OSError as e:
+            _skip(f"kernel directory {root}", e)
+    return found
 
 
 def fallback_chain(target: str) -> list[Path]:
@@ -238,9 +269,10 @@ def same_isa_tables(target: str) -> list[Path]:
             continue
         try:
             data = json.loads(path.read_text())
-            if data.get("platform") == "amdgcn" and target in data.get("isa_targets", ()):
+            isa_targets = data.get("isa_targets") or ()
+            if data.get("platform") == "amdgcn" and isinstance(isa_targets, list) and target in isa_targets:
                 found.append(path)
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, TypeError):
             continue  # a hint only: an unreadable table is reported when it is the one chosen
     return found
 

@@ -35,14 +35,22 @@ def _check_float(name: str, x: object) -> torch.Tensor:
     return x
 
 
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    """The scale of each amax: amax / 127, at least float32's smallest normal number (values so tiny
+    quantize to 0 rather than to a zero or subnormal scale, which the kernels refuse or flush), and
+    1 for an all-zero vector."""
+    return torch.where(amax > 0, (amax / _LEVELS).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 quantization of each token's head_dim vector: (int8 [b, h, s, d], fp32 scale
-    [b, h, s]) with x ~= x_i8 * scale[..., None]. An all-zero token gets scale 1."""
+    [b, h, s]) with x ~= x_i8 * scale[..., None]. An all-zero token gets scale 1; scales are never
+    below float32's smallest normal number."""
     x = _check_float("x", x)
     amax = x.detach().float().abs().amax(dim=-1)
     if not torch.isfinite(amax).all():
         raise InvalidArgumentError("x holds a NaN or an infinity; it cannot be quantized")
-    scale = torch.where(amax > 0, amax / _LEVELS, torch.ones_like(amax))
+    scale = _scale(amax)
     q = torch.round(x.detach().float() / scale[..., None]).clamp_(-_LEVELS, _LEVELS).to(torch.int8)
     return q, scale.contiguous()
 
@@ -54,7 +62,7 @@ def quantize_per_channel(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = v.detach().float().abs().amax(dim=2)
     if not torch.isfinite(amax).all():
         raise InvalidArgumentError("v holds a NaN or an infinity; it cannot be quantized")
-    scale = torch.where(amax > 0, amax / _LEVELS, torch.ones_like(amax))
+    scale = _scale(amax)
     q = torch.round(v.detach().float() / scale[:, :, None, :]).clamp_(-_LEVELS, _LEVELS).to(torch.int8)
     return q, scale.contiguous()
 
@@ -112,10 +120,10 @@ def _plan(q, k, v, q_scale, k_scale, v_scale, o: Options, heavy_first=None, kern
         checks.check_memory(name, t)
         if name in "qkv" and t.numel() and t.data_ptr() % 16:
             raise InvalidArgumentError(f"{name}'s data pointer must be 16-byte aligned")
+    values = checks.Values()  # one device read for the three
     for name, t in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
-        if t.numel() and not bool(((t > 0) & torch.isfinite(t)).all()):
-            raise InvalidArgumentError(f"{name} must hold positive finite scales; it has a zero, negative, NaN or "
-                                       "infinite value")
+        values.positive(name, t)
+    values.check()
     table = route.device_table(q.device)
     out, lse = _allocate(q, o.return_lse)
     call = route.Attention(q=q, k=k, v=v, out=out, lse=lse if o.return_lse else None,

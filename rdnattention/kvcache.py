@@ -1,21 +1,31 @@
 """flash-attn's ``flash_attn_with_kvcache``: decode and chunked prefill against a preallocated KV
 cache with per-sequence lengths, appending the new keys and values in place.
 
+A call is checked whole before anything is written: the arguments' shapes, dtypes, devices,
+strides and options where it is traced (validate), then the memory behind every tensor and the
+index values (one device read: checks.Values), then it is planned (the kernel chosen, the launch
+grid checked); only then are the new keys and values appended and the kernels run. A refused call
+leaves every tensor it was given as it was.
+
 Plain caches with automatic key slices run as flash_attn calls with cache lengths (ops.py), the
 others through decode.py; route.py chooses the kernels of both: the split-KV decode kernels for
 paged caches, cache_batch_idx, explicit num_splits and calls with few query rows per K/V head, the
-fp16 row-block kernels with cache lengths (f16 of layout len) otherwise. The in-place append and
-RoPE on the new keys and the queries (reference.rotate, in float64) are torch operations, so
-torch.compile traces them as they are."""
+fp16 row-block kernels with cache lengths (f16 of layout len) otherwise. RoPE on the new keys and
+the queries is computed in float64 (reference.rotate). Where torch traces or the tensors are
+subclasses, a call that appends runs the custom op ``rdnattention::flash_attn_kvcache_fwd`` (it
+mutates the caches; its implementation is the eager path, checks included), one that does not
+the custom ops of ops.py and decode.py."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from . import decode, ops
-from .checks import TOKEN_MAJOR, can_read, check_fp16, check_int32, check_paged, check_values
-from .errors import InvalidArgumentError
-from .options import check_seqused, validate
+from . import checks, decode, ops
+from .checks import TOKEN_MAJOR, check_fp16, check_int32, check_paged
+from .errors import InvalidArgumentError, UnsupportedError
+from .options import Options, check_seqused, validate
 from .reference import rotate
 
 
@@ -34,6 +44,12 @@ def _check_tables(cos: object, sin: object, interleaved: object, q: torch.Tensor
                                    f"shape, with rotary_dim = 2 * width at most head_dim {q.shape[3]}")
 
 
+def _check_cache_view(name: str, t: torch.Tensor) -> None:
+    """A cache or page pool [rows, positions, heads_kv, head_dim] as the kernels read it, by its own
+    strides: contiguous in head_dim, positions and heads on 16-byte multiples."""
+    checks.check_rows(name, t.transpose(1, 2))
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), rotary_interleaved=True, num_splits=0,
@@ -48,11 +64,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rotated at cache_seqlens + i under a causal or local mask, else at cache_seqlens), and attention
     covers cache_seqlens + seq_new keys. Queries align to the end of each sequence's keys.
     ``num_splits``: key slices of the split-KV kernels (0: chosen from the device). Returns out
-    [batch, seq_q, heads, head_dim], with the LSE [batch, heads, seq_q] if return_softmax_lse."""
+    [batch, seq_q, heads, head_dim], with the LSE [batch, heads, seq_q] if return_softmax_lse.
+    A call that raises has written nothing."""
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise InvalidArgumentError(f"num_splits must be a non-negative int, got {num_splits!r}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_fp16(name, t, TOKEN_MAJOR)
+    given = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("rotary_cos", rotary_cos),
+             ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+             ("block_table", block_table))
+    given = [(name, t) for name, t in given if isinstance(t, torch.Tensor)]
+    for name, t in given:
+        if t.device != q.device and name in ("k", "v"):
+            raise InvalidArgumentError(f"{name} is on {t.device}, the cache on {q.device}: the new keys and values "
+                                       "are written into the cache")
+        if t.device != q.device:
+            raise InvalidArgumentError(f"{name} is on {t.device}, q on {q.device}")
+    traced = (torch.compiler.is_compiling() or torch.jit.is_tracing()
+              or not all(type(t) is torch.Tensor for _, t in given))
+    if not traced:  # before any view of them is made (a view beyond its storage is torch's RuntimeError)
+        for name, t in given:
+            checks.check_memory(name, t)
     batch = q.shape[0]
     if v_cache.shape != k_cache.shape:
         raise InvalidArgumentError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape "
@@ -67,23 +99,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_len = k_cache.shape[1]
         if cache_batch_idx is not None:
             cache_batch_idx = check_int32("cache_batch_idx", cache_batch_idx, (batch,), q.device)
-            check_values("cache_batch_idx", cache_batch_idx, 0, k_cache.shape[0] - 1)
         elif k_cache.shape[0] != batch:
             raise InvalidArgumentError(f"q has batch {batch}, the cache {k_cache.shape[0]} (give cache_batch_idx to "
                                        "pick cache rows)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_cache_view(name, t)
     if (k is None) != (v is None):
         raise InvalidArgumentError("k and v must be given together")
     if rotary_cos is not None and k is None:
         raise InvalidArgumentError("rotary_cos/rotary_sin apply to the new k and q: give k and v with them")
-
-    if cache_seqlens is None:
-        lengths = torch.full((batch,), cache_len, dtype=torch.int32, device=q.device)
-    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        lengths = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    else:
-        lengths = check_seqused(cache_seqlens, q.transpose(1, 2))
-        if lengths is None:
-            raise InvalidArgumentError("cache_seqlens must be an int or an int32 [batch] tensor")
     new = 0
     if k is not None:
         for name, t in (("k", k), ("v", v)):
@@ -92,55 +116,169 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 raise InvalidArgumentError(f"{name} shape {tuple(t.shape)} must be [batch, seq_new, heads_kv, "
                                            f"head_dim] matching the cache {tuple(k_cache.shape)}")
         new = k.shape[1]
-    if lengths.numel() and can_read(lengths) and not bool(((lengths >= 0) & (lengths + new <= cache_len)).all()):
-        raise InvalidArgumentError(f"cache_seqlens + seq_new ({new}) must lie in [0, cache_len = {cache_len}], "
-                                   f"got cache_seqlens {lengths.tolist()}")
+    if rotary_cos is not None or rotary_sin is not None:
+        _check_tables(rotary_cos, rotary_sin, rotary_interleaved, q)
 
-    q_in = q
-    if k is not None:
-        positions = lengths.long()[:, None] + torch.arange(new, device=q.device)
-        if rotary_cos is not None:
-            _check_tables(rotary_cos, rotary_sin, rotary_interleaved, q)
-            needed = int(lengths.max().item()) + max(new, q.shape[1]) if batch and can_read(lengths) else 0
-            if rotary_cos.shape[0] < needed:
-                raise InvalidArgumentError(f"rotary tables have {rotary_cos.shape[0]} positions; the new keys and "
-                                           f"queries need {needed}")
-            k = rotate(k.transpose(1, 2), rotary_cos, rotary_sin, positions, rotary_interleaved).transpose(1, 2)
-            local = causal or tuple(window_size) != (-1, -1)
-            q_pos = lengths.long()[:, None] + (torch.arange(q.shape[1], device=q.device) if local else 0)
-            q_in = rotate(q.transpose(1, 2), rotary_cos, rotary_sin, q_pos.expand(batch, q.shape[1]),
-                          rotary_interleaved).transpose(1, 2)
-        if block_table is not None:  # page block_table[b, pos // page], row pos % page
-            page = k_cache.shape[1]
-            slots = block_table.long().gather(1, positions // page)
-            k_cache[slots, positions % page] = k
-            v_cache[slots, positions % page] = v
-        else:
-            rows = (cache_batch_idx.long() if cache_batch_idx is not None
-                    else torch.arange(batch, device=q.device))[:, None]
-            k_cache[rows, positions] = k
-            v_cache[rows, positions] = v
-        lengths = lengths + new
-    lengths = lengths.to(torch.int32)
+    if cache_seqlens is None:
+        lengths = torch.full((batch,), cache_len, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= cache_len - new:
+            raise InvalidArgumentError(f"cache_seqlens + seq_new ({new}) must lie in [0, cache_len = {cache_len}], "
+                                       f"got cache_seqlens {cache_seqlens}")
+        lengths = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    else:
+        if not isinstance(cache_seqlens, torch.Tensor):
+            raise InvalidArgumentError("cache_seqlens must be an int or an int32 [batch] tensor, got "
+                                       f"{type(cache_seqlens).__name__}")
+        lengths = check_seqused(cache_seqlens, q.transpose(1, 2), "cache_seqlens")
 
-    qv = q_in.transpose(1, 2)
+    qv = q.transpose(1, 2)
     if block_table is None and cache_batch_idx is None:
         kv, vv = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-    else:  # stand-ins of the logical [batch, heads_kv, cache_len, head_dim] shape: validation reads only shapes
+    else:  # stand-ins of the logical [batch, heads_kv, cache_len, head_dim] shape: validate reads only shapes
+        # (the caches' own strides are checked above)
         kv = vv = k_cache.new_empty(k_cache.shape[-1]).as_strided(
             (batch, k_cache.shape[2], cache_len, k_cache.shape[3]), (0, 0, 0, 1))
     o = validate(qv, kv, vv, is_causal=causal, window_size=window_size, softmax_scale=softmax_scale,
                  rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_softmax_lse,
                  seqused_k=lengths)
-    # Plain caches with automatic slices run as flash_attn calls (its custom op takes strided tensors
-    # only); the others through the decode op.
-    if block_table is None and cache_batch_idx is None and num_splits == 0:
-        out, lse = ops.forward(qv, kv, vv, o, token_major=True)
-        out = out.transpose(1, 2)
-        return (out, lse) if return_softmax_lse else out
-    out, lse = decode.forward(q_in, k_cache, v_cache, window=(o.window_left, o.window_right),
-                              softmax_scale=o.softmax_scale, return_lse=return_softmax_lse,
-                              extents=decode.Extents(batch=batch, seq_q=q.shape[1], seq_k=cache_len),
-                              seqused_k=lengths, block_table=block_table, cache_batch_idx=cache_batch_idx,
-                              num_splits=num_splits)
+    if torch.is_grad_enabled():
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("rotary_cos", rotary_cos),
+                        ("rotary_sin", rotary_sin)):
+            if t is not None and t.requires_grad:
+                raise UnsupportedError(f"rdnattention is forward-only and {name} requires grad: run it under "
+                                       "torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+
+    local = causal or tuple(window_size) != (-1, -1)
+    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, cache_batch_idx, block_table,
+            o.window_left, o.window_right, o.softmax_scale, rotary_interleaved, local, return_softmax_lse, num_splits)
+    if traced:
+        out, lse = _traced(*args, cache_len=cache_len)
+    else:
+        out, lse = _run(*args)
     return (out, lse) if return_softmax_lse else out
+
+
+def _traced(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left: int,
+            window_right: int, softmax_scale: float, interleaved: bool, local: bool, return_lse: bool,
+            num_splits: int, *, cache_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call where torch traces (or on subclasses), through the custom ops: the one that appends,
+    or, without new keys, those of ops.py and decode.py (each checks the index values it is given)."""
+    if k is not None:
+        return flash_attn_kvcache_fwd(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table,
+                                      window_left, window_right, softmax_scale, interleaved, local, return_lse,
+                                      num_splits)
+    if block_table is None and cache_batch_idx is None and num_splits == 0:
+        o = Options(window_left=window_left, window_right=window_right, softmax_scale=softmax_scale,
+                    rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_lse,
+                    seqused_k=lengths)
+        out, lse = ops.forward(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), o,
+                               token_major=True)
+        return out.transpose(1, 2), lse
+    return decode.forward(q, k_cache, v_cache, window=(window_left, window_right), softmax_scale=softmax_scale,
+                          return_lse=return_lse,
+                          extents=decode.Extents(batch=q.shape[0], seq_q=q.shape[1], seq_k=cache_len),
+                          seqused_k=lengths, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                          num_splits=num_splits, names={"seqused_k": "cache_seqlens", "seq_k": "cache_len"})
+
+
+def check_values(lengths: torch.Tensor, new: int, cache_len: int, cache_rows: int, cache_batch_idx, block_table,
+                 pages: int, positions: int | None, rotated: int) -> None:
+    """A call's index values, in one device read (checks.Values): cache lengths with room for the
+    new keys, cache rows and pages within the cache, and, with RoPE tables of ``positions`` rows,
+    positions up to cache_seqlens + ``rotated`` - 1 within them."""
+    values = checks.Values()
+    values.within("cache_seqlens", lengths, 0, cache_len - new,
+                  rule=f"cache_seqlens + seq_new ({new}) must lie in [0, cache_len = {cache_len}]")
+    values.within("cache_batch_idx", cache_batch_idx, 0, cache_rows - 1)
+    values.within("block_table", block_table, 0, pages - 1)
+    if positions is not None:
+        values.within("cache_seqlens", lengths, 0, positions - rotated,
+                      rule=f"rotary tables have {positions} positions; the new keys and queries need "
+                           f"cache_seqlens + {rotated} of them")
+    values.check()
+
+
+def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left: int,
+         window_right: int, softmax_scale: float, interleaved: bool, local: bool, return_lse: bool,
+         num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A validated call (shapes, options: flash_attn_with_kvcache), in eager mode or as the custom
+    op's implementation: memory and index values checked and the call planned, then the append,
+    then the launches."""
+    batch, seq_q = q.shape[0], q.shape[1]
+    paged = block_table is not None
+    page = k_cache.shape[1]
+    cache_len = block_table.shape[1] * page if paged else page
+    new = 0 if k is None else k.shape[1]
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("rotary_cos", cos),
+                    ("rotary_sin", sin), ("cache_seqlens", lengths), ("cache_batch_idx", cache_batch_idx),
+                    ("block_table", block_table)):
+        if t is not None:
+            checks.check_memory(name, t)
+    rotated = max(new, seq_q if local else min(seq_q, 1))
+    check_values(lengths, new, cache_len, k_cache.shape[0], cache_batch_idx, block_table,
+                 k_cache.shape[0] if paged else 0, cos.shape[0] if cos is not None else None, rotated)
+
+    # What the kernels read, computed apart from the caches: the rotated queries and new keys, the
+    # lengths after the append.
+    q_in, k_in = q, k
+    if k is not None:
+        positions = lengths.long()[:, None] + torch.arange(new, device=q.device)
+        if cos is not None:
+            k_in = rotate(k.transpose(1, 2), cos, sin, positions, interleaved).transpose(1, 2)
+            q_pos = lengths.long()[:, None] + (torch.arange(seq_q, device=q.device) if local else 0)
+            q_in = rotate(q.transpose(1, 2), cos, sin, q_pos.expand(batch, seq_q), interleaved).transpose(1, 2)
+        used = (lengths + new).to(torch.int32)
+    else:
+        used = lengths
+
+    # Planned before the append: a call no kernel serves, or whose grid is beyond the launch
+    # limits, is refused with the caches untouched.
+    if block_table is None and cache_batch_idx is None and num_splits == 0:
+        o = Options(window_left=window_left, window_right=window_right, softmax_scale=softmax_scale,
+                    rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_lse,
+                    seqused_k=used)
+        plan = ops.plan(q_in.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), o, token_major=True,
+                        values_checked=True)
+        out, lse = plan.outputs
+        out = out.transpose(1, 2)
+    else:
+        out, lse, plan = decode.prepare(q_in, k_cache, v_cache, window=(window_left, window_right),
+                                        softmax_scale=softmax_scale, return_lse=return_lse,
+                                        extents=decode.Extents(batch=batch, seq_q=seq_q, seq_k=cache_len),
+                                        seqused_k=used, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                                        num_splits=num_splits, values_checked=True)
+
+    if k is not None:
+        if paged:  # page block_table[b, pos // page], row pos % page
+            slots = block_table.long().gather(1, positions // page)
+            k_cache[slots, positions % page] = k_in
+            v_cache[slots, positions % page] = v
+        else:
+            rows = (cache_batch_idx.long() if cache_batch_idx is not None
+                    else torch.arange(batch, device=q.device))[:, None]
+            k_cache[rows, positions] = k_in
+            v_cache[rows, positions] = v
+    if plan is not None:
+        plan.run()
+    return out, lse
+
+
+@torch.library.custom_op("rdnattention::flash_attn_kvcache_fwd", mutates_args=("k_cache", "v_cache"))
+def flash_attn_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
+                           cache_seqlens: torch.Tensor, cache_batch_idx: Optional[torch.Tensor],
+                           block_table: Optional[torch.Tensor], window_left: int, window_right: int,
+                           softmax_scale: float, rotary_interleaved: bool, rotary_local: bool, return_lse: bool,
+                           num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A flash_attn_with_kvcache call that appends, as one custom op (validated by the entry point;
+    the implementation checks memory and values, plans, then appends and runs, as in eager mode)."""
+    return _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table,
+                window_left, window_right, softmax_scale, rotary_interleaved, rotary_local, return_lse, num_splits)
+
+
+@flash_attn_kvcache_fwd.register_fake
+def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table, window_left,
+      window_right, softmax_scale, rotary_interleaved, rotary_local, return_lse, num_splits):
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if return_lse else (0,)
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)

@@ -33,8 +33,9 @@ def allocate(q: torch.Tensor, token_major: bool, return_lse: bool) -> tuple[torc
 
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token_major: bool,
-         heavy_first: bool | None = None, kernel: str | None = None) -> Plan:
-    """A validated call planned: memory and cache lengths checked, outputs allocated, kernel chosen."""
+         heavy_first: bool | None = None, kernel: str | None = None, values_checked: bool = False) -> Plan:
+    """A validated call planned: memory and cache lengths checked (the lengths' values not where the
+    caller has, ``values_checked``), outputs allocated, kernel chosen."""
     for name, t in (("q", q), ("k", k), ("v", v), ("rotary_cos", o.rotary_cos), ("rotary_sin", o.rotary_sin)):
         if t is None:
             continue
@@ -46,13 +47,11 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token_ma
     cos, sin = o.rotary_cos, o.rotary_sin
     if cos is not None and cos.dtype != torch.float32:  # q's dtype: the kernel reads fp32 tables
         cos, sin = cos.float(), sin.float()
-    out, lse = allocate(q, token_major, o.return_lse)
     if o.seqused_k is not None:
         checks.check_memory("seqused_k", o.seqused_k)
-        if (o.seqused_k.numel() and checks.can_read(o.seqused_k)
-                and not bool(((o.seqused_k >= 0) & (o.seqused_k <= k.shape[2])).all())):
-            raise InvalidArgumentError(f"seqused_k values must lie in [0, seq_k = {k.shape[2]}], got "
-                                       f"{o.seqused_k.tolist()}")
+        if not values_checked:
+            checks.Values().within("seqused_k", o.seqused_k, 0, k.shape[2], "seq_k").check()
+    out, lse = allocate(q, token_major, o.return_lse)
     call = route.Attention(q=q, k=k, v=v, out=out, lse=lse if o.return_lse else None,
                            window=(o.window_left, o.window_right), softmax_scale=o.softmax_scale,
                            batch=q.shape[0], seq_q=q.shape[2], seq_k=k.shape[2], seqused_k=o.seqused_k,

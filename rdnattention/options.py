@@ -42,6 +42,19 @@ def check_window(window_size: object) -> tuple[int, int]:
     return left, right
 
 
+def check_scale(scale: object, head_dim: int, name: str = "softmax_scale") -> float:
+    """The softmax scale (None: 1/sqrt(head_dim)): a finite number whose product with log2(e), the
+    factor the kernels scale scores by in float32, is within float32's range."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise InvalidArgumentError(f"{name} must be a finite number, got {scale!r}")
+    if abs(float(scale)) * LOG2E > FLOAT32_MAX:
+        raise InvalidArgumentError(f"{name} {scale!r} times log2(e) is beyond float32's range; the kernel scales "
+                                   "scores in float32")
+    return float(scale)
+
+
 def check_rotary(cos: object, sin: object, interleaved: object, q: torch.Tensor, seq_k: int) -> bool:
     """Validates the RoPE tables (float32 or q's dtype); returns whether RoPE is on."""
     if cos is None and sin is None:
@@ -76,19 +89,19 @@ def check_rotary(cos: object, sin: object, interleaved: object, q: torch.Tensor,
     return True
 
 
-def check_seqused(seqused_k: object, q: torch.Tensor) -> torch.Tensor | None:
+def check_seqused(seqused_k: object, q: torch.Tensor, name: str = "seqused_k") -> torch.Tensor | None:
     """Cache lengths: int32 [batch] on q's device (their values are checked when planned)."""
     if seqused_k is None:
         return None
     if not isinstance(seqused_k, torch.Tensor):
-        raise InvalidArgumentError(f"seqused_k must be a torch.Tensor or None, got {type(seqused_k).__name__}")
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor or None, got {type(seqused_k).__name__}")
     if seqused_k.dtype != torch.int32 or tuple(seqused_k.shape) != (q.shape[0],):
-        raise InvalidArgumentError(f"seqused_k must be int32 [batch] = ({q.shape[0]},), got {seqused_k.dtype} "
+        raise InvalidArgumentError(f"{name} must be int32 [batch] = ({q.shape[0]},), got {seqused_k.dtype} "
                                    f"{tuple(seqused_k.shape)}")
     if seqused_k.device != q.device:
-        raise InvalidArgumentError(f"seqused_k is on {seqused_k.device}, q on {q.device}")
+        raise InvalidArgumentError(f"{name} is on {seqused_k.device}, q on {q.device}")
     if seqused_k.numel() > 1 and seqused_k.stride(0) != 1:
-        raise InvalidArgumentError(f"seqused_k must be contiguous, got stride {seqused_k.stride()}")
+        raise InvalidArgumentError(f"{name} must be contiguous, got stride {seqused_k.stride()}")
     return seqused_k
 
 
@@ -116,13 +129,7 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: ob
         raise InvalidArgumentError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if max(seq_q, seq_k) > INT32_MAX:
         raise InvalidArgumentError(f"sequence lengths must be below 2^31, got {seq_q} and {seq_k}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    elif not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool) or not math.isfinite(softmax_scale):
-        raise InvalidArgumentError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
-    if abs(float(softmax_scale)) * LOG2E > FLOAT32_MAX:
-        raise InvalidArgumentError(f"softmax_scale {softmax_scale!r} times log2(e) is beyond float32's range; "
-                                   "the kernel scales scores in float32")
+    softmax_scale = check_scale(softmax_scale, head_dim)
     # Windows at least as long as the sequences change nothing: clamp them so any int packs into
     # the kernel's 32-bit fields (INT_MAX or 2**40 for "unbounded" behave like -1).
     if left >= seq_k:
@@ -135,7 +142,7 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: ob
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise UnsupportedError("rdnattention is forward-only and q, k or v requires grad: run it under "
                                "torch.no_grad() or torch.inference_mode(), or pass detached tensors")
-    return Options(window_left=left, window_right=right, softmax_scale=float(softmax_scale),
+    return Options(window_left=left, window_right=right, softmax_scale=softmax_scale,
                    rotary_cos=rotary_cos if rope else None, rotary_sin=rotary_sin if rope else None,
                    rotary_interleaved=bool(rotary_interleaved) if rope else False, return_lse=return_lse,
                    seqused_k=check_seqused(seqused_k, q))

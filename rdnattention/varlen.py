@@ -9,14 +9,12 @@ packed batches (layout varlen), paged pools always the split-KV kernels."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import decode
-from .checks import can_read, check_int32, check_memory, check_paged, check_values
+from .checks import check_int32, check_memory, check_paged
 from .errors import InvalidArgumentError, UnsupportedError
-from .options import check_window, refuse_missing_features
+from .options import check_scale, check_window, refuse_missing_features
 
 
 def _check_packed(name: str, t: object, dims: int) -> torch.Tensor:
@@ -41,27 +39,14 @@ def _check_int(name: str, value: object) -> int:
     return value
 
 
-def _lengths(name: str, cu: torch.Tensor, total: int, longest: int, longest_name: str) -> None:
-    """cu starts at 0, never decreases, ends within the packed rows, and no sequence exceeds ``longest``
-    (where its values can be read: checks.can_read)."""
-    if cu.numel() == 0 or not can_read(cu):
-        return
-    check_memory(name, cu)
-    steps = cu[1:] - cu[:-1]
-    if steps.numel():
-        first, least, last, most = torch.stack([cu[0], steps.min(), cu[-1], steps.max()]).tolist()
-    else:
-        first, least, last, most = int(cu[0]), 0, int(cu[0]), 0
-    if first != 0 or least < 0:
-        raise InvalidArgumentError(f"{name} must start at 0 and never decrease")
-    if last > total:
-        raise InvalidArgumentError(f"{name} ends at {last}, past the {total} packed rows")
-    if most > longest:
-        raise InvalidArgumentError(f"a sequence of {most} rows in {name} is longer than {longest_name} = {longest}")
+# How the entry points name the arguments the index checks (decode.check_values) speak of.
+_NAMES = {"cu_seqlens_q": "cu_seq_q", "cu_seqlens_k": "cu_seq_k", "seq_q": "max_q", "seq_k": "max_k"}
 
 
 def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_size, gqa: bool, seqused_k,
-               block_table, num_splits: int, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               block_table, num_splits: int, return_lse: bool,
+               names: dict[str, str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    names = names or {}
     q = _check_packed("query", q, 3)
     paged = block_table is not None
     k = _check_packed("key", k, 4 if paged else 3)
@@ -86,9 +71,8 @@ def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_siz
     batch = cu_q.shape[0] - 1
     if batch < 0:
         raise InvalidArgumentError("cu_seq_q must hold batch + 1 offsets, got none")
-    _lengths("cu_seq_q", cu_q, q.shape[0], max_q, "max_q")
     if seqused_k is not None:
-        seqused_k = check_int32("seqused_k", seqused_k, (batch,), device)
+        seqused_k = check_int32(names.get("seqused_k", "seqused_k"), seqused_k, (batch,), device)
     if paged:
         if seqused_k is None:
             raise InvalidArgumentError("block_table needs seqused_k: the keys each sequence holds in its pages")
@@ -96,30 +80,24 @@ def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_siz
             raise InvalidArgumentError("cu_seq_k must be None with a block table (keys are found through it)")
         block_table = check_paged(k, v, block_table, batch, "key", "value")
         seq_k = block_table.shape[1] * k.shape[1]
-        check_values("seqused_k", seqused_k, 0, seq_k)
+        names = {**names, "seq_k": "pages per sequence * page_size"}
     else:
         if cu_k is None:
             raise InvalidArgumentError("cu_seq_k is required without a block table")
         cu_k = check_int32("cu_seq_k", cu_k, (batch + 1,), device)
-        _lengths("cu_seq_k", cu_k, k.shape[0], max_k, "max_k")
         seq_k = max_k
-        check_values("seqused_k", seqused_k, 0, seq_k)
-        if seqused_k is not None and seqused_k.numel() and can_read(seqused_k):
-            if bool((seqused_k > cu_k[1:] - cu_k[:-1]).any()):
-                raise InvalidArgumentError("seqused_k must not exceed each sequence's keys in cu_seq_k")
     left, right = check_window(window_size)
     left, right = (-1 if left >= max(seq_k, 1) else left), (max_q if right >= max_q else right)
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
-        raise InvalidArgumentError(f"scale must be a finite number, got {scale!r}")
+    scale = check_scale(scale, head_dim, names.get("scale", "scale"))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise UnsupportedError("rdnattention is forward-only and an input requires grad: run it under "
                                "torch.no_grad() or torch.inference_mode()")
-    return decode.forward(q, k, v, window=(left, right), softmax_scale=float(scale), return_lse=return_lse,
+    # The index values (offsets, pages, key counts) are checked where the call is planned
+    # (decode.check_values), in eager mode and in the custom op alike.
+    return decode.forward(q, k, v, window=(left, right), softmax_scale=scale, return_lse=return_lse,
                           extents=decode.Extents(batch=batch, seq_q=max_q, seq_k=seq_k), seqused_k=seqused_k,
                           block_table=block_table, cu_seqlens_q=cu_q, cu_seqlens_k=None if paged else cu_k,
-                          num_splits=num_splits)
+                          num_splits=num_splits, names={**_NAMES, **names})
 
 
 def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
@@ -157,12 +135,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     left, right = check_window(window_size)
     if causal:
         right = 0 if right < 0 else min(right, 0)
-    seqused_k = None
+    seqused_k, names = None, {"scale": "softmax_scale"}
     if block_table is not None:  # flash-attn's paged varlen: key lengths from cu_seqlens_k
+        if not isinstance(q, torch.Tensor):
+            raise InvalidArgumentError(f"q must be a torch.Tensor, got {type(q).__name__}")
         cu = check_int32("cu_seqlens_k", cu_seqlens_k, 1, q.device)
+        if not (torch.compiler.is_compiling() or torch.jit.is_tracing()):
+            check_memory("cu_seqlens_k", cu)
         seqused_k = (cu[1:] - cu[:-1]).to(torch.int32)
         cu_seqlens_k = None
+        names["seqused_k"] = "the key lengths in cu_seqlens_k"
     out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
                           window_size=(left, right), gqa=True, seqused_k=seqused_k, block_table=block_table,
-                          num_splits=0, return_lse=return_attn_probs)
+                          num_splits=0, return_lse=return_attn_probs, names=names)
     return (out, lse, None) if return_attn_probs else out

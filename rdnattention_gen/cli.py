@@ -42,6 +42,11 @@ def cmd_build(matrix: Matrix, args: argparse.Namespace) -> int:
     if args.user:
         from rdnattention.dispatch import user_kernel_dir
         args.build_dir = user_kernel_dir()
+        try:
+            args.build_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise build.BuildError(f"cannot create the per-user kernel directory {args.build_dir} ({e.strerror}); "
+                                   "set XDG_DATA_HOME to a directory, or build with --build-dir") from None
         print(f"build: into the per-user kernel directory {args.build_dir}")
     rows = build.build(matrix, _targets(matrix, args.targets), args.build_dir, jobs=args.jobs)
     if rows:

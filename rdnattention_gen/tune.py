@@ -566,7 +566,7 @@ def load_candidates(build_dir: Path, target: Target) -> tuple[str, list[Candidat
                                           tuple(c["problems"]), c["default"],
                                           tuple(Constraints.from_json(w) for w in c["whens"]))
                                 for c in data["candidates"]]
-    except (ValueError, KeyError, TypeError) as e:  # JSON, missing fields, names that are not kernels
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # unreadable, JSON, fields, names
         raise TuneError(f"{path}: not a candidate list this version wrote ({type(e).__name__}: {e}); "
                         "rebuild it (rdnattention-gen tune without --no-build)") from None
 

@@ -7,13 +7,16 @@
 The attention function receives transformers' boolean mask (its sdpa mask function is registered
 under the same name) and reads it as what padded batches and caches make of it: per sequence, a
 run of valid query rows and a run of valid keys (left padding, right padding, the unused rows of a
-StaticCache), causal within them with the queries at the end of the keys, or full. Such calls run
+StaticCache), causal within them with the queries at the end of the keys, or full. A mask that
+broadcasts to [batch, heads, seq_q, seq_k] (batch 1, one head, fewer dimensions) is broadcast
+first, as sdpa does; one that does not raises InvalidArgumentError, as sdpa raises. Such calls run
 rdnattention's kernels (the split-KV kernels with per-sequence offsets and lengths); a call without
 a mask runs `scaled_dot_product_attention` with torch's semantics. Both go through the custom op
-``rdnattention::padded_attention_fwd``, so compiled models call it whole. Anything else falls back to
-transformers' sdpa attention, with one warning per reason: a dtype other than float16, a head_dim
-with no built kernel, dropout while training, gradients, softcapping, attention outputs or
-position biases, any other mask (sliding windows, document masks), and calls captured into a CUDA
+``rdnattention::padded_attention_fwd``, so compiled models call it whole. Anything else falls back
+to transformers' sdpa attention, with one warning per reason and every call counted in
+``fallbacks``: a dtype other than float16, a head_dim with no built kernel, dropout while training,
+gradients, softcapping, attention outputs or position biases, tensors or masks the kernels do not
+take, any other mask (biases, sliding windows, document masks), and calls captured into a CUDA
 graph (reading the mask needs the device: transformers' compiled StaticCache generation captures
 its decode steps; eager generation with a StaticCache runs the kernels). Reading the mask costs
 one device synchronisation per call. Rows of padding queries are zero."""
@@ -21,14 +24,18 @@ one device synchronisation per call. Rows of padding queries are zero."""
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import torch
 
 from .. import api, checks, route
-from ..errors import KernelsNotBuiltError, UnsupportedError
+from ..errors import InvalidArgumentError, KernelsNotBuiltError, UnsupportedError
 
 NAME = "rdnattention"
 _warned: set[str] = set()
+# Calls that ran transformers' sdpa attention instead of the kernels, by reason (each reason warns
+# once; the counts go on).
+fallbacks: Counter[str] = Counter()
 
 
 def register(name: str = NAME) -> str:
@@ -42,7 +49,7 @@ def register(name: str = NAME) -> str:
 
 
 def _fallback(reason: str, module, query, key, value, attention_mask, **kwargs):
-    _warn(reason)
+    _fell_back(reason)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -60,6 +67,42 @@ def _unsupported(module, query, key, value, dropout: float, kwargs: dict) -> str
             return f"{name} is not supported"
     if kwargs.get("output_attentions"):
         return "output_attentions: the attention weights are never materialised"
+    return None
+
+
+def _check_mask(mask: object, query: torch.Tensor, key: torch.Tensor) -> str | None:
+    """Why the kernels cannot read ``mask`` (shapes, dtype and device only), or None. A mask that
+    does not broadcast to [batch, heads_q, seq_q, seq_k], which sdpa refuses, raises
+    InvalidArgumentError (more query rows or key columns than the tensors, another batch)."""
+    if not isinstance(mask, torch.Tensor):
+        return f"an attention mask of type {type(mask).__name__}"
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        return f"an attention mask of dtype {mask.dtype}"
+    target = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    if mask.dim() > 4 or any(m not in (1, t) for m, t in zip(reversed(mask.shape), reversed(target))):
+        raise InvalidArgumentError(f"attention_mask of shape {tuple(mask.shape)} does not broadcast to [batch, heads, "
+                                   f"seq_q, seq_k] = {list(target)}")
+    if mask.device != query.device:
+        return f"an attention mask on {mask.device} for tensors on {query.device}"
+    return None
+
+
+def _broadcast(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """A mask _check_mask accepts as a [batch, 1 or heads, seq_q, seq_k] view (nothing copied)."""
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    return mask.expand(query.shape[0], mask.shape[1], query.shape[2], key.shape[2])
+
+
+def _tensors_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
+    """Why the kernels cannot take these tensors (which sdpa would read or refuse), or None."""
+    if not (query.dim() == key.dim() == value.dim() == 4):
+        return "query, key and value that are not [batch, heads, seq, head_dim]"
+    if (key.shape != value.shape or key.shape[0] != query.shape[0] or key.shape[3] != query.shape[3]
+            or key.shape[1] == 0 or query.shape[1] % key.shape[1]):
+        return (f"key {tuple(key.shape)} and value {tuple(value.shape)} that do not match query "
+                f"{tuple(query.shape)} in batch, head_dim or a whole number of query heads per K/V head")
+    if not (query.device == key.device == value.device):
+        return "query, key and value on different devices"
     return None
 
 
@@ -116,6 +159,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     if reason:
         return _fallback(reason, module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                          is_causal=is_causal, **kwargs)
+    reason = _tensors_unsupported(query, key, value)
+    if reason is None and attention_mask is not None:
+        reason = _check_mask(attention_mask, query, key)
+    if reason:
+        return _fallback(reason, module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                         is_causal=is_causal, **kwargs)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     if attention_mask is None:
@@ -135,7 +184,9 @@ def _sdpa(query, key, value, mask, causal: bool, scale: float) -> torch.Tensor:
     return out.transpose(1, 2).contiguous()
 
 
-def _warn(reason: str) -> None:
+def _fell_back(reason: str) -> None:
+    """Counts a call that runs sdpa for ``reason``; the first of each reason warns."""
+    fallbacks[reason] += 1
     if reason not in _warned:
         _warned.add(reason)
         warnings.warn(f"rdnattention: {reason}; these calls run transformers' sdpa attention instead",
@@ -149,21 +200,28 @@ def padded_attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     custom op, so that compiled models (transformers compiles StaticCache generation) call it whole:
     reading the mask needs the device, which a CUDA graph being captured cannot give; such calls
     run torch's SDPA with the mask, with a warning."""
+    reason = _tensors_unsupported(query, key, value)
+    if reason is None and mask.numel():
+        reason = _check_mask(mask, query, key)
+    if reason:  # attention_forward sends these calls to sdpa; a direct call of the op runs torch's SDPA
+        _fell_back(reason)
+        return _sdpa(query, key, value, mask, causal, scale)
     try:
         if mask.numel() == 0:
             out = api.scaled_dot_product_attention(query, key, value, is_causal=causal and query.shape[2] > 1,
                                                    scale=scale, enable_gqa=key.shape[1] != query.shape[1])
             return out.transpose(1, 2).contiguous()
         if not checks.can_read(mask):
-            _warn("a CUDA graph is being captured, and reading the attention mask needs the device")
+            _fell_back("a CUDA graph is being captured, and reading the attention mask needs the device")
             return _sdpa(query, key, value, mask, causal, scale)
-        runs = _runs(mask, causal)
+        checks.check_memory("attention_mask", mask)
+        runs = _runs(_broadcast(mask, query, key), causal)
         if runs is None:
-            _warn("an attention mask that is not causal or full over one run of valid positions per sequence")
+            _fell_back("an attention mask that is not causal or full over one run of valid positions per sequence")
             return _sdpa(query, key, value, mask, causal, scale)
         return _padded(query, key, value, runs, causal, scale)
     except (UnsupportedError, KernelsNotBuiltError) as e:
-        _warn(str(e))
+        _fell_back(str(e))
         return _sdpa(query, key, value, mask, causal, scale)
 
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 from conftest import REPO_ROOT
 
-from rdnattention import attention_reference, flash_attn
-from rdnattention.errors import InvalidArgumentError
+import rdnattention
+from rdnattention import attention_reference, flash_attn, flash_attn_with_kvcache
+from rdnattention.errors import InvalidArgumentError, UnsupportedError
 from rdnattention.families import f16
 
 
@@ -333,3 +334,315 @@ def test_ctrl_c_interrupts_a_long_emulator_call(host_build):
     assert proc.returncode == 0, err[-2000:]
     lines = out.split()
     assert lines[0] == "interrupted" and float(lines[2].rstrip("s")) < 10 and lines[-1] == "ok", out
+
+
+# --- flash_attn_with_kvcache: a refused call writes nothing (issue: hardening, second round) ---------
+
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A copy of every byte of t's storage (beyond its view too)."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).clone()
+
+
+def _cache_call():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 4, 64, generator=g).half()
+    k_cache, v_cache = (torch.randn(2, 64, 2, 64, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(2, 1, 2, 64, generator=g).half() for _ in range(2))
+    return q, k_cache, v_cache, dict(k=k, v=v, cache_seqlens=torch.tensor([10, 20], dtype=torch.int32))
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros(t.numel() + 8, dtype=t.dtype)
+    shifted = buf[4:4 + t.numel()].view(t.shape)  # same shape and strides, pointer 8 bytes off
+    return shifted.copy_(t)
+
+
+def _big_batch(q, k_cache, v_cache, kw):
+    n = 65536  # grid.z = batch: one past CUDA's limit
+    kw.update(cache_batch_idx=torch.zeros(n, dtype=torch.int32), cache_seqlens=torch.zeros(n, dtype=torch.int32),
+              k=torch.zeros(n, 1, 2, 64, dtype=torch.float16), v=torch.zeros(n, 1, 2, 64, dtype=torch.float16))
+    return torch.zeros(n, 1, 2, 64, dtype=torch.float16), k_cache, v_cache
+
+
+def _paged_pool(q, k_cache, v_cache, kw):
+    kw["block_table"] = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    return q, *(torch.randn(8, 16, 2, 64).half() for _ in range(2))
+
+
+def _page_past_the_pool(q, k_cache, v_cache, kw):
+    q, k_cache, v_cache = _paged_pool(q, k_cache, v_cache, kw)
+    kw["block_table"][1, 3] = 8
+    return q, k_cache, v_cache
+
+
+def _head_dim_32(q, k_cache, v_cache, kw):
+    kw.update(k=kw["k"][..., :32].contiguous(), v=kw["v"][..., :32].contiguous())
+    return q[..., :32].contiguous(), k_cache[..., :32].contiguous(), v_cache[..., :32].contiguous()
+
+
+def _tables(kw, positions=64):
+    cos, sin = rdnattention.rotary_tables(positions, 32)
+    kw.update(rotary_cos=cos, rotary_sin=sin)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (lambda q, kc, vc, kw: kw.update(window_size=(-2, 0)), InvalidArgumentError, "window_size values must be >= -1"),
+    (lambda q, kc, vc, kw: kw.update(causal=1), InvalidArgumentError, "is_causal must be a bool, got 1"),
+    (lambda q, kc, vc, kw: kw.update(softmax_scale=float("nan")), InvalidArgumentError,
+     "softmax_scale must be a finite number"),
+    (lambda q, kc, vc, kw: kw.update(softmax_scale=3e38), InvalidArgumentError, "times log2(e) is beyond float32"),
+    (lambda q, kc, vc, kw: (q[:, :, :3].contiguous(), kc, vc), InvalidArgumentError,
+     "q heads (3) must be a multiple of k/v heads (2)"),
+    (lambda q, kc, vc, kw: (_misaligned(q), kc, vc), InvalidArgumentError, "q rows must start on 16-byte boundaries"),
+    (lambda q, kc, vc, kw: kw["k"].requires_grad_(True), UnsupportedError, "k requires grad"),
+    (lambda q, kc, vc, kw: (q.requires_grad_(True), kc, vc), UnsupportedError, "requires grad"),
+    (_head_dim_32, UnsupportedError, "no dec kernel for head_dim 32"),
+    (lambda q, kc, vc, kw: kw.update(num_splits=2) or _head_dim_32(q, kc, vc, kw), UnsupportedError,
+     "no dec kernel for head_dim 32"),
+    (_big_batch, InvalidArgumentError, "grid.z = 65536 must be at most 65535 workgroups"),
+    # int32 arithmetic wrapped cache_seqlens + seq_new to a negative number here
+    (lambda q, kc, vc, kw: kw.update(cache_seqlens=torch.tensor([2**31 - 1, 0], dtype=torch.int32)),
+     InvalidArgumentError, "cache_seqlens + seq_new (1) must lie in [0, cache_len = 64], got cache_seqlens "
+                           "[2147483647, 0]"),
+    (lambda q, kc, vc, kw: kw.update(cache_seqlens=-1), InvalidArgumentError,
+     "cache_seqlens + seq_new (1) must lie in [0, cache_len = 64], got cache_seqlens -1"),
+    (lambda q, kc, vc, kw: kw.update(cache_seqlens=torch.tensor([10, -1], dtype=torch.int32)),
+     InvalidArgumentError, "cache_seqlens + seq_new (1) must lie in [0, cache_len = 64]"),
+    (lambda q, kc, vc, kw: kw.update(k=torch.empty(2, 1, 2, 64, dtype=torch.float16, device="meta")),
+     InvalidArgumentError, "k is on meta, the cache on cpu"),
+    (lambda q, kc, vc, kw: kw.update(v=torch.empty(2, 1, 2, 64, dtype=torch.float16, device="meta")),
+     InvalidArgumentError, "v is on meta, the cache on cpu"),
+    (lambda q, kc, vc, kw: _tables(kw, positions=20), InvalidArgumentError,
+     "rotary tables have 20 positions; the new keys and queries need cache_seqlens + 1 of them, got cache_seqlens "
+     "[10, 20]"),
+    (lambda q, kc, vc, kw: kw.update(cache_batch_idx=torch.tensor([1, 2], dtype=torch.int32)), InvalidArgumentError,
+     "cache_batch_idx values must lie in [0, 1], got [1, 2]"),
+    (_page_past_the_pool, InvalidArgumentError,
+     "block_table values must lie in [0, 7], got [[0, 1, 2, 3], [4, 5, 6, 8]]"),
+])
+def test_a_refused_kvcache_call_leaves_every_tensor_as_it_was(host_build, change, error, message):
+    q, k_cache, v_cache, kw = _cache_call()
+    kw.setdefault("block_table", None)
+    changed = change(q, k_cache, v_cache, kw)
+    if isinstance(changed, tuple):
+        q, k_cache, v_cache = changed
+    given = {"q": q, "k_cache": k_cache, "v_cache": v_cache,
+             **{n: t for n, t in kw.items() if isinstance(t, torch.Tensor) and t.device.type == "cpu"}}
+    before = {n: _storage_bytes(t) for n, t in given.items()}
+    with pytest.raises(error) as err:
+        flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    assert message in str(err.value)
+    assert [n for n, t in given.items() if not torch.equal(_storage_bytes(t), before[n])] == []
+    assert k_cache.is_leaf and not k_cache.requires_grad and v_cache.is_leaf and not v_cache.requires_grad
+    with torch.no_grad():  # the caches still serve calls
+        q, k_cache, v_cache, kw = _cache_call()
+        flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+
+
+# Each case in its own process (they crashed it: a segfault in the kernel, or memory written past an
+# output and glibc's abort at exit): defines `given` (the tensors whose bytes must not change) and
+# `call`, which must raise the error named.
+_HOSTILE = """
+import torch
+import rdnattention
+from rdnattention import flash_attn_with_kvcache, varlen_attn
+from rdnattention.errors import RdnaAttentionError
+g = torch.Generator().manual_seed(0)
+q = torch.randn(2, 1, 4, 64, generator=g).half()
+k_cache, v_cache = (torch.randn(2, 64, 2, 64, generator=g).half() for _ in range(2))
+k, v = (torch.randn(2, 1, 2, 64, generator=g).half() for _ in range(2))
+kw = dict(k=k, v=v, cache_seqlens=torch.tensor([10, 20], dtype=torch.int32))
+pool_k, pool_v = (torch.randn(8, 16, 2, 64, generator=g).half() for _ in range(2))
+table = torch.tensor([[3, 1, 4, 0], [7, 6, 5, 2]], dtype=torch.int32)
+packed_q = torch.randn(5, 4, 64, generator=g).half()
+packed_k, packed_v = (torch.randn(70, 2, 64, generator=g).half() for _ in range(2))
+cu_q, cu_k = torch.tensor([0, 1, 5], dtype=torch.int32), torch.tensor([0, 30, 70], dtype=torch.int32)
+
+def call():
+    flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+
+def compiled(fn, backend="eager"):
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+{setup}
+given = {{"q": q, "k_cache": k_cache, "v_cache": v_cache, **kw}} if "given" not in globals() else given
+given = {{n: t for n, t in given.items() if isinstance(t, torch.Tensor)}}
+
+def snapshot(t):
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).clone()
+
+before = {{n: snapshot(t) for n, t in given.items()}}
+try:
+    call()
+    print("no error")
+except RdnaAttentionError as e:
+    print(f"{{type(e).__name__}}: {{e}}")
+print("changed:", [n for n, t in given.items() if not torch.equal(snapshot(t), before[n])])
+"""
+
+_PAGED = "k_cache, v_cache = pool_k, pool_v; kw['block_table'] = table\n"
+_COMPILED_PAGED = """
+step = compiled(lambda q, pk, pv, table, lengths: flash_attn_with_kvcache(q, pk, pv, cache_seqlens=lengths,
+                                                                          block_table=table){backend})
+step(q, pool_k, pool_v, table, kw["cache_seqlens"])  # compiled with valid pages
+{change}
+given = dict(q=q, pool_k=pool_k, pool_v=pool_v, table=table)
+call = lambda: step(q, pool_k, pool_v, table, kw["cache_seqlens"])
+"""
+_COMPILED_APPEND = """
+step = compiled(lambda q, kc, vc, k, v, lengths, idx, table: flash_attn_with_kvcache(
+    q, kc, vc, k, v, cache_seqlens=lengths, cache_batch_idx=idx, block_table=table){backend})
+idx = None if {paged} else torch.tensor([1, 0], dtype=torch.int32)
+kc, vc, tab = (pool_k, pool_v, table) if {paged} else (k_cache, v_cache, None)
+step(q, kc, vc, k, v, kw["cache_seqlens"], idx, tab)  # compiled with valid indices
+{change}
+given = dict(q=q, kc=kc, vc=vc, k=k, v=v, idx=idx, tab=tab, lengths=kw["cache_seqlens"])
+call = lambda: step(q, kc, vc, k, v, kw["cache_seqlens"], idx, tab)
+"""
+_COMPILED_PACKED = """
+step = compiled(lambda q, k, v, cu_q, cu_k: varlen_attn(q, k, v, cu_q, cu_k, 4, 40, enable_gqa=True))
+step(packed_q, packed_k, packed_v, cu_q, cu_k)
+{change}
+given = dict(q=packed_q, k=packed_k, v=packed_v, cu_q=cu_q, cu_k=cu_k)
+call = lambda: step(packed_q, packed_k, packed_v, cu_q, cu_k)
+"""
+
+
+@pytest.mark.parametrize("setup, message", [
+    # caches and pools by their own strides (they were checked through a stand-in view)
+    (_PAGED + "k_cache, v_cache = (torch.randn(8, 16, 2, 128).half()[..., ::2] for _ in range(2))",
+     "InvalidArgumentError: k_cache must be contiguous in its last dimension, got strides (4096, 128, 256, 2)"),
+    (_PAGED + "k_cache, v_cache = (torch.randn(8, 16, 2, 68).half()[..., :64] for _ in range(2))",
+     "InvalidArgumentError: k_cache rows must start on 16-byte boundaries: strides (2176, 68, 136)"),
+    ("k_cache = torch.randn(3, 64, 2, 128).half()[..., ::2]; v_cache = k_cache.clone()\n"
+     "kw['cache_batch_idx'] = torch.tensor([2, 0], dtype=torch.int32)",
+     "InvalidArgumentError: k_cache must be contiguous in its last dimension"),
+    ("v_cache = torch.randn(3, 64, 2, 68).half()[..., :64]; k_cache = torch.randn(3, 64, 2, 64).half()\n"
+     "kw['cache_batch_idx'] = torch.tensor([2, 0], dtype=torch.int32)",
+     "InvalidArgumentError: v_cache rows must start on 16-byte boundaries"),
+    # storage shorter than the view
+    ("kw['cache_seqlens'].untyped_storage().resize_(4)",
+     "InvalidArgumentError: cache_seqlens's shape (2,) and strides (1,) reach 8 bytes but its storage holds 4"),
+    ("k.untyped_storage().resize_(100)", "InvalidArgumentError: k's shape (2, 1, 2, 64)"),
+    ("v.untyped_storage().resize_(0)", "InvalidArgumentError: v has no memory behind it"),
+    ("cos, sin = rdnattention.rotary_tables(64, 32); kw.update(rotary_cos=cos, rotary_sin=sin)\n"
+     "sin.untyped_storage().resize_(64)", "InvalidArgumentError: rotary_sin's shape (64, 16)"),
+    ("k_cache.untyped_storage().resize_(1000)", "InvalidArgumentError: k_cache's shape (2, 64, 2, 64) and strides "
+                                                "(8192, 128, 64, 1) reach 32768 bytes but its storage holds 1000"),
+    (_PAGED + "table.untyped_storage().resize_(8)", "InvalidArgumentError: block_table's shape (2, 4)"),
+    # compiled calls: the custom ops check the values they are given
+    (_COMPILED_PAGED.format(backend="", change="table[1, 1] = 10**9"),
+     "InvalidArgumentError: block_table values must lie in [0, 7]"),
+    (_COMPILED_APPEND.format(backend="", paged=True, change="tab[1, 1] = -10**9"),
+     "InvalidArgumentError: block_table values must lie in [0, 7]"),
+    (_COMPILED_APPEND.format(backend=", backend='aot_eager'", paged=False, change="idx[0] = 10**9"),
+     "InvalidArgumentError: cache_batch_idx values must lie in [0, 1], got [1000000000, 0]"),
+    (_COMPILED_APPEND.format(backend="", paged=False, change="kw['cache_seqlens'][1] = 64"),
+     "InvalidArgumentError: cache_seqlens + seq_new (1) must lie in [0, cache_len = 64]"),
+    (_COMPILED_PACKED.format(change="cu_k[2] = 700"), "InvalidArgumentError: cu_seqlens_k ends at 700, past the 70 "
+                                                      "packed rows"),
+    (_COMPILED_PACKED.format(change="cu_k[1] = 71"), "InvalidArgumentError: cu_seqlens_k must start at 0 and never "
+                                                     "decrease"),
+    (_COMPILED_PACKED.format(change="cu_q[2] = 6"), "InvalidArgumentError: cu_seqlens_q ends at 6, past the 5 packed "
+                                                    "rows"),
+], ids=["pool-strided-head-dim", "pool-row-stride", "cache-rows-strided-head-dim", "cache-rows-row-stride",
+        "short-cache-seqlens", "short-k", "empty-v", "short-rotary-sin", "short-k-cache", "short-block-table",
+        "compiled-page-id", "compiled-append-page-id", "compiled-append-cache-row", "compiled-append-capacity",
+        "compiled-cu-seqlens-k-past-the-end", "compiled-cu-seqlens-k-decreasing", "compiled-cu-seqlens-q-past-the-rows"])
+def test_hostile_cache_and_packed_calls_are_refused_in_their_own_process(host_build, setup, message):
+    out = _run(_HOSTILE.format(setup=textwrap.dedent(setup)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert message in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "changed: []" in out.stdout
+
+
+@pytest.mark.parametrize("entry, kw", [("varlen_attn", {"scale": 3e38}),
+                                       ("flash_attn_varlen_func", {"softmax_scale": -3e38})])
+def test_a_varlen_scale_beyond_float32_is_refused(host_build, entry, kw):
+    q = torch.randn(5, 2, 64).half()
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    name = next(iter(kw))
+    with pytest.raises(InvalidArgumentError, match=f"{name} -?3e\\+38 times log2\\(e\\) is beyond float32's range"):
+        getattr(rdnattention, entry)(q, q, q, cu, cu, 3, 3, **kw)
+
+
+# --- availability: what is on the search path never stops the runtime ---------------------------
+
+def test_a_foreign_table_with_null_fields_does_not_break_the_lookup(host_copy, tmp_path, monkeypatch):
+    import json
+
+    from rdnattention import cli, dispatch
+    from rdnattention.errors import KernelsNotBuiltError
+    foreign = tmp_path / "foreign"
+    (foreign / "gfx1030").mkdir(parents=True)
+    (foreign / "gfx1030" / "dispatch.json").write_text(json.dumps(
+        {"format": 3, "platform": "amdgcn", "isa_targets": None, "code_object_version": [None], "kernels": None}))
+    monkeypatch.setattr(dispatch, "search_path", lambda: [foreign, tmp_path])
+    dispatch.table_for.cache_clear()
+    assert dispatch.table_for("host").target == "host"
+    with pytest.raises(KernelsNotBuiltError, match="no kernels built for target 'gfx1031'"):
+        dispatch.table_for("gfx1031")  # the error path reads every table (same_isa_tables)
+    assert cli._amd_code_object_versions() == []  # no AMD table records a version; the foreign list is ignored
+    dispatch.table_for.cache_clear()
+
+
+def test_a_kernel_distribution_that_raises_on_import_is_skipped_with_a_warning(host_build, tmp_path, monkeypatch):
+    import importlib.metadata
+
+    from rdnattention import cli, dispatch
+    (tmp_path / "broken_kernels" / "kernels").mkdir(parents=True)
+    (tmp_path / "broken_kernels" / "__init__.py").write_text("raise RuntimeError('broken on import')\n")
+    (tmp_path / "broken_kernels" / "kernels" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ep = importlib.metadata.EntryPoint(name="broken", value="broken_kernels.kernels", group=dispatch.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [ep] if group else [])
+    monkeypatch.setattr(dispatch, "_skipped", set())
+    with pytest.warns(RuntimeWarning, match="kernel distribution 'broken' .* skipped: RuntimeError: broken on import"):
+        roots = dispatch.kernel_roots()
+    assert not any("broken" in r.source for r in roots)
+    dispatch.table_for.cache_clear()
+    q = torch.randn(1, 2, 8, 64).half()
+    assert flash_attn(q, q, q).shape == q.shape
+    assert "devices" in cli.info()
+
+
+@pytest.mark.parametrize("value", ["relative/dir", ".", ""])
+def test_a_relative_xdg_data_home_is_ignored(monkeypatch, value):
+    from pathlib import Path
+
+    from rdnattention import dispatch
+    monkeypatch.setenv("XDG_DATA_HOME", value)
+    assert dispatch.user_kernel_dir() == Path.home() / ".local" / "share" / "rdnattention" / "kernels"
+    monkeypatch.setenv("XDG_DATA_HOME", "/srv/data")
+    assert dispatch.user_kernel_dir() == Path("/srv/data/rdnattention/kernels")
+
+
+def test_build_user_into_a_file_is_a_one_line_error(tmp_path):
+    afile = tmp_path / "a_file"
+    afile.write_text("")
+    out = subprocess.run([sys.executable, "-m", "rdnattention_gen.cli", "build", "--user", "--targets", "host"],
+                         capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "XDG_DATA_HOME": str(afile)},
+                         timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"cannot create the per-user kernel directory {afile}/rdnattention/kernels" in out.stderr
+
+
+@pytest.mark.parametrize("content", ['{"target": "gfx1030", "family": "f16", "candidates": [{"name": '
+                                     '"fa2_f16_hd64_g1_br64_bc64_nt128_tm4_w32_dot2_sf16", "row": null, '
+                                     '"problems": [], "default": true, "whens": [[1]]}]}', "[1]", "null"])
+def test_a_malformed_tune_json_is_a_one_line_error(tmp_path, content):
+    (tmp_path / "tune.json").write_text(content)
+    out = subprocess.run([sys.executable, "-m", "rdnattention_gen.cli", "tune", "--targets", "gfx1030", "--build-dir",
+                          str(tmp_path), "--no-build"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"{tmp_path / 'tune.json'}: not a candidate list this version wrote" in out.stderr
+
+
+@pytest.mark.parametrize("quantize", ["quantize_per_token", "quantize_per_channel"])
+def test_tiny_values_quantize_to_a_usable_scale(quantize):
+    x = torch.full((1, 2, 8, 64), 1e-44)
+    x[0, 1, :, 3] = 1e-30
+    q, scale = getattr(rdnattention, quantize)(x)
+    assert bool((scale >= torch.finfo(torch.float32).tiny).all()) and bool(torch.isfinite(scale).all())
+    back = q.float() * (scale[..., None] if quantize == "quantize_per_token" else scale[:, :, None, :])
+    assert (back - x).abs().max().item() <= torch.finfo(torch.float32).tiny * 127

@@ -175,3 +175,40 @@ def test_cache_and_packed_entry_points_compile_without_a_break(host_build):
     explain = torch._dynamo.explain(step)(*args)
     assert explain.graph_break_count == 0 and explain.graph_count == 1
     assert torch.equal(torch.compile(step, fullgraph=True, backend="eager")(*args), step(*args))
+
+
+def test_kvcache_op_opcheck(host_build):
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 1, 4, 64, generator=g).half()
+    k_cache, v_cache = (torch.randn(2, 64, 2, 64, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(2, 1, 2, 64, generator=g).half() for _ in range(2))
+    cos, sin = rotary_tables(64, 32)
+    lengths = torch.tensor([10, 40], dtype=torch.int32)
+    op = torch.ops.rdnattention.flash_attn_kvcache_fwd.default
+    for tables, lse, splits in (((None, None), True, 0), ((cos, sin), False, 2)):
+        args = (q, k_cache, v_cache, k, v, *tables, lengths, None, None, -1, 0, 0.125, True, True, lse, splits)
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_compiled_append_matches_eager_and_appends_once(host_build, paged):
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 2, 4, 64, generator=g).half()
+    k, v = (torch.randn(2, 2, 2, 64, generator=g).half() for _ in range(2))
+    lengths = torch.tensor([50, 9], dtype=torch.int32)
+    cos, sin = rotary_tables(64, 32)
+    table = torch.tensor([[3, 1, 4, 0], [7, 6, 5, 2]], dtype=torch.int32) if paged else None
+    shape = (8, 16, 2, 64) if paged else (2, 64, 2, 64)
+    caches = [torch.randn(shape, generator=g).half() for _ in range(2)]
+    eager_caches = [c.clone() for c in caches]
+
+    def step(q, k_cache, v_cache, k, v, lengths):
+        return rdnattention.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                                    cache_seqlens=lengths, block_table=table, causal=True,
+                                                    return_softmax_lse=True)
+
+    torch._dynamo.reset()
+    out, lse = torch.compile(step, fullgraph=True, backend="aot_eager")(q, *caches, k, v, lengths)
+    ref, ref_lse = step(q, *eager_caches, k, v, lengths)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    assert all(torch.equal(a, b) for a, b in zip(caches, eager_caches))

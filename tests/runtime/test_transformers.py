@@ -118,3 +118,97 @@ def test_compiled_static_generation_falls_back_under_capture():
     assert torch.equal(ours.sequences, ref.sequences)
     captured = [w for w in record if "CUDA graph is being captured" in str(w.message)]
     assert len(captured) <= 1  # once at most (if transformers captured at all)
+
+
+# --- masks as a caller may build them (issue: hardening, second round) ----------------------------
+
+def _attention_inputs(batch=3, heads=4, kv_heads=2, seq=6, d=64):
+    g = torch.Generator().manual_seed(0)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, heads // kv_heads
+    module.eval()
+    q = torch.randn(batch, heads, seq, d, generator=g).half()
+    k, v = (torch.randn(batch, kv_heads, seq, d, generator=g).half() for _ in range(2))
+    return module, q, k, v
+
+
+# One process each: before, they read past the per-sequence lengths (an abort, or output off by 1.4
+# with no warning) or wrote past the output.
+_MASK_CASE = """
+import warnings, torch
+import rdnattention.integrations.transformers as rt
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from test_transformers import _attention_inputs
+module, q, k, v = _attention_inputs()
+causal = torch.ones(6, 6, dtype=torch.bool).tril()
+left_padded = causal.clone()
+left_padded[:, 0] = False  # every sequence: one padding token on the left
+mask = {mask}
+try:
+    ref = sdpa_attention_forward(module, q, k, v, mask)[0]
+    print("sdpa: ok")
+except RuntimeError as e:
+    print("sdpa: RuntimeError")
+with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no fallback
+    try:
+        ours = rt.attention_forward(module, q, k, v, mask)[0]
+        print("max difference", (ours.float() - ref.float()).abs().max().item())
+    except rt.InvalidArgumentError as e:
+        print("InvalidArgumentError:", e)
+"""
+
+
+@pytest.mark.parametrize("mask, expected", [
+    ("left_padded[None, None]", None),  # batch 1 for a batch of 3: sdpa broadcasts it
+    ("left_padded[None, None].expand(3, 1, 6, 6)", None),
+    ("left_padded[None]", None),
+    ("left_padded", None),
+    ("torch.where(left_padded, 0.0, float('-inf')).half()[None, None]", None),
+    ("torch.ones(3, 1, 9, 6, dtype=torch.bool).tril()", "attention_mask of shape (3, 1, 9, 6) does not broadcast to "
+                                                        "[batch, heads, seq_q, seq_k] = [3, 4, 6, 6]"),
+    ("torch.ones(3, 1, 6, 11, dtype=torch.bool).tril()", "attention_mask of shape (3, 1, 6, 11) does not broadcast"),
+    ("torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()", "attention_mask of shape (2, 1, 6, 6) does not broadcast"),
+    ("torch.ones(1, 3, 6, 6, dtype=torch.bool).tril()", "attention_mask of shape (1, 3, 6, 6) does not broadcast"),
+])
+def test_masks_sdpa_accepts_run_and_masks_it_refuses_raise(host_build, mask, expected):
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    rt.register()
+    here = Path(__file__).resolve().parent
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(_MASK_CASE.format(mask=mask))], capture_output=True,
+                         text=True, timeout=300, cwd=here.parent.parent,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    if expected is None:
+        assert "sdpa: ok" in out.stdout
+        assert float(out.stdout.split("max difference")[1]) <= TOL["atol"], out.stdout
+    else:
+        assert "sdpa: RuntimeError" in out.stdout and f"InvalidArgumentError: {expected}" in out.stdout
+
+
+def test_a_mask_the_kernels_do_not_read_goes_to_sdpa_counted_and_warned_once(host_build):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    module, q, k, v = _attention_inputs()
+    bias = torch.randn(1, 1, 6, 6, generator=torch.Generator().manual_seed(1)).half()  # a bias, not a mask
+    rt._warned.clear()
+    rt.fallbacks.clear()
+    reason = "an attention mask that is not causal or full over one run of valid positions per sequence"
+    with pytest.warns(RuntimeWarning) as record:
+        outs = [rt.attention_forward(module, q, k, v, bias)[0] for _ in range(3)]
+    assert sum(reason in str(w.message) for w in record) == 1
+    assert rt.fallbacks[reason] == 3
+    ref = sdpa_attention_forward(module, q, k, v, bias)[0]
+    assert all(torch.equal(out, ref) for out in outs)
+    # a mask of a dtype sdpa refuses: sent to sdpa, which raises as it does
+    with pytest.raises(RuntimeError, match="attn_mask dtype"):
+        sdpa_attention_forward(module, q, k, v, torch.ones(1, 1, 6, 6, dtype=torch.int32))
+    with pytest.warns(RuntimeWarning, match="an attention mask of dtype torch.int32"):
+        with pytest.raises(RuntimeError, match="attn_mask dtype"):
+            rt.attention_forward(module, q, k, v, torch.ones(1, 1, 6, 6, dtype=torch.int32))
+    assert rt.fallbacks["an attention mask of dtype torch.int32"] == 1
