@@ -132,6 +132,11 @@ def test_a_bad_layout_option_is_named(tmp_path, layouts, message):
         _load(tmp_path, text)
 
 
+def test_target_names_match_in_full(tmp_path):
+    with pytest.raises(VariantsError, match="target names are gfxNNN"):
+        _load(tmp_path, MINIMAL.replace("  gfx1030:\n", '  "gfx1030\\n":\n', 1))
+
+
 def test_minimal_matrix_loads(tmp_path):
     matrix = _load(tmp_path, MINIMAL)
     assert [s.name for s in matrix.specs_for(matrix.target("gfx1030"))] == [

@@ -140,14 +140,6 @@ def test_generated_files_follow_the_umask(matrix, tmp_path):
     assert modes == {0o644}
 
 
-def test_target_names_match_in_full(tmp_path):
-    from test_matrix import MINIMAL, _load
-
-    from rdnattention_gen.strict_yaml import VariantsError
-    with pytest.raises(VariantsError, match="target names are gfxNNN"):
-        _load(tmp_path, MINIMAL.replace("  gfx1030:\n", '  "gfx1030\\n":\n', 1))
-
-
 # --- build state: tables and libraries -------------------------------------------------------------
 
 @pytest.fixture()
