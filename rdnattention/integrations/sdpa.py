@@ -260,10 +260,12 @@ def _fall_back(reason: str, detail: str, args: tuple, kwargs: dict):
 
 @dataclass(frozen=True)
 class _Slice:
-    """The keys ``[k0, k1)`` of a sequence that its queries may see, and the kernel's window over them."""
+    """The keys ``[k0, k1)`` of a sequence that its first ``rows`` queries may see (later ones see
+    none), and the kernel's window over them."""
 
     k0: int
     k1: int
+    rows: int
     window: tuple[int, int]
 
 
@@ -295,7 +297,12 @@ class _Run:
     def _one(self, q, k, v, s: _Slice | None) -> torch.Tensor:
         if s is None:
             return q.new_zeros(q.shape)
-        return _launch(q, k[:, :, s.k0:s.k1], v[:, :, s.k0:s.k1], s.window, self.scale, None)
+        if s.rows == q.shape[2]:
+            return _launch(q, k[:, :, s.k0:s.k1], v[:, :, s.k0:s.k1], s.window, self.scale, None)
+        out = q.new_zeros(q.shape)
+        out[:, :, :s.rows] = _launch(q[:, :, :s.rows], k[:, :, s.k0:s.k1], v[:, :, s.k0:s.k1], s.window, self.scale,
+                                     None)
+        return out
 
 
 _lengths_cache: dict[tuple, torch.Tensor] = {}
@@ -412,20 +419,18 @@ def _decide(config: _Config, query, key, value, attn_mask, dropout_p, is_causal,
     why = _choose(table, Request(precision=Precision.FP16, layout=Layout.STRIDED, head_dim=head_dim, rows=rows))
     if why:
         return f"head_dim {head_dim}", why
-    if mask is None:
-        bands = [(0, seq_k, None, 0 if is_causal else None)]  # torch's is_causal: top-left, query i sees keys 0..i
+    if mask is None:  # torch's is_causal is top-left: query i sees keys 0..i
+        bands = [(0, seq_k, -seq_q, 0 if is_causal else seq_k)]
     else:
         bands = _bands(config, mask, batch, heads, seq_q, seq_k)
         if isinstance(bands, tuple):
             return bands
     slices = [_slice(b, seq_q) for b in bands]
-    if "left" in slices:
-        return "attn_mask pattern", "a band whose queries see only keys after their own position"
     run = _Run(q=q, k=k, v=v, scale=scale, slices=slices, seqused=False, unbatched=unbatched)
     live = [s for s in slices if s is not None]
     if len(set(slices)) == 1:  # one slice and window for every sequence (or none sees a key)
         run.slices = slices[:1]
-    elif all(s.k0 == live[0].k0 and s.window == live[0].window for s in live):
+    elif all(s.k0 == live[0].k0 and s.window == live[0].window and s.rows == seq_q for s in live):
         # One call with per-sequence key counts where kernels of that layout are built, else one
         # call per sequence on the plain kernels.
         run.seqused = not _choose(table, Request(precision=Precision.FP16, layout=Layout.SEQUSED, head_dim=head_dim,
@@ -469,25 +474,27 @@ def _autocast(q, k, v, mask):
     return q.to(torch.float16), k.to(torch.float16), v.to(torch.float16), mask, None
 
 
-def _slice(band: tuple | None, seq_q: int) -> _Slice | str | None:
-    """The keys and window of a sequence whose query i sees keys ``i + lo .. i + hi`` of keys
-    ``[k0, n)`` (lo, hi None: unbounded); None where it sees none; "left" where the kernel's window
-    cannot say it (keys only after the query's own position)."""
+def _slice(band: tuple | None, seq_q: int) -> _Slice | None:
+    """The keys, query rows and window of a sequence whose query i sees keys ``i + lo .. i + hi``
+    of keys ``[k0, n)``; None where it sees none."""
     if band is None:
         return None
     k0, n, lo, hi = band
-    if lo is not None:
-        k0 = max(k0, lo)
-    k1 = n if hi is None else min(n, seq_q + hi)
+    rows = min(seq_q, n - lo)  # later rows see no key: zeros, not launched
+    if rows <= 0:
+        return None
+    k0 = max(k0, lo)
+    binds_left = rows - 1 + lo > k0  # some row's first key is past k0
+    binds_right = hi < n - 1  # some row's last key is before n - 1
+    k1 = min(n, rows + hi) if binds_right else n
     if k1 <= k0:
         return None
-    # The kernel puts query i at key i + (k1 - k0) - seq_q of the slice and sees `left` keys before
-    # it and `right` after: keys i + lo - k0 .. i + hi - k0 of the slice.
-    right = -1 if hi is None else hi - k1 + seq_q
-    left = -1 if lo is None else k1 - seq_q - lo
-    if lo is not None and left < 0:
-        return "left"
-    return _Slice(k0=k0, k1=k1, window=(left, right))
+    # The kernel puts query i at key i + (k1 - k0) - rows of the slice and sees `left` keys before
+    # it and `right` after (-1: unbounded): keys i + lo - k0 .. i + hi - k0 of the slice. Both are
+    # >= 0 (hi >= lo where a row sees a key; k1 <= rows + hi; rows <= n - lo).
+    right = hi - k1 + rows if binds_right else -1
+    left = k1 - rows - lo if binds_left else -1
+    return _Slice(k0=k0, k1=k1, rows=rows, window=(left, right))
 
 
 # --- reading masks ------------------------------------------------------------------------------
@@ -498,8 +505,8 @@ _MASK_CACHE_LIMIT = 64
 
 def _bands(config: _Config, mask: torch.Tensor, batch: int, heads: int, seq_q: int, seq_k: int):
     """Per sequence (one for all where the mask has one), (k0, n, lo, hi) where query i sees keys
-    ``max(k0, i + lo) .. min(n - 1, i + hi)`` (lo, hi None: unbounded), or None where the sequence
-    sees no key at all; else ``(reason, detail)``."""
+    ``max(k0, i + lo) .. min(n - 1, i + hi)``, or None where the sequence sees no key at all; else
+    ``(reason, detail)``."""
     if mask.dtype != torch.bool and not mask.is_floating_point():
         return "arguments", f"attn_mask of {mask.dtype}: torch takes bool or floating masks"
     if mask.device.type != "cpu":
@@ -546,18 +553,15 @@ def _read(mask: torch.Tensor, batch: int, heads: int, seq_q: int, seq_k: int):
     k0 = cols.to(torch.int8).argmax(-1)
     n = torch.where(some, seq_k - cols.to(torch.int8).flip(-1).argmax(-1), 0)
     big = seq_q + seq_k + 1
-    lo = torch.where(rows, first - i, big).min(-1).values
+    lo = torch.where(rows, first - i, big).min(-1).values  # over the rows that see a key
     hi = torch.where(rows, last - i, -big).max(-1).values
-    lo_free = ((first == k0[:, None]) | ~rows).all(-1)
-    hi_free = ((last == n[:, None] - 1) | ~rows).all(-1)
     d = j[None, :] - i[:, None]  # [seq_q, seq_k]
     expected = ((j >= k0[:, None, None]) & (j < n[:, None, None])
-                & ((d >= lo[:, None, None]) | lo_free[:, None, None])
-                & ((d <= hi[:, None, None]) | hi_free[:, None, None]))
+                & (d >= lo[:, None, None]) & (d <= hi[:, None, None]))
     matches = (expected == w).all()
     every_row = rows.all()
     flags = torch.stack([values_ok, same_heads, matches, every_row, hard]).long()
-    facts = torch.cat([flags, some.long(), k0, n, lo, hi, lo_free.long(), hi_free.long()]).tolist()  # one read
+    facts = torch.cat([flags, some.long(), k0, n, lo, hi]).tolist()  # one read
     values_ok, same_heads, matches, every_row, hard = facts[:5]
     if not values_ok:
         return "attn_mask values", "an additive mask with entries other than 0 and -inf (or at most -10000): a bias"
@@ -568,6 +572,5 @@ def _read(mask: torch.Tensor, batch: int, heads: int, seq_q: int, seq_k: int):
     if not every_row and not (hard and _ZERO_EMPTY_ROWS):
         return "attn_mask rows without keys", ("query rows that see no key, where torch's answer is not zero "
                                                "(finite hidden entries, or torch before 2.5)")
-    some, k0, n, lo, hi, lo_free, hi_free = (facts[5 + x * mb:5 + (x + 1) * mb] for x in range(7))
-    return [(k0[b], n[b], None if lo_free[b] else lo[b], None if hi_free[b] else hi[b]) if some[b] else None
-            for b in range(mb)]
+    some, k0, n, lo, hi = (facts[5 + x * mb:5 + (x + 1) * mb] for x in range(5))
+    return [(k0[b], n[b], lo[b], hi[b]) if some[b] else None for b in range(mb)]

@@ -84,6 +84,8 @@ MASKS = {
     "every head the same": ((J <= I + 16) & (J < LENGTHS)).expand(2, 2, 24, 40).clone(),
     "query rows that see no key": J <= I - 20,  # rows 0..19: zeros, as torch gives from 2.5 on
     "no key at all": torch.zeros(24, 40, dtype=torch.bool),
+    "keys after the query only": J > I + 16,  # rows 23 on see none
+    "keys far after the query": (J >= I + 30) & (J < 38),
 }
 
 
@@ -161,7 +163,6 @@ FALLBACKS = {
     "a bias": (_qkv, {"attn_mask": torch.randn(24, 40).half()}, "attn_mask values"),
     "heads differ": (_qkv, {"attn_mask": torch.stack([J <= I, J <= I + 16])[None]}, "attn_mask pattern"),
     "not a band": (_qkv, {"attn_mask": (I + J) % 3 == 0}, "attn_mask pattern"),
-    "keys after the query only": (_qkv, {"attn_mask": J > I + 16}, "attn_mask pattern"),
     "a row without keys, -10000": (_qkv, {"attn_mask": _additive(J <= I - 20, -10000.0)},
                                    "attn_mask rows without keys"),
     "a row without keys amid others": (_qkv, {"attn_mask": (J <= I + 16) & (I != 5)}, "attn_mask pattern"),
@@ -411,3 +412,34 @@ def test_counts_are_exact_across_threads(patched):
         t.join()
     s = rdnattention.stats()
     assert (s["served"], s["fallbacks"]) == (20, {"dtype torch.float32": 20})
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_bands_per_sequence(patched, seed):
+    # Per sequence: keys [k0, n) and a band lo..hi around each query (either side possibly
+    # unbounded), as a boolean or an additive mask; rows that see no key are zeros in both.
+    g = torch.Generator().manual_seed(seed)
+    sq, sk = [(24, 40), (40, 24), (33, 33), (1, 40)][seed % 4]
+    q, k, v = _qkv(b=3, sq=sq, sk=sk, seed=seed)
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)
+
+    def rand(lo, hi):
+        return int(torch.randint(lo, hi + 1, (), generator=g))
+
+    masks = []
+    for _ in range(3):
+        k0 = rand(0, sk // 3)
+        n = rand(k0 + 1, sk)
+        band = ((j >= k0) & (j < n)).expand(sq, sk)
+        if rand(0, 1):
+            band = band & (j >= i + rand(-sq, sk // 2))
+        if rand(0, 1):
+            band = band & (j <= i + rand(-sq // 2, sk))
+        masks.append(band)
+    mask = torch.stack(masks)[:, None]
+    if seed % 3 == 2:
+        mask = _additive(mask)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref = _reference(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out.float(), ref, **TOL)
+    _served()
