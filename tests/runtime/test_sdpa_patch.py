@@ -443,3 +443,31 @@ def test_random_bands_per_sequence(patched, seed):
     ref = _reference(q, k, v, attn_mask=mask)
     torch.testing.assert_close(out.float(), ref, **TOL)
     _served()
+
+
+@pytest.mark.gpu
+def test_gpu_masks_are_read_on_the_device_once_and_capture_falls_back():
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        pytest.skip("needs an NVIDIA GPU")
+    dev = torch.device("cuda")
+    q, k, v = (t.to(dev) for t in _qkv(d=64))
+    with rdnattention.sdpa_patched(strict=True):
+        for name in ("causal bottom-right", "sliding window", "key lengths", "key lengths, additive -inf",
+                     "left padding and causal", "keys far after the query"):
+            rdnattention.stats(reset=True)
+            mask = MASKS[name].to(dev)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            torch.testing.assert_close(out.float(), _reference(q, k, v, attn_mask=mask), **TOL)
+            _served()
+        mask = MASKS["key lengths"].to(dev)
+        rdnattention.patch_sdpa(device_masks=False)
+        rdnattention.stats(reset=True)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert rdnattention.stats()["fallbacks"] == {"attn_mask on the device": 1}
+        rdnattention.patch_sdpa()
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)  # loads the code object before capture
+        graph = torch.cuda.CUDAGraph()
+        rdnattention.stats(reset=True)
+        with torch.cuda.graph(graph):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert rdnattention.stats()["fallbacks"] == {"CUDA graph capture": 1}
