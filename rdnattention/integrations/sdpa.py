@@ -42,7 +42,7 @@ import torch.utils._python_dispatch
 
 from .. import ops, replay, route
 from ..call import Layout, Precision, Request
-from ..errors import InvalidArgumentError, KernelsNotBuiltError, RdnaAttentionError, UnsupportedError
+from ..errors import InvalidArgumentError, KernelsNotBuiltError, UnsupportedError
 from ..options import FLOAT32_MAX, LOG2E, validate
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,8 @@ def patch_sdpa(*, devices: str | Iterable[str] = DEFAULT_DEVICES, device_masks: 
     and CUDA builds of torch; the default) and/or ``"cpu"`` (the host emulator, a correctness tool
     far slower than torch's own CPU attention; the tests use it). ``device_masks``: read masks that
     live on a GPU (one synchronisation per mask tensor); False sends calls with such masks to torch.
-    ``strict``: an error raised by rdnattention after a call was found servable propagates instead
-    of being logged and the call run by torch (for tests). Patching again only updates these
+    ``strict``: an error raised while deciding or running a call propagates instead of being logged
+    and the call run by torch (for tests). Patching again only updates these
     settings; :func:`unpatch_sdpa` restores the original object."""
     global _config, _original
     config = _Config(devices=_check_devices(devices), device_masks=_check_bool("device_masks", device_masks),
@@ -210,15 +210,15 @@ def sdpa(*args, **kwargs):
         # Plain tensors under a TorchFunctionMode: the mode sees this function (the attribute its
         # code may compare against) and, calling it, runs it with the mode off.
         return torch.overrides.handle_torch_function(sdpa, tensors, *args, **kwargs)
-    decision = _decide(config, **bound)
-    if isinstance(decision, tuple):
-        return _fall_back(*decision, args, kwargs)
     try:
-        out = decision.run()
-    except RdnaAttentionError as e:
+        decision = _decide(config, **bound)
+        out = None if isinstance(decision, tuple) else decision.run()
+    except Exception as e:  # a drop-in never breaks the program over its own error: torch runs the call
         if config.strict:
             raise
         return _fall_back(f"error: {type(e).__name__}", str(e), args, kwargs)
+    if out is None:
+        return _fall_back(*decision, args, kwargs)
     global _served
     with _lock:
         _served += 1

@@ -331,6 +331,19 @@ def test_a_kernel_error_falls_back_unless_strict(patched, monkeypatch, caplog):
     assert "the device refused the launch" in caplog.text
 
 
+def test_an_error_while_reading_a_mask_falls_back_unless_strict(patched, monkeypatch):
+    def fail(*args):
+        raise RuntimeError("out of memory reading the mask")
+    monkeypatch.setattr(patch, "_read", fail)
+    q, k, v = _qkv()
+    mask = J <= I + 16
+    with pytest.raises(RuntimeError, match="out of memory"):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    rdnattention.patch_sdpa(devices="cpu")
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), ORIGINAL(q, k, v, attn_mask=mask))
+    assert rdnattention.stats()["fallbacks"] == {"error: RuntimeError": 1}
+
+
 def test_a_function_mode_sees_the_patched_function_which_then_serves(patched):
     seen = []
 
