@@ -8,6 +8,7 @@ raises ImportError saying which torch to install."""
 
 from __future__ import annotations
 
+import os as _os
 import sys as _sys
 
 __version__ = "0.1.0"
@@ -23,6 +24,10 @@ __all__ = [
     "quantize_per_token",
     "quantize_per_channel",
     "scaled_dot_product_attention",
+    "patch_sdpa",
+    "unpatch_sdpa",
+    "sdpa_patched",
+    "stats",
     "plan_flash_attn",
     "attention_reference",
     "rotary_tables",
@@ -48,6 +53,7 @@ def _load_api() -> None:
     from .drivers.host import set_shuffle as set_host_shuffle
     from .errors import (IncompatibleKernelsError, InvalidArgumentError, KernelsNotBuiltError, LaunchError,
                          RdnaAttentionError, StaleKernelsError, UnsupportedError)
+    from .integrations.sdpa import patch_sdpa, sdpa_patched, stats, unpatch_sdpa
     from .int8 import (flash_attn_int8qk, flash_attn_int8qk_quantized, plan_flash_attn_int8qk, quantize_per_channel,
                        quantize_per_token)
     from .kvcache import flash_attn_with_kvcache
@@ -70,3 +76,13 @@ def __dir__() -> list[str]:
 
 if _sys.modules.get("torch") is not None:  # torch already imported: load the API now
     _load_api()
+
+# $RDNATTENTION_PATCH_SDPA (integrations/sdpa.py: patch_from_env) patches torch's SDPA on import.
+if _os.environ.get("RDNATTENTION_PATCH_SDPA", "").strip().lower() not in ("", "0", "false", "no", "off"):
+    from ._torch import problem as _problem
+
+    if _problem() is None:
+        _load_api()
+        from .integrations.sdpa import patch_from_env as _patch_from_env
+
+        _patch_from_env()

@@ -1,0 +1,262 @@
+"""Software that calls torch's SDPA, run with rdnattention.patch_sdpa on the host emulator (and on
+an NVIDIA GPU where one is present): torch's nn.MultiheadAttention, a tiny transformers Llama
+(attn_implementation="sdpa"), and diffusers' UNet2DConditionModel and a Flux transformer block
+where diffusers is installed. Random weights from configs, nothing downloaded. Each is compared
+with the unpatched model (in float32 where fp16 rounding of the unpatched model is the yardstick),
+and stats() must count every attention call: served by the kernels, or run by torch for a stated
+reason."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import rdnattention
+from rdnattention import route
+from rdnattention.call import Layout, Precision, Request
+from rdnattention.integrations import sdpa as patch
+
+ORIGINAL = F.scaled_dot_product_attention
+
+
+@pytest.fixture(autouse=True)
+def _never_left_patched():
+    yield
+    rdnattention.unpatch_sdpa()
+    assert F.scaled_dot_product_attention is ORIGINAL
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    if request.param == "cuda":
+        if not torch.cuda.is_available() or torch.version.hip is not None:
+            pytest.skip("needs an NVIDIA GPU")
+    else:
+        request.getfixturevalue("host_build")
+    return torch.device(request.param)
+
+
+@pytest.fixture
+def patched(device):
+    """Patched for the device's tensors, strict (an error after a call was found servable propagates)."""
+    rdnattention.patch_sdpa(devices=device.type, strict=True)
+    rdnattention.stats(reset=True)
+    yield device
+    rdnattention.unpatch_sdpa()
+
+
+def _counts():
+    s = rdnattention.stats(reset=True)
+    return s["served"], s["fallbacks"]
+
+
+def _unpatched(fn):
+    """``fn()`` with torch's own SDPA; patched as before afterwards."""
+    config = patch._config
+    rdnattention.unpatch_sdpa()
+    try:
+        return fn()
+    finally:
+        rdnattention.patch_sdpa(devices=config.devices, device_masks=config.device_masks, strict=config.strict)
+
+
+def _served_head_dim(device, head_dim: int) -> bool:
+    table = route.device_table(device)
+    try:
+        route.choose(table, Request(precision=Precision.FP16, layout=Layout.STRIDED, head_dim=head_dim, rows=64))
+        return True
+    except rdnattention.UnsupportedError:
+        return False
+
+
+def _close_to_float32(ours, fp16, fp32, slack=2e-3):
+    """The patched fp16 model is as close to float32 as the unpatched fp16 model, to fp16 rounding."""
+    err = (ours.float() - fp32).abs().max().item()
+    base = (fp16.float() - fp32).abs().max().item()
+    assert err <= 2 * base + slack, (err, base)
+
+
+# --- nn.MultiheadAttention -------------------------------------------------------------------------
+
+L, BATCH = 24, 2
+CAUSAL = torch.ones(L, L, dtype=torch.bool).triu(1)  # nn.MultiheadAttention's bool masks: True hides
+PADDING = torch.arange(L)[None, :] >= torch.tensor([L, 15])[:, None]  # sequence 1 has 15 real keys
+
+
+def _mha(embed, heads, batch_first=False):
+    torch.manual_seed(0)
+    return nn.MultiheadAttention(embed, heads, batch_first=batch_first).eval()
+
+
+@pytest.mark.parametrize("masks", [{}, {"key_padding_mask": PADDING}, {"attn_mask": CAUSAL},
+                                   {"attn_mask": CAUSAL, "is_causal": True},
+                                   {"attn_mask": CAUSAL, "key_padding_mask": PADDING}],
+                         ids=["no mask", "key padding", "causal", "is_causal", "causal and key padding"])
+def test_multihead_attention_is_served(patched, masks):
+    dev = patched
+    m32 = _mha(128, 4).to(dev)  # head_dim 32
+    m16 = _mha(128, 4).half().to(dev)
+    x = torch.randn(L, BATCH, 128, device=dev)
+    masks = {name: m.to(dev) if isinstance(m, torch.Tensor) else m for name, m in masks.items()}
+    with torch.no_grad():
+        ours = m16(x.half(), x.half(), x.half(), need_weights=False, **masks)[0]
+        assert _counts() == (1, {})
+        fp16 = _unpatched(lambda: m16(x.half(), x.half(), x.half(), need_weights=False, **masks)[0])
+        fp32 = _unpatched(lambda: m32(x, x, x, need_weights=False, **masks)[0])
+    valid = ~PADDING.T[:, :, None].to(dev).expand_as(fp32) if "key_padding_mask" in masks else slice(None)
+    _close_to_float32(ours[valid], fp16[valid], fp32[valid])
+
+
+def test_multihead_attention_of_head_dim_16_runs_torchs_function(patched):
+    dev = patched
+    m = _mha(64, 4).half().to(dev)  # head_dim 16: no kernel
+    x, causal = torch.randn(L, BATCH, 64, device=dev).half(), CAUSAL.to(dev)
+    with torch.no_grad():
+        ours = m(x, x, x, need_weights=False, attn_mask=causal)[0]
+        assert _counts() == (0, {"head_dim 16": 1})
+        assert torch.equal(ours, _unpatched(lambda: m(x, x, x, need_weights=False, attn_mask=causal)[0]))
+
+
+def test_multihead_attentions_fast_path_does_not_call_sdpa_unless_disabled(patched):
+    # Batch-first self-attention in inference runs torch's fused C++ path, which never looks up
+    # F.scaled_dot_product_attention; with the fast path off it does, and is served.
+    m = _mha(128, 4, batch_first=True).half().to(patched)
+    x = torch.randn(BATCH, L, 128, device=patched).half()
+    with torch.no_grad():
+        fast = m(x, x, x, need_weights=False)[0]
+        assert _counts() == (0, {})
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            ours = m(x, x, x, need_weights=False)[0]
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+    assert _counts() == (1, {})
+    torch.testing.assert_close(ours, fast, atol=2e-3, rtol=2e-3)
+
+
+# --- transformers ----------------------------------------------------------------------------------
+
+
+def _llama(device, dtype=torch.float16):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+IDS = torch.tensor([[0, 0, 5, 6, 7, 9], [1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 8, 3]])
+NEW_TOKENS = 8
+
+
+def _generate(model, **kw):
+    ids = IDS.to(model.device)
+    mask = (ids != 0).long()
+    mask[1] = 1
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                              output_logits=True, return_dict_in_generate=True, **kw)
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_llama_generates_through_the_patch(patched, cache):
+    model = _llama(patched)
+    kw = {"cache_implementation": cache, "disable_compile": True} if cache else {}
+    ours = _generate(model, **kw)
+    # Every layer's attention of every forward pass (a left-padded prefill, then one per new token).
+    assert _counts() == (model.config.num_hidden_layers * NEW_TOKENS, {})
+    ref = _unpatched(lambda: _generate(model, **kw))
+    assert torch.equal(ours.sequences, ref.sequences)
+    for a, b in zip(ours.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=4e-3, rtol=4e-3)
+
+
+def test_llama_prefill_without_padding_is_causal(patched):
+    model, model32 = _llama(patched), _llama(patched, torch.float32)
+    ids = IDS[1:].to(patched)
+    with torch.no_grad():
+        ours = model(ids).logits
+        assert _counts() == (model.config.num_hidden_layers, {})
+        fp16 = _unpatched(lambda: model(ids).logits)
+        fp32 = _unpatched(lambda: model32(ids).logits)
+    _close_to_float32(ours, fp16, fp32)
+
+
+def test_a_float32_llama_runs_torchs_function_counted(patched):
+    model = _llama(patched, torch.float32)
+    ours = _generate(model)
+    assert _counts() == (0, {"dtype torch.float32": model.config.num_hidden_layers * NEW_TOKENS})
+    assert torch.equal(ours.sequences, _unpatched(lambda: _generate(model)).sequences)
+
+
+# --- diffusers -------------------------------------------------------------------------------------
+
+
+def _unet(channels, down, up, heads, groups):
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    return diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=channels,
+        down_block_types=down, up_block_types=up, cross_attention_dim=32, attention_head_dim=heads,
+        norm_num_groups=groups).eval()
+
+
+UNETS = {
+    # head_dim 32 and 64 (the mid block's)
+    "small": ((64, 128), ("CrossAttnDownBlock2D", "DownBlock2D"), ("UpBlock2D", "CrossAttnUpBlock2D"), 2, 32),
+    # Stable Diffusion 1.5's geometry at a fraction of its width: head_dim 40, 80 and 160
+    "sd15 geometry": ((80, 160, 320), ("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+                      ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"), 2, 16),
+}
+
+
+@pytest.mark.parametrize("name", list(UNETS))
+@pytest.mark.parametrize("text_mask", [False, True], ids=["", "encoder_attention_mask"])
+def test_unet2dcondition_step_through_the_patch(patched, name, text_mask):
+    from diffusers.models.attention_processor import Attention
+
+    dev = patched
+    unet = _unet(*UNETS[name]).to(dev)
+    x, t, text = torch.randn(2, 4, 8, 8), torch.tensor([10, 500]), torch.randn(2, 7, 32)
+    x, t, text = x.to(dev), t.to(dev), text.to(dev)
+    kw = {"encoder_attention_mask": torch.tensor([[1] * 7, [1] * 4 + [0] * 3], device=dev)} if text_mask else {}
+    with torch.no_grad():
+        fp32 = _unpatched(lambda: unet(x, t, text, **kw).sample)
+        unet.half()
+        ours = unet(x.half(), t, text.half(), **kw).sample
+        served, fallbacks = _counts()
+        fp16 = _unpatched(lambda: unet(x.half(), t, text.half(), **kw).sample)
+    _close_to_float32(ours, fp16, fp32)
+    expected_served, expected_fallbacks = 0, {}
+    for m in unet.modules():
+        if isinstance(m, Attention):  # one call each per step
+            head_dim = m.to_q.out_features // m.heads
+            if _served_head_dim(dev, head_dim):
+                expected_served += 1
+            else:
+                reason = f"head_dim {head_dim}"
+                expected_fallbacks[reason] = expected_fallbacks.get(reason, 0) + 1
+    assert (served, fallbacks) == (expected_served, expected_fallbacks)
+    assert served > 0
+
+
+def test_flux_transformer_block_through_the_patch(patched):
+    pytest.importorskip("diffusers")
+    from diffusers.models.embeddings import get_1d_rotary_pos_embed
+    from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+
+    torch.manual_seed(0)
+    dev = patched
+    block = FluxTransformerBlock(dim=128, num_attention_heads=2, attention_head_dim=64).eval().to(dev)
+    image, text, temb = (torch.randn(*shape).to(dev) for shape in ((2, 16, 128), (2, 8, 128), (2, 128)))
+    # cos and sin of the text and image tokens
+    rope = tuple(t.to(dev) for t in get_1d_rotary_pos_embed(64, 24, use_real=True, repeat_interleave_real=True))
+    with torch.no_grad():
+        fp32 = _unpatched(lambda: block(image, text, temb, image_rotary_emb=rope))
+        block.half()
+        ours = block(image.half(), text.half(), temb.half(), image_rotary_emb=rope)
+        assert _counts() == (1, {})  # one joint attention over text and image tokens
+        fp16 = _unpatched(lambda: block(image.half(), text.half(), temb.half(), image_rotary_emb=rope))
+    for a, b, c in zip(ours, fp16, fp32):
+        _close_to_float32(a, b, c)

@@ -1,0 +1,486 @@
+"""rdnattention.patch_sdpa on the host emulator: torch's SDPA replaced and put back (the same object),
+the calls the kernels serve (masks read as bands and key lengths, is_causal, GQA, 3-D inputs,
+autocast) equal to torch's in float32 within fp16 rounding, and every other call run by torch's
+own function with its arguments unchanged, counted by reason in stats() and logged once."""
+
+import logging
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+import rdnattention
+from conftest import REPO_ROOT
+from rdnattention import ops
+from rdnattention.errors import InvalidArgumentError, LaunchError
+from rdnattention.integrations import sdpa as patch
+
+ORIGINAL = F.scaled_dot_product_attention
+TOL = dict(atol=3e-3, rtol=3e-3)
+
+
+@pytest.fixture(autouse=True)
+def _never_left_patched():
+    yield
+    rdnattention.unpatch_sdpa()
+    assert F.scaled_dot_product_attention is ORIGINAL
+
+
+@pytest.fixture
+def patched(host_build):
+    """Patched for CPU tensors (the host emulator), strict: an error after a call was found
+    servable would propagate instead of falling back."""
+    rdnattention.patch_sdpa(devices="cpu", strict=True)
+    rdnattention.stats(reset=True)
+    yield
+    rdnattention.unpatch_sdpa()
+    assert F.scaled_dot_product_attention is ORIGINAL
+
+
+def _qkv(b=2, hq=2, hk=2, sq=24, sk=40, d=32, seed=0, dtype=torch.float16):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, h, s, d, generator=g).to(dtype) for h, s in ((hq, sq), (hk, sk), (hk, sk)))
+
+
+def _reference(q, k, v, **kw):
+    """torch's SDPA in float32 on the same inputs (masks kept: bool stays bool)."""
+    mask = kw.get("attn_mask")
+    if mask is not None and mask.is_floating_point():
+        kw["attn_mask"] = mask.float()
+    return ORIGINAL(q.float(), k.float(), v.float(), **kw)
+
+
+def _served(n=1):
+    s = rdnattention.stats()
+    assert (s["served"], s["fallbacks"]) == (n, {}), s
+
+
+I = torch.arange(24)[:, None]  # query rows (seq_q 24)
+J = torch.arange(40)  # keys (seq_k 40)
+LENGTHS = torch.tensor([30, 12])[:, None, None, None]  # per-sequence key lengths of a batch of 2
+FIRST = torch.tensor([0, 10])[:, None, None, None]  # left padding: the first real key of each sequence
+
+
+def _additive(visible, hidden=float("-inf"), dtype=torch.float16):
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, hidden)
+
+
+MASKS = {
+    "all visible": torch.ones(24, 40, dtype=torch.bool),
+    "causal top-left": J <= I,
+    "causal bottom-right": J <= I + 16,
+    "sliding window": (J <= I + 16) & (J >= I + 16 - 5),
+    "window both sides": (J <= I + 3) & (J >= I - 2),
+    "key lengths": (J < LENGTHS).expand(2, 1, 1, 40),
+    "key lengths, additive -inf": _additive((J < LENGTHS).expand(2, 1, 1, 40)),
+    "key lengths, additive -10000": _additive((J < LENGTHS).expand(2, 1, 1, 40), -10000.0),
+    "key lengths, float32 mask": _additive((J < LENGTHS).expand(2, 1, 1, 40), dtype=torch.float32),
+    "key lengths and causal": (J < LENGTHS) & (J <= I),
+    "left padding and causal": (J >= FIRST) & (J <= I + 16),
+    "every head the same": ((J <= I + 16) & (J < LENGTHS)).expand(2, 2, 24, 40).clone(),
+    "query rows that see no key": J <= I - 20,  # rows 0..19: zeros, as torch gives from 2.5 on
+    "no key at all": torch.zeros(24, 40, dtype=torch.bool),
+    "keys after the query only": J > I + 16,  # rows 23 on see none
+    "keys far after the query": (J >= I + 30) & (J < 38),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_masks_that_are_bands_of_keys_are_served(patched, name):
+    q, k, v = _qkv()
+    mask = MASKS[name]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert out.dtype == torch.float16 and out.shape == q.shape
+    torch.testing.assert_close(out.float(), _reference(q, k, v, attn_mask=mask), **TOL)
+    _served()
+
+
+@pytest.mark.parametrize("sq, sk", [(24, 40), (40, 24), (24, 24), (1, 40)])
+def test_is_causal_is_top_left_as_torch_defines_it(patched, sq, sk):
+    q, k, v = _qkv(sq=sq, sk=sk)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out.float(), _reference(q, k, v, is_causal=True), **TOL)
+    _served()
+
+
+def test_gqa_scale_and_positional_arguments(patched):
+    q, k, v = _qkv(hq=4, hk=2)
+    mask = J <= I + 16
+    out = F.scaled_dot_product_attention(q, k, v, mask, 0.0, False, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out.float(), _reference(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True), **TOL)
+    _served()
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_three_dimensional_inputs(patched, gqa):
+    q, k, v = (t[0] for t in _qkv(hq=4, hk=2 if gqa else 4))  # [heads or batch, seq, head_dim]
+    mask = (J < torch.tensor([30, 12, 40, 7])[:, None, None]) if not gqa else J <= I
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out.float(), _reference(q, k, v, attn_mask=mask, enable_gqa=gqa), **TOL)
+    _served()
+
+
+@pytest.mark.parametrize("d, seqused", [(64, True), (32, False)])
+def test_key_lengths_run_one_call_where_the_len_kernels_are_built(patched, d, seqused):
+    # The host has kernels of layout len (per-sequence key counts) for head_dim 64, not 32: there,
+    # one call per sequence on the plain kernels.
+    q, k, v = _qkv(d=d)
+    mask = J < LENGTHS
+    run = patch._decide(patch._config, q, k, v, mask, 0.0, False, None, False)
+    assert (run.seqused, len(run.slices)) == (seqused, 2)
+    torch.testing.assert_close(run.run().float(), _reference(q, k, v, attn_mask=mask), **TOL)
+
+
+def test_autocast_to_float16_is_served_as_torch_would_cast(patched):
+    q, k, v = _qkv(dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), _reference(q, k, v, is_causal=True), **TOL)
+    _served()
+
+
+def _nested():
+    q = torch.nested.nested_tensor([torch.randn(2, 5, 32), torch.randn(2, 7, 32)], dtype=torch.float16)
+    return q, q, q
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+FALLBACKS = {
+    # name: (make inputs, keyword arguments, reason)
+    "float32": (lambda: _qkv(dtype=torch.float32), {}, "dtype torch.float32"),
+    "bfloat16": (lambda: _qkv(dtype=torch.bfloat16), {}, "dtype torch.bfloat16"),
+    "head_dim 16": (lambda: _qkv(d=16), {}, "head_dim 16"),
+    "dropout": (_qkv, {"dropout_p": 0.5}, "dropout"),
+    "a bias": (_qkv, {"attn_mask": torch.randn(24, 40).half()}, "attn_mask values"),
+    "heads differ": (_qkv, {"attn_mask": torch.stack([J <= I, J <= I + 16])[None]}, "attn_mask pattern"),
+    "not a band": (_qkv, {"attn_mask": (I + J) % 3 == 0}, "attn_mask pattern"),
+    "a row without keys, -10000": (_qkv, {"attn_mask": _additive(J <= I - 20, -10000.0)},
+                                   "attn_mask rows without keys"),
+    "a row without keys amid others": (_qkv, {"attn_mask": (J <= I + 16) & (I != 5)}, "attn_mask pattern"),
+    "five dimensions": (lambda: tuple(t[None] for t in _qkv()), {}, "rank"),
+    "value head_dim": (lambda: (*_qkv()[:2], _qkv(d=64)[2]), {}, "value head_dim"),
+    "meta tensors": (lambda: tuple(t.to("meta") for t in _qkv()), {}, "device meta"),
+    "tensor subclass": (lambda: tuple(t.as_subclass(_Sub) for t in _qkv()), {}, "tensor subclass"),
+    "empty": (lambda: _qkv(sq=0), {}, "empty"),
+    "nested": (_nested, {}, "nested tensors"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+
+@pytest.mark.parametrize("name", list(FALLBACKS))
+def test_what_the_kernels_do_not_serve_runs_torchs_function_counted_and_logged_once(patched, name, caplog):
+    make, kw, reason = FALLBACKS[name]
+    q, k, v = make()
+    with caplog.at_level(logging.WARNING, logger=patch.__name__):
+        torch.manual_seed(1)
+        outs = [F.scaled_dot_product_attention(q, k, v, **kw) for _ in range(2)]
+    torch.manual_seed(1)
+    ref = ORIGINAL(q, k, v, **kw)
+    if q.device.type != "meta" and not q.is_nested:
+        assert torch.equal(outs[0], ref)
+    s = rdnattention.stats()
+    assert (s["served"], s["fallback"], s["fallbacks"]) == (0, 2, {reason: 2}), s
+    assert len(caplog.records) == 1 and reason in caplog.records[0].getMessage()
+
+
+def test_gradients_run_torchs_function(patched):
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.float().sum().backward()
+    assert q.grad is not None
+    assert rdnattention.stats()["fallbacks"] == {"requires grad": 1}
+    with torch.no_grad():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert rdnattention.stats()["served"] == 1
+
+
+def test_calls_torch_may_refuse_get_torchs_answer(patched):
+    q, k, v = _qkv()
+    both = {"attn_mask": J <= I, "is_causal": True}  # torch's backends differ on this: its answer, whatever it is
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v, **both), ORIGINAL(q, k, v, **both))
+    for kw in ({"attn_mask": torch.zeros(24, 40, dtype=torch.int32)}, {"bogus": 1}):
+        with pytest.raises((RuntimeError, TypeError)) as ours:
+            F.scaled_dot_product_attention(q, k, v, **kw)
+        with pytest.raises(type(ours.value)):
+            ORIGINAL(q, k, v, **kw)
+    assert rdnattention.stats()["fallbacks"] == {"arguments": 3}
+
+
+def test_devices_not_asked_for_run_torchs_function(host_build):
+    q, k, v = _qkv()
+    with rdnattention.sdpa_patched():  # GPUs only, the default
+        stats = rdnattention.stats(reset=True)
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v), ORIGINAL(q, k, v))
+        assert rdnattention.stats()["fallbacks"] == {"device cpu": 1}
+    assert stats["patched"] and not rdnattention.stats()["patched"]
+
+
+def test_a_device_without_kernels_runs_torchs_function(host_build, monkeypatch):
+    monkeypatch.setenv("RDNATTENTION_HOST_TARGET", "no_such_target")
+    q, k, v = _qkv()
+    with rdnattention.sdpa_patched(devices="cpu"):
+        rdnattention.stats(reset=True)
+        for _ in range(2):
+            assert torch.equal(F.scaled_dot_product_attention(q, k, v), ORIGINAL(q, k, v))
+        assert rdnattention.stats()["fallbacks"] == {"no kernels for cpu": 2}
+
+
+def test_patching_is_idempotent_and_restores_the_original_object(host_build):
+    assert F.scaled_dot_product_attention is ORIGINAL and not patch.is_patched()
+    rdnattention.unpatch_sdpa()  # not patched: nothing to do
+    rdnattention.patch_sdpa(devices="cpu")
+    rdnattention.patch_sdpa(devices=["cpu", "cuda"], device_masks=False)  # settings updated, one layer
+    assert F.scaled_dot_product_attention is patch.sdpa and patch._original is ORIGINAL
+    assert patch._config.devices == {"cpu", "cuda"} and not patch._config.device_masks
+    with rdnattention.sdpa_patched(devices="cuda"):
+        assert patch._config.devices == {"cuda"}
+    assert patch._config.devices == {"cpu", "cuda"}  # the settings before the block are back
+    rdnattention.unpatch_sdpa()
+    rdnattention.unpatch_sdpa()
+    assert F.scaled_dot_product_attention is ORIGINAL and torch._C._nn.scaled_dot_product_attention is ORIGINAL
+    with rdnattention.sdpa_patched(devices="cpu"):
+        assert F.scaled_dot_product_attention is patch.sdpa
+    assert F.scaled_dot_product_attention is ORIGINAL
+
+
+def test_a_later_patch_on_top_is_left_in_place(host_build):
+    rdnattention.patch_sdpa(devices="cpu")
+    def theirs(*args, **kwargs):
+        return patch.sdpa(*args, **kwargs)
+    F.scaled_dot_product_attention = theirs
+    try:
+        rdnattention.unpatch_sdpa()
+        assert F.scaled_dot_product_attention is theirs
+        rdnattention.stats(reset=True)
+        q, k, v = _qkv()
+        assert torch.equal(theirs(q, k, v), ORIGINAL(q, k, v))  # passed on, uncounted
+        assert rdnattention.stats()["served"] == rdnattention.stats()["fallback"] == 0
+    finally:
+        F.scaled_dot_product_attention = ORIGINAL
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"devices": "gpu"}, "devices must be"), ({"devices": []}, "devices must be"), ({"devices": 3}, "devices must be"),
+    ({"device_masks": 1}, "device_masks must be a bool"), ({"strict": None}, "strict must be a bool"),
+])
+def test_bad_settings_are_refused(kw, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        rdnattention.patch_sdpa(**kw)
+    assert F.scaled_dot_product_attention is ORIGINAL
+
+
+@pytest.mark.parametrize("value, devices", [("", None), ("0", None), ("off", None), ("1", {"cuda"}),
+                                            ("cuda,cpu", {"cuda", "cpu"}), (" CPU ", {"cpu"})])
+def test_the_environment_variable(value, devices):
+    try:
+        assert patch.patch_from_env(value) == (devices is not None)
+        assert (patch._config.devices if patch.is_patched() else None) == devices
+    finally:
+        rdnattention.unpatch_sdpa()
+    with pytest.raises(InvalidArgumentError, match="RDNATTENTION_PATCH_SDPA='gpu'"):
+        patch.patch_from_env("gpu")
+
+
+def test_the_environment_variable_patches_on_import(host_build):
+    code = ("import rdnattention, torch, torch.nn.functional as F; q = torch.randn(1, 2, 8, 32).half(); "
+            "F.scaled_dot_product_attention(q, q, q); print(F.scaled_dot_product_attention.__module__, "
+            "rdnattention.stats()['served'])")
+    env = {**__import__("os").environ, "RDNATTENTION_PATCH_SDPA": "cpu", "PYTHONPATH": str(REPO_ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["rdnattention.integrations.sdpa", "1"]
+
+
+def test_the_runner_patches_a_program_that_never_imports_rdnattention(host_build, tmp_path):
+    script = tmp_path / "program.py"
+    script.write_text("import sys, torch, torch.nn.functional as F\n"
+                      "q = torch.randn(1, 2, 8, 32).half()\n"
+                      "F.scaled_dot_product_attention(q, q, q, is_causal=True)\n"
+                      "import rdnattention\n"
+                      "print(sys.argv[1:], rdnattention.stats()['served'])\n")
+    env = {**__import__("os").environ, "RDNATTENTION_PATCH_SDPA": "cpu", "PYTHONPATH": str(REPO_ROOT)}
+    out = subprocess.run([sys.executable, "-m", "rdnattention.patched", str(script), "a", "--b"], capture_output=True,
+                         text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['a', '--b'] 1"
+    usage = subprocess.run([sys.executable, "-m", "rdnattention.patched"], capture_output=True, text=True, env=env)
+    assert usage.returncode == 2 and "usage: python -m rdnattention.patched" in usage.stderr
+
+
+def test_a_kernel_error_falls_back_unless_strict(patched, monkeypatch, caplog):
+    def fail(*args, **kwargs):
+        raise LaunchError("the device refused the launch")
+    monkeypatch.setattr(ops, "forward", fail)
+    q, k, v = _qkv(sq=3)  # a geometry not replayed from an earlier test
+    with pytest.raises(LaunchError):
+        F.scaled_dot_product_attention(q, k, v)
+    rdnattention.patch_sdpa(devices="cpu")
+    with caplog.at_level(logging.WARNING, logger=patch.__name__):
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v), ORIGINAL(q, k, v))
+    assert rdnattention.stats()["fallbacks"] == {"error: LaunchError": 1}
+    assert "the device refused the launch" in caplog.text
+
+
+def test_an_error_while_reading_a_mask_falls_back_unless_strict(patched, monkeypatch):
+    def fail(*args):
+        raise RuntimeError("out of memory reading the mask")
+    monkeypatch.setattr(patch, "_read", fail)
+    q, k, v = _qkv()
+    mask = J <= I + 16
+    with pytest.raises(RuntimeError, match="out of memory"):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    rdnattention.patch_sdpa(devices="cpu")
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), ORIGINAL(q, k, v, attn_mask=mask))
+    assert rdnattention.stats()["fallbacks"] == {"error: RuntimeError": 1}
+
+
+def test_a_function_mode_sees_the_patched_function_which_then_serves(patched):
+    seen = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = _qkv()
+    with Record():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert F.scaled_dot_product_attention in seen
+    with torch.device("cpu"):  # a default-device mode
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out.float(), _reference(q, k, v, is_causal=True), **TOL)
+    _served(2)
+
+
+def test_a_dispatch_mode_runs_torchs_function(patched):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = _qkv()
+    with Record():
+        out = F.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(out, ORIGINAL(q, k, v)) and seen  # torch's operators ran, seen by the mode
+    assert rdnattention.stats()["fallbacks"] == {"dispatch mode": 1}
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated")
+def test_traced_calls_put_torchs_operator_into_the_graph(patched):
+    q, k, v = _qkv()
+
+    def layer(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), ORIGINAL(q, k, v, is_causal=True) * 2)
+    traced = torch.jit.trace(layer, (q, k, v), check_trace=False)
+    assert "scaled_dot_product_attention" in str(traced.graph)
+    assert rdnattention.stats()["served"] == 0
+
+
+def test_a_mask_is_read_once_while_unmodified(patched, monkeypatch):
+    reads = []
+    read = patch._read
+    monkeypatch.setattr(patch, "_read", lambda *a: reads.append(1) or read(*a))
+    q, k, v = _qkv()
+    mask = J <= I + 16
+    for _ in range(3):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert len(reads) == 1
+    mask[5, 30] = True  # no longer a band
+    F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert len(reads) == 2
+    assert rdnattention.stats()["fallbacks"] == {"attn_mask pattern": 1}
+
+
+def test_counts_are_exact_across_threads(patched):
+    q, k, v = _qkv(sq=1, d=64)
+    qf = q.float()
+
+    def work():
+        for _ in range(5):
+            F.scaled_dot_product_attention(q, k, v)
+            F.scaled_dot_product_attention(qf, qf, qf)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    s = rdnattention.stats()
+    assert (s["served"], s["fallbacks"]) == (20, {"dtype torch.float32": 20})
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_bands_per_sequence(patched, seed):
+    # Per sequence: keys [k0, n) and a band lo..hi around each query (either side possibly
+    # unbounded), as a boolean or an additive mask; rows that see no key are zeros in both.
+    g = torch.Generator().manual_seed(seed)
+    sq, sk = [(24, 40), (40, 24), (33, 33), (1, 40)][seed % 4]
+    q, k, v = _qkv(b=3, sq=sq, sk=sk, seed=seed)
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)
+
+    def rand(lo, hi):
+        return int(torch.randint(lo, hi + 1, (), generator=g))
+
+    masks = []
+    for _ in range(3):
+        k0 = rand(0, sk // 3)
+        n = rand(k0 + 1, sk)
+        band = ((j >= k0) & (j < n)).expand(sq, sk)
+        if rand(0, 1):
+            band = band & (j >= i + rand(-sq, sk // 2))
+        if rand(0, 1):
+            band = band & (j <= i + rand(-sq // 2, sk))
+        masks.append(band)
+    mask = torch.stack(masks)[:, None]
+    if seed % 3 == 2:
+        mask = _additive(mask)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref = _reference(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out.float(), ref, **TOL)
+    _served()
+
+
+@pytest.mark.gpu
+def test_gpu_masks_are_read_on_the_device_once_and_capture_falls_back():
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        pytest.skip("needs an NVIDIA GPU")
+    dev = torch.device("cuda")
+    q, k, v = (t.to(dev) for t in _qkv(d=64))
+    with rdnattention.sdpa_patched(strict=True):
+        for name in ("causal bottom-right", "sliding window", "key lengths", "key lengths, additive -inf",
+                     "left padding and causal", "keys far after the query"):
+            rdnattention.stats(reset=True)
+            mask = MASKS[name].to(dev)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            torch.testing.assert_close(out.float(), _reference(q, k, v, attn_mask=mask), **TOL)
+            _served()
+        mask = MASKS["key lengths"].to(dev)
+        rdnattention.patch_sdpa(device_masks=False)
+        rdnattention.stats(reset=True)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert rdnattention.stats()["fallbacks"] == {"attn_mask on the device": 1}
+        rdnattention.patch_sdpa()
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)  # loads the code object before capture
+        graph = torch.cuda.CUDAGraph()
+        rdnattention.stats(reset=True)
+        with torch.cuda.graph(graph):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert rdnattention.stats()["fallbacks"] == {"CUDA graph capture": 1}
