@@ -214,6 +214,7 @@ UNETS = {
 @pytest.mark.parametrize("name", list(UNETS))
 @pytest.mark.parametrize("text_mask", [False, True], ids=["", "encoder_attention_mask"])
 def test_unet2dcondition_step_through_the_patch(patched, name, text_mask):
+    pytest.importorskip("diffusers")
     from diffusers.models.attention_processor import Attention
 
     dev = patched
