@@ -2,8 +2,8 @@
 cache with per-sequence lengths, appending the new keys and values in place.
 
 A call is checked whole before anything is written: the arguments' shapes, dtypes, devices,
-strides and options where it is traced (validate), then the memory behind every tensor and the
-index values (one device read: checks.Values), then it is planned (the kernel chosen, the launch
+strides and options where it is traced (validate), then the memory behind every tensor and, where
+they are read (checks.reads), the index values (one read: checks.Values), then it is planned (the kernel chosen, the launch
 grid checked); only then are the new keys and values appended and the kernels run. A refused call
 leaves every tensor it was given as it was.
 
@@ -116,6 +116,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 raise InvalidArgumentError(f"{name} shape {tuple(t.shape)} must be [batch, seq_new, heads_kv, "
                                            f"head_dim] matching the cache {tuple(k_cache.shape)}")
         new = k.shape[1]
+        if new > cache_len:
+            raise InvalidArgumentError(f"seq_new ({new}) must not exceed cache_len ({cache_len}): the new keys are "
+                                       "written into the cache")
     if rotary_cos is not None or rotary_sin is not None:
         _check_tables(rotary_cos, rotary_sin, rotary_interleaved, q)
 
@@ -183,10 +186,11 @@ def _traced(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block
 
 
 def check_values(lengths: torch.Tensor, new: int, cache_len: int, cache_rows: int, cache_batch_idx, block_table,
-                 pages: int, positions: int | None, rotated: int) -> None:
-    """A call's index values, in one device read (checks.Values): cache lengths with room for the
-    new keys, cache rows and pages within the cache, and, with RoPE tables of ``positions`` rows,
-    positions up to cache_seqlens + ``rotated`` - 1 within them."""
+                 pages: int, positions: int | None, rotated: int) -> bool:
+    """A call's index values, in one read where they are read (checks.Values): cache lengths with
+    room for the new keys, cache rows and pages within the cache, and, with RoPE tables of
+    ``positions`` rows, positions up to cache_seqlens + ``rotated`` - 1 within them. Returns
+    whether they were read (else _run bounds them on the device)."""
     values = checks.Values()
     values.within("cache_seqlens", lengths, 0, cache_len - new,
                   rule=f"cache_seqlens + seq_new ({new}) must lie in [0, cache_len = {cache_len}]")
@@ -196,7 +200,7 @@ def check_values(lengths: torch.Tensor, new: int, cache_len: int, cache_rows: in
         values.within("cache_seqlens", lengths, 0, positions - rotated,
                       rule=f"rotary tables have {positions} positions; the new keys and queries need "
                            f"cache_seqlens + {rotated} of them")
-    values.check()
+    return values.check()
 
 
 def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left: int,
@@ -216,17 +220,27 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
         if t is not None:
             checks.check_memory(name, t)
     rotated = max(new, seq_q if local else min(seq_q, 1))
-    check_values(lengths, new, cache_len, k_cache.shape[0], cache_batch_idx, block_table,
-                 k_cache.shape[0] if paged else 0, cos.shape[0] if cos is not None else None, rotated)
+    if cos is not None and cos.shape[0] < rotated:
+        raise InvalidArgumentError(f"rotary tables have {cos.shape[0]} positions; the new keys and queries need "
+                                   f"cache_seqlens + {rotated} of them")
+    checked = check_values(lengths, new, cache_len, k_cache.shape[0], cache_batch_idx, block_table,
+                           k_cache.shape[0] if paged else 0, cos.shape[0] if cos is not None else None, rotated)
 
     # What the kernels read, computed apart from the caches: the rotated queries and new keys, the
-    # lengths after the append.
+    # lengths after the append. Values that were not read are bounded on the device first: the
+    # lengths within [0, cache_len - seq_new], the tables' positions within them, and below the
+    # cache rows and pages the append writes (the kernels bound what they read themselves).
     q_in, k_in = q, k
     if k is not None:
+        if not checked:
+            lengths = lengths.clamp(0, cache_len - new)
         positions = lengths.long()[:, None] + torch.arange(new, device=q.device)
         if cos is not None:
-            k_in = rotate(k.transpose(1, 2), cos, sin, positions, interleaved).transpose(1, 2)
+            last = cos.shape[0] - 1
+            k_pos = positions if checked else positions.clamp(max=last)
+            k_in = rotate(k.transpose(1, 2), cos, sin, k_pos, interleaved).transpose(1, 2)
             q_pos = lengths.long()[:, None] + (torch.arange(seq_q, device=q.device) if local else 0)
+            q_pos = q_pos if checked else q_pos.clamp(max=last)
             q_in = rotate(q.transpose(1, 2), cos, sin, q_pos.expand(batch, seq_q), interleaved).transpose(1, 2)
         used = (lengths + new).to(torch.int32)
     else:
@@ -252,13 +266,18 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
     if k is not None:
         if paged:  # page block_table[b, pos // page], row pos % page
             slots = block_table.long().gather(1, positions // page)
-            k_cache[slots, positions % page] = k_in
-            v_cache[slots, positions % page] = v
+            if not checked:
+                slots = slots.clamp_(0, k_cache.shape[0] - 1)
+            rows = positions % page
+            k_cache.index_put_((slots, rows), k_in)
+            v_cache.index_put_((slots, rows), v)
         else:
             rows = (cache_batch_idx.long() if cache_batch_idx is not None
                     else torch.arange(batch, device=q.device))[:, None]
-            k_cache[rows, positions] = k_in
-            v_cache[rows, positions] = v
+            if not checked and cache_batch_idx is not None:
+                rows = rows.clamp(0, k_cache.shape[0] - 1)
+            k_cache.index_put_((rows, positions), k_in)
+            v_cache.index_put_((rows, positions), v)
     if plan is not None:
         plan.run()
     return out, lse

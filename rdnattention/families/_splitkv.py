@@ -90,21 +90,27 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
     fields = f16.common_fields(q, k, v, call.out, call.lse, call.window, call.softmax_scale, False, None,
                                call.seqused_k)
     del fields["heavy_first"]
-    fields.update(batch=call.batch, seq_q=call.seq_q, seq_k=call.seq_k, splits=splits)
+    fields.update(batch=call.batch, seq_q=call.seq_q, seq_k=call.seq_k, splits=splits, kv_rows=k.shape[0])
     if call.cu_seqlens_q is not None:
-        fields.update(cu_seqlens_q=call.cu_seqlens_q.data_ptr(), q_stride_b=0, o_stride_b=0)
+        fields.update(cu_seqlens_q=call.cu_seqlens_q.data_ptr(), q_stride_b=0, o_stride_b=0,
+                      total_q=f16.packed_rows(q))
         if call.lse is not None:  # [heads_q, total_q]
             fields.update(lse_stride_b=0, lse_stride_h=call.lse.stride(0))
     if call.seqused_q is not None:
         fields["seqused_q"] = call.seqused_q.data_ptr()
     if call.cu_seqlens_k is not None:
-        fields.update(cu_seqlens_k=call.cu_seqlens_k.data_ptr(), k_stride_b=0, v_stride_b=0)
+        fields.update(cu_seqlens_k=call.cu_seqlens_k.data_ptr(), k_stride_b=0, v_stride_b=0,
+                      total_k=f16.packed_rows(k))
     if call.cache_batch_idx is not None:
         fields["cache_batch_idx"] = call.cache_batch_idx.data_ptr()
     if call.block_table is not None:
         page = k.shape[2]
         fields.update(block_table=call.block_table.data_ptr(), block_table_stride=call.block_table.stride(0),
                       page_shift=page.bit_length() - 1)
+    if k.shape[0] == 0 and call.seq_k > 0 and (call.block_table is not None or call.cache_batch_idx is not None):
+        what = "pages" if call.block_table is not None else "rows"
+        raise InvalidArgumentError(f"the cache has no {what} for {'block_table' if what == 'pages' else 'cache_batch_idx'} "
+                                   "to pick")
     for key in ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "window_left", "window_right"):
         if not -2**31 <= fields[key] < 2**31:
             raise InvalidArgumentError(f"{key} = {fields[key]} does not fit the kernel's 32-bit field")
