@@ -4,8 +4,8 @@ memory beside it. Used in a subprocess of its own (tests/runtime/test_bounds.py)
 
 ``guarded(t, end=True)`` copies ``t`` into fresh pages with GUARD bytes of no access on each side,
 its last byte against the guard after it (``end=False``: its first byte against the guard before
-it; a tensor of whole pages touches both). ``guard_allocations()`` makes the runtime's outputs such
-tensors too."""
+it; a tensor of whole pages touches both). ``guard_allocations()`` makes the runtime's outputs and
+split-KV scratch such tensors too."""
 
 from __future__ import annotations
 
@@ -50,14 +50,16 @@ def guarded(t: torch.Tensor, end: bool | None = None) -> torch.Tensor:
 
 
 def guard_allocations() -> None:
-    """The runtime's outputs (out, lse) guarded as they are allocated."""
-    from rdnattention import decode, int8, ops
+    """The runtime's outputs (out, lse) and split-KV scratch guarded as they are allocated."""
+    from rdnattention import decode, int8, ops, workspace
 
     def wrap(allocate):
         def allocate_guarded(*args, **kw):
-            return tuple(guarded(t) for t in allocate(*args, **kw))
+            return tuple(None if t is None else guarded(t) for t in allocate(*args, **kw))
         return allocate_guarded
 
     ops.allocate = wrap(ops.allocate)
     decode.allocate = wrap(decode.allocate)
     int8._allocate = wrap(int8._allocate)
+    scratch = workspace.allocate
+    workspace.allocate = lambda nbytes, device: guarded(scratch(nbytes, device))

@@ -8,24 +8,24 @@ head_dim] views, packed batches as the padded batch, caches as their used keys).
     python -m tuning.overhead --device cpu --profile kvcache.paged.append
 
 Two figures per call:
-- back-to-back: wall time per call of a loop of calls with one synchronisation at the end (median
-  over rounds): the host's cost once it exceeds the kernels', else the kernels'.
+- back-to-back: wall time per call of a loop of calls with one synchronisation at the end (the
+  least over rounds): the host's cost once it exceeds the kernels', else the kernels'.
 - one call: wall time of one call and a synchronisation, the GPU idle before it (median over
   calls): what a step that waits for its result pays.
 
-On the CPU the host emulator's launch is replaced by a no-op (``stubbed_launch``), and split-KV
-calls are planned for a GPU of ``--units`` compute units (the H200's 132), so our figures are the
-Python around the launches a GPU gets (validation, planning, argument packing, allocation); torch's
-CPU figures run the math, so they are shown for reference only. ``--check`` sets
-RDNATTENTION_CHECK for the run (docs/api.md: which checks read values): unset, CPU tensors' values
-are read (free of a device synchronisation there) and GPU tensors' are not."""
+On the CPU the host emulator's launch is replaced by a no-op (``stubbed_launch``), split-KV calls
+are planned for a GPU of ``--units`` compute units (the H200's 132) and torch runs its ops on one
+thread, so our figures are the Python around the launches a GPU gets (validation, planning,
+argument packing, allocation, the torch operations of a cache append); torch's CPU figures run
+the math, so they are shown for reference only. ``--check`` sets RDNATTENTION_CHECK for the run
+(docs/api.md: which checks read values): unset, CPU tensors' values are read (free of a device
+synchronisation there) and GPU tensors' are not; ``--check 0`` makes the CPU path the GPU's."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
-import statistics
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -85,7 +85,8 @@ def _sdpa_entry(rows: int, keys: int, causal: bool):
         import rdnattention
         q = _randn(1, H, rows, D, device=device)
         k, v = (_randn(1, HKV, keys, D, device=device) for _ in range(2))
-        ours = lambda: rdnattention.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)  # noqa: E731
+        def ours():
+            return rdnattention.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
         return ours, _sdpa(q, k, v, is_causal=causal)
     return build
 
@@ -202,21 +203,23 @@ def stubbed_launch(units: int):
     so that they take the launches and scratch they take on such a GPU."""
     from rdnattention.drivers import host
     from rdnattention.families import _splitkv
-    launch, count = host.launch_kernel, _splitkv.units
+    launch, count, threads = host.launch_kernel, _splitkv.units, torch.get_num_threads()
     host.launch_kernel = lambda *a, **kw: None
     _splitkv.units = lambda device: units
+    torch.set_num_threads(1)  # torch's own ops on one thread: a thread pool's start-up is not the host's cost
     try:
         yield
     finally:
         host.launch_kernel, _splitkv.units = launch, count
+        torch.set_num_threads(threads)
 
 
-def back_to_back_us(fn, sync, budget_s: float, rounds: int = 5) -> float:
-    """Median over ``rounds`` of timing.host_us (a loop of calls, one ``sync()`` at the end), each
-    loop about ``budget_s / rounds`` long."""
+def back_to_back_us(fn, sync, budget_s: float, rounds: int = 7) -> float:
+    """The least over ``rounds`` of timing.host_us (a loop of calls, one ``sync()`` at the end), each
+    loop about ``budget_s / rounds`` long: the round the machine's other work disturbed least."""
     once = one_call_us(fn, sync, reps=3, warmup=2) * 1e-6
     calls = max(3, min(5000, int(budget_s / rounds / max(once, 1e-6))))
-    return statistics.median(host_us(fn, calls, sync, warmup=2) for _ in range(rounds))
+    return min(host_us(fn, calls, sync, warmup=2) for _ in range(rounds))
 
 
 def one_call(fn, sync, budget_s: float) -> float:

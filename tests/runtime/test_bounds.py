@@ -4,7 +4,7 @@ address they form from them: a hostile value computes nonsense, but never faults
 writes outside the tensors a call was given (docs/api.md: which checks read values).
 
 Each case runs in a process of its own with RDNATTENTION_CHECK=0 on the host emulator, every tensor
-it passes (and the runtime's outputs) between inaccessible guard regions
+it passes (and the runtime's outputs and split-KV scratch) between inaccessible guard regions
 (tests/guarded.py): once flush against the guard after each tensor, once against the guard before.
 A read or write past either end of any of them kills the process; the tensors the call only reads
 must come back byte-identical; the call must return (no value is read, so none is refused)."""
@@ -32,7 +32,8 @@ import guarded
 from guarded import guarded as g
 guarded.guard_allocations()
 import rdnattention
-from rdnattention import flash_attn, flash_attn_int8qk, flash_attn_varlen_func, flash_attn_with_kvcache, varlen_attn
+from rdnattention import (flash_attn, flash_attn_int8qk, flash_attn_varlen_func, flash_attn_with_kvcache, varlen_attn,
+                          workspace)
 from rdnattention.errors import RdnaAttentionError
 
 def case():
@@ -47,6 +48,7 @@ def case():
 
 for end in (True, False):
     guarded.END = end
+    workspace.release()
     given, written, call = case()
     def snapshot(t):
         return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).clone()
@@ -268,7 +270,8 @@ def test_a_bad_value_is_refused_where_it_is_read_and_bounded_where_it_is_not(hos
     q, k_cache, v_cache, k, v = _kv_call()
     lengths = torch.tensor([64, 3], dtype=torch.int32)  # no room for the new key in sequence 0
     if mode == "1":
-        with pytest.raises(InvalidArgumentError, match=r"cache_seqlens \+ seq_new \(1\) must lie in \[0, cache_len = 64\]"):
+        with pytest.raises(InvalidArgumentError,
+                           match=r"cache_seqlens \+ seq_new \(1\) must lie in \[0, cache_len = 64\]"):
             flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths)
     else:
         out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths)
