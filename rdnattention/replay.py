@@ -23,6 +23,7 @@ from types import ModuleType
 import torch
 
 from . import checks, drivers, route, workspace
+from .drivers import module_api
 from .errors import RdnaAttentionError
 from .plan import Plan
 from .table import TargetTable
@@ -43,6 +44,7 @@ class Step:
     args: ctypes.Structure  # copied per call, never written
     fields: tuple[str, ...]
     function: object = None  # the kernel's handle on a GPU (the driver's function), loaded when kept
+    index: int = 0  # the GPU it was loaded on
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,7 +115,9 @@ def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str
         return None
     steps = []
     driver = drivers.for_platform(plan.table.platform)
-    index = plan.device.index if plan.device.type == "cuda" else None
+    index = None
+    if hasattr(driver, "function"):  # a GPU's driver: kernels launched through their handles
+        index = plan.device.index if plan.device.index is not None else module_api.current_device()
     for launch in plan.launches:
         args = launch.args
         fields = tuple(name for name, ctype in type(args)._fields_ if ctype is ctypes.c_void_p
@@ -125,7 +129,7 @@ def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str
             function = driver.function(plan.table.code_object, index, launch.kernel.name, launch.shared_bytes)
         steps.append(Step(name=launch.kernel.name, grid=launch.grid, block=launch.block,
                           shared_bytes=launch.shared_bytes, args=type(args).from_buffer_copy(args), fields=fields,
-                          function=function))
+                          function=function, index=index or 0))
     r = Replay(table=plan.table, driver=driver, steps=tuple(steps),
                scratch_bytes=plan.scratch_bytes, scratch_lse=plan.scratch_lse,
                reach=tuple((checks.reach(t), t.element_size()) if t is not None and t.numel() else (0, 0)
@@ -154,7 +158,7 @@ def launch(r: Replay, pointers: dict[str, int], device: torch.device) -> None:
             driver.launch_kernel(r.table.code_object, step.name, step.grid, step.block, args, device,
                                  step.shared_bytes)
         else:
-            driver.launch_function(step.function, step.name, device.index, step.grid, step.block, args,
+            driver.launch_function(step.function, step.name, step.index, step.grid, step.block, args,
                                    step.shared_bytes)
     del scratch
 
