@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from . import ops, replay
+from . import ops
 from .checks import NATIVE, TOKEN_MAJOR, check_fp16
 from .errors import InvalidArgumentError, UnsupportedError
 from .options import refuse_missing_features, validate
@@ -59,12 +59,13 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: 
     ([positions, rotary_dim/2], float32 or q's dtype; see :func:`rotary_tables`) apply RoPE to Q and K
     in the kernel. ``seqused_k`` (int32 [batch]) gives the keys each batch uses, the first
     seqused_k[b] of a preallocated cache of seq_k rows; queries align to the end of those."""
-    key = None
-    if rotary_cos is None and rotary_sin is None and seqused_k is None:
-        key = replay.key(q, k, v, is_causal, window_size, softmax_scale, return_lse, False)
-        hit = replay.run(key, q, k, v, return_lse, False) if key is not None else None
-        if hit is not None:
-            return hit if return_lse else hit[0]
+    key = ops.key(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
+                  return_lse=return_lse, token_major=False, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                  rotary_interleaved=rotary_interleaved, seqused_k=seqused_k)
+    hit = ops.replayed(key, q, k, v, return_lse=return_lse, token_major=False, rotary_cos=rotary_cos,
+                       rotary_sin=rotary_sin, seqused_k=seqused_k)
+    if hit is not None:
+        return hit if return_lse else hit[0]
     q, k, v = (check_fp16(n, t, NATIVE) for n, t in (("q", q), ("k", k), ("v", v)))
     o = validate(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
                  rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
@@ -111,20 +112,20 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     if not isinstance(deterministic, bool) or not isinstance(return_attn_probs, bool):
         raise InvalidArgumentError(f"deterministic and return_attn_probs must be bools, got {deterministic!r} "
                                    f"and {return_attn_probs!r}")
-    q, k, v = (check_fp16(n, t, TOKEN_MAJOR).transpose(1, 2) for n, t in (("q", q), ("k", k), ("v", v)))
-    key = None
-    hit = None
-    if rotary_cos is None and rotary_sin is None:
-        key = replay.key(q, k, v, causal, window_size, softmax_scale, return_attn_probs, True)
-        hit = replay.run(key, q, k, v, return_attn_probs, True) if key is not None else None
+    key = ops.key(q, k, v, is_causal=causal, window_size=window_size, softmax_scale=softmax_scale,
+                  return_lse=return_attn_probs, token_major=True, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                  rotary_interleaved=rotary_interleaved)  # of the token-major tensors as given
+    hit = ops.replayed(key, q, k, v, return_lse=return_attn_probs, token_major=True, rotary_cos=rotary_cos,
+                       rotary_sin=rotary_sin)
     if hit is not None:
         out, lse = hit
     else:
+        q, k, v = (check_fp16(n, t, TOKEN_MAJOR).transpose(1, 2) for n, t in (("q", q), ("k", k), ("v", v)))
         o = validate(q, k, v, is_causal=causal, window_size=window_size, softmax_scale=softmax_scale,
                      rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
                      return_lse=return_attn_probs)
         out, lse = ops.forward(q, k, v, o, token_major=True, key=key)
-    out = out.transpose(1, 2)
+        out = out.transpose(1, 2)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -155,6 +156,11 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         window = (-1, 0)
     elif is_causal:
         window = (-1, seq_q - seq_k)  # query i, end-aligned at i - (seq_q - seq_k), sees keys up to i
+    key = ops.key(q, k, v, is_causal=False, window_size=window, softmax_scale=scale, return_lse=False,
+                  token_major=False)
+    hit = ops.replayed(key, q, k, v, return_lse=False, token_major=False)
+    if hit is not None:
+        return hit[0]
     o = validate(q, k, v, is_causal=False, window_size=window, softmax_scale=scale, rotary_cos=None,
                  rotary_sin=None, rotary_interleaved=False, return_lse=False)
-    return ops.forward(q, k, v, o, token_major=False)[0]
+    return ops.forward(q, k, v, o, token_major=False, key=key)[0]

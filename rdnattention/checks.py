@@ -1,8 +1,17 @@
 """Checks of the tensors a call passes: dtype, rank and layout, the memory behind them, index
 tensors and their values, page pools. Each raises InvalidArgumentError naming the tensor, what it
-is and what is accepted; none modifies its argument."""
+is and what is accepted; none modifies its argument.
+
+Which values are read (``RDNATTENTION_CHECK``, read at first use): unset, the values of CPU
+tensors (free to read) and not those of GPU tensors, whose reading would synchronise the host
+with the device on every call; ``1``, every tensor's (one device read per call); ``0``, none. A
+value that is not read is the caller's contract, and the kernels (and the cache append) bound
+every address they form from it, so that a bad one computes nonsense but never reads or writes
+outside the tensors a call was given (docs/api.md: which checks read values)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -58,10 +67,35 @@ def check_memory(name: str, t: torch.Tensor) -> None:
 
 
 def can_read(t: torch.Tensor) -> bool:
-    """Whether a check may read ``t``'s values: not while torch.compile traces (a data-dependent
-    branch breaks the graph) nor while a CUDA graph is captured (a device read is not allowed).
-    Those calls rely on their eager run having been checked; the kernels clamp lengths."""
+    """Whether ``t``'s values can be read at all: not while torch.compile traces (a data-dependent
+    branch breaks the graph) nor while a CUDA graph is captured (a device read is not allowed)."""
     return not (torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+CHECK_ENV = "RDNATTENTION_CHECK"
+_MODES = {"": "auto", "1": "always", "0": "never"}
+_mode: str | None = None  # read from the environment at first use
+
+
+def check_mode() -> str:
+    """``auto`` (RDNATTENTION_CHECK unset or empty: CPU tensors' values are read, GPU tensors' are
+    not), ``always`` (1) or ``never`` (0)."""
+    global _mode
+    if _mode is None:
+        text = os.environ.get(CHECK_ENV, "").strip()
+        if text not in _MODES:
+            raise InvalidArgumentError(f"{CHECK_ENV}={text!r} must be 1 (read every index and scale value), 0 (read "
+                                       "none) or unset (read those of CPU tensors only)")
+        _mode = _MODES[text]
+    return _mode
+
+
+def reads(t: torch.Tensor) -> bool:
+    """Whether the value checks of a call read ``t``'s values (check_mode), where they can be read."""
+    mode = _mode or check_mode()
+    if mode == "never":
+        return False
+    return (mode == "always" or t.device.type == "cpu") and can_read(t)
 
 
 def check_int32(name: str, t: object, shape: tuple[int, ...] | int, device: torch.device) -> torch.Tensor:
@@ -84,15 +118,16 @@ def _shown(t: torch.Tensor) -> str:
 
 
 class Values:
-    """Checks of the values of index and scale tensors, gathered, then read from the device at once
-    by :meth:`check`: the one place a call reads its arguments' values (every other check reads
-    shapes, strides, dtypes and devices only). One read costs a device synchronisation on a GPU.
-    Nothing is read where values cannot be (see can_read): those calls rely on an eager call with
-    the same tensors having been checked. Each check method adds its reductions and returns self."""
+    """Checks of the values of index and scale tensors, gathered, then read at once by
+    :meth:`check`: the one place a call reads its arguments' values (every other check reads
+    shapes, strides, dtypes and devices only). Only the values :func:`reads` allows are read (one
+    read of a GPU tensor's would cost a device synchronisation); :meth:`check` says whether every
+    value was. Each check method adds its reductions and returns self."""
 
     def __init__(self) -> None:
         self._scalars: list[torch.Tensor] = []
         self._tests: list[tuple[int, int, object]] = []
+        self.unread = False  # a check skipped a tensor whose values were not read
 
     def _add(self, name: str, t: torch.Tensor, scalars: list[torch.Tensor], test) -> Values:
         check_memory(name, t)
@@ -101,7 +136,12 @@ class Values:
         return self
 
     def _readable(self, t: torch.Tensor | None) -> bool:
-        return t is not None and t.numel() > 0 and can_read(t)
+        if t is None or t.numel() == 0:
+            return False
+        if reads(t):
+            return True
+        self.unread = True
+        return False
 
     def within(self, name: str, t: torch.Tensor | None, lo: int, hi: int, hi_name: str = "",
                rule: str | None = None) -> Values:
@@ -150,28 +190,30 @@ class Values:
         return self._add(name, t, [(t.long() - bound.long()).max()], test)
 
     def positive(self, name: str, t: torch.Tensor | None) -> Values:
-        """Every value positive and finite (scales)."""
+        """Every value positive and finite (scales): the least above 0 (a NaN makes it NaN) and the
+        greatest below infinity."""
         if not self._readable(t):
             return self
 
         def test(v: list[float]) -> None:
-            if not v[0] > 0 or v[1] < 1:
+            if not (v[0] > 0 and v[1] < float("inf")):
                 raise InvalidArgumentError(f"{name} must hold positive finite scales; it has a zero, negative, NaN "
                                            "or infinite value")
-        return self._add(name, t, [t.min(), torch.isfinite(t).all()], test)
+        return self._add(name, t, [t.min(), t.max()], test)
 
-    def check(self) -> None:
-        """Reads every gathered reduction in one device read and raises the first failed check's
-        InvalidArgumentError (in the order the checks were added)."""
-        if not self._scalars:
-            return
-        values = torch.stack(self._scalars).tolist()
-        for start, count, test in self._tests:
-            test(values[start:start + count])
+    def check(self) -> bool:
+        """Reads every gathered reduction in one read and raises the first failed check's
+        InvalidArgumentError (in the order the checks were added); returns whether every value the
+        checks were given was read (none skipped by :func:`reads`)."""
+        if self._scalars:
+            values = torch.stack(self._scalars).tolist()
+            for start, count, test in self._tests:
+                test(values[start:start + count])
+        return not self.unread
 
 
 def check_values(name: str, t: torch.Tensor | None, lo: int, hi: int) -> None:
-    """Values in [lo, hi] (where they can be read: see can_read), in one device read."""
+    """Values in [lo, hi] (where they are read: see reads), in one read."""
     Values().within(name, t, lo, hi).check()
 
 

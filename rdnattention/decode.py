@@ -1,8 +1,9 @@
 """Calls on caches and packed batches, behind `flash_attn_with_kvcache` (paged caches,
 cache_batch_idx, explicit num_splits) and the variable-length entry points (varlen.py): `prepare`
-is the one place such a call is checked against memory and its index values (check_values) and
-planned (route.py chooses the kernels: the split-KV ones, or for a packed prefill the row-block
-ones compiled for packed batches), `run` runs it; the custom op
+checks such a call against memory and its index values (check_values, where they are read) and
+plans it (route.py chooses the kernels: the split-KV ones, or for a packed prefill the row-block
+ones compiled for packed batches), `run` runs it and keeps the plan for later calls of its
+geometry, which `replayed` runs with the same checks of memory and values; the custom op
 `rdnattention::flash_attn_decode_fwd` wraps it for torch.compile and tensor subclasses, so its
 implementation checks what an eager call checks."""
 
@@ -13,9 +14,14 @@ from typing import Mapping, Optional
 
 import torch
 
-from . import checks, route
+from . import checks, replay, route
 from .errors import InvalidArgumentError
 from .plan import Plan
+
+# The pointer fields of a call's launches (dec and f16 varlen structs, the combine's), each filled
+# by one tensor.
+ROLES = frozenset({"q", "k", "v", "o", "lse", "seqused_k", "block_table", "cache_batch_idx", "cu_seqlens_q",
+                   "cu_seqlens_k"})
 
 
 @dataclass(frozen=True)
@@ -131,29 +137,65 @@ def prepare(q, k, v, *, window: tuple[int, int], softmax_scale: float, return_ls
     return out, lse, route.plan(route.device_table(q.device), call)
 
 
-def run(q, k, v, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+def run(q, k, v, *, key: tuple | None = None, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     """Checks, plans and runs a validated call (shapes checked by the caller; `prepare` takes the
     arguments); returns (out, lse) in the layout of q (lse: [batch, heads_q, seq_q], packed
-    [heads_q, total_q]; empty unless asked for)."""
+    [heads_q, total_q]; empty unless asked for). With ``key`` (replay.key of the entry point's
+    call), the plan is kept for later calls of that key (replayed)."""
     out, lse, plan = prepare(q, k, v, **kw)
     if plan is not None:
-        plan.run()
+        replay.run(plan, key, _tensors(q, k, v, kw), ROLES)
     return out, lse
 
 
-def allocate(q: torch.Tensor, return_lse: bool, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _tensors(q, k, v, kw) -> tuple:
+    """The tensors a replay checks per call, in replayed's order."""
+    return (q, k, v, kw.get("seqused_k"), kw.get("block_table"), kw.get("cache_batch_idx"), kw.get("cu_seqlens_q"),
+            kw.get("cu_seqlens_k"))
+
+
+_POINTERS = ("q", "k", "v", "seqused_k", "block_table", "cache_batch_idx", "cu_seqlens_q", "cu_seqlens_k")
+
+
+def replayed(key: tuple | None, q, k, v, *, seqused_k=None, block_table=None, cache_batch_idx=None,
+             cu_seqlens_q=None, cu_seqlens_k=None, return_lse: bool,
+             check=None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The outputs of a call whose key was planned before (run's tensors), replayed: its memory
+    checked as prepare checks it, and its index values by ``check()`` (the entry point's
+    check_values) where they are read; None where it was not planned, or where its memory needs
+    the full path (which raises the error)."""
+    r = replay.cache.get(key) if key is not None else None
+    tensors = (q, k, v, seqused_k, block_table, cache_batch_idx, cu_seqlens_q, cu_seqlens_k)
+    if r is None or not replay.memory_ok(tensors, r.reach, 3):
+        return None
+    if check is not None and checks.reads(q):
+        check()
+    out, lse = allocate(q, return_lse, cu_seqlens_q is not None, empty_lse=False)
+    pointers = {"o": out.data_ptr()}
+    if lse is not None:
+        pointers["lse"] = lse.data_ptr()
+    for name, t in zip(_POINTERS, tensors):
+        if t is not None:
+            pointers[name] = t.data_ptr()
+    replay.launch(r, pointers, q.device)
+    return out, lse
+
+
+def allocate(q: torch.Tensor, return_lse: bool, packed: bool,
+             empty_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The output in q's layout (packed: zeros, so rows no sequence covers are zero, not stale) and
-    the LSE."""
+    the LSE (when not asked for: an empty tensor, or None where ``empty_lse`` is false)."""
     out = (torch.zeros_like if packed else torch.empty_like)(q, memory_format=torch.contiguous_format)
     if not return_lse:
-        return out, torch.empty((0,), dtype=torch.float32, device=q.device)
+        return out, torch.empty((0,), dtype=torch.float32, device=q.device) if empty_lse else None
     if packed:
         return out, torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     return out, torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
 
 
 def forward(q, k, v, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """`run`, through the custom op where torch traces or the tensors are subclasses."""
+    """`run` (``key``: see run), through the custom op where torch traces or the tensors are
+    subclasses."""
     tensors = [t for t in (q, k, v, kw.get("seqused_k"), kw.get("block_table"), kw.get("cache_batch_idx"),
                            kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")) if t is not None]
     if (torch.compiler.is_compiling() or torch.jit.is_tracing()

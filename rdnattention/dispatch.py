@@ -286,8 +286,7 @@ def hsa_override_value(target: str) -> str:
     return f"{int(m[1])}.{int(m[2], 16)}.{int(m[3], 16)}"
 
 
-@functools.lru_cache(maxsize=None)
-def table_for(target: str, device_name: str | None = None) -> TargetTable:
+def _table_for(target: str, device_name: str | None = None) -> TargetTable:
     """The first table on the search path that serves ``target`` and that this runtime can use.
     Tables of another version (StaleKernelsError) are skipped with a warning; a damaged or
     inconsistent table or code object is an error, never skipped."""
@@ -323,3 +322,24 @@ def table_for(target: str, device_name: str | None = None) -> TargetTable:
                 "only on a GPU that reports the exact ISA it was built for)")
     raise KernelsNotBuiltError(
         f"no kernels built for {gpu} (looked in {looked}; built targets there: {', '.join(built) or 'none'}); {how}")
+
+
+class _Tables:
+    """table_for's memo, by target (and device name): clearing it (``table_for.cache_clear()``)
+    also moves ``generation`` on, so that the tables route.device_table keeps per device are looked
+    up again."""
+
+    def __init__(self, load):
+        self._load = functools.lru_cache(maxsize=None)(load)
+        self.generation = 0
+        functools.update_wrapper(self, load)
+
+    def __call__(self, target: str, device_name: str | None = None) -> TargetTable:
+        return self._load(target, device_name)
+
+    def cache_clear(self) -> None:
+        self.generation += 1
+        self._load.cache_clear()
+
+
+table_for = _Tables(_table_for)

@@ -2,9 +2,9 @@
 cache with per-sequence lengths, appending the new keys and values in place.
 
 A call is checked whole before anything is written: the arguments' shapes, dtypes, devices,
-strides and options where it is traced (validate), then the memory behind every tensor and the
-index values (one device read: checks.Values), then it is planned (the kernel chosen, the launch
-grid checked); only then are the new keys and values appended and the kernels run. A refused call
+strides and options where it is traced (validate), then the memory behind every tensor and, where
+they are read (checks.reads), the index values (one read: checks.Values), then it is planned (the
+kernel chosen, the launch grid checked); only then are the new keys and values appended and the kernels run. A refused call
 leaves every tensor it was given as it was.
 
 Plain caches with automatic key slices run as flash_attn calls with cache lengths (ops.py), the
@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from . import checks, decode, ops
+from . import checks, decode, ops, replay
 from .checks import TOKEN_MAJOR, check_fp16, check_int32, check_paged
 from .errors import InvalidArgumentError, UnsupportedError
 from .options import Options, check_seqused, validate
@@ -66,6 +66,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``num_splits``: key slices of the split-KV kernels (0: chosen from the device). Returns out
     [batch, seq_q, heads, head_dim], with the LSE [batch, heads, seq_q] if return_softmax_lse.
     A call that raises has written nothing."""
+    plan_key = _key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table,
+                    (softmax_scale, causal, window_size, rotary_interleaved, num_splits, return_softmax_lse))
+    r = replay.cache.get(plan_key) if plan_key is not None else None
+    if r is not None:
+        hit = _replayed(r, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                        block_table, rotary_interleaved, num_splits, return_softmax_lse)
+        if hit is not None:
+            return hit if return_softmax_lse else hit[0]
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise InvalidArgumentError(f"num_splits must be a non-negative int, got {num_splits!r}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -116,6 +124,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 raise InvalidArgumentError(f"{name} shape {tuple(t.shape)} must be [batch, seq_new, heads_kv, "
                                            f"head_dim] matching the cache {tuple(k_cache.shape)}")
         new = k.shape[1]
+        if new > cache_len:
+            raise InvalidArgumentError(f"seq_new ({new}) must not exceed cache_len ({cache_len}): the new keys are "
+                                       "written into the cache")
     if rotary_cos is not None or rotary_sin is not None:
         _check_tables(rotary_cos, rotary_sin, rotary_interleaved, q)
 
@@ -155,8 +166,45 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if traced:
         out, lse = _traced(*args, cache_len=cache_len)
     else:
-        out, lse = _run(*args)
+        out, lse = _run(*args, key=plan_key)
     return (out, lse) if return_softmax_lse else out
+
+
+def _key(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, block_table,
+         options: tuple) -> tuple | None:
+    """The replay key of a call (replay.key): its options with their types, and how cache_seqlens
+    is given (an int's value is checked per call), or None where the full path must run."""
+    softmax_scale, causal, window_size, interleaved, num_splits, return_lse = options
+    if (type(q) is not torch.Tensor or type(causal) is not bool or type(interleaved) is not bool
+            or type(num_splits) is not int or type(return_lse) is not bool or type(window_size) is not tuple
+            or len(window_size) != 2 or type(window_size[0]) is not int or type(window_size[1]) is not int):
+        return None
+    if cache_seqlens is None or type(cache_seqlens) is int:
+        lengths, given = None, type(cache_seqlens)
+    else:
+        lengths, given = cache_seqlens, torch.Tensor
+    return replay.key("flash_attn_with_kvcache", q.device,
+                      (q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table),
+                      (type(softmax_scale), softmax_scale, causal, window_size, interleaved, num_splits, return_lse,
+                       given))
+
+
+def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, block_table,
+              interleaved: bool, num_splits: int, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A call whose key was planned before (validated then: the key holds all validation read),
+    run by _run on that plan; None where its memory needs the full path."""
+    window_left, window_right, softmax_scale, local, cache_len = r.extra
+    new = 0 if k is None else k.shape[1]
+    if cache_seqlens is None:
+        lengths = torch.full((q.shape[0],), cache_len, dtype=torch.int32, device=q.device)
+    elif type(cache_seqlens) is int:
+        if not 0 <= cache_seqlens <= cache_len - new:
+            return None  # the full path raises the error
+        lengths = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    else:
+        lengths = cache_seqlens
+    return _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left, window_right,
+                softmax_scale, interleaved, local, return_lse, num_splits, replayed=r)
 
 
 def _traced(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left: int,
@@ -183,10 +231,11 @@ def _traced(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block
 
 
 def check_values(lengths: torch.Tensor, new: int, cache_len: int, cache_rows: int, cache_batch_idx, block_table,
-                 pages: int, positions: int | None, rotated: int) -> None:
-    """A call's index values, in one device read (checks.Values): cache lengths with room for the
-    new keys, cache rows and pages within the cache, and, with RoPE tables of ``positions`` rows,
-    positions up to cache_seqlens + ``rotated`` - 1 within them."""
+                 pages: int, positions: int | None, rotated: int) -> bool:
+    """A call's index values, in one read where they are read (checks.Values): cache lengths with
+    room for the new keys, cache rows and pages within the cache, and, with RoPE tables of
+    ``positions`` rows, positions up to cache_seqlens + ``rotated`` - 1 within them. Returns
+    whether they were read (else _run bounds them on the device)."""
     values = checks.Values()
     values.within("cache_seqlens", lengths, 0, cache_len - new,
                   rule=f"cache_seqlens + seq_new ({new}) must lie in [0, cache_len = {cache_len}]")
@@ -196,45 +245,89 @@ def check_values(lengths: torch.Tensor, new: int, cache_len: int, cache_rows: in
         values.within("cache_seqlens", lengths, 0, positions - rotated,
                       rule=f"rotary tables have {positions} positions; the new keys and queries need "
                            f"cache_seqlens + {rotated} of them")
-    values.check()
+    return values.check()
+
+
+_aranges: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """0 .. n - 1, int64 on ``device``: made once per length and device and only ever read (one made
+    while a graph is captured is that graph's, and not kept)."""
+    t = _aranges.get((n, device))
+    if t is None:
+        t = torch.arange(n, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()) and len(_aranges) < 256:
+            _aranges[(n, device)] = t
+    return t
+
+
+# The tensors a call reads, by name, in the order _run checks their memory; the pointer fields of
+# its launches, each filled by one tensor.
+_NAMES = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
+          "block_table")
+ROLES = frozenset({"q", "k", "v", "o", "lse", "seqused_k", "cache_batch_idx", "block_table"})
 
 
 def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left: int,
          window_right: int, softmax_scale: float, interleaved: bool, local: bool, return_lse: bool,
-         num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+         num_splits: int, key: tuple | None = None,
+         replayed: replay.Replay | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A validated call (shapes, options: flash_attn_with_kvcache), in eager mode or as the custom
     op's implementation: memory and index values checked and the call planned, then the append,
-    then the launches."""
+    then the launches. With ``key``, the plan is kept for later calls of that key; ``replayed``:
+    such a later call, run on that plan (None returned where its memory needs the full path)."""
     batch, seq_q = q.shape[0], q.shape[1]
     paged = block_table is not None
     page = k_cache.shape[1]
     cache_len = block_table.shape[1] * page if paged else page
     new = 0 if k is None else k.shape[1]
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("rotary_cos", cos),
-                    ("rotary_sin", sin), ("cache_seqlens", lengths), ("cache_batch_idx", cache_batch_idx),
-                    ("block_table", block_table)):
-        if t is not None:
-            checks.check_memory(name, t)
+    tensors = (q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table)
+    if replayed is None:
+        for name, t in zip(_NAMES, tensors):
+            if t is not None:
+                checks.check_memory(name, t)
+    elif not replay.memory_ok(tensors, replayed.reach, 3):
+        return None
     rotated = max(new, seq_q if local else min(seq_q, 1))
-    check_values(lengths, new, cache_len, k_cache.shape[0], cache_batch_idx, block_table,
-                 k_cache.shape[0] if paged else 0, cos.shape[0] if cos is not None else None, rotated)
+    if cos is not None and cos.shape[0] < rotated:
+        raise InvalidArgumentError(f"rotary tables have {cos.shape[0]} positions; the new keys and queries need "
+                                   f"cache_seqlens + {rotated} of them")
+    checked = checks.reads(lengths) and check_values(lengths, new, cache_len, k_cache.shape[0], cache_batch_idx,
+                                                     block_table, k_cache.shape[0] if paged else 0,
+                                                     cos.shape[0] if cos is not None else None, rotated)
 
     # What the kernels read, computed apart from the caches: the rotated queries and new keys, the
-    # lengths after the append.
+    # lengths after the append. Values that were not read are bounded on the device first: the
+    # lengths within [0, cache_len - seq_new], the tables' positions within them, and below the
+    # cache rows and pages the append writes (the kernels bound what they read themselves).
     q_in, k_in = q, k
     if k is not None:
-        positions = lengths.long()[:, None] + torch.arange(new, device=q.device)
+        if not checked:
+            lengths = lengths.clamp(0, cache_len - new)
+        positions = lengths[:, None] + _arange(new, q.device)  # int64 [batch, seq_new]
         if cos is not None:
-            k_in = rotate(k.transpose(1, 2), cos, sin, positions, interleaved).transpose(1, 2)
-            q_pos = lengths.long()[:, None] + (torch.arange(seq_q, device=q.device) if local else 0)
+            last = cos.shape[0] - 1
+            k_pos = positions if checked else positions.clamp(max=last)
+            k_in = rotate(k.transpose(1, 2), cos, sin, k_pos, interleaved).transpose(1, 2)
+            q_pos = lengths[:, None] + (_arange(seq_q, q.device) if local else 0)
+            q_pos = q_pos if checked else q_pos.clamp(max=last)
             q_in = rotate(q.transpose(1, 2), cos, sin, q_pos.expand(batch, seq_q), interleaved).transpose(1, 2)
-        used = (lengths + new).to(torch.int32)
+        used = lengths + new  # int32
     else:
         used = lengths
 
     # Planned before the append: a call no kernel serves, or whose grid is beyond the launch
     # limits, is refused with the caches untouched.
-    if block_table is None and cache_batch_idx is None and num_splits == 0:
+    plain = block_table is None and cache_batch_idx is None and num_splits == 0
+    plan = None
+    if replayed is not None:  # planned by an earlier call of its key
+        if plain:
+            out, lse = ops.allocate(q_in.transpose(1, 2), True, return_lse, empty_lse=False)
+            out = out.transpose(1, 2)
+        else:
+            out, lse = decode.allocate(q_in, return_lse, False, empty_lse=False)
+    elif plain:
         o = Options(window_left=window_left, window_right=window_right, softmax_scale=softmax_scale,
                     rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_lse,
                     seqused_k=used)
@@ -251,16 +344,30 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
 
     if k is not None:
         if paged:  # page block_table[b, pos // page], row pos % page
-            slots = block_table.long().gather(1, positions // page)
-            k_cache[slots, positions % page] = k_in
-            v_cache[slots, positions % page] = v
+            slots = block_table.gather(1, positions // page)
+            if not checked:
+                slots = slots.clamp_(0, k_cache.shape[0] - 1)
+            rows = positions % page
+            k_cache.index_put_((slots, rows), k_in)
+            v_cache.index_put_((slots, rows), v)
         else:
-            rows = (cache_batch_idx.long() if cache_batch_idx is not None
-                    else torch.arange(batch, device=q.device))[:, None]
-            k_cache[rows, positions] = k_in
-            v_cache[rows, positions] = v
-    if plan is not None:
-        plan.run()
+            rows = (cache_batch_idx if cache_batch_idx is not None else _arange(batch, q.device))[:, None]
+            if not checked and cache_batch_idx is not None:
+                rows = rows.clamp(0, k_cache.shape[0] - 1)
+            k_cache.index_put_((rows, positions), k_in)
+            v_cache.index_put_((rows, positions), v)
+    if replayed is not None:
+        pointers = {"q": q_in.data_ptr(), "k": k_cache.data_ptr(), "v": v_cache.data_ptr(), "o": out.data_ptr(),
+                    "seqused_k": used.data_ptr()}
+        if lse is not None:
+            pointers["lse"] = lse.data_ptr()
+        if cache_batch_idx is not None:
+            pointers["cache_batch_idx"] = cache_batch_idx.data_ptr()
+        if block_table is not None:
+            pointers["block_table"] = block_table.data_ptr()
+        replay.launch(replayed, pointers, q.device)
+    elif plan is not None:
+        replay.run(plan, key, tensors, ROLES, extra=(window_left, window_right, softmax_scale, local, cache_len))
     return out, lse
 
 

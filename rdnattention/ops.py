@@ -1,7 +1,8 @@
 """The fp16 forward on [batch, heads, seq, head_dim] views, as the entry points in api.py (and
 flash_attn_with_kvcache's plain caches) run it once they have validated a call (options.py):
-planned here, the kernel chosen by route.py, and run directly in eager mode or through the custom
-op ``rdnattention::flash_attn_fwd`` where torch traces or the tensors are subclasses, so compiled
+planned here, the kernel chosen by route.py, and run directly in eager mode (the plan kept for
+later calls of the same key and replayed: key, replayed) or through the custom op
+``rdnattention::flash_attn_fwd`` where torch traces or the tensors are subclasses, so compiled
 graphs need no break. The op has a fake implementation and torch.library.opcheck holds. Its
 arguments are the kernel's: q, k, v as [batch, heads, seq, head_dim] views, the window after
 folding causal in, the softmax scale, RoPE tables or None, whether to return the log-sum-exp,
@@ -20,14 +21,17 @@ from .options import Options
 from .plan import Plan
 
 
-def allocate(q: torch.Tensor, token_major: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def allocate(q: torch.Tensor, token_major: bool, return_lse: bool,
+             empty_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The output in the caller's layout, as the kernel's [batch, heads, seq, head_dim] view, and the
-    log-sum-exp (an empty tensor when not asked for)."""
+    log-sum-exp (when not asked for: an empty tensor, or None where ``empty_lse`` is false)."""
     batch, heads, seq, dim = q.shape
     if token_major:
         out = torch.empty((batch, seq, heads, dim), dtype=q.dtype, device=q.device).transpose(1, 2)
     else:
         out = torch.empty((batch, heads, seq, dim), dtype=q.dtype, device=q.device)
+    if not (return_lse or empty_lse):
+        return out, None
     lse_shape = (batch, heads, seq) if return_lse else (0,)
     return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
 
@@ -61,18 +65,62 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token_ma
     return route.plan(route.device_table(q.device), call).returning(out, lse, empty=empty)
 
 
+# The pointer fields of a call's launches (f16 and dec structs), each filled by one tensor.
+ROLES = frozenset({"q", "k", "v", "o", "lse", "seqused_k", "rotary_cos", "rotary_sin"})
+
+
+def key(q, k, v, *, is_causal, window_size, softmax_scale, return_lse, token_major: bool, rotary_cos=None,
+        rotary_sin=None, rotary_interleaved=False, seqused_k=None) -> tuple | None:
+    """The replay key of a flash_attn-like call (replay.key), or None where its options are not of
+    the types validation accepts (the full path refuses them): q, k, v in the kernel's view."""
+    if (type(is_causal) is not bool or type(return_lse) is not bool or type(rotary_interleaved) is not bool
+            or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
+            or type(window_size[1]) is not int or type(q) is not torch.Tensor):
+        return None
+    return replay.key("flash_attn", q.device, (q, k, v, rotary_cos, rotary_sin, seqused_k),
+                      (is_causal, window_size, type(softmax_scale), softmax_scale, return_lse, token_major,
+                       rotary_interleaved))
+
+
+def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool, rotary_cos=None, rotary_sin=None,
+             seqused_k=None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The outputs of a call whose key was planned before, replayed, in the caller's layout (q, k,
+    v as the key saw them: token-major ones [batch, seq, heads, head_dim]); None where it was not,
+    or where its memory needs the full path (which raises the error)."""
+    r = replay.cache.get(key) if key is not None else None
+    if r is None or not replay.memory_ok((q, k, v, rotary_cos, rotary_sin, seqused_k), r.reach, 3):
+        return None
+    if seqused_k is not None and checks.reads(seqused_k):
+        checks.Values().within("seqused_k", seqused_k, 0, k.shape[2], "seq_k").check()
+    if token_major:
+        batch, seq, heads, _ = q.shape
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((batch, heads, seq), dtype=torch.float32, device=q.device) if return_lse else None
+    else:
+        out, lse = allocate(q, False, return_lse, empty_lse=False)
+    pointers = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": out.data_ptr()}
+    if lse is not None:
+        pointers["lse"] = lse.data_ptr()
+    if seqused_k is not None:
+        pointers["seqused_k"] = seqused_k.data_ptr()
+    if rotary_cos is not None:
+        if rotary_cos.dtype != torch.float32:  # q's dtype: the kernel reads fp32 tables
+            rotary_cos, rotary_sin = rotary_cos.float(), rotary_sin.float()
+        pointers["rotary_cos"], pointers["rotary_sin"] = rotary_cos.data_ptr(), rotary_sin.data_ptr()
+    replay.launch(r, pointers, q.device)
+    return out, lse
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token_major: bool,
             key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs a validated call: directly in eager mode, through the custom op where torch traces.
-    With ``key`` (replay.key), the plan is kept for later calls of the same geometry."""
+    With ``key`` (ops.key of the same call), the plan is kept for later calls of that key."""
     if (torch.compiler.is_compiling() or torch.jit.is_tracing()
             or not (type(q) is type(k) is type(v) is torch.Tensor)):
         return flash_attn_fwd(q, k, v, o.rotary_cos, o.rotary_sin, o.window_left, o.window_right, o.softmax_scale,
                               o.rotary_interleaved, o.return_lse, token_major, o.seqused_k)
     p = plan(q, k, v, o, token_major)
-    p.run()
-    if key is not None and o.rotary_cos is None:
-        replay.remember(key, p, q, k, v)
+    replay.run(p, key, (q, k, v, o.rotary_cos, o.rotary_sin, o.seqused_k), ROLES)
     return p.outputs
 
 

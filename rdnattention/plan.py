@@ -1,7 +1,8 @@
 """Plans: a validated call becomes a list of launches (kernel, grid, block, shared memory,
 arguments), planned by the kernel family route.py chooses, then run on the device's driver. A
-family that needs two kernels or a scratch buffer returns two launches and keeps the buffer in the
-plan."""
+family that needs two kernels and a scratch buffer between them (split-KV) returns two launches
+and the scratch's size: a plan run by :meth:`Plan.run` allocates its own at its first run and
+keeps it; an eager call replays the plan (replay.py) on its stream's workspace (workspace.py)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,10 @@ class Plan:
     outputs: tuple[torch.Tensor | None, ...]
     # Every tensor the launches read or write (inputs, outputs, scratch): held as long as the plan is.
     buffers: tuple[torch.Tensor, ...] = field(default=())
+    # Split-KV scratch: bytes in all, and where the partial LSEs start (the partial outputs at 0);
+    # the launches' part_o and part_lse point into it. 0: none.
+    scratch_bytes: int = 0
+    scratch_lse: int = 0
 
     def returning(self, out: torch.Tensor, lse: torch.Tensor, *, empty: bool) -> Plan:
         """This plan, returning ``(out, lse)`` (lse an empty tensor where it was not asked for: a custom
@@ -77,8 +82,19 @@ class Plan:
         return self
 
     def run(self) -> None:
+        """Runs the launches (again and again, for timing), on the plan's own scratch."""
         from . import drivers
 
+        if self.scratch_bytes and self.launches and not self.launches[0].args.part_o:
+            from . import workspace
+            scratch = workspace.allocate(self.scratch_bytes, self.device)
+            self.buffers = (*self.buffers, scratch)
+            self.bind_scratch(scratch.data_ptr())
         driver = drivers.for_platform(self.table.platform)
         for launch in self.launches:
             driver.launch(self.table.code_object, launch, self.device)
+
+    def bind_scratch(self, address: int) -> None:
+        """Points the launches' part_o and part_lse at the scratch starting at ``address``."""
+        for launch in self.launches:
+            launch.args.part_o, launch.args.part_lse = address, address + self.scratch_lse

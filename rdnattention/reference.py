@@ -13,8 +13,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: tor
     or [batch, seq] for x [batch, heads, seq, dim] (each sequence at its own positions). Computed in
     float64, returned in x's dtype."""
     half = cos.shape[1]
-    c = cos.to(torch.float64)[positions]
-    s = sin.to(torch.float64)[positions]
+    c = cos[positions].to(torch.float64)
+    s = sin[positions].to(torch.float64)
     if positions.dim() == 2:
         c, s = c[:, None], s[:, None]
     out = x.clone()

@@ -1,94 +1,179 @@
-"""The eager fast path of the fp16 entry points: a call of a geometry already validated and planned
-replays that plan's single launch with its own pointers. Everything validation and planning read is
-in the key (the table, the shapes, strides, dtypes and devices of q, k, v, and the options with
-their types, so that True and 1 stay different keys); the data pointers are checked every call."""
+"""The eager fast path of every entry point: a call of a geometry already validated and planned
+replays that plan's launches with its own pointers, skipping validation and planning.
+
+An entry point keys its calls (:func:`key`): everything validation and planning read, which is
+the target's table, the shapes, strides, dtypes and devices of its tensors, and its options with
+their types (so that True and 1 stay different keys). A call whose key was seen runs the
+remembered :class:`Replay`: per call it checks only what can change between calls of one key,
+the data pointers and the memory behind them (:func:`memory_ok`; anything wrong sends the call
+down the full path, which raises the error), and the index values where they are read
+(checks.reads); then it allocates its outputs and launches. Each launch's argument struct is a
+copy of the planned one with its pointer fields rewritten: the entry point supplies each tensor
+by the field it fills (q, k, v, o, lse, seqused_k, ...; :func:`remember` keeps a plan only where
+every pointer field is one the entry point supplies), and a split-KV call's part_o and part_lse
+point into its stream's workspace (workspace.py). Kernel handles are the drivers' (loaded once
+per code object and device)."""
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
-from . import checks, drivers, route
+from . import checks, drivers, route, workspace
+from .drivers import module_api
 from .errors import RdnaAttentionError
 from .plan import Plan
 from .table import TargetTable
 
 CACHE_LIMIT = 1024
+SCRATCH_FIELDS = ("part_o", "part_lse")
 
 
-@dataclass(frozen=True)
-class Replay:
-    """A planned single launch kept for calls of the same geometry: everything but the pointers."""
+@dataclass(frozen=True, eq=False)
+class Step:
+    """One launch of a replay: its kernel, grid and planned arguments, and the pointer fields each
+    call rewrites."""
 
-    table: TargetTable  # kept alive, so the id() in the key is never reused
-    driver: object
     name: str
     grid: tuple[int, int, int]
     block: int
     shared_bytes: int
-    args: object  # the argument struct; each call copies it and sets the pointers
-    reach: tuple[int, int, int]  # bytes q, k, v span from their first element (shape and strides)
+    args: ctypes.Structure  # copied per call, never written
+    fields: tuple[str, ...]
+    function: object = None  # the kernel's handle on a GPU (the driver's function), loaded when kept
+    index: int = 0  # the GPU it was loaded on
+
+
+@dataclass(frozen=True, eq=False)
+class Replay:
+    """A plan kept for the calls of one key: everything but the pointers."""
+
+    table: TargetTable  # kept alive, so that the id() in the key is never reused
+    driver: ModuleType
+    steps: tuple[Step, ...]
+    scratch_bytes: int  # split-KV scratch of one call; 0: none
+    scratch_lse: int
+    reach: tuple[tuple[int, int], ...]  # (bytes spanned, element size) of each checked tensor (memory_ok)
+    extra: object = None  # what the entry point keeps beside: what validation made of the options
 
 
 # Calls already validated and planned, by key().
 cache: dict[tuple, Replay] = {}
 
 
-def key(q, k, v, is_causal, window_size, softmax_scale, return_lse, token_major) -> tuple | None:
-    """The key of a call, or None where it may not replay (tensor subclasses, options of other types
-    than validation accepts, gradients, tracing, a device without kernels)."""
-    if (type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor
-            or type(is_causal) is not bool or type(return_lse) is not bool or type(window_size) is not tuple
-            or len(window_size) != 2 or type(window_size[0]) is not int or type(window_size[1]) is not int
-            or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-            or torch.compiler.is_compiling() or torch.jit.is_tracing()):
+def tracing() -> bool:
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def key(kind: str, device: torch.device, tensors: tuple, options: tuple) -> tuple | None:
+    """The key of a call of entry point ``kind`` on ``device`` with ``tensors`` (None where absent)
+    and ``options`` (hashable, with their types where validation distinguishes them), or None
+    where it may not replay: tensor subclasses, gradients, tracing, a device without kernels."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return None
-    device = q.device
+    grad = torch.is_grad_enabled()
+    parts: list = [kind, options]
+    for t in tensors:
+        if t is None:
+            parts.append(None)
+            continue
+        if type(t) is not torch.Tensor or (grad and t.requires_grad):
+            return None
+        parts.append((t.shape, t.stride(), t.dtype, t.device))
     try:
         table = route.device_table(device)
     except RdnaAttentionError:
         return None  # the full path raises it
-    return (id(table), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-            device, k.device, v.device, is_causal, window_size, type(softmax_scale), softmax_scale, return_lse,
-            token_major)
+    parts.append(id(table))
+    return tuple(parts)
 
 
-def run(key: tuple, q, k, v, return_lse: bool, token_major: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The outputs of the call replayed, or None where it has no plan kept or its pointers or memory
-    need the full path (which raises the error)."""
-    r = cache.get(key)
-    if r is None:
+def memory_ok(tensors: tuple, reach: tuple[tuple[int, int], ...], aligned: int) -> bool:
+    """Every tensor has memory behind it (a non-null pointer, a storage covering the bytes its
+    shape and strides reach, no lazy negation) and the first ``aligned`` of them start on 16
+    bytes: what checks.check_memory and the planners check, per call."""
+    i = 0
+    for t, (span, size) in zip(tensors, reach):
+        if t is not None and span:
+            p = t.data_ptr()
+            if (not p or (i < aligned and p & 15) or t.is_neg()
+                    or t.storage_offset() * size + span > t.untyped_storage().nbytes()):
+                return False
+        i += 1
+    return True
+
+
+def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str],
+             extra: object = None) -> Replay | None:
+    """Keeps ``plan`` for later calls of ``key`` (``tensors``: those memory_ok checks per call, in
+    the order the entry point passes them; ``extra``: kept beside) where every pointer field of its
+    launches is one of ``roles`` or the scratch; returns the replay, or None where it is not kept."""
+    if key is None or not plan.launches:
         return None
-    qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
-    rq, rk, rv = r.reach
-    if ((qp | kp | vp) & 15 or not (qp and kp and vp) or q.is_neg() or k.is_neg() or v.is_neg()
-            or 2 * q.storage_offset() + rq > q.untyped_storage().nbytes()
-            or 2 * k.storage_offset() + rk > k.untyped_storage().nbytes()
-            or 2 * v.storage_offset() + rv > v.untyped_storage().nbytes()):
-        return None
-    batch, heads, seq, dim = q.shape
-    if token_major:
-        out = torch.empty((batch, seq, heads, dim), dtype=q.dtype, device=q.device).transpose(1, 2)
-    else:
-        out = torch.empty((batch, heads, seq, dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads, seq), dtype=torch.float32, device=q.device) if return_lse else None
-    args = type(r.args).from_buffer_copy(r.args)
-    args.q, args.k, args.v, args.o = qp, kp, vp, out.data_ptr()
-    if lse is not None:
-        args.lse = lse.data_ptr()
-    r.driver.launch_kernel(r.table.code_object, r.name, r.grid, r.block, args, q.device, r.shared_bytes)
-    return out, lse
-
-
-def remember(key: tuple, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Keeps ``plan`` for later calls of ``key`` where it is one launch of fp16 tensors."""
-    if len(plan.launches) != 1 or q.element_size() != 2:
-        return
+    steps = []
+    driver = drivers.for_platform(plan.table.platform)
+    index = None
+    if hasattr(driver, "function"):  # a GPU's driver: kernels launched through their handles
+        index = plan.device.index if plan.device.index is not None else module_api.current_device()
+    for launch in plan.launches:
+        args = launch.args
+        fields = tuple(name for name, ctype in type(args)._fields_ if ctype is ctypes.c_void_p
+                       and (getattr(args, name) or (plan.scratch_bytes and name in SCRATCH_FIELDS)))
+        if not all(f in roles or (plan.scratch_bytes and f in SCRATCH_FIELDS) for f in fields):
+            return None
+        function = None
+        if index is not None and hasattr(driver, "function"):  # a GPU's: its handle, loaded once
+            function = driver.function(plan.table.code_object, index, launch.kernel.name, launch.shared_bytes)
+        steps.append(Step(name=launch.kernel.name, grid=launch.grid, block=launch.block,
+                          shared_bytes=launch.shared_bytes, args=type(args).from_buffer_copy(args), fields=fields,
+                          function=function, index=index or 0))
+    r = Replay(table=plan.table, driver=driver, steps=tuple(steps),
+               scratch_bytes=plan.scratch_bytes, scratch_lse=plan.scratch_lse,
+               reach=tuple((checks.reach(t), t.element_size()) if t is not None and t.numel() else (0, 0)
+                           for t in tensors), extra=extra)
     if len(cache) >= CACHE_LIMIT:
         cache.clear()
-    launch = plan.launches[0]
-    cache[key] = Replay(table=plan.table, driver=drivers.for_platform(plan.table.platform),
-                        name=launch.kernel.name, grid=launch.grid, block=launch.block,
-                        shared_bytes=launch.shared_bytes, args=launch.args,
-                        reach=(checks.reach(q), checks.reach(k), checks.reach(v)))
+    cache[key] = r
+    return r
+
+
+def launch(r: Replay, pointers: dict[str, int], device: torch.device) -> None:
+    """Runs ``r``'s launches with ``pointers`` (by field), on the scratch of ``device``'s current
+    stream: on a GPU through the kernel handles kept with the steps, on the host emulator through
+    its launch_kernel."""
+    scratch = None
+    if r.scratch_bytes:
+        scratch = workspace.scratch(device, r.scratch_bytes)  # held until the launches are enqueued
+        base = scratch.data_ptr()
+        pointers["part_o"], pointers["part_lse"] = base, base + r.scratch_lse
+    driver = r.driver
+    for step in r.steps:
+        args = type(step.args).from_buffer_copy(step.args)
+        for field in step.fields:
+            setattr(args, field, pointers[field])
+        if step.function is None:
+            driver.launch_kernel(r.table.code_object, step.name, step.grid, step.block, args, device,
+                                 step.shared_bytes)
+        else:
+            driver.launch_function(step.function, step.name, step.index, step.grid, step.block, args,
+                                   step.shared_bytes)
+    del scratch
+
+
+def run(plan: Plan, key: tuple | None = None, tensors: tuple = (), roles: frozenset[str] = frozenset(),
+        extra: object = None) -> None:
+    """Runs a plan made for an eager call: kept under ``key`` where it can be (remember), and
+    launched on the stream's workspace; a plan that is not kept runs on its own scratch (Plan.run)."""
+    r = remember(key, plan, tensors, roles, extra)
+    if r is None:
+        plan.run()
+        return
+    pointers = {}
+    for step, planned in zip(r.steps, plan.launches):  # the plan's own pointers
+        for field in step.fields:
+            if field not in SCRATCH_FIELDS:
+                pointers[field] = getattr(planned.args, field)
+    launch(r, pointers, plan.device)

@@ -26,8 +26,23 @@ from .plan import Plan
 from .table import TargetTable, kind
 
 
+_by_device: dict[tuple, tuple[TargetTable, int]] = {}  # (device, target_token) -> (table, table_for's generation)
+
+
 def device_table(device: torch.device) -> TargetTable:
-    """The dispatch table of the target whose kernels run tensors on ``device``."""
+    """The dispatch table of the target whose kernels run tensors on ``device`` (kept per device
+    and environment, until dispatch.table_for's cache is cleared)."""
+    key = (device, drivers.target_token(device))
+    hit = _by_device.get(key)
+    generation = dispatch.table_for.generation
+    if hit is not None and hit[1] == generation:
+        return hit[0]
+    table = _device_table(device)
+    _by_device[key] = (table, generation)
+    return table
+
+
+def _device_table(device: torch.device) -> TargetTable:
     driver = drivers.for_device(device)
     target = drivers.target_of(device, driver)
     try:

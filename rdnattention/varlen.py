@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import decode
+from . import decode, replay
 from .checks import check_int32, check_memory, check_paged
 from .errors import InvalidArgumentError, UnsupportedError
 from .options import check_scale, check_window, refuse_missing_features
@@ -43,9 +43,35 @@ def _check_int(name: str, value: object) -> int:
 _NAMES = {"cu_seqlens_q": "cu_seq_q", "cu_seqlens_k": "cu_seq_k", "seq_q": "max_q", "seq_k": "max_k"}
 
 
+def _key(entry: str, q, k, v, cu_q, cu_k, max_q, max_k, seqused_k, block_table, options: tuple) -> tuple | None:
+    """The replay key of a call (replay.key): ints as ints, windows as tuples of two ints, else none."""
+    if (type(q) is not torch.Tensor or type(max_q) is not int or type(max_k) is not int
+            or type(options[0]) is not tuple or len(options[0]) != 2 or type(options[0][0]) is not int
+            or type(options[0][1]) is not int):
+        return None
+    return replay.key(entry, q.device, (q, k, v, cu_q, cu_k, seqused_k, block_table), (max_q, max_k, *options))
+
+
+def _replayed(key, q, k, v, cu_q, cu_k, max_q: int, max_k: int, seqused_k, block_table, return_lse: bool,
+              names: dict[str, str]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A call of a key planned before, replayed (decode.replayed), or None."""
+    if key is None or key not in replay.cache:
+        return None
+    cu_k = None if block_table is not None else cu_k
+
+    def check() -> None:  # the index values, where they are read: as decode.prepare checks them
+        seq_k = block_table.shape[1] * k.shape[1] if block_table is not None else max_k
+        decode.check_values(q, k, extents=decode.Extents(batch=cu_q.shape[0] - 1, seq_q=max_q, seq_k=seq_k),
+                            seqused_k=seqused_k, block_table=block_table, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            names={**_NAMES, **names, **({"seq_k": "pages per sequence * page_size"}
+                                                         if block_table is not None else {})})
+    return decode.replayed(key, q, k, v, seqused_k=seqused_k, block_table=block_table, cu_seqlens_q=cu_q,
+                           cu_seqlens_k=cu_k, return_lse=return_lse, check=check)
+
+
 def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_size, gqa: bool, seqused_k,
                block_table, num_splits: int, return_lse: bool,
-               names: dict[str, str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               names: dict[str, str] | None = None, key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     names = names or {}
     q = _check_packed("query", q, 3)
     paged = block_table is not None
@@ -97,7 +123,7 @@ def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_siz
     return decode.forward(q, k, v, window=(left, right), softmax_scale=scale, return_lse=return_lse,
                           extents=decode.Extents(batch=batch, seq_q=max_q, seq_k=seq_k), seqused_k=seqused_k,
                           block_table=block_table, cu_seqlens_q=cu_q, cu_seqlens_k=None if paged else cu_k,
-                          num_splits=num_splits, names={**_NAMES, **names})
+                          num_splits=num_splits, names={**_NAMES, **names}, key=key)
 
 
 def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
@@ -112,11 +138,18 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     if not isinstance(enable_gqa, bool):
         raise InvalidArgumentError(f"enable_gqa must be a bool, got {enable_gqa!r}")
     want_lse = bool(getattr(return_aux, "lse", False)) if return_aux is not None else False
+    window_size = tuple(window_size) if isinstance(window_size, list) else window_size
+    plan_key = _key("varlen_attn", query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table,
+                    (window_size, type(scale), scale, enable_gqa, type(num_splits), num_splits, want_lse))
+    hit = _replayed(plan_key, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table, want_lse,
+                    {})
+    if hit is not None:
+        out, lse = hit
+        return (out, lse) if want_lse else out
     splits = 0 if num_splits is None else _check_int("num_splits", num_splits)
-    out, lse = _attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                          window_size=tuple(window_size) if isinstance(window_size, list) else window_size,
+    out, lse = _attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
                           gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=splits,
-                          return_lse=want_lse)
+                          return_lse=want_lse, key=plan_key)
     return (out, lse) if want_lse else out
 
 
@@ -129,13 +162,27 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ``return_attn_probs=True`` (lse float32 [heads, total_q]). dropout, softcap and ALiBi raise
     UnsupportedError; the kernels are deterministic, so ``deterministic`` needs nothing."""
     refuse_missing_features(dropout_p, softcap, alibi_slopes)
+    names = {"scale": "softmax_scale", "seqused_k": "the key lengths in cu_seqlens_k"}
+    plan_key = _key("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None,
+                    block_table, (window_size, type(softmax_scale), softmax_scale, type(causal), causal,
+                                  type(deterministic), deterministic, type(return_attn_probs), return_attn_probs))
+    if plan_key is not None and plan_key in replay.cache:
+        lengths = None
+        if block_table is not None:
+            check_memory("cu_seqlens_k", cu_seqlens_k)
+            lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+        hit = _replayed(plan_key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, lengths,
+                        block_table, return_attn_probs, names)
+        if hit is not None:
+            out, lse = hit
+            return (out, lse, None) if return_attn_probs else out
     for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
             raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
     left, right = check_window(window_size)
     if causal:
         right = 0 if right < 0 else min(right, 0)
-    seqused_k, names = None, {"scale": "softmax_scale"}
+    seqused_k = None
     if block_table is not None:  # flash-attn's paged varlen: key lengths from cu_seqlens_k
         if not isinstance(q, torch.Tensor):
             raise InvalidArgumentError(f"q must be a torch.Tensor, got {type(q).__name__}")
@@ -144,8 +191,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             check_memory("cu_seqlens_k", cu)
         seqused_k = (cu[1:] - cu[:-1]).to(torch.int32)
         cu_seqlens_k = None
-        names["seqused_k"] = "the key lengths in cu_seqlens_k"
+    else:
+        del names["seqused_k"]
     out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
                           window_size=(left, right), gqa=True, seqused_k=seqused_k, block_table=block_table,
-                          num_splits=0, return_lse=return_attn_probs, names=names)
+                          num_splits=0, return_lse=return_attn_probs, names=names, key=plan_key)
     return (out, lse, None) if return_attn_probs else out

@@ -6,7 +6,8 @@ rdnattention/peak.py, which cannot import tuning/; everything here builds on the
 - ``stream_ms``: back-to-back calls between two events: kernel time, host work overlapped.
 - ``graph_ms``: plans replayed from CUDA graphs, timed in turn: kernel time, no launch overhead.
 - ``interleaved_ms``: plans timed in turn with ``call_ms``, round after round (A B A B ...).
-- ``host_us``: the wall clock around a loop of calls: the host's cost per call."""
+- ``host_us``: the wall clock around a loop of calls: the host's cost per call.
+- ``one_call_us``: the wall clock around one call and a synchronisation, the device idle before it."""
 
 from __future__ import annotations
 
@@ -77,3 +78,18 @@ def host_us(fn, calls: int, sync, warmup: int = 50) -> float:
         fn()
     sync()
     return (time.perf_counter() - start) / calls * 1e6
+
+
+def one_call_us(fn, sync, reps: int = 200, warmup: int = 5) -> float:
+    """Median microseconds of wall clock around one call of ``fn`` and a ``sync()``, the device
+    idle before each (synchronised first): the latency a step that waits for its result pays."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)

@@ -4,6 +4,7 @@ launch(code_object, launch, device)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from types import ModuleType
 
@@ -23,12 +24,43 @@ def for_platform(platform: str) -> ModuleType:
         raise UnsupportedError(f"no driver for platform {platform!r}; drivers: {', '.join(sorted(DRIVERS))}") from None
 
 
+_served: dict[tuple, ModuleType] = {}  # (device type, torch's HIP version) -> the driver serving it
+
+
 def for_device(device: torch.device) -> ModuleType:
+    key = (device.type, torch.version.hip)
+    driver = _served.get(key)
+    if driver is not None:
+        return driver
     for driver in DRIVERS.values():
         if driver.serves(device):
+            _served[key] = driver
             return driver
     raise UnsupportedError(f"tensors on {device} are not served: rdnattention runs CPU tensors on the host "
                            "emulator and GPU tensors of ROCm (AMD) and CUDA (NVIDIA) builds of torch")
+
+
+@functools.lru_cache(maxsize=None)
+def _encoded(name: str):
+    return os.environ.encodekey(name)
+
+
+def env_token(name: str) -> object:
+    """Environment variable ``name`` as os.environ holds it (bytes on POSIX; None where unset), for
+    cache keys: os.environ.get costs a microsecond where the variable is unset."""
+    data = getattr(os.environ, "_data", None)
+    if data is None or not hasattr(os.environ, "encodekey"):
+        return os.environ.get(name)
+    return data.get(_encoded(name))
+
+
+def target_token(device: torch.device) -> tuple:
+    """What decides ``device``'s target (target_of), for cache keys: its driver and the
+    environment variables that driver reads."""
+    driver = for_device(device)
+    if driver is host:
+        return driver, env_token(host.TARGET_ENV)
+    return driver, env_token(TARGET_ENV), env_token("HSA_OVERRIDE_GFX_VERSION")
 
 
 def env_naming_target(device: torch.device) -> str | None:

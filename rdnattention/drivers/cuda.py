@@ -38,5 +38,7 @@ DRIVER = ModuleDriver(API, library_path)
 
 
 launch_kernel = DRIVER.launch_kernel
+launch_function = DRIVER.launch_function
+function = DRIVER.function
 launch = DRIVER.launch
 resident_workgroups = DRIVER.resident_workgroups

@@ -166,12 +166,17 @@ class ModuleDriver:
     def launch_kernel(self, code_object: Path, name: str, grid: tuple[int, int, int], threads: int,
                       args: ctypes.Structure, device: torch.device, shared_bytes: int = 0) -> None:
         """Launches kernel ``name`` on torch's current stream of ``device``, without synchronising."""
-        current = current_device()
-        index = current if device.index is None else device.index
-        fn = self.function(code_object, index, name, shared_bytes)
+        index = current_device() if device.index is None else device.index
+        self.launch_function(self.function(code_object, index, name, shared_bytes), name, index, grid, threads, args,
+                             shared_bytes)
+
+    def launch_function(self, fn: ctypes.c_void_p, name: str, index: int, grid: tuple[int, int, int], threads: int,
+                        args: ctypes.Structure, shared_bytes: int = 0) -> None:
+        """Launches the kernel handle ``fn`` (``function``; ``name`` for messages) on torch's current
+        stream of device ``index``, without synchronising."""
         params = _ONE_PARAM(ctypes.addressof(args))
         launch = getattr(self._lib, self.api.launch)
-        if index == current:
+        if index == current_device():
             rc = launch(fn, *grid, threads, 1, 1, shared_bytes, current_stream_handle(index), params, None)
         else:  # the launch goes to the context of the tensors' device
             with torch.cuda.device(index):

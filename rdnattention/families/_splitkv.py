@@ -74,7 +74,7 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
     """The launches of a split-KV call (a dec.Call) on ``family``'s kernels compiled for ``layout``:
     their struct ``args_type``, ``extra`` fields beyond the shared ones and the tensors ``buffers``
     they read."""
-    import torch
+    from .. import workspace  # imports torch: the generator reads this module without it
 
     q, k, v = call.q, call.k, call.v
     heads_q, head_dim = q.shape[1], q.shape[3]
@@ -90,38 +90,43 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
     fields = f16.common_fields(q, k, v, call.out, call.lse, call.window, call.softmax_scale, False, None,
                                call.seqused_k)
     del fields["heavy_first"]
-    fields.update(batch=call.batch, seq_q=call.seq_q, seq_k=call.seq_k, splits=splits)
+    fields.update(batch=call.batch, seq_q=call.seq_q, seq_k=call.seq_k, splits=splits, kv_rows=k.shape[0])
     if call.cu_seqlens_q is not None:
-        fields.update(cu_seqlens_q=call.cu_seqlens_q.data_ptr(), q_stride_b=0, o_stride_b=0)
+        fields.update(cu_seqlens_q=call.cu_seqlens_q.data_ptr(), q_stride_b=0, o_stride_b=0,
+                      total_q=f16.packed_rows(q))
         if call.lse is not None:  # [heads_q, total_q]
             fields.update(lse_stride_b=0, lse_stride_h=call.lse.stride(0))
     if call.seqused_q is not None:
         fields["seqused_q"] = call.seqused_q.data_ptr()
     if call.cu_seqlens_k is not None:
-        fields.update(cu_seqlens_k=call.cu_seqlens_k.data_ptr(), k_stride_b=0, v_stride_b=0)
+        fields.update(cu_seqlens_k=call.cu_seqlens_k.data_ptr(), k_stride_b=0, v_stride_b=0,
+                      total_k=f16.packed_rows(k))
     if call.cache_batch_idx is not None:
         fields["cache_batch_idx"] = call.cache_batch_idx.data_ptr()
     if call.block_table is not None:
         page = k.shape[2]
         fields.update(block_table=call.block_table.data_ptr(), block_table_stride=call.block_table.stride(0),
                       page_shift=page.bit_length() - 1)
+    if k.shape[0] == 0 and call.seq_k > 0 and (call.block_table is not None or call.cache_batch_idx is not None):
+        what, index = ("pages", "block_table") if call.block_table is not None else ("rows", "cache_batch_idx")
+        raise InvalidArgumentError(f"the cache has no {what} for {index} to pick")
     for key in ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "window_left", "window_right"):
         if not -2**31 <= fields[key] < 2**31:
             raise InvalidArgumentError(f"{key} = {fields[key]} does not fit the kernel's 32-bit field")
     fields.update(extra or {})
-    # The launches, and with them their grids, are checked before the scratch is allocated: a grid
-    # beyond the limits would otherwise first ask for partials of every one of its workgroups.
+    # The launches, and with them their grids, are checked here; the scratch is allocated where the
+    # plan runs (Plan.run, or a stream's workspace), never for a grid beyond the limits.
     launches = [Launch(kernel=entry, grid=(chunks * splits, heads_kv, call.batch), block=entry.threads,
                        shared_bytes=table.shared_bytes(entry), args=args_type(**fields))]
-    scratch: tuple = ()
-    if splits > 1:
+    scratch_bytes = scratch_lse = 0
+    if splits > 1:  # the slices write the partials (fp32 [splits, batch, heads_q, seq_q, head_dim] and
+        # [splits, batch, heads_q, seq_q]), the combine reads them
         launches.append(combine.launch(table, call, head_dim, splits))
-        scratch = (torch.empty((splits, call.batch, heads_q, call.seq_q, head_dim), dtype=torch.float32,
-                               device=q.device),
-                   torch.empty((splits, call.batch, heads_q, call.seq_q), dtype=torch.float32, device=q.device))
-        for launch in launches:  # the slices write the partials, the combine reads them
-            launch.args.part_o, launch.args.part_lse = (t.data_ptr() for t in scratch)
+        rows = splits * call.batch * heads_q * call.seq_q
+        scratch_lse = workspace.align(rows * head_dim * 4)
+        scratch_bytes = scratch_lse + workspace.align(rows * 4)
     buffers = tuple(t for t in (q, k, v, call.out, call.lse, call.seqused_k, call.cache_batch_idx, call.block_table,
-                                call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q, *buffers, *scratch)
+                                call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q, *buffers)
                     if t is not None)
-    return Plan(table=table, device=q.device, launches=launches, outputs=(call.out, call.lse), buffers=buffers)
+    return Plan(table=table, device=q.device, launches=launches, outputs=(call.out, call.lse), buffers=buffers,
+                scratch_bytes=scratch_bytes, scratch_lse=scratch_lse)

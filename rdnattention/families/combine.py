@@ -30,6 +30,7 @@ ARGS = ArgStruct("Fa2CombineArgs", (
     ("heads_q", "int"),
     ("seq_q", "int"),
     ("splits", "int"),
+    ("total_q", "int"),  # packed batches: the rows cu_seqlens_q may address (clamped into them)
 ))
 Fa2CombineArgs = ARGS.ctype
 
@@ -53,7 +54,7 @@ def launch(table: TargetTable, call, head_dim: int, splits: int) -> Launch:
     if call.lse is not None:
         fields.update(lse=call.lse.data_ptr(), lse_stride_b=call.lse.stride(0), lse_stride_h=call.lse.stride(1))
     if call.cu_seqlens_q is not None:
-        fields.update(cu_seqlens_q=call.cu_seqlens_q.data_ptr(), o_stride_b=0)
+        fields.update(cu_seqlens_q=call.cu_seqlens_q.data_ptr(), o_stride_b=0, total_q=f16.packed_rows(call.q))
         if call.lse is not None:
             fields.update(lse_stride_b=0, lse_stride_h=call.lse.stride(0))
     if call.seqused_q is not None:

@@ -34,6 +34,10 @@ VARLEN_FIELDS = (("cu_seqlens_q", "const int*"), ("cu_seqlens_k", "const int*"),
 # Key slices: with splits > 1, each writes part_o fp32 [splits, batch, heads_q, seq_q, head_dim]
 # (normalised) and part_lse fp32 [splits, batch, heads_q, seq_q] (log2 domain) for the combine.
 SPLIT_FIELDS = (("splits", "int"), ("part_o", "float*"), ("part_lse", "float*"))
+# K/V rows along their batch stride (cache rows, or a pool's pages): cache_batch_idx and
+# block_table values outside them read row 0 (their values are not read on a GPU), and the rows
+# packed offsets may address (f16.PACKED_BOUND_FIELDS).
+BOUND_FIELDS = (("kv_rows", "int"), *f16.PACKED_BOUND_FIELDS)
 
 ARGS = ArgStruct("Fa2DecArgs", (
     ("q", "const half_t*"),
@@ -48,6 +52,7 @@ ARGS = ArgStruct("Fa2DecArgs", (
     *PAGED_FIELDS,
     *VARLEN_FIELDS,
     *SPLIT_FIELDS,
+    *BOUND_FIELDS,
 ))
 Fa2DecArgs = ARGS.ctype
 

@@ -67,6 +67,9 @@ SEQUSED_FIELDS = (("seqused_k", "const int*"),)
 # Packed batches (the varlen layout): batch b's rows start at cu_seqlens_q[b] / cu_seqlens_k[b]
 # (int32 [batch + 1]; zero batch strides), as many as the next offset says; null: not packed.
 VARLEN_FIELDS = (("cu_seqlens_q", "const int*"), ("cu_seqlens_k", "const int*"))
+# The rows packed offsets may address: q's (and the output's and LSE's) and k's and v's. The
+# kernels clamp the offsets into them (fa2_policies.h), since their values are not read on a GPU.
+PACKED_BOUND_FIELDS = (("total_q", "int"), ("total_k", "int"))
 
 ARGS = ArgStruct("Fa2Args", (
     ("q", "const half_t*"),
@@ -85,6 +88,7 @@ ARGS = ArgStruct("Fa2Args", (
     ("rotary_dim", "int"),
     ("rotary_interleaved", "int"),  # 1: rotate pairs (2i, 2i+1); 0: rotate halves (i, i + rotary_dim/2)
     ("heavy_first", "int"),  # 1: workgroups take row blocks longest first (causal-like masks)
+    *PACKED_BOUND_FIELDS,
 ))
 Fa2Args = ARGS.ctype
 
@@ -139,6 +143,16 @@ def common_fields(q, k, v, out, lse, window: tuple[int, int], softmax_scale: flo
     return fields
 
 
+def packed_rows(t) -> int:
+    """The rows of ``t`` [batch, heads, rows, head_dim] that packed offsets (zero batch stride) may
+    address: its rows, and those of the batches before the last where its batch stride is a whole
+    number of rows (padded batches addressed through offsets); at most 2^31 - 1, the offsets' range."""
+    batch, _, rows, _ = t.shape
+    step, stride_b = t.stride(2), t.stride(0)
+    before = (batch - 1) * (stride_b // step) if batch > 1 and step > 0 and stride_b % step == 0 else 0
+    return min(before + rows, _INT32[1])
+
+
 def row_block_launch(table: TargetTable, entry, args_type, fields: dict) -> Launch:
     """One launch of a workgroup per (row block, GQA head group, batch), its 32-bit fields checked."""
     for key in ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "window_left", "window_right"):
@@ -169,7 +183,8 @@ def plan(table: TargetTable, call: Call) -> Plan:
     if packed:
         fields.update(batch=call.batch, seq_q=call.seq_q, seq_k=call.seq_k,
                       cu_seqlens_q=call.cu_seqlens_q.data_ptr(), cu_seqlens_k=call.cu_seqlens_k.data_ptr(),
-                      q_stride_b=0, k_stride_b=0, v_stride_b=0, o_stride_b=0)
+                      total_q=packed_rows(q), total_k=packed_rows(k), q_stride_b=0, k_stride_b=0, v_stride_b=0,
+                      o_stride_b=0)
         if call.lse is not None:  # [heads_q, total_q]
             fields.update(lse_stride_b=0, lse_stride_h=call.lse.stride(0))
     if call.rotary_cos is not None:

@@ -27,6 +27,7 @@ ARGS = ArgStruct("Fa2I8DecArgs", (
     *dec.PAGED_FIELDS,
     *dec.VARLEN_FIELDS,
     *dec.SPLIT_FIELDS,
+    *dec.BOUND_FIELDS,
 ))
 Fa2I8DecArgs = ARGS.ctype
 LANE_VALUES = 16  # int8 values per lane per key (16 bytes)

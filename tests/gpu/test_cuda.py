@@ -263,7 +263,7 @@ def test_gpu_paged_decode_step_replays_as_a_cuda_graph():
         return flash_attn_with_kvcache(q, pool_k, pool_v, k_new, v_new, cache_seqlens=lengths, block_table=table,
                                        causal=True)
 
-    step()  # eager: checks every value, warms up
+    step()  # eager: plans the call (later calls replay it), warms up
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
@@ -317,3 +317,166 @@ def test_gpu_int8_decode_matches_the_oracle(head_dim):
     ref = attention_reference(qi.double() * qs.double()[..., None], ki.double() * ks.double()[..., None],
                               vi.double() * vs.double()[:, :, None, :], is_causal=True)
     assert (out.double() - ref).abs().max().item() <= TOL
+
+
+# --- eager calls: no synchronisation, per-stream scratch (issue: eager calls as cheap as torch's) ---
+
+def _entry_point_calls(device):
+    """A call of every entry point and path on ``device``: (name, call), each a fresh geometry."""
+    import rdnattention
+    g = torch.Generator().manual_seed(11)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).half().to(device)
+
+    def ints(*values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    q1, q4, kv = rnd(2, 8, 1, 128), rnd(2, 8, 4, 128), rnd(2, 2, 3000, 128)
+    tq, tk = rnd(2, 1, 8, 128), rnd(2, 1, 2, 128)
+    cache = rnd(2, 4096, 2, 128)
+    pool = rnd(64, 128, 2, 128)
+    table = torch.arange(64, dtype=torch.int32, device=device).view(2, 32)
+    lengths = ints(3000, 17)
+    cos, sin = rdnattention.rotary_tables(4096, 128, device=device)
+    packed_q, packed_k = rnd(4, 8, 128), rnd(5000, 2, 128)
+    cu_q, cu_k = ints(0, 1, 2, 3, 4), ints(0, 1000, 3000, 4000, 5000)
+    (q8, qs), (k8, ks), (v8, vs) = (rdnattention.quantize_per_token(q1), rdnattention.quantize_per_token(kv),
+                                    rdnattention.quantize_per_channel(kv))
+    return [
+        ("prefill", lambda: rdnattention.flash_attn(q4.repeat(1, 1, 64, 1), kv, kv, is_causal=True)),
+        ("decode", lambda: rdnattention.flash_attn(q1, kv, kv)),
+        ("decode 4 rows", lambda: rdnattention.flash_attn(q4, kv, kv)),
+        ("seqused_k", lambda: rdnattention.flash_attn(q1, kv, kv, seqused_k=lengths)),
+        ("flash_attn_func", lambda: rdnattention.flash_attn_func(tq, kv.transpose(1, 2), kv.transpose(1, 2))),
+        ("sdpa", lambda: rdnattention.scaled_dot_product_attention(q1, kv, kv, enable_gqa=True)),
+        ("kvcache", lambda: rdnattention.flash_attn_with_kvcache(tq, cache, cache, cache_seqlens=lengths)),
+        ("kvcache append", lambda: rdnattention.flash_attn_with_kvcache(tq, cache, cache, tk, tk,
+                                                                         cache_seqlens=lengths, causal=True)),
+        ("kvcache rope", lambda: rdnattention.flash_attn_with_kvcache(tq, cache, cache, tk, tk, rotary_cos=cos,
+                                                                       rotary_sin=sin, cache_seqlens=lengths)),
+        ("kvcache int length", lambda: rdnattention.flash_attn_with_kvcache(tq, cache, cache, tk, tk,
+                                                                             cache_seqlens=100)),
+        ("kvcache rows", lambda: rdnattention.flash_attn_with_kvcache(tq, cache, cache, cache_seqlens=lengths,
+                                                                       cache_batch_idx=ints(1, 0))),
+        ("kvcache paged", lambda: rdnattention.flash_attn_with_kvcache(tq, pool, pool, tk, tk, cache_seqlens=lengths,
+                                                                        block_table=table)),
+        ("varlen decode", lambda: rdnattention.varlen_attn(packed_q, packed_k, packed_k, cu_q, cu_k, 1, 2000,
+                                                           enable_gqa=True)),
+        ("varlen prefill", lambda: rdnattention.flash_attn_varlen_func(packed_k[:, :1].repeat(1, 8, 1), packed_k,
+                                                                       packed_k, cu_k, cu_k, 2000, 2000,
+                                                                       causal=True)),
+        ("varlen paged", lambda: rdnattention.flash_attn_varlen_func(packed_q[:2], pool, pool, cu_q[:3],
+                                                                     ints(0, 3000, 3017), 1, 4096,
+                                                                     block_table=table)),
+        ("int8", lambda: rdnattention.flash_attn_int8qk(q8, k8, v8, qs, ks, vs)),
+        ("int8 quantized", lambda: rdnattention.flash_attn_int8qk_quantized(q4, kv, kv)),
+    ]
+
+
+@pytest.mark.gpu
+def test_gpu_no_entry_point_synchronises_in_eager_mode():
+    """Every path, planned (first call of its geometry) and replayed (the second), under torch's
+    sync debug mode: a device-to-host read (a value check, .item(), .tolist()) raises."""
+    device = _gpu()
+    with torch.inference_mode():
+        x = torch.randn(1, 2, 1, 128, device=device).half()
+        flash_attn(x, x, x)  # loads the code object
+        torch.cuda.synchronize()
+        calls = _entry_point_calls(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for name, call in calls:
+                for _ in range(2):
+                    call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_gpu_split_kv_calls_on_two_streams_at_once_keep_their_scratch_apart():
+    """Split-KV decode calls in a loop on two streams at once (each stream's workspace), and a
+    graph of such a call replayed on a third: every output equals the call made alone."""
+    device = _gpu()
+    g = torch.Generator().manual_seed(12)
+    qs = [torch.randn(1, 32, 1, 128, generator=g).half().to(device) for _ in range(3)]
+    k, v = (torch.randn(1, 8, 16384, 128, generator=g).half().to(device) for _ in range(2))
+    with torch.inference_mode():
+        alone = [flash_attn(q, k, v) for q in qs]
+        assert plan_launches(qs[0], k, v) == 2  # slices and their combine: the scratch is in play
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = flash_attn(qs[2], k, v)
+        torch.cuda.synchronize()
+        streams = [torch.cuda.Stream() for _ in range(3)]
+        outs: list[list] = [[], []]
+        for _ in range(50):
+            for i in range(2):
+                with torch.cuda.stream(streams[i]):
+                    outs[i].append(flash_attn(qs[i], k, v))
+            with torch.cuda.stream(streams[2]):
+                graph.replay()
+        torch.cuda.synchronize()
+        for i in range(2):
+            assert all(torch.equal(o, alone[i]) for o in outs[i])
+        assert torch.equal(captured, alone[2])
+
+
+def plan_launches(q, k, v) -> int:
+    from rdnattention import plan_flash_attn
+    return len(plan_flash_attn(q, k, v).launches)
+
+
+_HOSTILE_GPU = """
+import torch, rdnattention
+d = torch.device("cuda")
+g = torch.Generator().manual_seed(0)
+def rnd(*shape):
+    return torch.randn(*shape, generator=g).half().to(d)
+def ints(*values):
+    return torch.tensor(values, dtype=torch.int32, device=d)
+q, k, v = rnd(2, 1, 8, 128), rnd(2, 1, 2, 128), rnd(2, 1, 2, 128)
+cache, pool = rnd(2, 256, 2, 128), rnd(8, 64, 2, 128)
+bad = ints(2**31 - 1, -(2**31))
+table = ints(-1, 10**9, 8, 3, 2**31 - 1, 0, 0, -5).view(2, 4)
+cos, sin = rdnattention.rotary_tables(64, 128, device=d)
+packed_q, packed_k = rnd(5, 8, 128), rnd(70, 2, 128)
+calls = [
+    lambda: rdnattention.flash_attn_with_kvcache(q, cache, cache, k, v, cache_seqlens=bad, causal=True),
+    lambda: rdnattention.flash_attn_with_kvcache(q, cache, cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                                 cache_seqlens=ints(255, -3)),
+    lambda: rdnattention.flash_attn_with_kvcache(q, cache, cache, k, v, cache_seqlens=ints(3, 4), cache_batch_idx=bad),
+    lambda: rdnattention.flash_attn_with_kvcache(q, pool, pool, k, v, cache_seqlens=ints(100, 200), block_table=table),
+    lambda: rdnattention.flash_attn_with_kvcache(q, pool, pool, cache_seqlens=bad, block_table=table, num_splits=4),
+    lambda: rdnattention.varlen_attn(packed_q, packed_k, packed_k, ints(0, 10**9, 5), ints(3, -40, 2**31 - 1), 4, 40,
+                                     enable_gqa=True),
+    lambda: rdnattention.varlen_attn(packed_q, packed_k, packed_k, ints(4, 1, -3), ints(70, 30, 0), 4, 40,
+                                     enable_gqa=True, num_splits=3),
+    lambda: rdnattention.flash_attn_varlen_func(packed_k[:, :1].repeat(1, 8, 1), packed_k, packed_k,
+                                                ints(5, 1, 10**6), ints(-100, 50, 2**31 - 1), 64, 64, causal=True),
+    lambda: rdnattention.flash_attn(rnd(2, 8, 4, 128), rnd(2, 2, 100, 128), rnd(2, 2, 100, 128), seqused_k=bad),
+]
+with torch.inference_mode():
+    for call in calls:
+        for _ in range(2):
+            call()
+    torch.cuda.synchronize()
+    x = rnd(1, 2, 16, 128)
+    print("ok", rdnattention.flash_attn(x, x, x).isfinite().all().item())
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_hostile_index_values_are_bounded_on_the_device():
+    """The values a GPU call does not read, hostile: nothing faults (no illegal address, no
+    device-side assertion from the cache append's indexing) and the context still serves calls."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+    _gpu()
+    out = subprocess.run([sys.executable, "-c", _HOSTILE_GPU], capture_output=True, text=True, cwd=REPO_ROOT,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok True"), out.stdout

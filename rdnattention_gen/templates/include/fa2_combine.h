@@ -21,8 +21,9 @@ RDNA_DEVICE void fa2_combine(const Args& a, unsigned char* lds) {
   const long long row = rdna_block_id_x();
   const int p = (int)(row % a.seq_q), head = (int)(row / a.seq_q % a.heads_q);
   const long long b = row / ((long long)a.seq_q * a.heads_q);
-  const long long q0 = a.cu_seqlens_q ? a.cu_seqlens_q[b] : 0;
-  if (p >= fa2_query_rows(a, b)) return;  // the whole workgroup
+  const Fa2Span qs = fa2_query_rows(a, b);
+  const long long q0 = qs.first;
+  if (p >= qs.count) return;  // the whole workgroup
 
   // One pass: each slice's LSE and values are read together and merged against a running
   // maximum, so a group's loads all go out at once (a first pass for the maximum would wait out

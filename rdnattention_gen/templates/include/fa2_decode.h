@@ -43,7 +43,7 @@ struct DecodeKv {
   // Paged: the batch stride is the page stride, and K and V share their strides (the runtime
   // checks), so one offset serves both. The page of key i is read apart from the key (page(i)),
   // a step ahead of the key's own load, so the two reads do not follow each other.
-  RDNA_METHOD int page(int i) const { return PAGED ? pages[i >> a.page_shift] : 0; }
+  RDNA_METHOD int page(int i) const { return PAGED ? fa2_row(pages[i >> a.page_shift], a.kv_rows) : 0; }
   RDNA_METHOD long long paged_offset(int i, int pg) const {
     return pg * a.k_stride_b + (long long)(i & ((1 << a.page_shift) - 1)) * a.k_stride_s;
   }
@@ -55,12 +55,16 @@ struct DecodeKv {
   }
 };
 
-// Query rows of batch b: seqused_q[b] where given (the rest of its rows are padding), else the
-// packed sequence's length, else seq_q.
+// Query rows of batch b: where they start (packed: cu_seqlens_q[b], within the total_q rows) and
+// how many: seqused_q[b] where given (the rest of its rows are padding), else the packed
+// sequence's length, else seq_q; never more than seq_q (the rows the grid and the partial outputs
+// are laid out for) nor than the packed rows left.
 template <class Args>
-RDNA_DEVICE int fa2_query_rows(const Args& a, long long b) {
-  if (a.seqused_q) return rdna_min(a.seqused_q[b], a.seq_q);
-  return a.cu_seqlens_q ? a.cu_seqlens_q[b + 1] - a.cu_seqlens_q[b] : a.seq_q;
+RDNA_DEVICE Fa2Span fa2_query_rows(const Args& a, long long b) {
+  Fa2Span s = a.cu_seqlens_q ? fa2_packed_span(a.cu_seqlens_q, b, a.total_q) : Fa2Span{0, a.seq_q};
+  if (a.seqused_q) s.count = a.cu_seqlens_q ? rdna_min(a.seqused_q[b], a.total_q - (int)s.first) : a.seqused_q[b];
+  s.count = rdna_min(s.count, a.seq_q);
+  return s;
 }
 
 // What a lane holds of each key: 16 bytes of K and of V. E::CPL values per lane (8 fp16, 16 int8);
@@ -153,16 +157,19 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   const long long b = rdna_block_id_z();
 
   // The batch's query rows and keys: packed (cu_seqlens), cache lengths, or the whole tensors.
-  const long long q0 = E::LAYOUTS && a.cu_seqlens_q ? a.cu_seqlens_q[b] : 0;
-  const int sq = E::LAYOUTS ? fa2_query_rows(a, b) : a.seq_q;
+  const Fa2Span qs = E::LAYOUTS ? fa2_query_rows(a, b) : Fa2Span{0, a.seq_q};
+  const long long q0 = qs.first;
+  const int sq = qs.count;
   const int rows = group * sq;
   if (r0 >= rows) return;  // a short sequence of a packed batch: no row here (the combine skips them too)
   // A paged cache is addressed through the block table alone (no packed keys, no batch indices).
   const bool packed_keys = E::LAYOUTS && !PAGED && a.cu_seqlens_k;
-  const long long key0 = packed_keys ? a.cu_seqlens_k[b] : 0;
-  const int cap = packed_keys ? a.cu_seqlens_k[b + 1] - (int)key0 : a.seq_k;
-  const int n = E::LAYOUTS && a.seqused_k ? rdna_min(a.seqused_k[b], a.seq_k) : cap;  // seqused_k within the sequence: checked
-  const DecodeKv<Args, PAGED> kv(a, E::LAYOUTS && !PAGED && a.cache_batch_idx ? a.cache_batch_idx[b] : b, key0, head_kv);
+  const Fa2Span keys = packed_keys ? fa2_packed_span(a.cu_seqlens_k, b, a.total_k) : Fa2Span{0, a.seq_k};
+  const long long key0 = keys.first;
+  const int cap = keys.count;
+  const int n = E::LAYOUTS && a.seqused_k ? fa2_count(a.seqused_k[b], cap) : cap;
+  const DecodeKv<Args, PAGED> kv(a, E::LAYOUTS && !PAGED && a.cache_batch_idx ? fa2_row(a.cache_batch_idx[b], a.kv_rows) : b,
+                                 key0, head_kv);
   const WindowMask<Args, true, true> mask{a, n, sq};
   const typename E::Scales scales = E::scales(a, b, head_kv);
 

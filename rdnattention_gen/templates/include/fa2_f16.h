@@ -40,18 +40,21 @@ struct ForwardF16 : P {
 // LENGTHS: the kernels of layout len: batch b uses its first seqused_k[b] keys.
 // VARLEN: the kernels of layout varlen (packed batches): batch b's query rows start at
 // cu_seqlens_q[b] and its keys at cu_seqlens_k[b], as many as the next offsets say (keys: or
-// seqused_k[b]); row blocks past its query rows end at once.
+// seqused_k[b]), within the total_q and total_k packed rows (fa2_packed_span); row blocks past its
+// query rows end at once.
 template <class P, class Pipe, int D, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, bool LENGTHS,
           bool VARLEN = false>
 RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a, unsigned char* lds) {
   const RowBlockSchedule<BR, G> sched(a.seq_q, a.heads_q, a.heads_kv, a.heavy_first);
   const long long b = sched.batch;
-  const long long q0 = VARLEN ? a.cu_seqlens_q[b] : 0;
-  const int sq = VARLEN ? a.cu_seqlens_q[b + 1] - (int)q0 : a.seq_q;
+  const Fa2Span qs = VARLEN ? fa2_packed_span(a.cu_seqlens_q, b, a.total_q) : Fa2Span{0, a.seq_q};
+  const long long q0 = qs.first;
+  const int sq = qs.count;
   if (VARLEN && sched.block_pos >= sq) return;  // the whole workgroup: past this sequence's rows
-  const long long key0 = VARLEN ? a.cu_seqlens_k[b] : 0;
-  const int cap = VARLEN ? a.cu_seqlens_k[b + 1] - (int)key0 : a.seq_k;
-  const int keys = VARLEN ? (a.seqused_k ? rdna_min(a.seqused_k[b], cap) : cap) : LENGTHS ? fa2_keys(a, b) : 0;
+  const Fa2Span ks = VARLEN ? fa2_packed_span(a.cu_seqlens_k, b, a.total_k) : Fa2Span{0, a.seq_k};
+  const long long key0 = ks.first;
+  const int cap = ks.count;
+  const int keys = VARLEN ? (a.seqused_k ? fa2_count(a.seqused_k[b], cap) : cap) : LENGTHS ? fa2_keys(a, b) : 0;
   const StridedQ<Fa2Args> q{a, q0};
   const StridedKv<Fa2Args, LENGTHS || VARLEN> kv(a, b, sched.head_kv, keys, key0);
   const WindowMask<Fa2Args, LENGTHS || VARLEN, VARLEN> mask{a, keys, sq};

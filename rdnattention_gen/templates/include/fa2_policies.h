@@ -47,12 +47,33 @@ struct RowBlockSchedule {
   }
 };
 
+// --- bounds of the index values ---------------------------------------------------------------
+// The runtime does not read the values of index tensors on a GPU (docs/api.md: which checks read
+// values), so every row a kernel addresses through one is bounded here: a count within [0, most],
+// a packed sequence's offsets within the rows of its tensor (total), a cache row or page within
+// the cache (rows; one outside it reads row 0). A call with such values computes nonsense, but
+// reads and writes only the tensors it was given.
+RDNA_DEVICE int fa2_count(int n, int most) { return rdna_max(0, rdna_min(n, most)); }
+
+struct Fa2Span {
+  long long first;  // the sequence's first row
+  int count;        // its rows
+};
+
+// Sequence b of a packed batch: rows cu[b] .. cu[b + 1] - 1, clamped into [0, total).
+RDNA_DEVICE Fa2Span fa2_packed_span(const int* cu, long long b, int total) {
+  const int first = fa2_count(cu[b], total);
+  return Fa2Span{first, rdna_max(first, rdna_min(cu[b + 1], total)) - first};
+}
+
+RDNA_DEVICE int fa2_row(int i, int rows) { return (unsigned)i < (unsigned)rows ? i : 0; }
+
 // --- K/V source ------------------------------------------------------------------------------
 // The keys batch b uses: seqused_k[b] where the call gives cache lengths (a preallocated cache
 // holds seq_k rows per batch, the first seqused_k[b] of them valid), else seq_k.
 template <class Args>
 RDNA_DEVICE int fa2_keys(const Args& a, long long b) {
-  return a.seqused_k ? rdna_min(a.seqused_k[b], a.seq_k) : a.seq_k;
+  return a.seqused_k ? fa2_count(a.seqused_k[b], a.seq_k) : a.seq_k;
 }
 
 // Keys and values of one (batch, K/V head), addressed by key index through strides. LENGTHS: the
@@ -130,7 +151,7 @@ struct RotaryTables {
     for (int i = rdna_thread_id(); i < ROWS * half_dim; i += NT) {
       const int r = i % ROWS, j = i / ROWS;
       const int pos = first + r % period;
-      if (pos >= limit) continue;
+      if (pos >= limit || pos + shift < 0) continue;  // below 0: a query before the first key, no table row
       const long long t = (long long)(pos + shift) * a.rotary_stride + j;
       const float c = a.rotary_cos[t], s = a.rotary_sin[t];
       const int d1 = a.rotary_interleaved ? 2 * j : j;

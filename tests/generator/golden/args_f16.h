@@ -1,5 +1,5 @@
 // @generated from templates/_args.h.j2 for family f16: the runtime's argument struct
-// (rdnattention/families/f16.py), layout digest ccdb2531de1b7d34.
+// (rdnattention/families/f16.py), layout digest 6d4f5d6e5919d25e.
 #pragma once
 
 struct Fa2Args {
@@ -39,4 +39,6 @@ struct Fa2Args {
   int rotary_dim;
   int rotary_interleaved;
   int heavy_first;
+  int total_q;
+  int total_k;
 };

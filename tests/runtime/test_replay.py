@@ -1,0 +1,276 @@
+"""Per-call host work paid once per geometry (rdnattention/replay.py): every entry point keeps the
+plan of each geometry it has seen and replays it, the values and memory of each call still checked;
+split-KV scratch comes from a per-stream (on the host: per-thread) workspace (workspace.py)."""
+
+import re
+import threading
+
+import pytest
+import torch
+
+import rdnattention
+from rdnattention import dispatch, drivers, plan_flash_attn, replay, route, workspace
+from rdnattention.errors import InvalidArgumentError
+
+
+def _cache_inputs(seed, paged=False, rows=1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, rows, 4, 64, generator=g).half()
+    k_cache, v_cache = (torch.randn(2, 64, 2, 64, generator=g).half() for _ in range(2))
+    if paged:
+        k_cache, v_cache = k_cache.view(8, 16, 2, 64), v_cache.view(8, 16, 2, 64)
+    k, v = (torch.randn(2, rows, 2, 64, generator=g).half() for _ in range(2))
+    return q, k_cache, v_cache, k, v
+
+
+def _packed(seed, rows, keys):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2 * rows, 4, 64, generator=g).half(), torch.randn(2 * keys, 2, 64, generator=g).half(),
+            torch.randn(2 * keys, 2, 64, generator=g).half())
+
+
+def _int8(seed, rows):
+    g = torch.Generator().manual_seed(seed)
+    (q, qs), (k, ks) = (rdnattention.quantize_per_token(torch.randn(1, h, n, 64, generator=g))
+                        for h, n in ((4, rows), (2, 80)))
+    v, vs = rdnattention.quantize_per_channel(torch.randn(1, 2, 80, 64, generator=g))
+    return q, k, v, qs, ks, vs
+
+
+TABLE = torch.tensor([[7, 0, 5, 2], [1, 6, 3, 4]], dtype=torch.int32)
+LENGTHS = torch.tensor([10, 40], dtype=torch.int32)
+CU_1 = torch.tensor([0, 1, 2], dtype=torch.int32)
+CU_40 = torch.tensor([0, 40, 80], dtype=torch.int32)
+CU_30 = torch.tensor([0, 30, 60], dtype=torch.int32)
+
+
+def _call(entry, seed):
+    """One call of ``entry`` on inputs of one geometry, drawn from ``seed``; returns what it
+    returned and the tensors it wrote (the caches of an append)."""
+    g = torch.Generator().manual_seed(seed)
+    if entry.startswith("flash_attn."):
+        q, k = torch.randn(2, 4, 1 if "decode" in entry else 30, 64, generator=g).half(), \
+            torch.randn(2, 2, 300, 64, generator=g).half()
+        kw = {"flash_attn.decode": {}, "flash_attn.prefill": dict(is_causal=True, return_lse=True),
+              "flash_attn.seqused": dict(seqused_k=torch.tensor([300, 7], dtype=torch.int32)),
+              "flash_attn.rope": dict(rotary_cos=rdnattention.rotary_tables(300, 32)[0],
+                                      rotary_sin=rdnattention.rotary_tables(300, 32)[1])}[entry]
+        return rdnattention.flash_attn(q, k, k.flip(2), **kw), ()
+    if entry == "flash_attn_func":
+        q, k = torch.randn(2, 30, 4, 64, generator=g).half(), torch.randn(2, 300, 2, 64, generator=g).half()
+        return rdnattention.flash_attn_func(q, k, k, causal=True, return_attn_probs=True)[:2], ()
+    if entry == "sdpa":
+        q, k = torch.randn(2, 4, 30, 64, generator=g).half(), torch.randn(2, 2, 300, 64, generator=g).half()
+        return rdnattention.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True), ()
+    if entry.startswith("kvcache"):
+        paged = "paged" in entry
+        q, k_cache, v_cache, k, v = _cache_inputs(seed, paged=paged)
+        kw = dict(cache_seqlens=LENGTHS, causal=True)
+        if paged:
+            kw["block_table"] = TABLE
+        if "append" in entry or "rope" in entry:
+            kw.update(k=k, v=v)
+        if "rope" in entry:
+            kw["rotary_cos"], kw["rotary_sin"] = rdnattention.rotary_tables(64, 32)
+        if "rows" in entry:
+            kw["cache_batch_idx"] = torch.tensor([1, 0], dtype=torch.int32)
+        if "int" in entry:
+            kw["cache_seqlens"] = 30
+        if "splits" in entry:
+            kw["num_splits"] = 3
+        return rdnattention.flash_attn_with_kvcache(q, k_cache, v_cache, return_softmax_lse=True, **kw), \
+            (k_cache, v_cache)
+    if entry == "varlen.decode":
+        q, k, v = _packed(seed, 1, 40)
+        return rdnattention.varlen_attn(q, k, v, CU_1, CU_40, 1, 40, enable_gqa=True, num_splits=3), ()
+    if entry == "varlen.prefill":
+        q, k, v = _packed(seed, 30, 30)
+        return rdnattention.flash_attn_varlen_func(q, k, v, CU_30, CU_30, 30, 30, causal=True,
+                                                   return_attn_probs=True)[:2], ()
+    if entry == "varlen.paged":
+        q, k_cache, v_cache, _, _ = _cache_inputs(seed, paged=True)
+        return rdnattention.flash_attn_varlen_func(q[:, 0], k_cache, v_cache, CU_1, torch.tensor(
+            [0, 10, 50], dtype=torch.int32), 1, 64, block_table=TABLE), ()
+    if entry.startswith("int8"):
+        return rdnattention.flash_attn_int8qk(*_int8(seed, 1 if "decode" in entry else 30), is_causal=True), ()
+    raise AssertionError(entry)
+
+
+ENTRIES = ["flash_attn.decode", "flash_attn.prefill", "flash_attn.seqused", "flash_attn.rope", "flash_attn_func",
+           "sdpa", "kvcache", "kvcache.append", "kvcache.rope", "kvcache.int", "kvcache.rows", "kvcache.paged",
+           "kvcache.paged.append", "kvcache.splits", "varlen.decode", "varlen.prefill", "varlen.paged", "int8.decode",
+           "int8.prefill"]
+
+
+def _flat(result):
+    out = []
+    for x in (result if isinstance(result, (tuple, list)) else (result,)):
+        out += _flat(x) if isinstance(x, (tuple, list)) else [x]
+    return out
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_second_call_of_a_geometry_replays_its_plan_with_the_same_results(host_build, monkeypatch, entry):
+    monkeypatch.setattr(replay, "cache", {})
+    planned = _call(entry, 1)
+    assert len(replay.cache) == 1  # kept
+    launched = []
+    monkeypatch.setattr(route, "plan", lambda *a, **kw: launched.append(a) or pytest.fail("planned again"))
+    again = _call(entry, 2)  # other values, one geometry: replayed
+    assert len(replay.cache) == 1 and not launched
+    monkeypatch.undo()
+    monkeypatch.setattr(replay, "cache", {})
+    fresh = _call(entry, 2)  # the same call planned from scratch
+    for a, b in zip(_flat(again), _flat(fresh)):
+        assert torch.equal(a, b)
+    assert len(_flat(planned)) == len(_flat(fresh))
+
+
+@pytest.mark.parametrize("entry, spoil, message", [
+    ("kvcache.append", lambda: LENGTHS.__setitem__(1, 64),
+     "cache_seqlens + seq_new (1) must lie in [0, cache_len = 64]"),
+    ("kvcache.paged", lambda: TABLE.__setitem__((1, 1), 8), "block_table values must lie in [0, 7]"),
+    ("varlen.decode", lambda: CU_40.__setitem__(2, 90), "cu_seq_k ends at 90, past the 80 packed rows"),
+    ("varlen.prefill", lambda: CU_30.__setitem__(1, 31), "a sequence of 31 rows in cu_seq_q is longer than max_q = 30"),
+    ("varlen.paged", lambda: TABLE.__setitem__((0, 0), -1), "block_table values must lie in [0, 7]"),
+])
+def test_a_replayed_call_still_refuses_the_values_it_reads(host_build, monkeypatch, entry, spoil, message):
+    """CPU tensors' values are read on every call, replayed ones too."""
+    monkeypatch.setattr(replay, "cache", {})
+    saved = (TABLE.clone(), LENGTHS.clone(), CU_40.clone(), CU_30.clone())
+    try:
+        _call(entry, 1)
+        spoil()
+        with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+            _call(entry, 2)
+        assert len(replay.cache) == 1
+    finally:
+        for t, s in zip((TABLE, LENGTHS, CU_40, CU_30), saved):
+            t.copy_(s)
+
+
+def test_a_replayed_seqused_k_and_int8_scale_are_still_read(host_build, monkeypatch):
+    monkeypatch.setattr(replay, "cache", {})
+    q, k = torch.randn(2, 4, 1, 64).half(), torch.randn(2, 2, 30, 64).half()
+    used = torch.tensor([30, 3], dtype=torch.int32)
+    rdnattention.flash_attn(q, k, k, seqused_k=used)
+    used[0] = 31
+    with pytest.raises(InvalidArgumentError, match=r"seqused_k values must lie in \[0, seq_k = 30\]"):
+        rdnattention.flash_attn(q, k, k, seqused_k=used)
+    args = _int8(3, 1)
+    rdnattention.flash_attn_int8qk(*args)
+    args[4][0, 1, 7] = float("nan")
+    with pytest.raises(InvalidArgumentError, match="k_scale must hold positive finite scales"):
+        rdnattention.flash_attn_int8qk(*args)
+
+
+@pytest.mark.parametrize("entry, break_it, message", [
+    ("kvcache.append", lambda t: t.untyped_storage().resize_(8), "k_cache's shape"),
+    ("varlen.decode", lambda t: t.untyped_storage().resize_(0), "k has no memory behind it"),
+    ("int8.decode", lambda t: t.untyped_storage().resize_(0), "k has no memory behind it"),
+])
+def test_a_replayed_call_still_checks_the_memory_behind_its_tensors(host_build, monkeypatch, entry, break_it, message):
+    monkeypatch.setattr(replay, "cache", {})
+    _call(entry, 1)
+    if entry == "kvcache.append":
+        real = _cache_inputs
+
+        def broken(seed, paged=False, rows=1):
+            q, k_cache, v_cache, k, v = real(seed, paged, rows)
+            break_it(k_cache)
+            return q, k_cache, v_cache, k, v
+        monkeypatch.setitem(globals(), "_cache_inputs", broken)
+    elif entry == "varlen.decode":
+        real_packed = _packed
+
+        def broken_packed(seed, rows, keys):
+            q, k, v = real_packed(seed, rows, keys)
+            break_it(k)
+            return q, k, v
+        monkeypatch.setitem(globals(), "_packed", broken_packed)
+    else:
+        real_int8 = _int8
+
+        def broken_int8(seed, rows):
+            q, k, v, qs, ks, vs = real_int8(seed, rows)
+            break_it(k)
+            return q, k, v, qs, ks, vs
+        monkeypatch.setitem(globals(), "_int8", broken_int8)
+    with pytest.raises(InvalidArgumentError, match=message):
+        _call(entry, 2)
+
+
+# --- the split-KV workspace --------------------------------------------------------------------
+
+def _decode(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 8, 1, 64, generator=g).half(), torch.randn(1, 2, 2000, 64, generator=g).half()
+
+
+def test_split_kv_calls_reuse_their_threads_workspace(host_build, monkeypatch):
+    monkeypatch.setattr(replay, "cache", {})
+    workspace.release()
+    q, k = _decode(0)
+    assert len(plan_flash_attn(q, k, k, kernel=None).launches) == 2  # slices and their combine
+    allocated = []
+    allocate = workspace.allocate
+    monkeypatch.setattr(workspace, "allocate", lambda n, d: allocated.append(n) or allocate(n, d))
+    first = rdnattention.flash_attn(q, k, k)
+    for _ in range(3):
+        assert torch.equal(rdnattention.flash_attn(q, k, k), first)
+    assert len(allocated) == 1  # once for the thread, then reused
+    other = []
+    thread = threading.Thread(target=lambda: other.append(rdnattention.flash_attn(q, k, k)))
+    thread.start()
+    thread.join()
+    assert len(allocated) == 2 and torch.equal(other[0], first)  # another thread: its own
+
+
+def test_split_kv_calls_on_several_threads_at_once_keep_their_scratch_apart(host_build, monkeypatch):
+    """The host emulator runs calls of several threads at once: each thread's workspace is its
+    own, so every result equals the call made alone."""
+    monkeypatch.setattr(replay, "cache", {})
+    inputs = [_decode(seed) for seed in range(4)]
+    alone = [rdnattention.flash_attn(q, k, k) for q, k in inputs]
+    results: dict = {i: [] for i in range(4)}
+
+    def work(i):
+        q, k = inputs[i]
+        for _ in range(5):
+            results[i].append(rdnattention.flash_attn(q, k, k))
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(4):
+        assert len(results[i]) == 5 and all(torch.equal(r, alone[i]) for r in results[i])
+
+
+def test_a_plan_runs_on_scratch_of_its_own(host_build):
+    q, k = _decode(5)
+    plan = plan_flash_attn(q, k, k)
+    assert plan.scratch_bytes > 0 and not plan.launches[0].args.part_o  # allocated where it runs
+    plan.run()
+    first = plan.outputs[0].clone()
+    buffers = len(plan.buffers)
+    plan.run()
+    assert len(plan.buffers) == buffers and torch.equal(plan.outputs[0], first)
+    assert torch.equal(first, rdnattention.flash_attn(q, k, k))
+
+
+# --- the table a device's tensors run -----------------------------------------------------------
+
+def test_the_device_table_follows_the_environment_and_a_cleared_table_cache(host_build, monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("RDNATTENTION_HOST_TARGET", raising=False)
+    host = route.device_table(cpu)
+    assert host.target == "host" and route.device_table(cpu) is host
+    monkeypatch.setenv("RDNATTENTION_HOST_TARGET", "host_f32")
+    assert route.device_table(cpu).target == "host_f32"
+    monkeypatch.delenv("RDNATTENTION_HOST_TARGET")
+    assert route.device_table(cpu) is host
+    dispatch.table_for.cache_clear()
+    reloaded = route.device_table(cpu)
+    assert reloaded is not host and reloaded.target == "host"
+    assert drivers.target_token(cpu)[0] is drivers.host
