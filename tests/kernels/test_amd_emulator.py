@@ -149,6 +149,20 @@ def test_split_kv_decode_and_combine(gpu, dispatched):
     assert _max_err(lse, ref_lse) <= TOL
 
 
+def test_decode_with_padded_lanes(gpu, dispatched):
+    """head_dim 40: the decode kernel with three of the eight lanes of each key padding, and the
+    combine with the threads over after 25 groups of 5 lanes idle. (The by-name sweep, marked slow,
+    runs every kernel of every head_dim.)"""
+    start = len(gpu.dispatches)
+    q, k, v = _inputs(1, 4, 2, 1, 700, 40, seed=7)
+    out, lse = flash_attn(q, k, v, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, return_lse=True)
+    assert _families(gpu, start) == ["fa2_combine", "fa2_dec"]
+    assert gpu.dispatches[start].grid[0] > 1  # the keys were split into slices
+    assert _max_err(out, ref) <= TOL
+    assert _max_err(lse, ref_lse) <= TOL
+
+
 def test_paged_decode_with_append(gpu, dispatched):
     start = len(gpu.dispatches)
     g = torch.Generator().manual_seed(4)
