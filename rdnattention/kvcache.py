@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import decode, ops
+from . import decode, ops, padding
 from .checks import TOKEN_MAJOR, can_read, check_fp16, check_int32, check_paged, check_values
 from .errors import InvalidArgumentError
 from .options import check_seqused, validate
@@ -48,9 +48,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rotated at cache_seqlens + i under a causal or local mask, else at cache_seqlens), and attention
     covers cache_seqlens + seq_new keys. Queries align to the end of each sequence's keys.
     ``num_splits``: key slices of the split-KV kernels (0: chosen from the device). Returns out
-    [batch, seq_q, heads, head_dim], with the LSE [batch, heads, seq_q] if return_softmax_lse."""
+    [batch, seq_q, heads, head_dim], with the LSE [batch, heads, seq_q] if return_softmax_lse. As
+    flash-attn's entry does, a head_dim that is not a multiple of 8 (up to 256), or rows that are
+    not contiguous and 16-byte aligned, run on padded copies (padding.py), the cache copied back."""
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise InvalidArgumentError(f"num_splits must be a non-negative int, got {num_splits!r}")
+    if padding.needed(q, k_cache, v_cache, k, v):  # as flash-attn's entry (padding.py); the cache written back
+        return padding.run(flash_attn_with_kvcache, dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v), dict(
+            rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+            block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            rotary_interleaved=rotary_interleaved, num_splits=num_splits, return_softmax_lse=return_softmax_lse),
+            scale_name="softmax_scale", written=("k_cache", "v_cache") if k is not None else ())
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_fp16(name, t, TOKEN_MAJOR)
     batch = q.shape[0]
