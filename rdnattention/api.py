@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from . import ops
+from . import ops, padding
 from .checks import NATIVE, TOKEN_MAJOR, check_fp16
 from .errors import InvalidArgumentError, UnsupportedError
 from .options import refuse_missing_features, validate
@@ -67,6 +67,7 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: 
     if hit is not None:
         return hit if return_lse else hit[0]
     q, k, v = (check_fp16(n, t, NATIVE) for n, t in (("q", q), ("k", k), ("v", v)))
+    padding.refuse(q.shape[3])
     o = validate(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
                  rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
                  return_lse=return_lse, seqused_k=seqused_k)
@@ -86,6 +87,7 @@ def plan_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cau
     (again and again, for timing). ``heavy_first`` overrides the row-block order (default: longest
     first under causal-like masks); ``kernel`` forces a dispatch entry by name."""
     q, k, v = (check_fp16(n, t, NATIVE) for n, t in (("q", q), ("k", k), ("v", v)))
+    padding.refuse(q.shape[3])
     o = validate(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
                  rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
                  return_lse=return_lse, seqused_k=seqused_k)
@@ -106,8 +108,11 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     [batch, seq_k, heads_kv, head_dim]; returns out [batch, seq_q, heads, head_dim], or
     ``(out, softmax_lse, None)`` with ``return_attn_probs=True`` (lse float32 [batch, heads, seq_q];
     the attention probabilities themselves are not materialised). Causal masks align to the end of
-    the keys, as flash-attn's do. dropout, softcap and ALiBi raise UnsupportedError; the kernels are
-    deterministic, so ``deterministic`` needs nothing. RoPE options as in :func:`flash_attn`."""
+    the keys, as flash-attn's do. As flash-attn's entry does, a head_dim that is not a multiple of 8
+    (up to 256) is padded with zeros and the output sliced back, and tensors whose last dimension
+    is not contiguous or whose rows are not 16-byte aligned are copied (padding.py). dropout,
+    softcap and ALiBi raise UnsupportedError; the kernels are deterministic, so ``deterministic``
+    needs nothing. RoPE options as in :func:`flash_attn`."""
     refuse_missing_features(dropout_p, softcap, alibi_slopes)
     if not isinstance(deterministic, bool) or not isinstance(return_attn_probs, bool):
         raise InvalidArgumentError(f"deterministic and return_attn_probs must be bools, got {deterministic!r} "
@@ -117,6 +122,11 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
                   rotary_interleaved=rotary_interleaved)  # of the token-major tensors as given
     hit = ops.replayed(key, q, k, v, return_lse=return_attn_probs, token_major=True, rotary_cos=rotary_cos,
                        rotary_sin=rotary_sin)
+    if hit is None and padding.needed(q, k, v):  # as flash-attn's entry: head_dim padded to 8s, rows made readable
+        return padding.run(flash_attn_func, dict(q=q, k=k, v=v), dict(
+            softmax_scale=softmax_scale, causal=causal, window_size=window_size, return_attn_probs=return_attn_probs,
+            rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved),
+            scale_name="softmax_scale")
     if hit is not None:
         out, lse = hit
     else:
@@ -144,6 +154,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     if not isinstance(enable_gqa, bool) or not isinstance(is_causal, bool):
         raise InvalidArgumentError(f"is_causal and enable_gqa must be bools, got {is_causal!r} and {enable_gqa!r}")
     q, k, v = (check_fp16(n, t, NATIVE) for n, t in (("query", query), ("key", key), ("value", value)))
+    padding.refuse(q.shape[3])
     if not enable_gqa and q.shape[1] != k.shape[1]:
         raise InvalidArgumentError(f"query has {q.shape[1]} heads and key {k.shape[1]}: pass enable_gqa=True for "
                                    "grouped-query attention")

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from . import checks, decode, ops, replay
+from . import checks, decode, ops, padding, replay
 from .checks import TOKEN_MAJOR, check_fp16, check_int32, check_paged
 from .errors import InvalidArgumentError, UnsupportedError
 from .options import Options, check_seqused, validate
@@ -65,7 +65,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     covers cache_seqlens + seq_new keys. Queries align to the end of each sequence's keys.
     ``num_splits``: key slices of the split-KV kernels (0: chosen from the device). Returns out
     [batch, seq_q, heads, head_dim], with the LSE [batch, heads, seq_q] if return_softmax_lse.
-    A call that raises has written nothing."""
+    A call that raises has written nothing. As flash-attn's entry does, a head_dim that is not a
+    multiple of 8 (up to 256), or rows that are not contiguous and 16-byte aligned, run on padded
+    copies (padding.py), the cache copied back."""
     plan_key = _key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table,
                     (softmax_scale, causal, window_size, rotary_interleaved, num_splits, return_softmax_lse))
     r = replay.cache.get(plan_key) if plan_key is not None else None
@@ -76,6 +78,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             return hit if return_softmax_lse else hit[0]
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise InvalidArgumentError(f"num_splits must be a non-negative int, got {num_splits!r}")
+    if padding.needed(q, k_cache, v_cache, k, v):  # as flash-attn's entry (padding.py); the cache written back
+        return padding.run(flash_attn_with_kvcache, dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v), dict(
+            rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+            block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            rotary_interleaved=rotary_interleaved, num_splits=num_splits, return_softmax_lse=return_softmax_lse),
+            scale_name="softmax_scale", written=("k_cache", "v_cache") if k is not None else ())
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_fp16(name, t, TOKEN_MAJOR)
     given = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("rotary_cos", rotary_cos),

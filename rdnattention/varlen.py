@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import decode, replay
+from . import decode, padding, replay
 from .checks import check_int32, check_memory, check_paged
 from .errors import InvalidArgumentError, UnsupportedError
 from .options import check_scale, check_window, refuse_missing_features
@@ -159,8 +159,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """flash-attn's ``flash_attn_varlen_func`` (forward only): q [total_q, heads, head_dim], k and v
     [total_k, heads_kv, head_dim] (fewer heads: GQA), or a page pool with ``block_table``.
     Returns out [total_q, heads, head_dim], or ``(out, softmax_lse, None)`` with
-    ``return_attn_probs=True`` (lse float32 [heads, total_q]). dropout, softcap and ALiBi raise
-    UnsupportedError; the kernels are deterministic, so ``deterministic`` needs nothing."""
+    ``return_attn_probs=True`` (lse float32 [heads, total_q]). As flash-attn's entry does, a
+    head_dim that is not a multiple of 8 (up to 256) is padded with zeros and the output sliced
+    back, and tensors whose rows are not contiguous and 16-byte aligned are copied (padding.py).
+    dropout, softcap and ALiBi raise UnsupportedError; the kernels are deterministic, so
+    ``deterministic`` needs nothing."""
     refuse_missing_features(dropout_p, softcap, alibi_slopes)
     names = {"scale": "softmax_scale", "seqused_k": "the key lengths in cu_seqlens_k"}
     plan_key = _key("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None,
@@ -179,6 +182,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
             raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
+    if padding.needed(q, k, v, ranks=(3, 4)):  # as flash-attn's entry: head_dim padded to a multiple of 8, rows made readable
+        return padding.run(flash_attn_varlen_func, dict(q=q, k=k, v=v), dict(
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            return_attn_probs=return_attn_probs, block_table=block_table), scale_name="softmax_scale")
     left, right = check_window(window_size)
     if causal:
         right = 0 if right < 0 else min(right, 0)

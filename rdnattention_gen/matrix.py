@@ -98,6 +98,8 @@ class Matrix:
                 continue
             for point in fam.points(axes):
                 hd, group = point["head_dim"], point["gqa_group"]
+                if not target.builds(fam_name, hd):
+                    continue
                 # (tile, when, priority, provenance, where): the tile table's choices (priority 0,
                 # with `when` 1), then the tuned ones (2, with `when` 3), for every layout the
                 # family's kernels are compiled for. A family that takes another's tiles (combine)
@@ -142,7 +144,8 @@ class Matrix:
                 continue
             for point in fam.points(self.kernels[fam_name]):
                 key = (fam_name, point.get("layout"), point["head_dim"], point["gqa_group"], tile)
-                if point["head_dim"] != hd or group not in (None, point["gqa_group"]) or key in have:
+                if (point["head_dim"] != hd or group not in (None, point["gqa_group"]) or key in have
+                        or not target.builds(fam_name, hd)):
                     continue
                 have.add(key)
                 out.append(Variant(fam.spec(target, point, tile), Constraints(), ALTERNATE, provenance, where))
@@ -198,6 +201,7 @@ def _target(name: str, node: object, parent: Node) -> Target:
         status=node.choice("status", STATUSES), stage=node.choice("stage", STAGES),
         tiles=node.take("tiles", str), isa=node.take("isa", str, name),
         mirrors=tuple(node.take("mirrors", list, [])),
+        head_dims=_head_dims(node),
     )
     if fields["hw_tier"] not in (1, 2):
         raise node.fail("hw_tier", f"must be 1 or 2, got {fields['hw_tier']}")
@@ -206,6 +210,17 @@ def _target(name: str, node: object, parent: Node) -> Target:
     plat.validate_target(name, fields, node)
     node.finish()
     return Target(**fields)
+
+
+def _head_dims(node: Node) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``head_dims: {<family>: [head_dims]}`` (optional): the head_dims the target builds of each
+    family listed (checked against the families' once they are loaded)."""
+    if "head_dims" not in node:
+        return ()
+    per = node.child("head_dims")
+    out = tuple((fam, per.int_list(fam)) for fam in sorted(per, key=lambda k: per.key_lines.get(k, 0)))
+    per.finish()
+    return out
 
 
 def _tile(item: object, parent: Node, key: str) -> tuple[Tile, Constraints]:
@@ -296,6 +311,13 @@ def load_matrix(path: Path | str = DEFAULT_VARIANTS, tuned_dir: Path | str | Non
             if mirrored is None or mirrored.platform == "host" or mirrored.stage != t.stage:
                 raise VariantsError(f"{path.name}:{target_lines[t.name]}: targets.{t.name}.mirrors: {m!r} must "
                                     f"name a GPU target that stages in {t.stage} as {t.name} does")
+        for fam, dims in t.head_dims:
+            where = f"{path.name}:{target_lines[t.name]}: targets.{t.name}.head_dims.{fam}"
+            if fam not in kernels:
+                raise VariantsError(f"{where}: not a kernel family under kernels: ({', '.join(sorted(kernels))})")
+            extra = sorted(set(dims) - set(kernels[fam]["head_dims"]))
+            if extra:
+                raise VariantsError(f"{where}: {extra} are not {fam}'s head_dims")
         if t.tiles not in tile_tables:
             raise VariantsError(f"{path.name}:{target_lines[t.name]}: targets.{t.name}.tiles: no tile table "
                                 f"{t.tiles!r}; tables: {', '.join(sorted(tile_tables))}")

@@ -48,6 +48,13 @@ class Target:
     # Host targets: GPU targets whose every tile this one builds too (as alternates), so that the
     # oracle sweep runs each of their kernels' tile configurations on the CPU.
     mirrors: tuple[str, ...] = ()
+    # (family, head_dims): the head_dims it builds of the families listed (a subset of each one's);
+    # every head_dim of the others.
+    head_dims: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def builds(self, family: str, head_dim: int) -> bool:
+        """Whether this target builds kernels of ``family`` for ``head_dim`` (see ``head_dims``)."""
+        return head_dim in dict(self.head_dims).get(family, (head_dim,))
 
     @property
     def tier(self) -> Tier:

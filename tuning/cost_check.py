@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rdnattention_gen import cost
 from rdnattention_gen.families import spec_from_name
-from rdnattention_gen.families.f16 import threads_per_row
+from rdnattention_gen.families.f16 import padded_head_dim, threads_per_row
 from rdnattention_gen.matrix import load_matrix
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def main() -> int:
         for name, tflops in m["figures"].items():
             spec = spec_from_name(name)
             # cvt_fma on sm_90 stages fp32 pairs: two FFMA per pair product
-            per_step = 2 * spec.tile.tm * spec.tile.bc * spec.head_dim / threads_per_row(spec)
+            per_step = 2 * spec.tile.tm * spec.tile.bc * padded_head_dim(spec) / threads_per_row(spec)
             counts = cost.loop_counts(sass.get(name, []), "FFMA", per_step, cost.SASS)
             if counts is None:
                 continue

@@ -93,10 +93,19 @@ ARGS = ArgStruct("Fa2Args", (
 Fa2Args = ARGS.ctype
 
 
+def padded_head_dim(head_dim: int, br: int, threads: int, tm: int) -> int:
+    """The head_dim a kernel's tiles hold: ``head_dim`` padded with zero columns up to a multiple of
+    twice the threads that share a query row (threads * tm / br: each takes whole pairs of the output
+    columns), which the kernel neither loads nor stores. Equal to ``head_dim`` where it divides."""
+    rows = br // tm if tm else 0
+    step = 2 * max(1, threads // rows if rows else 1)
+    return -(-head_dim // step) * step
+
+
 def lds_layout(head_dim: int, br: int, bc: int, stage: str) -> dict[str, int]:
-    """Bytes of each LDS region of a kernel: the Q tile, the K/V tile, the P tile. The generator
-    sizes kernels with it and the runtime checks dispatch entries against it (on cuda the launch
-    requests exactly this much)."""
+    """Bytes of each LDS region of a kernel whose tiles hold ``head_dim`` columns (padded_head_dim):
+    the Q tile, the K/V tile, the P tile. The generator sizes kernels with it and the runtime checks
+    dispatch entries against it (on cuda the launch requests exactly this much)."""
     pair = 4 if stage == "f16" else 8
     pad = 4  # pairs (pairs.h CHUNK): rows stay 16-byte aligned, f32 tiles' planes included
     p_row = (br + pad) * pair
@@ -111,7 +120,8 @@ def lds_layout(head_dim: int, br: int, bc: int, stage: str) -> dict[str, int]:
 
 def lds_bytes(facts: dict[str, object]) -> int:
     """LDS of the kernel whose name encodes ``facts`` (NAMES.parse)."""
-    return sum(lds_layout(facts["head_dim"], facts["tile.br"], facts["tile.bc"], facts["stage"]).values())
+    padded = padded_head_dim(facts["head_dim"], facts["tile.br"], facts["tile.threads"], facts["tile.tm"])
+    return sum(lds_layout(padded, facts["tile.br"], facts["tile.bc"], facts["stage"]).values())
 
 _LOG2E = 1.4426950408889634
 _INT32 = (-2**31, 2**31 - 1)

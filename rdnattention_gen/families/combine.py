@@ -1,6 +1,6 @@
 """The combine step of split-KV decode: merges the dec family's partial outputs (fp32, no products).
 It takes the dec family's threads per workgroup: one row per workgroup, in threads / (head_dim / 8)
-groups of head_dim / 8 lanes that split the row's slices and meet in LDS.
+groups (rounded down) of head_dim / 8 lanes that split the row's slices and meet in LDS.
 
 Kernel body: templates/include/fa2_combine.h."""
 
@@ -15,8 +15,9 @@ from .f16 import WHOLE_WAVES
 
 RULES = (
     Rule("lanes_per_row",
-         lambda s, t: s.head_dim % 8 == 0 and s.tile.threads % (s.head_dim // 8) == 0,
-         lambda s, t: f"threads {s.tile.threads} must be a multiple of head_dim / 8 = {s.head_dim // 8}"),
+         lambda s, t: s.head_dim % 8 == 0 and s.tile.threads >= s.head_dim // 8,
+         lambda s, t: f"head_dim {s.head_dim} must be a multiple of 8 and threads {s.tile.threads} at least "
+                      f"head_dim / 8 = {s.head_dim // 8}"),
     WHOLE_WAVES,
 )
 

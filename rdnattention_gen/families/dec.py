@@ -1,7 +1,7 @@
 """Split-KV decode (flash-decoding): fp16 Q, K, V, fp32 softmax and products, for few query rows
 per K/V head against many keys. The tile: br = tm, the query rows one workgroup holds (every
 thread holds them all); bc, the keys a workgroup reads per step; threads, in lane groups of
-head_dim / 8 lanes per key.
+head_dim / 8 lanes per key, rounded up to a power of two (the lanes past head_dim / 8 hold zeros).
 
 Kernel body: templates/include/fa2_decode.h over the fp16 element policy (DecodeF16). Its partial
 outputs are merged by the combine family. Also compiled for paged caches (layout ``paged``), so
@@ -30,18 +30,26 @@ def waves_per_simd(spec: KernelSpec) -> int:
     return 4 if spec.tile.br <= 2 else 3
 
 
+def key_lanes(head_dim: int, lane_values: int) -> int:
+    """Lanes that share a key: head_dim / lane_values (16 bytes a lane), rounded up to a power of two
+    (include/fa2_decode.h: the lanes past head_dim / lane_values hold zeros)."""
+    lanes = 1
+    while lanes * lane_values < head_dim:
+        lanes *= 2
+    return lanes
+
+
 def decode_rules(lane_values: int) -> tuple[Rule, ...]:
     """The rules of a decode kernel whose lanes hold ``lane_values`` values of each key (16 bytes)."""
     def lanes(s: KernelSpec) -> int:
-        return s.head_dim // lane_values
+        return key_lanes(s.head_dim, lane_values)
 
     return (
         Rule("head_dim_range",
-             lambda s, t: s.head_dim % lane_values == 0 and lane_values <= s.head_dim <= lane_values * s.wave_size
-             and lanes(s) & (lanes(s) - 1) == 0,
-             lambda s, t: f"head_dim {s.head_dim} must be {lane_values} times a power of two, at most "
-                          f"{lane_values} * wave size = {lane_values * s.wave_size} (head_dim / {lane_values} lanes "
-                          "share each key)", stop=True),
+             lambda s, t: s.head_dim % lane_values == 0 and lane_values <= s.head_dim <= lane_values * s.wave_size,
+             lambda s, t: f"head_dim {s.head_dim} must be a multiple of {lane_values} up to {lane_values} * wave size "
+                          f"= {lane_values * s.wave_size} (head_dim / {lane_values} lanes, rounded up to a power of "
+                          "two, share each key)", stop=True),
         WHOLE_WAVES,
         REGISTER_BUDGET,
         Rule("rows_per_thread",
@@ -50,11 +58,11 @@ def decode_rules(lane_values: int) -> tuple[Rule, ...]:
         Rule("rows_per_key_lanes",
              lambda s, t: s.tile.br & (s.tile.br - 1) == 0 and s.tile.br <= lanes(s),
              lambda s, t: f"br {s.tile.br} must be a power of two, at most the lanes that share a key "
-                          f"(head_dim / {lane_values} = {lanes(s)}): each lane's share of the rows' scores is reduced "
-                          "by halving"),
+                          f"(head_dim / {lane_values}, rounded up to a power of two: {lanes(s)}): each lane's share of "
+                          "the rows' scores is reduced by halving"),
         Rule("keys_per_group",
-             lambda s, t: s.tile.bc % (s.tile.threads // lanes(s)) == 0,
-             lambda s, t: f"bc {s.tile.bc} must be a multiple of the lane groups threads / (head_dim / {lane_values}) "
+             lambda s, t: s.tile.threads % lanes(s) == 0 and s.tile.bc % (s.tile.threads // lanes(s)) == 0,
+             lambda s, t: f"bc {s.tile.bc} must be a multiple of the lane groups threads / {lanes(s)} lanes "
                           f"= {s.tile.threads // lanes(s)}"),
         LDS_RULE,
     )
@@ -107,7 +115,7 @@ class Dec(HeadDimAxis, Family):
         """1, 2, 4 or 8 rows per workgroup, 1-8 keys per lane group per step, 128 threads, and
         register budgets of 80-255 registers: a memory stream hides latency with waves more than
         with registers (tuning/results/h200_decode.md)."""
-        groups = max(1, 128 // (head_dim // self.lane_values))
+        groups = max(1, 128 // key_lanes(head_dim, self.lane_values))
         return {"br": (1, 2, 4, 8), "tm": (1, 2, 4, 8), "bc": tuple(groups * t for t in (1, 2, 4, 8)), "threads": (128,),
                 "waves": (0,) + register_budgets(target, lowest=80)}
 

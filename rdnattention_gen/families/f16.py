@@ -25,6 +25,12 @@ def threads_per_row(spec: KernelSpec) -> int:
     return thread_grid(spec)["tcw"]
 
 
+def padded_head_dim(spec: KernelSpec) -> int:
+    """The head_dim the kernel's tiles hold (the runtime's padded_head_dim): zero columns up to a
+    multiple of 2 * threads per row."""
+    return runtime.padded_head_dim(spec.head_dim, spec.tile.br, spec.tile.threads, spec.tile.tm)
+
+
 # Every family's workgroups are whole waves.
 WHOLE_WAVES = Rule("whole_waves",
                    lambda s, t: s.tile.threads % s.wave_size == 0,
@@ -54,19 +60,32 @@ GRID_RULES = (
 COLUMNS_RULE = Rule("columns_per_lane",
                     lambda s, t: s.head_dim % (2 * threads_per_row(s)) == 0,
                     lambda s, t: f"head_dim {s.head_dim} must be a multiple of 2 * threads per row = {2 * threads_per_row(s)}")
+# fp16 kernels pad the head_dim with zero columns to a multiple of 2 * threads per row instead, in
+# LDS and registers only: at most a quarter of the columns they compute may be padding.
+PADDING_RULE = Rule("padding",
+                    lambda s, t: 4 * (padded_head_dim(s) - s.head_dim) <= s.head_dim,
+                    lambda s, t: f"head_dim {s.head_dim} padded to a multiple of 2 * threads per row = "
+                                 f"{2 * threads_per_row(s)} is {padded_head_dim(s)}: more than a quarter of its "
+                                 "columns would be padding")
 LDS_RULE = Rule("lds_budget",
                 lambda s, t: s.lds_bytes <= t.lds_bytes,
                 lambda s, t: f"needs {s.lds_bytes} bytes of LDS, over the {t.lds_bytes} budget")
 
+def head_dim_in_range(head_dim: int) -> bool:
+    """The head_dims the fp16 row-block kernels are written for: every multiple of 8 up to 256 (a row
+    is whole 16-byte chunks), beyond that multiples of 32 up to 512."""
+    return 8 <= head_dim <= 512 and head_dim % (8 if head_dim <= 256 else 32) == 0
+
+
 RULES = (
     Rule("head_dim_range",
-         lambda s, t: s.head_dim % 32 == 0 and 32 <= s.head_dim <= 512,
-         lambda s, t: f"head_dim {s.head_dim} must be a multiple of 32 in 32..512"),
+         lambda s, t: head_dim_in_range(s.head_dim),
+         lambda s, t: f"head_dim {s.head_dim} must be a multiple of 8 in 8..256 or of 32 in 288..512"),
     *GRID_RULES,
     Rule("keys_per_lane",
          lambda s, t: s.tile.bc % (2 * threads_per_row(s)) == 0,
          lambda s, t: f"bc {s.tile.bc} must be a multiple of 2 * threads per row = {2 * threads_per_row(s)}"),
-    COLUMNS_RULE,
+    PADDING_RULE,
     LDS_RULE,
 )
 
@@ -134,7 +153,7 @@ class F16(Family):
                           options=self.options({"layout": v.get("options.layout")}))
 
     def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
-        return runtime.lds_layout(spec.head_dim, spec.tile.br, spec.tile.bc, spec.stage)
+        return runtime.lds_layout(padded_head_dim(spec), spec.tile.br, spec.tile.bc, spec.stage)
 
     def tile_space(self, target: Target, head_dim: int) -> dict[str, tuple[int, ...]] | None:
         return {"br": (32, 64, 128), "bc": (16, 32, 64), "threads": (128, 256), "tm": (2, 4, 8)}
@@ -146,8 +165,9 @@ class F16(Family):
         per_pair = self.PER_PAIR.get(spec.tier)
         if per_pair is None:
             return None  # cvt_fma: the converts are the signature, not one per product
-        # S: tm x (bc / tcw) over head_dim / 2 pairs; P.V: tm x (head_dim / tcw) over bc / 2 pairs.
-        return per_pair * spec.tile.tm * spec.tile.bc * spec.head_dim / threads_per_row(spec)
+        # S: tm x (bc / tcw) over head_dim / 2 pairs; P.V: tm x (head_dim / tcw) over bc / 2 pairs, the
+        # padded head_dim's.
+        return per_pair * spec.tile.tm * spec.tile.bc * padded_head_dim(spec) / threads_per_row(spec)
 
     # The main loop's schedule policy (include/pipeline.h) by staging precision: fp32 pairs are
     # sm_90's (and host_f32's, which mirrors it), fp16 pairs the AMD targets' (and the host's). The
@@ -156,8 +176,8 @@ class F16(Family):
 
     def context(self, spec: KernelSpec) -> dict:
         return {"pairs": "F32Pairs" if spec.stage == "f32" else "F16Pairs", "pipeline": self.PIPELINES[spec.stage],
-                "lds_bytes": self.lds_bytes(spec), "lengths": spec.option("layout") == "len",
-                "varlen": spec.option("layout") == "varlen"}
+                "lds_bytes": self.lds_bytes(spec), "padded_head_dim": padded_head_dim(spec),
+                "lengths": spec.option("layout") == "len", "varlen": spec.option("layout") == "varlen"}
 
 
 FAMILY = F16()

@@ -169,10 +169,14 @@ def test_minimal_matrix_loads(tmp_path):
     (TILE, TILE.replace("tm: 8", "tm: 3"),
      "variants.yaml:28: tiles.small.f16.default: kernel fa2_f16_hd64_g1_br128_bc64_nt256_tm3_w32_dot2_sf16 for "
      "gfx1030: threads 256 must be a multiple of br/tm = 42.6667"),
-    ("    head_dims: [64]\n", "    head_dims: [64, 80]\n",
-     "variants.yaml:28: tiles.small.f16.default: kernel fa2_f16_hd80_g1_br128_bc64_nt256_tm8_w32_dot2_sf16 for "
-     "gfx1030: head_dim 80 must be a multiple of 32 in 32..512; head_dim 80 must be a multiple of 2 * threads "
-     "per row = 32"),
+    ("    head_dims: [64]\n", "    head_dims: [64, 72]\n",
+     "variants.yaml:28: tiles.small.f16.default: kernel fa2_f16_hd72_g1_br128_bc64_nt256_tm8_w32_dot2_sf16 for "
+     "gfx1030: head_dim 72 padded to a multiple of 2 * threads per row = 32 is 96: more than a quarter of its "
+     "columns would be padding"),
+    ("    head_dims: [64]\n", "    head_dims: [64, 260]\n",
+     "variants.yaml:28: tiles.small.f16.default: kernel fa2_f16_hd260_g1_br128_bc64_nt256_tm8_w32_dot2_sf16 for "
+     "gfx1030: head_dim 260 must be a multiple of 8 in 8..256 or of 32 in 288..512; needs 132096 bytes of LDS, "
+     "over the 65536 budget"),
     ("    head_dims: [64]\n", "    head_dims: [512]\n",
      "variants.yaml:28: tiles.small.f16.default: kernel fa2_f16_hd512_g1_br128_bc64_nt256_tm8_w32_dot2_sf16 for "
      "gfx1030: needs 221696 bytes of LDS, over the 65536 budget"),
@@ -205,6 +209,32 @@ def test_errors_name_file_line_and_key(tmp_path, old, new, message):
     with pytest.raises(VariantsError) as err:
         _load(tmp_path, MINIMAL.replace(old, new, 1))
     assert str(err.value) == message
+
+
+def test_a_tile_pads_the_head_dim_to_what_its_threads_divide(tmp_path):
+    """16 threads per row take 80 columns as 96 (at most a quarter padding), in LDS and registers:
+    the kernel's LDS is the layout's at 96, its template gets both head_dims."""
+    matrix = _load(tmp_path, MINIMAL.replace("    head_dims: [64]\n", "    head_dims: [64, 80]\n"))
+    spec = next(s for s in matrix.specs_for(matrix.target("gfx1030")) if s.head_dim == 80)
+    f16 = family("f16")
+    assert runtime_family("f16").padded_head_dim(80, 128, 256, 8) == 96
+    assert f16.lds_layout(spec) == runtime_family("f16").lds_layout(96, 128, 64, "f16")
+    assert f16.context(spec)["padded_head_dim"] == 96
+    # 4 threads per row divide any multiple of 8: nothing padded.
+    assert runtime_family("f16").padded_head_dim(40, 128, 256, 2) == 40
+
+
+def test_a_target_builds_the_head_dims_it_lists(tmp_path):
+    text = MINIMAL.replace("    head_dims: [64]\n", "    head_dims: [40, 64, 128]\n").replace(
+        "    tiles: small\n", "    tiles: small\n    head_dims:\n      f16: [40, 64]\n").replace(
+        TILE, "      default: {br: 128, bc: 32, threads: 256, tm: 2}\n")
+    matrix = _load(tmp_path, text)
+    assert {s.head_dim for s in matrix.specs_for(matrix.target("gfx1030"))} == {40, 64}
+    for listed, message in (("      f17: [64]\n", "targets.gfx1030.head_dims.f17: not a kernel family under kernels: "
+                                                   "(f16)"),
+                            ("      f16: [32, 64]\n", "targets.gfx1030.head_dims.f16: [32] are not f16's head_dims")):
+        with pytest.raises(VariantsError, match=re.escape(message)):
+            _load(tmp_path, text.replace("      f16: [40, 64]\n", listed))
 
 
 def test_constrained_tiles_reach_the_dispatch_entries(tmp_path):
@@ -278,3 +308,56 @@ def test_yaml_syntax_error_has_a_line(tmp_path):
 
 def test_default_file_is_the_repository_one():
     assert DEFAULT_VARIANTS.name == "variants.yaml" and DEFAULT_VARIANTS.is_file()
+
+
+def test_decode_lanes_round_up_to_a_power_of_two(matrix):
+    """dec at head_dim 40: 5 lanes of values a key, 8 lanes (three of them padding), so rows up to 8
+    and 16 lane groups of 128 threads; the combine at 40 takes 25 whole groups of 5 lanes."""
+    dec, combine = family("dec"), family("combine")
+    target = matrix.target("gfx1030")
+
+    def problems(fam, tile, head_dim=40):
+        return fam.problems(fam.spec(target, {"head_dim": head_dim, "gqa_group": 1}, tile), target)
+
+    assert problems(dec, Tile(br=8, bc=16, threads=128, tm=8)) == []
+    assert problems(dec, Tile(br=16, bc=16, threads=128, tm=16)) == [
+        "br 16 must be a power of two, at most the lanes that share a key (head_dim / 8, rounded up to a power of "
+        "two: 8): each lane's share of the rows' scores is reduced by halving"]
+    assert problems(dec, Tile(br=4, bc=8, threads=128, tm=4)) == [
+        "bc 8 must be a multiple of the lane groups threads / 8 lanes = 16"]
+    assert problems(dec, Tile(br=1, bc=16, threads=128, tm=1), head_dim=36) == [
+        "head_dim 36 must be a multiple of 8 up to 8 * wave size = 256 (head_dim / 8 lanes, rounded up to a power "
+        "of two, share each key)"]
+    assert problems(combine, Tile(br=1, bc=1, threads=128, tm=1)) == []
+    assert combine.lds_layout(combine.spec(target, {"head_dim": 40, "gqa_group": 1}, Tile(1, 1, 128, 1))) == {
+        "acc_bytes": 25 * 40 * 4, "stat_bytes": 25 * 2 * 4}
+
+
+def test_head_dims_in_steps_of_8(matrix):
+    """Every multiple of 8 up to 256 (and of 32 to 512) for f16; up to 256 for dec and combine; the
+    GPU targets build them all, the host targets the subset they list."""
+    steps = list(range(8, 257, 8))
+    assert list(matrix.kernels["f16"]["head_dims"]) == steps + list(range(288, 513, 32))
+    assert list(matrix.kernels["dec"]["head_dims"]) == steps == list(matrix.kernels["combine"]["head_dims"])
+    for name in ("gfx1030", "gfx906", "sm_90", "sm_61"):
+        built = {(s.family, s.head_dim) for s in matrix.specs_for(matrix.target(name))}
+        assert {hd for f, hd in built if f == "f16"} == set(matrix.kernels["f16"]["head_dims"]), name
+        assert {hd for f, hd in built if f == "dec"} == set(steps) == {hd for f, hd in built if f == "combine"}, name
+    for name in ("host", "host_f32"):
+        built = {(s.family, s.head_dim) for s in matrix.specs_for(matrix.target(name))}
+        # every dec head_dim has its combine
+        assert {hd for f, hd in built if f == "dec"} == {hd for f, hd in built if f == "combine"}
+
+
+def test_the_host_targets_run_each_padded_path(matrix):
+    """The oracle sweep runs the host targets' kernels: among them fp16 kernels that pad the
+    head_dim (host and host_f32), and decode kernels whose key lanes are padded."""
+    from rdnattention_gen.families.dec import key_lanes
+    from rdnattention_gen.families.f16 import padded_head_dim
+
+    for name in ("host", "host_f32"):
+        variants = [v for v in matrix.variants_for(matrix.target(name)) if v.priority >= 0]
+        assert any(v.spec.family == "f16" and padded_head_dim(v.spec) > v.spec.head_dim for v in variants), name
+        assert any(v.spec.family == "dec" and key_lanes(v.spec.head_dim, 8) * 8 > v.spec.head_dim
+                   for v in variants), name
+        assert any(v.spec.head_dim % 32 for v in variants if v.spec.family == "f16" and v.spec.option("layout"))

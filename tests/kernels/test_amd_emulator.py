@@ -149,6 +149,20 @@ def test_split_kv_decode_and_combine(gpu, dispatched):
     assert _max_err(lse, ref_lse) <= TOL
 
 
+def test_decode_with_padded_lanes(gpu, dispatched):
+    """head_dim 40: the decode kernel with three of the eight lanes of each key padding, and the
+    combine with the threads over after 25 groups of 5 lanes idle. (The by-name sweep, marked slow,
+    runs every kernel of every head_dim.)"""
+    start = len(gpu.dispatches)
+    q, k, v = _inputs(1, 4, 2, 1, 700, 40, seed=7)
+    out, lse = flash_attn(q, k, v, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, return_lse=True)
+    assert _families(gpu, start) == ["fa2_combine", "fa2_dec"]
+    assert gpu.dispatches[start].grid[0] > 1  # the keys were split into slices
+    assert _max_err(out, ref) <= TOL
+    assert _max_err(lse, ref_lse) <= TOL
+
+
 def test_paged_decode_with_append(gpu, dispatched):
     start = len(gpu.dispatches)
     g = torch.Generator().manual_seed(4)
@@ -188,6 +202,14 @@ def test_varlen(gpu, dispatched):
         assert _max_err(view(out[qs]), ref) <= TOL
 
 
+# The emulator reads memory for lanes the exec mask turns off (it masks only their writes). The
+# combine of head_dim 8 and 16 (one and two lanes a row) merges in one group of that many lanes,
+# and the other lanes of its wave hold stale addresses past the LDS, which crash it; the hardware
+# reads nothing for them. Their decode kernels run here in one slice; the host sweep runs those
+# combines against the oracle.
+UNSPLIT_ON_THE_EMULATOR = (8, 16)
+
+
 def _kernels() -> list[str]:
     m = load_matrix()
     return sorted(v.spec.name for v in m.variants_for(m.target(TARGET)) if v.spec.family != "combine")
@@ -205,7 +227,9 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
     layout = spec.option("layout")
     decode = spec.family in ("dec", "i8dec")
     rows = spec.tile.br if decode else 80  # query rows per K/V head, two K/V heads
-    q, k, v = _inputs(1, 2 if rows == 1 else 4, 2, max(1, rows // 2), 77, spec.head_dim, seed=spec.head_dim)
+    # 77 keys; a decode kernel of many keys per step (small head_dims) takes enough for three slices.
+    keys = max(77, 2 * spec.tile.bc + 13) if decode and layout != "paged" else 77
+    q, k, v = _inputs(1, 2 if rows == 1 else 4, 2, max(1, rows // 2), keys, spec.head_dim, seed=spec.head_dim)
     ref = attention_reference(q, k, v, is_causal=True)
     if spec.family in ("i8", "i8dec"):
         (qi, qs), (ki, ks), (vi, vs) = quantize_per_token(q), quantize_per_token(k), quantize_per_channel(v)
@@ -218,7 +242,8 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
                                          batch=1, seq_q=q.shape[2], seq_k=k.shape[2], kernel=name))
     elif decode:
         call = dict(q=q, k=k, v=v, out=torch.empty_like(q), lse=torch.empty(q.shape[:3]), window=(-1, 0),
-                    softmax_scale=spec.head_dim ** -0.5, batch=1, seq_q=q.shape[2], seq_k=k.shape[2], num_splits=3)
+                    softmax_scale=spec.head_dim ** -0.5, batch=1, seq_q=q.shape[2], seq_k=k.shape[2],
+                    num_splits=1 if spec.head_dim in UNSPLIT_ON_THE_EMULATOR else 3)
         if layout == "paged":  # five pages of 16 keys, in a shuffled order
             order = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32)
             pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 80 - t.shape[2]))  # noqa: E731
@@ -233,7 +258,7 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
     plan.run()
     ran = [d.kernel for d in gpu.dispatches[start:]]
     assert ran[0] == name
-    if spec.family == "dec":
+    if spec.family == "dec" and spec.head_dim not in UNSPLIT_ON_THE_EMULATOR:
         assert any(r.startswith(f"fa2_combine_hd{spec.head_dim}_") for r in ran[1:])
     if spec.family.startswith("i8"):
         assert _rel_rms(plan.outputs[0], ref) <= INT8_REL_RMS

@@ -227,7 +227,7 @@ def test_a_table_without_decode_kernels_says_so(table):
 
 @st.composite
 def _decode_calls(draw):
-    return dict(head_dim=draw(st.sampled_from([64, 128])), heads_kv=draw(st.integers(1, 2)),
+    return dict(head_dim=draw(st.sampled_from([64, 80, 128])), heads_kv=draw(st.integers(1, 2)),
                 group=draw(st.integers(1, 3)), batch=draw(st.integers(1, 3)), seq_q=draw(st.integers(1, 5)),
                 page=draw(st.sampled_from([16, 32, 64])), pages=draw(st.integers(1, 4)),
                 splits=draw(st.integers(0, 24)), causal=draw(st.booleans()), left=draw(st.integers(-1, 40)),
@@ -289,6 +289,8 @@ def test_mirrored_gpu_decode_tiles_match_the_oracle(host_build, monkeypatch, tar
 def test_one_combine_entry_per_head_dim(matrix):
     """combine takes dec's tiles but not their `when:`: one entry per kernel, serving every call."""
     for target in ("host", "gfx1030", "sm_90"):
-        combine = [v for v in matrix.variants_for(matrix.target(target)) if v.spec.family == "combine"]
-        assert len({v.spec.name for v in combine}) == len(combine) == len(matrix.kernels["combine"]["head_dims"])
+        t = matrix.target(target)
+        combine = [v for v in matrix.variants_for(t) if v.spec.family == "combine"]
+        built = [hd for hd in matrix.kernels["combine"]["head_dims"] if t.builds("combine", hd)]  # host: a subset
+        assert len({v.spec.name for v in combine}) == len(combine) == len(built)
         assert all(not v.when.to_json() for v in combine)

@@ -181,7 +181,8 @@ def test_a_table_that_disagrees_with_its_kernel_names_is_refused(host_copy, fiel
     from rdnattention.errors import IncompatibleKernelsError
 
     def edit(data):
-        data["kernels"].sort(key=lambda e: (e["head_dim"], e["gqa_group"]))  # kernels[0]: head_dim 32, group 1
+        # kernels[0]: f16 head_dim 32, group 1
+        data["kernels"].sort(key=lambda e: (e["family"] != "f16" or e["head_dim"] != 32, e["gqa_group"]))
         data["kernels"][0][field] = value
     _edit_table(host_copy, edit)
     with pytest.raises(IncompatibleKernelsError) as err:

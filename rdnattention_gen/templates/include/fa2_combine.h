@@ -3,7 +3,8 @@
 //
 // One workgroup per row of the padded [batch, heads_q, seq_q] row space; rows past a sequence's
 // query rows do not exist. Its threads form G = NT / L groups of L = D/8 lanes (8 fp32 values of
-// the row each); group g merges slices g, g + G, ... against its own running maximum, several
+// the row each; where L does not divide NT, the NT - G * L threads left over only meet the
+// barrier); group g merges slices g, g + G, ... against its own running maximum, several
 // slices' loads in flight at once, and the groups' results meet in LDS. With the slices spread over G
 // groups, a call with many slices (few rows, long caches) waits out the cache latency G times
 // less often than one group walking them all.
@@ -15,8 +16,9 @@
 template <int D, int NT, class Args>
 RDNA_DEVICE void fa2_combine(const Args& a, unsigned char* lds) {
   constexpr int L = D / 8, G = NT / L;
-  static_assert(D % 8 == 0 && L <= NT && NT % L == 0, "lanes per row");
+  static_assert(D % 8 == 0 && L <= NT, "lanes per row");
   const int tid = rdna_thread_id(), g = tid / L, c0 = tid % L * 8;
+  const bool grouped = NT % L == 0 || g < G;  // in a group (not one of the threads left over)
   const long long total = (long long)a.batch * a.heads_q * a.seq_q;
   const long long row = rdna_block_id_x();
   const int p = (int)(row % a.seq_q), head = (int)(row / a.seq_q % a.heads_q);
@@ -31,7 +33,7 @@ RDNA_DEVICE void fa2_combine(const Args& a, unsigned char* lds) {
   // the row NaN.
   float mx = -__builtin_inff(), sum = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
-  for (int s = g; s < a.splits; s += G) {
+  for (int s = g; grouped && s < a.splits; s += G) {
     const float lse = a.part_lse[s * total + row];
     float part[8];
     __builtin_memcpy(part, __builtin_assume_aligned(a.part_o + (s * total + row) * D + c0, 16), sizeof(part));
@@ -47,8 +49,10 @@ RDNA_DEVICE void fa2_combine(const Args& a, unsigned char* lds) {
   // The groups meet: acc [G][D], then (reference, sum) [G]; group 0 merges and stores.
   float* const accl = reinterpret_cast<float*>(lds);
   float* const stat = accl + G * D;
-  __builtin_memcpy(__builtin_assume_aligned(accl + g * D + c0, 16), acc, sizeof(acc));
-  if (c0 == 0) stat[2 * g] = mx, stat[2 * g + 1] = sum;
+  if (grouped) {
+    __builtin_memcpy(__builtin_assume_aligned(accl + g * D + c0, 16), acc, sizeof(acc));
+    if (c0 == 0) stat[2 * g] = mx, stat[2 * g + 1] = sum;
+  }
   rdna_block_sync();
   if (g != 0) return;
   float ref, out[8];

@@ -4,8 +4,12 @@
 // query positions, in that order) and one slice of the keys; the grid is (key slices x row chunks,
 // K/V heads, batch), the chunks of one slice side by side (x = slice * chunks + chunk), so that a
 // slice read by several chunks is read from memory once and from the L2 cache after. Nothing is
-// staged in LDS: each key is read from memory straight into the registers of a group of L = D/8
-// lanes, 16 bytes of K and 16 bytes of V per lane, and the L lanes reduce its score with shuffles.
+// staged in LDS: each key is read from memory straight into the registers of a group of L lanes,
+// 16 bytes of K and 16 bytes of V per lane, and the L lanes reduce its score with shuffles. L is
+// D/8 rounded up to a power of two: where D/8 is not one, the lanes past D/8 are padding. Their
+// query and keys are zeros, so they add nothing to the scores, and they store nothing; they load
+// the last lane's 16 bytes (their values unused), so that no load waits on a condition (predicated
+// loads a step ahead cost sm_90's one-row kernels spills).
 // The NG = NT/L lane groups take keys round robin, T of them per step (BC = NG * T keys per
 // workgroup step), and each keeps its own online softmax over the keys it saw; at the end the
 // groups of a wave merge by shuffles and the waves meet once, in LDS. With one slice the workgroup writes the output; with several it writes
@@ -142,7 +146,8 @@ RDNA_DEVICE void fa2_store_final_row(const Args& a, long long b, int head, long 
 template <class E, int D, int R, int BC, int NT, int LDS_BYTES, bool PAGED, class Args>
 RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   constexpr int CPL = E::CPL;
-  constexpr int L = D / CPL;  // lanes per key: 16 bytes of its K and V each
+  constexpr int LD = D / CPL;               // lanes holding values of a key: 16 bytes of its K and V each
+  constexpr int L = rdna_pow2_ceil(LD);     // lanes per key, the last L - LD of them padding
   constexpr int NG = NT / L;  // lane groups
   constexpr int T = BC / NG;  // keys per group per step
   static_assert(D % CPL == 0 && L <= RDNA_WAVE_SIZE && (L & (L - 1)) == 0 && NT % L == 0 && BC % NG == 0, "lane groups");
@@ -150,6 +155,8 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   static_assert(R >= 1 && R <= L && (R & (R - 1)) == 0, "rows: a power of two, at most the lanes per key");
 
   const int tid = rdna_thread_id(), grp = tid / L, lane = tid % L;
+  const bool holds = LD == L || lane < LD;  // the lane holds values (not padding)
+  const int at = holds ? lane : LD - 1;      // the 16 bytes of each row the lane loads
   const int group = a.heads_q / a.heads_kv;
   const int chunks = (group * a.seq_q + R - 1) / R;
   const int split = rdna_block_id_x() / chunks, r0 = rdna_block_id_x() % chunks * R;
@@ -201,7 +208,7 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   for (int d = 0; d < R; ++d) {
     const int r = rdna_min(r0 + (own ^ d), rows - 1), head = head_kv * group + r / sq;
     const auto* src = a.q + b * a.q_stride_b + head * a.q_stride_h + (q0 + r % sq) * a.q_stride_s;
-    qf[d] = E::query(rdna_load16(src + CPL * lane));
+    qf[d] = E::query(holds ? rdna_load16(src + CPL * lane) : u32x4{0u, 0u, 0u, 0u});
   }
 
   // This slice of the keys the rows can see.
@@ -233,8 +240,8 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
 #pragma unroll
     for (int t = 0; t < T; ++t) {
       const int key = k0 + t * NG + grp;
-      kd[t] = key < s_hi ? rdna_load16(kv.key(key, pg[t]) + CPL * lane) : zero;
-      vd[t] = key < s_hi ? rdna_load16(kv.value(key, pg[t]) + CPL * lane) : zero;
+      kd[t] = key < s_hi ? rdna_load16(kv.key(key, pg[t]) + CPL * at) : zero;
+      vd[t] = key < s_hi ? rdna_load16(kv.value(key, pg[t]) + CPL * at) : zero;
       sd[t] = key < s_hi ? scales.key(key) : 1.f;  // 1: folds away for fp16
     }
   };
@@ -256,7 +263,7 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
     float s[T];
 #pragma unroll
     for (int t = 0; t < T; ++t) {
-      const typename E::K kf = E::key(kc[t]);
+      const typename E::K kf = E::key(holds ? kc[t] : zero);  // a padding lane's keys: zeros
       float acc[R];
 #pragma unroll
       for (int d = 0; d < R; ++d) acc[d] = E::dot(qf[d], kf);
@@ -346,12 +353,12 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   if (grp % GW == 0) {
 #pragma unroll
     for (int d = 0; d < R; ++d)
-      __builtin_memcpy(__builtin_assume_aligned(ol + (wave * R + (own ^ d)) * D + CPL * lane, 16), o[d], sizeof(o[d]));
+      if (holds) __builtin_memcpy(__builtin_assume_aligned(ol + (wave * R + (own ^ d)) * D + CPL * lane, 16), o[d], sizeof(o[d]));
     if (lane % SPAN == 0) ml[2 * (wave * R + own)] = m, ml[2 * (wave * R + own) + 1] = l;
   }
   rdna_block_sync();
-  for (int item = tid; item < live * L; item += NT) {
-    const int i = item / L, c0 = item % L * CPL, r = r0 + i;
+  for (int item = tid; item < live * LD; item += NT) {
+    const int i = item / LD, c0 = item % LD * CPL, r = r0 + i;
     const int head = head_kv * group + r / sq, p = r % sq;
     float ref, acc[CPL];
     const float sum = fa2_merge_partials(ml + 2 * i, 2 * R, ol + i * D + c0, R * D, NW, acc, ref);

@@ -42,7 +42,8 @@ struct ForwardF16 : P {
 // cu_seqlens_q[b] and its keys at cu_seqlens_k[b], as many as the next offsets say (keys: or
 // seqused_k[b]), within the total_q and total_k packed rows (fa2_packed_span); row blocks past its
 // query rows end at once.
-template <class P, class Pipe, int D, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, bool LENGTHS,
+// D: the head_dim the tiles hold, HD padded with zero columns (fa2_forward.h); HD: the inputs'.
+template <class P, class Pipe, int D, int HD, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, bool LENGTHS,
           bool VARLEN = false>
 RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a, unsigned char* lds) {
   const RowBlockSchedule<BR, G> sched(a.seq_q, a.heads_q, a.heads_kv, a.heavy_first);
@@ -60,5 +61,5 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a, unsigned char* lds) {
   const WindowMask<Fa2Args, LENGTHS || VARLEN, VARLEN> mask{a, keys, sq};
   const RotaryTables<Fa2Args> rope{a};
   const NormalizeEpilogue<Fa2Args> epi{a, q0};
-  fa2_forward<ForwardF16<P>, Pipe, D, G, BR, BC, NT, TM, LDS_BYTES>(lds, sched, q, kv, mask, rope, NoScales{}, epi);
+  fa2_forward<ForwardF16<P>, Pipe, D, HD, G, BR, BC, NT, TM, LDS_BYTES>(lds, sched, q, kv, mask, rope, NoScales{}, epi);
 }

@@ -16,6 +16,10 @@
 //   ks  [BC]               the K tile's scales, where the Scales policy has them (int8)
 // The family's lds_layout (Python) states the same sizes; LDS_BYTES is checked against them.
 //
+// D is the head_dim the tiles hold: the inputs' head_dim HD, padded with zero columns up to what the
+// thread grid divides (a multiple of 2 * TCW). The padded columns of Q, K and V are never loaded
+// (zeros in LDS, so they add nothing to the scores) and those of the output never stored.
+//
 // What varies between kernels lives in the policies: the element type and what it does to
 // scores, probabilities and values (E), what runs ahead and how LDS is laid out (Pipe,
 // pipeline.h), and the problem (fa2_policies.h): which rows a workgroup owns (Schedule), where
@@ -29,8 +33,8 @@
 // probabilities, added to the row's sums) and EXACT_LSE (the LSE comes from the unrounded sum).
 #pragma once
 
-template <class E, class Pipe, int D, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, class Schedule, class Q,
-          class Kv, class Mask, class Rope, class Scales, class Epilogue>
+template <class E, class Pipe, int D, int HD, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, class Schedule,
+          class Q, class Kv, class Mask, class Rope, class Scales, class Epilogue>
 RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q& q_rows, const Kv& kv,
                              const Mask& mask, const Rope& rope, const Scales& scales, const Epilogue& epi) {
   using P = typename Pipe::template Tile<E>;  // E's packs in the pipeline's LDS layout
@@ -67,6 +71,8 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
   static_assert(BR % TM == 0 && NT % TRW == 0 && TCW <= RDNA_WAVE_SIZE && (TCW & (TCW - 1)) == 0, "thread grid");
   static_assert(BC % TCW == 0 && CK % PK == 0 && D % TCW == 0 && TD % 2 == 0 && BR % G == 0, "tile shape");
   static_assert(D % CHUNK_VALUES == 0 && (D / VW) * VW == D && VW % P::CHUNK == 0, "staging items");
+  static_assert(HD <= D && HD % CHUNK_VALUES == 0 && HD % VW == 0, "padded head_dim");
+  constexpr bool PADDED = HD < D;  // columns HD .. D - 1: zeros, never loaded or stored
   static_assert(LDS_BYTES == (Q_PACKS + KV_PACKS + P_PACKS) * (int)sizeof(pack_t) + KS_BYTES, "LDS layout");
 
   pack_t* const qt = reinterpret_cast<pack_t*>(lds);
@@ -92,7 +98,8 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     const int r = i % BR, c = i / BR;
     const int pos = block_pos + r % RPH;
     const auto src = q_rows.row(b, head0 + r / RPH, pos);
-    const u32x4 chunk[1] = {pos < mask.seq_q() ? rdna_load16(src + CHUNK_VALUES * c) : zero};
+    const u32x4 chunk[1] = {pos < mask.seq_q() && (!PADDED || c < HD / CHUNK_VALUES) ? rdna_load16(src + CHUNK_VALUES * c)
+                                                                                      : zero};
     rdna_store_columns<P, 1>(qt, QS, 4 * c, r, chunk);
   }
   if (rope.enabled()) {
@@ -131,7 +138,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
 #pragma unroll
     for (int t = 0; t < KI; ++t) {
       const int i = tid + t / KG * NT, key = k0 + i % (BC / KG) * KG + t % KG;
-      k_stage[t] = (K_WHOLE || i < K_ITEMS / KG) && key < kv.seq_k()
+      k_stage[t] = (K_WHOLE || i < K_ITEMS / KG) && key < kv.seq_k() && (!PADDED || i / (BC / KG) < HD / CHUNK_VALUES)
                        ? rdna_load16(kv.key(key) + CHUNK_VALUES * (i / (BC / KG)))
                        : zero;
     }
@@ -148,10 +155,11 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     for (int t = 0; t < VI; ++t) {
       const int i = tid + t * NT, key = k0 + PK * (i / (D / VW));
       const auto row = kv.value(key) + i % (D / VW) * VW;
+      const bool col = !PADDED || i % (D / VW) * VW < HD;
       for (int r = 0; r < PK; r += 2)
         rdna_load_key_rows(v_stage[t][r], v_stage[t][r + 1], row + r * kv.value_stride(),
-                           row + (r + 1) * kv.value_stride(), i < V_ITEMS && key + r < kv.seq_k(),
-                           i < V_ITEMS && key + r + 1 < kv.seq_k());
+                           row + (r + 1) * kv.value_stride(), i < V_ITEMS && key + r < kv.seq_k() && col,
+                           i < V_ITEMS && key + r + 1 < kv.seq_k() && col);
     }
   };
 
@@ -319,7 +327,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
 #pragma unroll
       for (int c = 0; c < TD; ++c) o[i][c] *= vs[c];
     }
-    epi.template store<TD, CD, TCW>(b, head0 + (row0 + i) / RPH, pos[i], tx, o[i], m[i], l[i],
-                                    E::EXACT_LSE ? lx[i] : l[i]);
+    epi.template store<TD, CD, TCW, HD>(b, head0 + (row0 + i) / RPH, pos[i], tx, o[i], m[i], l[i],
+                                        E::EXACT_LSE ? lx[i] : l[i]);
   }
 }

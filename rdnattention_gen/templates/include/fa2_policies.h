@@ -217,14 +217,15 @@ struct NormalizeEpilogue {
   const Args& a;
   long long q0 = 0;  // the batch's first row (packed batches), as in StridedQ
 
-  template <int TD, int CD, int TCW>
+  // HD: the output's head_dim; columns past it (padding, fa2_forward.h) are not stored.
+  template <int TD, int CD, int TCW, int HD = TD * TCW>
   RDNA_METHOD void store(long long b, int head, int pos, int tx, const float (&row)[TD], float m, float l,
                          float lse_sum) const {
     // A row that saw no key (l == 0) is zero, its LSE -inf; a NaN score made l NaN, and the
     // row and its LSE stay NaN (never mistaken for "no visible key").
     const float inv = l == 0.f ? 0.f : 1.f / l;
     half_t* out = a.o + b * a.o_stride_b + head * a.o_stride_h + (q0 + pos) * a.o_stride_s + tx * CD;
-    rdna_store_row<TD, CD>(out, TCW * CD, row, inv);
+    rdna_store_row<TD, CD, (HD < TD * TCW)>(out, TCW * CD, row, inv, HD - tx * CD);
     if (a.lse && tx == 0) {
       const float ln2 = 0.6931471805599453f;
       a.lse[b * a.lse_stride_b + head * a.lse_stride_h + q0 + pos] =

@@ -32,6 +32,9 @@ constexpr int rdna_chunk = N % C == 0 ? C : rdna_chunk<N, C / 2>;
 template <int N>
 constexpr int rdna_chunk<N, 1> = 1;
 
+// The least power of two at or above n (n >= 1).
+RDNA_DEVICE constexpr int rdna_pow2_ceil(int n) { return n <= 1 ? 1 : 2 * rdna_pow2_ceil((n + 1) / 2); }
+
 // acc[i][j] = a[i] . b[j] + acc[i][j]: one register tile step, every loaded pack used M or N times.
 template <typename P, int M, int N, typename Acc>
 RDNA_DEVICE void rdna_outer_product(Acc (&acc)[M][N], const typename P::pack_t (&a)[M],
@@ -91,11 +94,13 @@ RDNA_DEVICE void rdna_store_key_packs(typename P::pack_t* tile, int S, int row, 
 }
 
 // One output row slice held in chunks of C columns: chunk c covers columns [c * stride, c * stride + C)
-// of `out`. Values are scaled by `scale` and stored as fp16, one store per chunk.
-template <int N, int C>
-RDNA_DEVICE void rdna_store_row(half_t* out, int stride, const float (&o)[N], float scale) {
+// of `out`. Values are scaled by `scale` and stored as fp16, one store per chunk. LIMITED: only the
+// chunks that start before column `avail` (the rest are padding).
+template <int N, int C, bool LIMITED = false>
+RDNA_DEVICE void rdna_store_row(half_t* out, int stride, const float (&o)[N], float scale, int avail = 0) {
 #pragma unroll
   for (int c = 0; c < N / C; ++c) {
+    if (LIMITED && c * stride >= avail) break;
     unsigned words[C / 2];
 #pragma unroll
     for (int w = 0; w < C / 2; ++w) words[w] = rdna_pack_half2(o[c * C + 2 * w] * scale, o[c * C + 2 * w + 1] * scale);
