@@ -1,0 +1,147 @@
+"""Tokens per second of Hugging Face ``generate()`` in eager mode, rdnattention beside torch's sdpa
+in the same run: a random-weight Llama-shaped model built from a config (nothing downloaded), fp16,
+GQA 32/8 (head_dim 128), DynamicCache, greedy decoding.
+
+    python -m tuning.generate                      # batch 1 and 8, 16 layers
+    python -m tuning.generate --layers 4 --new 32  # a quick look
+
+Three ways of running the same model, timed in turn round after round (A B C A B C ...), the
+median taken:
+- sdpa: ``attn_implementation="sdpa"``, torch's own attention;
+- rdnattention: ``attn_implementation="rdnattention"`` (rdnattention.integrations.transformers);
+- sdpa, patched: ``attn_implementation="sdpa"`` inside ``rdnattention.sdpa_patched()``.
+Each row also says how many of the attention calls our kernels served, and whether the greedy
+tokens equal sdpa's (random weights make near-ties, so fp16 rounding may change a token late in
+the sequence: the count of equal leading tokens is shown)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+
+def _model(layers: int, hidden: int, heads: int, heads_kv: int, vocab: int, implementation: str, device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=int(hidden * 2.6875) // 64 * 64,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads_kv,
+                         vocab_size=vocab, max_position_embeddings=4096, attn_implementation=implementation)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.float16).eval()
+    return model
+
+
+def _use(model, implementation: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(implementation)
+    else:  # transformers before set_attn_implementation
+        model.config._attn_implementation = implementation
+
+
+def _generate(model, prompt: torch.Tensor, new: int) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              pad_token_id=0, use_cache=True)
+
+
+def _leading_equal(a: torch.Tensor, b: torch.Tensor) -> int:
+    same = (a == b).all(dim=0)
+    return int(same.cumprod(0).sum())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--batch", default="1,8", help="comma-separated batch sizes (default 1,8)")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence (default 128)")
+    p.add_argument("--new", type=int, default=128, help="generated tokens per sequence (default 128)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", default="cuda", help="cuda (default); cpu runs the host kernels (a smoke test of "
+                                                     "this script, no figure to compare)")
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda and not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 1
+
+    import transformers
+
+    import rdnattention
+    import rdnattention.integrations.transformers as rt
+
+    rt.register()
+    model = _model(args.layers, args.hidden, 32, 8, 32000, "sdpa", args.device)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{torch.cuda.get_device_name() if cuda else 'CPU'}; Llama-shaped, {args.layers} layers, hidden {args.hidden}, "
+          f"heads 32/8, fp16, eager, DynamicCache, prompt {args.prompt}, {args.new} new tokens, greedy\n")
+    print("| batch | sdpa tokens/s | rdnattention tokens/s | ratio | served | equal leading tokens | "
+          "sdpa patched tokens/s | ratio | served | equal leading tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for batch in (int(b) for b in args.batch.split(",")):
+        g = torch.Generator(device=args.device).manual_seed(batch)
+        prompt = torch.randint(1, 32000, (batch, args.prompt), device=args.device, generator=g)
+
+        def sdpa():
+            _use(model, "sdpa")
+            return _generate(model, prompt, args.new)
+
+        def ours():
+            _use(model, rt.NAME)
+            return _generate(model, prompt, args.new)
+
+        def patched():
+            _use(model, "sdpa")
+            with rdnattention.sdpa_patched(devices=args.device):
+                return _generate(model, prompt, args.new)
+
+        runs = {"sdpa": sdpa, "ours": ours, "patched": patched}
+        outputs = {name: fn() for name, fn in runs.items()}  # warm-up: plans, kernels, allocator
+        served = {}
+        for name in ("ours", "patched"):
+            rt.fallbacks.clear()
+            before = rdnattention.stats()
+            runs[name]()
+            after = rdnattention.stats()
+            served[name] = (before, after, sum(rt.fallbacks.values()))
+            if name == "ours":
+                reasons = dict(rt.fallbacks)
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(args.rounds):
+            for name, fn in runs.items():
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                times[name].append(time.perf_counter() - t0)
+        rate = {name: batch * args.new / statistics.median(t) for name, t in times.items()}
+        row = [str(batch), f"{rate['sdpa']:.0f}"]
+        for name in ("ours", "patched"):
+            before, after, fell_back = served[name]
+            if name == "ours":
+                calls = args.layers * args.new  # one forward pass per generated token
+                shown = f"{calls - fell_back} of {calls}" + (f", fallbacks {reasons}" if fell_back else "")
+            else:
+                shown = _patched_served(before, after)
+            row += [f"{rate[name]:.0f}", f"{rate[name] / rate['sdpa']:.2f}x", shown,
+                    f"{_leading_equal(outputs[name][:, args.prompt:], outputs['sdpa'][:, args.prompt:])} of {args.new}"]
+        print("| " + " | ".join(row) + " |", flush=True)
+    return 0
+
+
+def _patched_served(before: dict, after: dict) -> str:
+    """The SDPA patch's served and fallen-back call counts between two stats() snapshots."""
+    served = after["served"] - before["served"]
+    fell = {k: v - before["fallbacks"].get(k, 0) for k, v in after["fallbacks"].items()}
+    fell = {k: v for k, v in fell.items() if v}
+    return f"{served} served" + (f", fallbacks {fell}" if fell else "")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
