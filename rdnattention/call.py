@@ -97,7 +97,7 @@ class Attention:
                   Option.KEY_SLICES: self.num_splits > 0 and layout is not Layout.PACKED}
         return Request(precision=Precision.INT8 if self.scales is not None else Precision.FP16, layout=layout,
                        head_dim=self.q.shape[3], rows=self.q.shape[1] // max(self.k.shape[1], 1) * self.seq_q,
-                       options=frozenset(o for o, on in wanted.items() if on), kernel=self.kernel)
+                       options=frozenset(o for o, on in wanted.items() if on), kernel=self.kernel, seq_q=self.seq_q)
 
 
 @dataclass(frozen=True)
@@ -110,3 +110,4 @@ class Request:
     rows: int  # query rows per K/V head: query heads per K/V head times query rows per sequence
     options: frozenset[Option] = frozenset()
     kernel: str | None = None
+    seq_q: int | None = None  # query rows per sequence; None: as many as rows (no grouped heads)

@@ -123,6 +123,12 @@ ALGORITHMS = (FP16_ROW_BLOCKS, FP16_SPLIT_KV, INT8_ROW_BLOCKS, INT8_SPLIT_KV)
 SPLIT_KV_MAX_ROWS = 8
 
 
+def split_kv_preferred(rows: int, seq_q: int | None) -> bool:
+    """Whether a call of ``rows`` query rows per K/V head (``seq_q`` per sequence) prefers the
+    split-KV kernels to the row-block ones (tuning/split_rows.py measures the crossover)."""
+    return rows <= SPLIT_KV_MAX_ROWS
+
+
 @dataclass(frozen=True)
 class Route:
     """What serves a call: an algorithm, its kernel family and the layout option of the kernels
@@ -156,7 +162,7 @@ def choose(table: TargetTable, request: Request) -> Route:
                             f"{', '.join(sorted(o.value for o in request.options - a.options))}" for a in serving)
         raise UnsupportedError(f"no kernel family serves this {request.precision.value} call with "
                                f"{request.layout.value}: {lacking}")
-    split_first = request.rows <= SPLIT_KV_MAX_ROWS
+    split_first = split_kv_preferred(request.rows, request.seq_q)
     preferred = sorted(able, key=lambda a: a.split_kv != split_first)
     for a in preferred:
         layout = a.layouts[request.layout]

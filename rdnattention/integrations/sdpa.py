@@ -417,7 +417,7 @@ def _decide(config: _Config, query, key, value, attn_mask, dropout_p, is_causal,
     if isinstance(table, str):
         return f"no kernels for {device.type}", table
     rows = heads // heads_kv * seq_q
-    why = _choose(table, Request(precision=Precision.FP16, layout=Layout.STRIDED, head_dim=head_dim, rows=rows))
+    why = _choose(table, Request(precision=Precision.FP16, layout=Layout.STRIDED, head_dim=head_dim, rows=rows, seq_q=seq_q))
     if why:
         return f"head_dim {head_dim}", why
     if mask is None:  # torch's is_causal is top-left: query i sees keys 0..i
@@ -435,7 +435,7 @@ def _decide(config: _Config, query, key, value, attn_mask, dropout_p, is_causal,
         # One call with per-sequence key counts where kernels of that layout are built, else one
         # call per sequence on the plain kernels.
         run.seqused = not _choose(table, Request(precision=Precision.FP16, layout=Layout.SEQUSED, head_dim=head_dim,
-                                                 rows=rows))
+                                                 rows=rows, seq_q=seq_q))
     return run
 
 

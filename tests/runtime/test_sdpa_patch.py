@@ -158,7 +158,7 @@ FALLBACKS = {
     # name: (make inputs, keyword arguments, reason)
     "float32": (lambda: _qkv(dtype=torch.float32), {}, "dtype torch.float32"),
     "bfloat16": (lambda: _qkv(dtype=torch.bfloat16), {}, "dtype torch.bfloat16"),
-    "head_dim 16": (lambda: _qkv(d=16), {}, "head_dim 16"),
+    "head_dim 12": (lambda: _qkv(d=12), {}, "head_dim 12"),
     "dropout": (_qkv, {"dropout_p": 0.5}, "dropout"),
     "a bias": (_qkv, {"attn_mask": torch.randn(24, 40).half()}, "attn_mask values"),
     "heads differ": (_qkv, {"attn_mask": torch.stack([J <= I, J <= I + 16])[None]}, "attn_mask pattern"),
