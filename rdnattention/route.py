@@ -121,12 +121,18 @@ ALGORITHMS = (FP16_ROW_BLOCKS, FP16_SPLIT_KV, INT8_ROW_BLOCKS, INT8_SPLIT_KV)
 # (which read K/V once per 64-128 rows but fill the device only with many rows). Measured up to 4
 # rows on the H200 (tuning/results/h200_decode.md); 8 is the untuned bound.
 SPLIT_KV_MAX_ROWS = 8
+# Query rows per sequence up to which the split-KV kernels are preferred however many query heads
+# share a K/V head: a row block of 128 rows then holds a few real rows of each grouped head and the
+# grid only batch x heads_kv blocks, each walking every key (GQA 32/8 with 4 query rows and 8192
+# keys: 1.62 ms in row blocks, 0.035 ms split; 16 rows at batch 8 still favour the split).
+# Measured on the H200 with tuning/split_rows.py (tuning/results/h200_split_rows.md).
+SPLIT_KV_MAX_SEQ_Q = 16
 
 
 def split_kv_preferred(rows: int, seq_q: int | None) -> bool:
     """Whether a call of ``rows`` query rows per K/V head (``seq_q`` per sequence) prefers the
     split-KV kernels to the row-block ones (tuning/split_rows.py measures the crossover)."""
-    return rows <= SPLIT_KV_MAX_ROWS
+    return rows <= SPLIT_KV_MAX_ROWS or (seq_q is not None and seq_q <= SPLIT_KV_MAX_SEQ_Q)
 
 
 @dataclass(frozen=True)

@@ -341,6 +341,7 @@ def _entry_point_calls(device):
     cos, sin = rdnattention.rotary_tables(4096, 128, device=device)
     packed_q, packed_k = rnd(4, 8, 128), rnd(5000, 2, 128)
     cu_q, cu_k = ints(0, 1, 2, 3, 4), ints(0, 1000, 3000, 4000, 5000)
+    rows, paged_cu_k = ints(1, 0), ints(0, 3000, 3017)  # made here: a copy from the host synchronises
     (q8, qs), (k8, ks), (v8, vs) = (rdnattention.quantize_per_token(q1), rdnattention.quantize_per_token(kv),
                                     rdnattention.quantize_per_channel(kv))
     return [
@@ -358,7 +359,7 @@ def _entry_point_calls(device):
         ("kvcache int length", lambda: rdnattention.flash_attn_with_kvcache(tq, cache, cache, tk, tk,
                                                                              cache_seqlens=100)),
         ("kvcache rows", lambda: rdnattention.flash_attn_with_kvcache(tq, cache, cache, cache_seqlens=lengths,
-                                                                       cache_batch_idx=ints(1, 0))),
+                                                                       cache_batch_idx=rows)),
         ("kvcache paged", lambda: rdnattention.flash_attn_with_kvcache(tq, pool, pool, tk, tk, cache_seqlens=lengths,
                                                                         block_table=table)),
         ("varlen decode", lambda: rdnattention.varlen_attn(packed_q, packed_k, packed_k, cu_q, cu_k, 1, 2000,
@@ -367,7 +368,7 @@ def _entry_point_calls(device):
                                                                        packed_k, cu_k, cu_k, 2000, 2000,
                                                                        causal=True)),
         ("varlen paged", lambda: rdnattention.flash_attn_varlen_func(packed_q[:2], pool, pool, cu_q[:3],
-                                                                     ints(0, 3000, 3017), 1, 4096,
+                                                                     paged_cu_k, 1, 4096,
                                                                      block_table=table)),
         ("int8", lambda: rdnattention.flash_attn_int8qk(q8, k8, v8, qs, ks, vs)),
         ("int8 quantized", lambda: rdnattention.flash_attn_int8qk_quantized(q4, kv, kv)),
