@@ -152,12 +152,17 @@ def _print_info(data: dict) -> None:
 
 
 def _fix(e: Exception, target: str | None) -> str:
+    """One command that fixes ``e`` when run as printed (or what to do where no command does)."""
+    build = (f"pip install 'rdnattention[gen]' (clang-22 and lld-22 on PATH), then rdnattention-gen build --user "
+             f"--targets {target}")
     if isinstance(e, IncompatibleKernelsError):
-        return f"rebuild the kernels with this version: rdnattention-gen build --targets {target}"
+        return f"rebuild the kernels with this version: {build}"
     if isinstance(e, KernelsNotBuiltError):
-        return (f"build them: rdnattention-gen build --targets {target} (or pip install the rdnattention-kernels "
-                "package for its GPU family); a GPU of the same instruction set as a built target runs that target's "
-                "kernels only when it reports it: set HSA_OVERRIDE_GFX_VERSION (the message names the value)")
+        if target is not None and target.startswith("host"):
+            return f"build the host emulator's kernels: {build}"
+        return (f"install the kernel wheel that carries {target} (README, Install), or build them: {build}; a GPU of "
+                "the same instruction set as a built target runs that target's kernels only when it reports it: set "
+                "HSA_OVERRIDE_GFX_VERSION (the message names the value)")
     if isinstance(e, LaunchError):
         return "the driver refused the launch: check the GPU driver, then report the message above"
     if isinstance(e, UnsupportedError):
@@ -165,12 +170,29 @@ def _fix(e: Exception, target: str | None) -> str:
     return "a wrong result: report it with the output of `rdnattention info`"
 
 
-def doctor() -> int:
+def _host_kernels_present() -> bool:
+    return any(p.parent.name in ("host", "host_f32") for p in dispatch.built_tables())
+
+
+def doctor(cpu: bool | None = None) -> int:
+    """A small case on every GPU (and the CPU: with ``cpu=True``, or by default where host kernels
+    are installed) against the float64 oracle; prints a fix per problem. Exit status 0 when every
+    device checked works, 1 otherwise (and when there is nothing to check)."""
     from .reference import attention_reference
     from .api import flash_attn
 
     problems = 0
-    for device in _devices():
+    devices = _devices()
+    if cpu is None:
+        cpu = _host_kernels_present()
+    if not cpu:
+        devices = [d for d in devices if d.type != "cpu"]
+        print("skip  cpu: the host emulator is a correctness tool, far slower than torch's own CPU attention; "
+              "no host kernels are installed (check it anyway: rdnattention doctor --cpu)")
+    if not devices:
+        print("doctor: no GPU that torch sees; nothing checked")
+        return 1
+    for device in devices:
         label = f"{device} ({_device_facts(device)['name']})"
         target = None
         try:
@@ -199,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     i = sub.add_parser("info", help="versions, devices, resolved targets and the kernels each would use")
     i.add_argument("--json", action="store_true", help="print one JSON object")
-    sub.add_parser("doctor", help="run a small case on every device against the oracle; print a fix per problem")
+    d = sub.add_parser("doctor", help="run a small case on every GPU against the oracle; print a fix per problem")
+    d.add_argument("--cpu", action=argparse.BooleanOptionalAction, default=None,
+                   help="check the CPU (host emulator) too; default: where host kernels are installed")
     args = p.parse_args(argv)
     if args.command == "info":
         data = info()
@@ -208,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _print_info(data)
         return 0
-    return doctor()
+    return doctor(cpu=args.cpu)
 
 
 if __name__ == "__main__":
