@@ -65,9 +65,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     covers cache_seqlens + seq_new keys. Queries align to the end of each sequence's keys.
     ``num_splits``: key slices of the split-KV kernels (0: chosen from the device). Returns out
     [batch, seq_q, heads, head_dim], with the LSE [batch, heads, seq_q] if return_softmax_lse.
-    A call that raises has written nothing. As flash-attn's entry does, a head_dim that is not a
-    multiple of 8 (up to 256), or rows that are not contiguous and 16-byte aligned, run on padded
-    copies (padding.py), the cache copied back."""
+    A call that raises has written nothing. As flash-attn's entry does, q, k and v whose rows are
+    not contiguous and 16-byte aligned run on copies, and a head_dim that is not a multiple of 8
+    (up to 256) on padded copies of every tensor, the cache copied back (padding.py); a cache whose
+    rows are not contiguous and aligned is refused (InvalidArgumentError), never copied."""
     plan_key = _key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table,
                     (softmax_scale, causal, window_size, rotary_interleaved, num_splits, return_softmax_lse))
     r = replay.cache.get(plan_key) if plan_key is not None else None
@@ -78,12 +79,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             return hit if return_softmax_lse else hit[0]
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise InvalidArgumentError(f"num_splits must be a non-negative int, got {num_splits!r}")
-    if padding.needed(q, k_cache, v_cache, k, v):  # as flash-attn's entry (padding.py); the cache written back
+    if padding.needed(q, k_cache, v_cache, k, v, in_place=(k_cache, v_cache)):  # as flash-attn's (padding.py)
         return padding.run(flash_attn_with_kvcache, dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v), dict(
             rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
             block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
             rotary_interleaved=rotary_interleaved, num_splits=num_splits, return_softmax_lse=return_softmax_lse),
-            scale_name="softmax_scale", written=("k_cache", "v_cache") if k is not None else ())
+            scale_name="softmax_scale", written=("k_cache", "v_cache") if k is not None else (),
+            in_place=("k_cache", "v_cache"))
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_fp16(name, t, TOKEN_MAJOR)
     given = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("rotary_cos", rotary_cos),
@@ -101,6 +103,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if not traced:  # before any view of them is made (a view beyond its storage is torch's RuntimeError)
         for name, t in given:
             checks.check_memory(name, t)
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):  # read in place, never copied to align
+            checks.check_rows(name, t)
+            if t.numel() and t.data_ptr() % 16:
+                raise InvalidArgumentError(f"{name} rows must start on 16-byte boundaries: its data pointer is "
+                                           f"{t.data_ptr() % 16} bytes past one")
     batch = q.shape[0]
     if v_cache.shape != k_cache.shape:
         raise InvalidArgumentError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape "

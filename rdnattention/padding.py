@@ -36,17 +36,20 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
-def needed(*tensors: object, ranks: tuple[int, ...] = (4,)) -> bool:
+def needed(*tensors: object, ranks: tuple[int, ...] = (4,), in_place: tuple = ()) -> bool:
     """Whether a call on these tensors (None: not given) takes the padded path: all fp16 tensors of
     the ``ranks`` the entry point takes and of one head_dim, and some of them not read as they are
-    (that head_dim not a multiple of 8, or rows not contiguous and 16-byte aligned)."""
+    (that head_dim not a multiple of 8, or rows not contiguous and 16-byte aligned). ``in_place``:
+    those of them the entry point updates in place (a KV cache), which are never copied only to
+    align their rows: as flash-attn does, the entry point refuses such a cache with its own error."""
     given = [t for t in tensors if t is not None]
     if not given or not all(isinstance(t, torch.Tensor) and t.dtype == torch.float16 and t.dim() in ranks
                             for t in given):
         return False
     if len({t.shape[-1] for t in given}) != 1:
         return False  # the entry point names the mismatch
-    return given[0].shape[-1] % MULTIPLE != 0 or not all(_aligned(t) for t in given)
+    return given[0].shape[-1] % MULTIPLE != 0 or not all(
+        _aligned(t) for t in given if not any(t is c for c in in_place))
 
 
 def refuse(head_dim: int) -> None:
@@ -69,11 +72,12 @@ def _prepared(t: torch.Tensor | None, pad: int) -> torch.Tensor | None:
 
 
 def run(entry: Callable, tensors: dict[str, torch.Tensor | None], kwargs: dict, *, scale_name: str,
-        written: tuple[str, ...] = ()):
+        written: tuple[str, ...] = (), in_place: tuple[str, ...] = ()):
     """Calls ``entry`` with ``tensors`` prepared (_prepared) and ``kwargs``, the softmax scale
     (keyword ``scale_name``) defaulting to 1/sqrt of the head_dim as given; returns its result with
     the output (the result, or its first item) sliced back to that head_dim. ``written``: tensors
-    the entry point writes in place (the KV cache), copied back where a prepared copy took them."""
+    the entry point writes in place (the KV cache), copied back where a prepared copy took them;
+    ``in_place``: tensors copied only to pad their head_dim, never to align their rows (needed)."""
     head_dim = next(t for t in tensors.values() if t is not None).shape[-1]
     pad = -head_dim % MULTIPLE
     if pad and head_dim > PADDED_UP_TO:
@@ -86,7 +90,7 @@ def run(entry: Callable, tensors: dict[str, torch.Tensor | None], kwargs: dict, 
                                    f"{head_dim}")
     if kwargs.get(scale_name) is None:
         kwargs = {**kwargs, scale_name: 1.0 / math.sqrt(head_dim)}
-    prepared = {name: _prepared(t, pad) for name, t in tensors.items()}
+    prepared = {name: t if pad == 0 and name in in_place else _prepared(t, pad) for name, t in tensors.items()}
     result = entry(**prepared, **kwargs)
     for name in written:
         if prepared[name] is not tensors[name]:

@@ -386,7 +386,7 @@ def _tables(kw, positions=64):
     (lambda q, kc, vc, kw: kw.update(softmax_scale=3e38), InvalidArgumentError, "times log2(e) is beyond float32"),
     (lambda q, kc, vc, kw: (q[:, :, :3].contiguous(), kc, vc), InvalidArgumentError,
      "q heads (3) must be a multiple of k/v heads (2)"),
-    (lambda q, kc, vc, kw: (_misaligned(q), kc, vc), InvalidArgumentError, "q rows must start on 16-byte boundaries"),
+    (lambda q, kc, vc, kw: (q, kc, _misaligned(vc)), InvalidArgumentError, "v_cache rows must start on 16-byte"),
     (lambda q, kc, vc, kw: kw["k"].requires_grad_(True), UnsupportedError, "k requires grad"),
     (lambda q, kc, vc, kw: (q.requires_grad_(True), kc, vc), UnsupportedError, "requires grad"),
     (_head_dim_32, UnsupportedError, "no dec kernel for head_dim 32"),
@@ -504,9 +504,9 @@ call = lambda: step(packed_q, packed_k, packed_v, cu_q, cu_k)
 @pytest.mark.parametrize("setup, message", [
     # caches and pools by their own strides (they were checked through a stand-in view)
     (_PAGED + "k_cache, v_cache = (torch.randn(8, 16, 2, 128).half()[..., ::2] for _ in range(2))",
-     "InvalidArgumentError: k_cache must be contiguous in its last dimension, got strides (4096, 128, 256, 2)"),
+     "InvalidArgumentError: k_cache must be contiguous in its last dimension, got strides (4096, 256, 128, 2)"),
     (_PAGED + "k_cache, v_cache = (torch.randn(8, 16, 2, 68).half()[..., :64] for _ in range(2))",
-     "InvalidArgumentError: k_cache rows must start on 16-byte boundaries: strides (2176, 68, 136)"),
+     "InvalidArgumentError: k_cache rows must start on 16-byte boundaries: strides (2176, 136, 68)"),
     ("k_cache = torch.randn(3, 64, 2, 128).half()[..., ::2]; v_cache = k_cache.clone()\n"
      "kw['cache_batch_idx'] = torch.tensor([2, 0], dtype=torch.int32)",
      "InvalidArgumentError: k_cache must be contiguous in its last dimension"),

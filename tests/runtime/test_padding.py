@@ -151,6 +151,22 @@ def test_flash_attn_with_kvcache_appends_to_the_callers_cache(host_build, paged)
         _check(out[i:i + 1], lse[i:i + 1], ref, ref_lse)
 
 
+def test_flash_attn_with_kvcache_copies_misaligned_queries_and_refuses_misaligned_caches(host_build):
+    """As flash-attn's entry: q and the new rows are made readable by a copy; the cache, updated in
+    place, is never copied to align it, so one that is not aligned is refused untouched."""
+    b, cache, hk, d = 2, 32, 2, 64
+    q = _token_major(b, 1, 4, d + 4, 24)[..., 2:d + 2]  # rows at 4-byte offsets
+    k_cache, v_cache = _token_major(b, cache, hk, d, 25), _token_major(b, cache, hk, d, 26)
+    lengths = torch.tensor([7, 30], dtype=torch.int32)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths)
+    assert torch.equal(out, flash_attn_with_kvcache(q.contiguous(), k_cache, v_cache, cache_seqlens=lengths))
+    strided = _token_major(b, cache, hk, d + 4, 27)[..., :d]
+    before = strided.clone()
+    with pytest.raises(InvalidArgumentError, match="v_cache rows must start on 16-byte boundaries"):
+        flash_attn_with_kvcache(q, k_cache, strided, cache_seqlens=lengths)
+    assert torch.equal(strided, before)
+
+
 def test_the_padded_path_compiles_whole(host_build):
     """torch.compile traces the padding and the slice around the custom op, without graph breaks."""
     torch._dynamo.reset()
