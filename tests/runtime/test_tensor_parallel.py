@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -51,6 +52,12 @@ RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _run(args: list[str], tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
@@ -66,7 +73,7 @@ def test_two_ranks_of_tp_plan_auto_run_the_kernels_and_equal_one_process(host_bu
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     _run([sys.executable, str(script), str(tmp_path / "model"), str(tmp_path / "one")], tmp_path)
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
           str(script), str(tmp_path / "model"), str(tmp_path / "tp"), "tp"], tmp_path)
 
     one = torch.load(tmp_path / "one.0.pt")
