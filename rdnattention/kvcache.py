@@ -442,7 +442,7 @@ def _leftpad_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cu_q = (_arange(batch + 1, device) * seq_q).to(torch.int32)
     call = route.Attention(q=q.transpose(1, 2), k=kv, v=vv, out=out.transpose(1, 2), lse=lse if return_lse else None,
                            window=window, softmax_scale=softmax_scale, batch=batch, seq_q=seq_q, seq_k=cache_len,
-                           seqused_k=(used - leftpad).clamp(min=0).to(torch.int32), cu_seqlens_q=cu_q,
+                           seqused_k=(used.long() - leftpad.long()).clamp(0, cache_len).to(torch.int32), cu_seqlens_q=cu_q,
                            cu_seqlens_k=cu_k, num_splits=num_splits)
     return out, lse, route.plan(route.device_table(device), call)
 
