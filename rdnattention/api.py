@@ -116,9 +116,9 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     options as in :func:`flash_attn`."""
     refuse_missing_features(dropout_p, softcap, alibi_slopes)
     window_size = as_window(window_size)
-    if not isinstance(deterministic, bool) or not isinstance(return_attn_probs, bool):
-        raise InvalidArgumentError(f"deterministic and return_attn_probs must be bools, got {deterministic!r} "
-                                   f"and {return_attn_probs!r}")
+    for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
+        if not isinstance(flag, bool):
+            raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
     key = ops.key(q, k, v, is_causal=causal, window_size=window_size, softmax_scale=softmax_scale,
                   return_lse=return_attn_probs, token_major=True, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                   rotary_interleaved=rotary_interleaved)  # of the token-major tensors as given

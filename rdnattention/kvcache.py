@@ -86,6 +86,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             return hit if return_softmax_lse else hit[0]
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise InvalidArgumentError(f"num_splits must be a non-negative int, got {num_splits!r}")
+    for name, flag in (("causal", causal), ("return_softmax_lse", return_softmax_lse)):
+        if not isinstance(flag, bool):
+            raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
     if padding.needed(q, k_cache, v_cache, k, v):  # as flash-attn's entry (padding.py); the cache written back
         return padding.run(flash_attn_with_kvcache, dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v), dict(
             rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
@@ -119,9 +122,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                    "through its block table")
     if cache_leftpad is not None:
         if block_table is not None or cache_batch_idx is not None:
-            raise UnsupportedError(f"cache_leftpad with {'block_table' if block_table is not None else 'cache_batch_idx'}"
-                                   ": a left-padded cache is read as each sequence's own rows, in order; pass the "
-                                   "cache rows themselves")
+            other = "block_table" if block_table is not None else "cache_batch_idx"
+            raise UnsupportedError(f"cache_leftpad with {other}: a left-padded cache is read as each sequence's own "
+                                   "rows, in order; pass the cache rows themselves")
         cache_leftpad = check_int32("cache_leftpad", cache_leftpad, (batch,), q.device)
     if block_table is not None:
         block_table = check_paged(k_cache, v_cache, block_table, batch, "k_cache", "v_cache")
@@ -434,22 +437,26 @@ def _leftpad_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    f"whole number of positions, at least cache_len; got strides {k_cache.stride()} "
                                    f"and {v_cache.stride()}: pass contiguous caches")
         per = stride_b // step
+    if (batch - 1) * per + cache_len > 2**31 - 1:
+        raise UnsupportedError(f"cache_leftpad addresses the cache's rows by 32-bit offsets; {batch} rows of "
+                               f"{per} positions are beyond them")
     if batch == 0 or out.numel() == 0:
         lse.fill_(float("-inf"))
         return out, lse, None
     starts = _arange(batch, device) * per + leftpad.long()
     cu_k = torch.cat([starts, starts.new_full((1,), (batch - 1) * per + cache_len)]).to(torch.int32)
     cu_q = (_arange(batch + 1, device) * seq_q).to(torch.int32)
+    counts = (used.long() - leftpad.long()).clamp(0, cache_len).to(torch.int32)  # keys from cache_leftpad on
     call = route.Attention(q=q.transpose(1, 2), k=kv, v=vv, out=out.transpose(1, 2), lse=lse if return_lse else None,
                            window=window, softmax_scale=softmax_scale, batch=batch, seq_q=seq_q, seq_k=cache_len,
-                           seqused_k=(used.long() - leftpad.long()).clamp(0, cache_len).to(torch.int32), cu_seqlens_q=cu_q,
-                           cu_seqlens_k=cu_k, num_splits=num_splits)
+                           seqused_k=counts, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, num_splits=num_splits)
     return out, lse, route.plan(route.device_table(device), call)
 
 
 @torch.library.custom_op("rdnattention::flash_attn_kvcache_fwd", mutates_args=("k_cache", "v_cache"))
-def flash_attn_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
-                           v: Optional[torch.Tensor], rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
+def flash_attn_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           k: Optional[torch.Tensor], v: Optional[torch.Tensor], rotary_cos: Optional[torch.Tensor],
+                           rotary_sin: Optional[torch.Tensor],
                            cache_seqlens: torch.Tensor, cache_batch_idx: Optional[torch.Tensor],
                            block_table: Optional[torch.Tensor], window_left: int, window_right: int,
                            softmax_scale: float, rotary_interleaved: bool, rotary_local: bool, return_lse: bool,

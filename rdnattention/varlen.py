@@ -205,7 +205,7 @@ def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
             raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
-    if padding.needed(q, k, v, ranks=(3, 4)):  # as flash-attn's entry: head_dim padded to a multiple of 8, rows made readable
+    if padding.needed(q, k, v, ranks=(3, 4)):  # as flash-attn's entry: head_dim padded to 8s, rows made readable
         return padding.run(lambda q, k, v, **kw: _flash_varlen(q, k, v, entry=entry, names=names, **kw),
                            dict(q=q, k=k, v=v), dict(
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,

@@ -65,8 +65,8 @@ def test_every_flash_attn_keyword_at_its_default_and_positional_binding(host_bui
     out1, lse1 = flash_attn_with_kvcache(q, kc1, vc1, k, v, cos, sin, lengths, None, None, None, 0.125, True, (-1, -1),
                                          0.0, False, None, 0, True)
     out2, lse2 = flash_attn_with_kvcache(q, kc2, vc2, k=k, v=v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lengths,
-                                         cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=0.125,
-                                         causal=True, window_size=(-1, -1), softcap=0.0, rotary_interleaved=False,
+                                         cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                                         softmax_scale=0.125, causal=True, window_size=(-1, -1), softcap=0.0, rotary_interleaved=False,
                                          alibi_slopes=None, num_splits=0, return_softmax_lse=True)
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
     assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
@@ -83,6 +83,8 @@ def test_every_flash_attn_keyword_at_its_default_and_positional_binding(host_bui
      "cache_leftpad values must lie in [0, 64]"),
     ({"cache_leftpad": torch.zeros(3, dtype=torch.int32), "cache_batch_idx": torch.arange(3, dtype=torch.int32)},
      UnsupportedError, "cache_leftpad with cache_batch_idx"),
+    ({"causal": 1}, InvalidArgumentError, "causal must be a bool, got 1"),
+    ({"return_softmax_lse": 0}, InvalidArgumentError, "return_softmax_lse must be a bool, got 0"),
     ({"window_size": torch.tensor([4.0, 0.0])}, InvalidArgumentError, "window_size must be a pair of ints"),
     ({"window_size": torch.tensor([4, 0], device="meta")}, UnsupportedError, "window_size is a tensor on meta"),
 ])
@@ -228,6 +230,7 @@ def test_a_head_dim_of_no_multiple_of_8_is_padded_as_flash_attn_does(host_build)
     (lambda: flash_attn_qkvpacked_func(torch.zeros(2, 8, 2, 4, 64).half()), "qkv must be 5-D [batch, seq, 3"),
     (lambda: flash_attn_qkvpacked_func(torch.zeros(2, 8, 3, 4, 64)), "qkv must be float16"),
     (lambda: flash_attn_qkvpacked_func(torch.zeros(2, 8, 3, 4, 64).half(), softcap=5.0), "softcap=5.0"),
+    (lambda: flash_attn_qkvpacked_func(torch.zeros(2, 8, 3, 4, 64).half(), causal=None), "causal must be a bool"),
     (lambda: flash_attn_kvpacked_func(torch.zeros(2, 8, 4, 64).half(), torch.zeros(2, 8, 3, 4, 64).half()),
      "kv must be 5-D [batch, seq_k, 2"),
     (lambda: flash_attn_kvpacked_func(torch.zeros(2, 8, 4, 64).half(), torch.zeros(3, 8, 2, 4, 64).half()),
@@ -273,3 +276,21 @@ def test_block_table_bounds_errors_name_it(host_build):
     with pytest.raises(InvalidArgumentError, match="block_table's pages per sequence"):
         flash_attn_varlen_func(q1, pool_k, pool_v, cu_q, torch.tensor([0, 10, 20, 95], dtype=torch.int32), 1, 64,
                                block_table=table.clamp(max=11))
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_cache_leftpad_compiles_whole_and_matches_eager(host_build, append):
+    q, k_cache, v_cache, k, v, lengths = _setup(sq=2, new=2 if append else 0)
+    leftpad = torch.tensor([3, 7, 0], dtype=torch.int32)
+    cos, sin = rotary_tables(64, 32) if append else (None, None)
+    caches, eager_caches = [k_cache, v_cache], [k_cache.clone(), v_cache.clone()]
+
+    def step(q, k_cache, v_cache, k, v, lengths, leftpad):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cos, sin, lengths, None, leftpad, causal=True,
+                                       return_softmax_lse=True)
+
+    torch._dynamo.reset()
+    out, lse = torch.compile(step, fullgraph=True, backend="aot_eager")(q, *caches, k, v, lengths, leftpad)
+    ref, ref_lse = step(q, *eager_caches, k, v, lengths, leftpad)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    assert all(torch.equal(a, b) for a, b in zip(caches, eager_caches))
