@@ -15,8 +15,12 @@ __version__ = "0.1.0"
 __all__ = [
     "flash_attn",
     "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
     "flash_attn_with_kvcache",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
     "varlen_attn",
     "flash_attn_int8qk",
     "flash_attn_int8qk_quantized",
@@ -49,7 +53,8 @@ def _load_api() -> None:
     if why:
         raise ImportError(why)
     from . import decode, ops  # noqa: F401  (register the rdnattention:: custom ops; int8 below registers its own)
-    from .api import flash_attn, flash_attn_func, plan_flash_attn, rotary_tables, scaled_dot_product_attention
+    from .api import (flash_attn, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, plan_flash_attn,
+                      rotary_tables, scaled_dot_product_attention)
     from .drivers.host import set_shuffle as set_host_shuffle
     from .errors import (IncompatibleKernelsError, InvalidArgumentError, KernelsNotBuiltError, LaunchError,
                          RdnaAttentionError, StaleKernelsError, UnsupportedError)
@@ -57,7 +62,8 @@ def _load_api() -> None:
     from .int8 import (flash_attn_int8qk, flash_attn_int8qk_quantized, plan_flash_attn_int8qk, quantize_per_channel,
                        quantize_per_token)
     from .kvcache import flash_attn_with_kvcache
-    from .varlen import flash_attn_varlen_func, varlen_attn
+    from .varlen import (flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
+                         varlen_attn)
     from .reference import attention_reference
 
     globals().update({name: value for name, value in locals().items() if name in __all__})

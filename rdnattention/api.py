@@ -15,7 +15,7 @@ import torch
 from . import ops, padding
 from .checks import NATIVE, TOKEN_MAJOR, check_fp16
 from .errors import InvalidArgumentError, UnsupportedError
-from .options import refuse_missing_features, validate
+from .options import as_window, refuse_missing_features, validate
 from .plan import Plan
 
 _warned_layout = False
@@ -112,11 +112,13 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     (up to 256) is padded with zeros and the output sliced back, and tensors whose last dimension
     is not contiguous or whose rows are not 16-byte aligned are copied (padding.py). dropout,
     softcap and ALiBi raise UnsupportedError; the kernels are deterministic, so ``deterministic``
-    needs nothing. RoPE options as in :func:`flash_attn`."""
+    needs nothing. ``window_size``: a pair of ints, or of a CPU tensor (options.as_window). RoPE
+    options as in :func:`flash_attn`."""
     refuse_missing_features(dropout_p, softcap, alibi_slopes)
-    if not isinstance(deterministic, bool) or not isinstance(return_attn_probs, bool):
-        raise InvalidArgumentError(f"deterministic and return_attn_probs must be bools, got {deterministic!r} "
-                                   f"and {return_attn_probs!r}")
+    window_size = as_window(window_size)
+    for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
+        if not isinstance(flag, bool):
+            raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
     key = ops.key(q, k, v, is_causal=causal, window_size=window_size, softmax_scale=softmax_scale,
                   return_lse=return_attn_probs, token_major=True, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                   rotary_interleaved=rotary_interleaved)  # of the token-major tensors as given
@@ -137,6 +139,48 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         out, lse = ops.forward(q, k, v, o, token_major=True, key=key)
         out = out.transpose(1, 2)
     return (out, lse, None) if return_attn_probs else out
+
+
+def _unpacked(name: str, packed: object, parts: int, layout: str) -> tuple[torch.Tensor, ...]:
+    """The ``parts`` tensors packed along the third dimension of ``packed`` [batch, seq, parts,
+    heads, head_dim], as views (nothing copied), its dtype checked under the caller's name."""
+    if not isinstance(packed, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(packed).__name__}")
+    if packed.dim() != 5 or packed.shape[2] != parts:
+        raise InvalidArgumentError(f"{name} must be 5-D {layout}, got shape {tuple(packed.shape)}")
+    views = packed.unbind(2)
+    check_fp16(name, views[0], layout)
+    return views
+
+
+def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                              causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                              alibi_slopes=None, deterministic: bool = False, return_attn_probs: bool = False):
+    """flash-attn's ``flash_attn_qkvpacked_func``: qkv [batch, seq, 3, heads, head_dim] packs q, k
+    and v; otherwise as :func:`flash_attn_func` on ``qkv[:, :, 0]``, ``qkv[:, :, 1]`` and
+    ``qkv[:, :, 2]``, which are views (copied only where flash_attn_func copies: a head_dim that
+    is not a multiple of 8)."""
+    q, k, v = _unpacked("qkv", qkv, 3, "[batch, seq, 3, heads, head_dim]")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0,
+                             softmax_scale: float | None = None, causal: bool = False,
+                             window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                             deterministic: bool = False, return_attn_probs: bool = False):
+    """flash-attn's ``flash_attn_kvpacked_func``: q [batch, seq_q, heads, head_dim], kv [batch,
+    seq_k, 2, heads_kv, head_dim] packs k and v (fewer heads: GQA); otherwise as
+    :func:`flash_attn_func` on ``kv[:, :, 0]`` and ``kv[:, :, 1]``, which are views."""
+    k, v = _unpacked("kv", kv, 2, "[batch, seq_k, 2, heads_kv, head_dim]")
+    q = check_fp16("q", q, TOKEN_MAJOR)
+    if q.shape[0] != kv.shape[0] or q.shape[3] != kv.shape[4]:
+        raise InvalidArgumentError(f"kv shape {tuple(kv.shape)} does not match q shape {tuple(q.shape)} in batch or "
+                                   "head_dim")
+    if kv.shape[3] == 0 or q.shape[2] % kv.shape[3]:
+        raise InvalidArgumentError(f"q heads ({q.shape[2]}) must be a multiple of kv heads ({kv.shape[3]})")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,

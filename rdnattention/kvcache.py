@@ -22,10 +22,11 @@ from typing import Optional
 
 import torch
 
-from . import checks, decode, ops, padding, replay
+from . import checks, decode, ops, padding, replay, route
 from .checks import TOKEN_MAJOR, check_fp16, check_int32, check_paged
 from .errors import InvalidArgumentError, UnsupportedError
-from .options import Options, check_seqused, validate
+from .options import Options, as_window, check_seqused, refuse_missing_features, validate
+from .plan import Plan
 from .reference import rotate
 
 
@@ -51,26 +52,33 @@ def _check_cache_view(name: str, t: torch.Tensor) -> None:
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, block_table=None, softmax_scale=None,
-                            causal=False, window_size=(-1, -1), rotary_interleaved=True, num_splits=0,
-                            return_softmax_lse=False):
-    """flash-attn's semantics: q [batch, seq_q, heads, head_dim]; k_cache, v_cache
-    [batch_cache, cache_len, heads_kv, head_dim], or with ``block_table`` (int32 [batch, pages per
-    sequence]) a page pool [pages, page_size, heads_kv, head_dim] (page_size a power of two);
-    ``cache_batch_idx`` (int32 [batch]) the cache row of each sequence (default: its own);
-    cache_seqlens (int, or int32 [batch]) the valid length of each sequence's cache (None: the whole
-    cache). With k, v [batch, seq_new, heads_kv, head_dim], they are written into the cache in place
-    at cache_seqlens (after RoPE at their positions when rotary_cos/rotary_sin are given; q is
-    rotated at cache_seqlens + i under a causal or local mask, else at cache_seqlens), and attention
-    covers cache_seqlens + seq_new keys. Queries align to the end of each sequence's keys.
-    ``num_splits``: key slices of the split-KV kernels (0: chosen from the device). Returns out
-    [batch, seq_q, heads, head_dim], with the LSE [batch, heads, seq_q] if return_softmax_lse.
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash-attn's signature, in its order, and semantics: q [batch, seq_q, heads, head_dim];
+    k_cache, v_cache [batch_cache, cache_len, heads_kv, head_dim], or with ``block_table`` (int32
+    [batch, pages per sequence]) a page pool [pages, page_size, heads_kv, head_dim] (page_size a
+    power of two); ``cache_batch_idx`` (int32 [batch]) the cache row of each sequence (default: its
+    own); cache_seqlens (int, or int32 [batch]) the valid length of each sequence's cache (None: the
+    whole cache); ``cache_leftpad`` (int32 [batch], at most cache_seqlens) the position each
+    sequence's keys start at (None: 0): keys before it take no part, and the masks align to the
+    end of the keys as without it (not with block_table or cache_batch_idx). With k, v [batch,
+    seq_new, heads_kv, head_dim], they are written into the cache in place at cache_seqlens (after
+    RoPE at their positions when rotary_cos/rotary_sin are given; q is rotated at cache_seqlens + i
+    under a causal or local mask, else at cache_seqlens), and attention covers keys cache_leftpad ..
+    cache_seqlens + seq_new - 1. Queries align to the end of each sequence's keys. ``window_size``:
+    a pair of ints, or of a CPU tensor (options.as_window). ``num_splits``: key slices of the
+    split-KV kernels (0: chosen from the device). softcap and ALiBi raise UnsupportedError. Returns
+    out [batch, seq_q, heads, head_dim], with the LSE [batch, heads, seq_q] if return_softmax_lse.
     A call that raises has written nothing. As flash-attn's entry does, q, k and v whose rows are
     not contiguous and 16-byte aligned run on copies, and a head_dim that is not a multiple of 8
     (up to 256) on padded copies of every tensor, the cache copied back (padding.py); a cache whose
     rows are not contiguous and aligned is refused (InvalidArgumentError), never copied."""
-    plan_key = _key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table,
-                    (softmax_scale, causal, window_size, rotary_interleaved, num_splits, return_softmax_lse))
+    refuse_missing_features(0.0, softcap, alibi_slopes)
+    window_size = as_window(window_size)
+    plan_key = None if cache_leftpad is not None else _key(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table,
+        (softmax_scale, causal, window_size, rotary_interleaved, num_splits, return_softmax_lse))
     r = replay.cache.get(plan_key) if plan_key is not None else None
     if r is not None:
         hit = _replayed(r, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -79,18 +87,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             return hit if return_softmax_lse else hit[0]
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise InvalidArgumentError(f"num_splits must be a non-negative int, got {num_splits!r}")
+    for name, flag in (("causal", causal), ("return_softmax_lse", return_softmax_lse)):
+        if not isinstance(flag, bool):
+            raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
     if padding.needed(q, k_cache, v_cache, k, v, in_place=(k_cache, v_cache)):  # as flash-attn's (padding.py)
         return padding.run(flash_attn_with_kvcache, dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v), dict(
             rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
-            block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-            rotary_interleaved=rotary_interleaved, num_splits=num_splits, return_softmax_lse=return_softmax_lse),
+            cache_leftpad=cache_leftpad, block_table=block_table, softmax_scale=softmax_scale, causal=causal,
+            window_size=window_size, rotary_interleaved=rotary_interleaved, num_splits=num_splits,
+            return_softmax_lse=return_softmax_lse),
             scale_name="softmax_scale", written=("k_cache", "v_cache") if k is not None else (),
             in_place=("k_cache", "v_cache"))
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_fp16(name, t, TOKEN_MAJOR)
     given = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("rotary_cos", rotary_cos),
              ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
-             ("block_table", block_table))
+             ("cache_leftpad", cache_leftpad), ("block_table", block_table))
     given = [(name, t) for name, t in given if isinstance(t, torch.Tensor)]
     for name, t in given:
         if t.device != q.device and name in ("k", "v"):
@@ -115,6 +127,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if block_table is not None and cache_batch_idx is not None:
         raise InvalidArgumentError("cache_batch_idx and block_table exclude each other: a paged cache is addressed "
                                    "through its block table")
+    if cache_leftpad is not None:
+        if block_table is not None or cache_batch_idx is not None:
+            other = "block_table" if block_table is not None else "cache_batch_idx"
+            raise UnsupportedError(f"cache_leftpad with {other}: a left-padded cache is read as each sequence's own "
+                                   "rows, in order; pass the cache rows themselves")
+        cache_leftpad = check_int32("cache_leftpad", cache_leftpad, (batch,), q.device)
     if block_table is not None:
         block_table = check_paged(k_cache, v_cache, block_table, batch, "k_cache", "v_cache")
         cache_len = block_table.shape[1] * k_cache.shape[1]
@@ -179,9 +197,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, cache_batch_idx, block_table,
             o.window_left, o.window_right, o.softmax_scale, rotary_interleaved, local, return_softmax_lse, num_splits)
     if traced:
-        out, lse = _traced(*args, cache_len=cache_len)
+        out, lse = _traced(*args, cache_len=cache_len, leftpad=cache_leftpad)
     else:
-        out, lse = _run(*args, key=plan_key)
+        out, lse = _run(*args, key=plan_key, leftpad=cache_leftpad)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -224,13 +242,14 @@ def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqle
 
 def _traced(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left: int,
             window_right: int, softmax_scale: float, interleaved: bool, local: bool, return_lse: bool,
-            num_splits: int, *, cache_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A call where torch traces (or on subclasses), through the custom ops: the one that appends,
-    or, without new keys, those of ops.py and decode.py (each checks the index values it is given)."""
-    if k is not None:
+            num_splits: int, *, cache_len: int, leftpad=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call where torch traces (or on subclasses), through the custom ops: the one that appends
+    (and every call with cache_leftpad), or, without new keys, those of ops.py and decode.py (each
+    checks the index values it is given)."""
+    if k is not None or leftpad is not None:
         return flash_attn_kvcache_fwd(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table,
                                       window_left, window_right, softmax_scale, interleaved, local, return_lse,
-                                      num_splits)
+                                      num_splits, leftpad)
     if block_table is None and cache_batch_idx is None and num_splits == 0:
         o = Options(window_left=window_left, window_right=window_right, softmax_scale=softmax_scale,
                     rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_lse,
@@ -246,14 +265,19 @@ def _traced(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block
 
 
 def check_values(lengths: torch.Tensor, new: int, cache_len: int, cache_rows: int, cache_batch_idx, block_table,
-                 pages: int, positions: int | None, rotated: int) -> bool:
+                 pages: int, positions: int | None, rotated: int, leftpad: torch.Tensor | None = None) -> bool:
     """A call's index values, in one read where they are read (checks.Values): cache lengths with
-    room for the new keys, cache rows and pages within the cache, and, with RoPE tables of
-    ``positions`` rows, positions up to cache_seqlens + ``rotated`` - 1 within them. Returns
-    whether they were read (else _run bounds them on the device)."""
+    room for the new keys, left padding from 0 up to the cache lengths, cache rows and pages within
+    the cache, and, with RoPE tables of ``positions`` rows, positions up to cache_seqlens +
+    ``rotated`` - 1 within them. Returns whether they were read (else _run bounds them on the
+    device)."""
     values = checks.Values()
     values.within("cache_seqlens", lengths, 0, cache_len - new,
                   rule=f"cache_seqlens + seq_new ({new}) must lie in [0, cache_len = {cache_len}]")
+    values.within("cache_leftpad", leftpad, 0, cache_len)
+    if leftpad is not None:
+        values.at_most("cache_leftpad", leftpad, lengths, "cache_seqlens (keys start at cache_leftpad, before "
+                                                            "the cache's end)")
     values.within("cache_batch_idx", cache_batch_idx, 0, cache_rows - 1)
     values.within("block_table", block_table, 0, pages - 1)
     if positions is not None:
@@ -286,12 +310,13 @@ ROLES = frozenset({"q", "k", "v", "o", "lse", "seqused_k", "cache_batch_idx", "b
 
 def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left: int,
          window_right: int, softmax_scale: float, interleaved: bool, local: bool, return_lse: bool,
-         num_splits: int, key: tuple | None = None,
-         replayed: replay.Replay | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+         num_splits: int, key: tuple | None = None, replayed: replay.Replay | None = None,
+         leftpad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A validated call (shapes, options: flash_attn_with_kvcache), in eager mode or as the custom
     op's implementation: memory and index values checked and the call planned, then the append,
     then the launches. With ``key``, the plan is kept for later calls of that key; ``replayed``:
-    such a later call, run on that plan (None returned where its memory needs the full path)."""
+    such a later call, run on that plan (None returned where its memory needs the full path).
+    ``leftpad``: cache_leftpad (a plain cache; never replayed), run by _leftpad_plan."""
     batch, seq_q = q.shape[0], q.shape[1]
     paged = block_table is not None
     page = k_cache.shape[1]
@@ -302,6 +327,8 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
         for name, t in zip(_NAMES, tensors):
             if t is not None:
                 checks.check_memory(name, t)
+        if leftpad is not None:
+            checks.check_memory("cache_leftpad", leftpad)
     elif not replay.memory_ok(tensors, replayed.reach, 3):
         return None
     rotated = max(new, seq_q if local else min(seq_q, 1))
@@ -310,7 +337,7 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
                                    f"cache_seqlens + {rotated} of them")
     checked = checks.reads(lengths) and check_values(lengths, new, cache_len, k_cache.shape[0], cache_batch_idx,
                                                      block_table, k_cache.shape[0] if paged else 0,
-                                                     cos.shape[0] if cos is not None else None, rotated)
+                                                     cos.shape[0] if cos is not None else None, rotated, leftpad)
 
     # What the kernels read, computed apart from the caches: the rotated queries and new keys, the
     # lengths after the append. Values that were not read are bounded on the device first: the
@@ -331,6 +358,8 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
         used = lengths + new  # int32
     else:
         used = lengths
+    if leftpad is not None and not checked:  # within [0, cache_seqlens]
+        leftpad = torch.minimum(leftpad.clamp(min=0), lengths.clamp(0, cache_len))
 
     # Planned before the append: a call no kernel serves, or whose grid is beyond the launch
     # limits, is refused with the caches untouched.
@@ -342,6 +371,9 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
             out = out.transpose(1, 2)
         else:
             out, lse = decode.allocate(q_in, return_lse, False, empty_lse=False)
+    elif leftpad is not None:
+        out, lse, plan = _leftpad_plan(q_in, k_cache, v_cache, used, leftpad, (window_left, window_right),
+                                       softmax_scale, return_lse, num_splits, cache_len)
     elif plain:
         o = Options(window_left=window_left, window_right=window_right, softmax_scale=softmax_scale,
                     rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_lse,
@@ -383,24 +415,70 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
         replay.launch(replayed, pointers, q.device)
     elif plan is not None:
         replay.run(plan, key, tensors, ROLES, extra=(window_left, window_right, softmax_scale, local, cache_len))
+    if leftpad is not None and return_lse:  # the packed [heads, batch * seq_q] as flash-attn's [batch, heads, seq_q]
+        lse = lse.view(q.shape[2], batch, seq_q).permute(1, 0, 2).contiguous()
     return out, lse
 
 
+def _leftpad_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, used: torch.Tensor,
+                  leftpad: torch.Tensor, window: tuple[int, int], softmax_scale: float, return_lse: bool,
+                  num_splits: int, cache_len: int) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
+    """A left-padded call as a packed batch over the cache's own rows: sequence b's keys start at
+    row b * (batch stride / position stride) + cache_leftpad[b] of the cache and number
+    cache_seqlens + seq_new - cache_leftpad (per-sequence key counts), its queries at row b *
+    seq_q of q. The kernels read a packed sequence's keys from its offset, so the masks align to
+    the end of the keys that are left, as flash-attn's do. (out, lse, plan); the lse [heads,
+    batch * seq_q] of a packed call (empty unless asked for); plan None where nothing is launched."""
+    batch, seq_q, heads, _ = q.shape
+    device = q.device
+    if not q.is_contiguous():  # q and out share one set of offsets
+        q = q.contiguous()
+    out = torch.empty_like(q)
+    lse = torch.empty((heads, batch * seq_q) if return_lse else (0,), dtype=torch.float32, device=device)
+    kv, vv = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # [batch, heads_kv, cache_len, head_dim]
+    step, stride_b = kv.stride(2), kv.stride(0)
+    per = cache_len
+    if batch > 1:
+        if v_cache.stride() != k_cache.stride() or step <= 0 or stride_b % step or stride_b // step < cache_len:
+            raise UnsupportedError(f"cache_leftpad needs k_cache and v_cache of one layout whose batch stride is a "
+                                   f"whole number of positions, at least cache_len; got strides {k_cache.stride()} "
+                                   f"and {v_cache.stride()}: pass contiguous caches")
+        per = stride_b // step
+    if (batch - 1) * per + cache_len > 2**31 - 1:
+        raise UnsupportedError(f"cache_leftpad addresses the cache's rows by 32-bit offsets; {batch} rows of "
+                               f"{per} positions are beyond them")
+    if batch == 0 or out.numel() == 0:
+        lse.fill_(float("-inf"))
+        return out, lse, None
+    starts = _arange(batch, device) * per + leftpad.long()
+    cu_k = torch.cat([starts, starts.new_full((1,), (batch - 1) * per + cache_len)]).to(torch.int32)
+    cu_q = (_arange(batch + 1, device) * seq_q).to(torch.int32)
+    counts = (used.long() - leftpad.long()).clamp(0, cache_len).to(torch.int32)  # keys from cache_leftpad on
+    call = route.Attention(q=q.transpose(1, 2), k=kv, v=vv, out=out.transpose(1, 2), lse=lse if return_lse else None,
+                           window=window, softmax_scale=softmax_scale, batch=batch, seq_q=seq_q, seq_k=cache_len,
+                           seqused_k=counts, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, num_splits=num_splits)
+    return out, lse, route.plan(route.device_table(device), call)
+
+
 @torch.library.custom_op("rdnattention::flash_attn_kvcache_fwd", mutates_args=("k_cache", "v_cache"))
-def flash_attn_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
-                           v: torch.Tensor, rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
+def flash_attn_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           k: Optional[torch.Tensor], v: Optional[torch.Tensor], rotary_cos: Optional[torch.Tensor],
+                           rotary_sin: Optional[torch.Tensor],
                            cache_seqlens: torch.Tensor, cache_batch_idx: Optional[torch.Tensor],
                            block_table: Optional[torch.Tensor], window_left: int, window_right: int,
                            softmax_scale: float, rotary_interleaved: bool, rotary_local: bool, return_lse: bool,
-                           num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A flash_attn_with_kvcache call that appends, as one custom op (validated by the entry point;
-    the implementation checks memory and values, plans, then appends and runs, as in eager mode)."""
+                           num_splits: int, cache_leftpad: Optional[torch.Tensor] = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A flash_attn_with_kvcache call that appends or has cache_leftpad, as one custom op
+    (validated by the entry point; the implementation checks memory and values, plans, then
+    appends and runs, as in eager mode)."""
     return _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table,
-                window_left, window_right, softmax_scale, rotary_interleaved, rotary_local, return_lse, num_splits)
+                window_left, window_right, softmax_scale, rotary_interleaved, rotary_local, return_lse, num_splits,
+                leftpad=cache_leftpad)
 
 
 @flash_attn_kvcache_fwd.register_fake
 def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table, window_left,
-      window_right, softmax_scale, rotary_interleaved, rotary_local, return_lse, num_splits):
+      window_right, softmax_scale, rotary_interleaved, rotary_local, return_lse, num_splits, cache_leftpad=None):
     lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if return_lse else (0,)
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)

@@ -31,8 +31,42 @@ class Options:
     seqused_k: torch.Tensor | None = None  # int32 [batch]: keys each batch uses (a preallocated cache)
 
 
+def as_window(window_size: object) -> object:
+    """flash-attn's ``window_size`` as its callers pass it, made a tuple of two Python ints: a tuple
+    or list of two ints, a pair in a CPU tensor or two 0-d CPU tensors of an integer dtype (as
+    flash-attn's tests pass it), read without a device synchronisation. A pair on a GPU is refused
+    (UnsupportedError): its values choose the mask the kernels apply, and reading them would
+    synchronise with the device on every call. Anything else is returned as it is, for
+    check_window to name."""
+    def integer(t: torch.Tensor) -> bool:
+        return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+    def on_cpu(t: torch.Tensor) -> None:
+        if t.device.type != "cpu":
+            raise UnsupportedError(f"window_size is a tensor on {t.device}: its values choose the mask, and reading "
+                                   "them would synchronise with the device on every call; pass a tuple of two ints "
+                                   "(or a CPU tensor)")
+
+    if isinstance(window_size, torch.Tensor):
+        if tuple(window_size.shape) != (2,) or not integer(window_size):
+            return window_size
+        on_cpu(window_size)
+        return tuple(int(w) for w in window_size.tolist())
+    if isinstance(window_size, (tuple, list)) and len(window_size) == 2:
+        pair = []
+        for w in window_size:
+            if isinstance(w, torch.Tensor) and w.dim() == 0 and integer(w):
+                on_cpu(w)
+                w = int(w.item())
+            pair.append(w)
+        return tuple(pair)
+    return window_size
+
+
 def check_window(window_size: object) -> tuple[int, int]:
-    """flash-attn's ``window_size``: a pair of ints (left, right), each -1 (unbounded) or more."""
+    """flash-attn's ``window_size``: a pair of ints (left, right), each -1 (unbounded) or more, in
+    any of the forms as_window takes."""
+    window_size = as_window(window_size)
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         raise InvalidArgumentError(f"window_size must be a pair of ints (left, right), got {window_size!r}")

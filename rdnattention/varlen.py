@@ -14,7 +14,7 @@ import torch
 from . import decode, padding, replay
 from .checks import check_int32, check_memory, check_paged
 from .errors import InvalidArgumentError, UnsupportedError
-from .options import check_scale, check_window, refuse_missing_features
+from .options import as_window, check_scale, check_window, refuse_missing_features
 
 
 def _check_packed(name: str, t: object, dims: int) -> torch.Tensor:
@@ -63,7 +63,7 @@ def _replayed(key, q, k, v, cu_q, cu_k, max_q: int, max_k: int, seqused_k, block
         seq_k = block_table.shape[1] * k.shape[1] if block_table is not None else max_k
         decode.check_values(q, k, extents=decode.Extents(batch=cu_q.shape[0] - 1, seq_q=max_q, seq_k=seq_k),
                             seqused_k=seqused_k, block_table=block_table, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                            names={**_NAMES, **names, **({"seq_k": "pages per sequence * page_size"}
+                            names={**_NAMES, **names, **({"seq_k": "block_table's pages per sequence * page_size"}
                                                          if block_table is not None else {})})
     return decode.replayed(key, q, k, v, seqused_k=seqused_k, block_table=block_table, cu_seqlens_q=cu_q,
                            cu_seqlens_k=cu_k, return_lse=return_lse, check=check)
@@ -73,48 +73,53 @@ def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_siz
                block_table, num_splits: int, return_lse: bool,
                names: dict[str, str] | None = None, key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     names = names or {}
-    q = _check_packed("query", q, 3)
+
+    def n(name: str) -> str:  # the entry point's name of an argument
+        return names.get(name, name)
+
+    q = _check_packed(n("query"), q, 3)
     paged = block_table is not None
-    k = _check_packed("key", k, 4 if paged else 3)
-    v = _check_packed("value", v, 4 if paged else 3)
+    k = _check_packed(n("key"), k, 4 if paged else 3)
+    v = _check_packed(n("value"), v, 4 if paged else 3)
     if v.shape != k.shape:
-        raise InvalidArgumentError(f"value shape {tuple(v.shape)} must equal key shape {tuple(k.shape)}")
-    max_q, max_k = _check_int("max_q", max_q), _check_int("max_k", max_k)
+        raise InvalidArgumentError(f"{n('value')} shape {tuple(v.shape)} must equal {n('key')} shape {tuple(k.shape)}")
+    max_q, max_k = _check_int(n("max_q"), max_q), _check_int(n("max_k"), max_k)
     device = q.device
-    for name, t in (("key", k), ("value", v)):
+    for name, t in ((n("key"), k), (n("value"), v)):
         if t.device != device:
-            raise InvalidArgumentError(f"{name} is on {t.device}, query on {device}")
+            raise InvalidArgumentError(f"{name} is on {t.device}, {n('query')} on {device}")
     heads_q, head_dim = q.shape[1], q.shape[2]
     heads_kv = k.shape[-2]
     if k.shape[-1] != head_dim:
-        raise InvalidArgumentError(f"key head_dim {k.shape[-1]} differs from query's {head_dim}")
+        raise InvalidArgumentError(f"{n('key')} head_dim {k.shape[-1]} differs from {n('query')}'s {head_dim}")
     if heads_kv == 0 or heads_q % heads_kv:
-        raise InvalidArgumentError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
+        raise InvalidArgumentError(f"{n('query')} heads ({heads_q}) must be a multiple of {n('key')}/{n('value')} "
+                                   f"heads ({heads_kv})")
     if heads_q != heads_kv and not gqa:
         raise InvalidArgumentError(f"query has {heads_q} heads and key {heads_kv}: pass enable_gqa=True for "
                                    "grouped-query attention")
-    cu_q = check_int32("cu_seq_q", cu_q, 1, device)
+    cu_q = check_int32(n("cu_seq_q"), cu_q, 1, device)
     batch = cu_q.shape[0] - 1
     if batch < 0:
-        raise InvalidArgumentError("cu_seq_q must hold batch + 1 offsets, got none")
+        raise InvalidArgumentError(f"{n('cu_seq_q')} must hold batch + 1 offsets, got none")
     if seqused_k is not None:
-        seqused_k = check_int32(names.get("seqused_k", "seqused_k"), seqused_k, (batch,), device)
+        seqused_k = check_int32(n("seqused_k"), seqused_k, (batch,), device)
     if paged:
         if seqused_k is None:
             raise InvalidArgumentError("block_table needs seqused_k: the keys each sequence holds in its pages")
         if cu_k is not None:
-            raise InvalidArgumentError("cu_seq_k must be None with a block table (keys are found through it)")
-        block_table = check_paged(k, v, block_table, batch, "key", "value")
+            raise InvalidArgumentError(f"{n('cu_seq_k')} must be None with a block table (keys are found through it)")
+        block_table = check_paged(k, v, block_table, batch, n("key"), n("value"))
         seq_k = block_table.shape[1] * k.shape[1]
-        names = {**names, "seq_k": "pages per sequence * page_size"}
+        names = {**names, "seq_k": "block_table's pages per sequence * page_size"}
     else:
         if cu_k is None:
-            raise InvalidArgumentError("cu_seq_k is required without a block table")
-        cu_k = check_int32("cu_seq_k", cu_k, (batch + 1,), device)
+            raise InvalidArgumentError(f"{n('cu_seq_k')} is required without a block table")
+        cu_k = check_int32(n("cu_seq_k"), cu_k, (batch + 1,), device)
         seq_k = max_k
     left, right = check_window(window_size)
     left, right = (-1 if left >= max(seq_k, 1) else left), (max_q if right >= max_q else right)
-    scale = check_scale(scale, head_dim, names.get("scale", "scale"))
+    scale = check_scale(scale, head_dim, n("scale"))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise UnsupportedError("rdnattention is forward-only and an input requires grad: run it under "
                                "torch.no_grad() or torch.inference_mode()")
@@ -138,7 +143,7 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     if not isinstance(enable_gqa, bool):
         raise InvalidArgumentError(f"enable_gqa must be a bool, got {enable_gqa!r}")
     want_lse = bool(getattr(return_aux, "lse", False)) if return_aux is not None else False
-    window_size = tuple(window_size) if isinstance(window_size, list) else window_size
+    window_size = as_window(window_size)
     plan_key = _key("varlen_attn", query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table,
                     (window_size, type(scale), scale, enable_gqa, type(num_splits), num_splits, want_lse))
     hit = _replayed(plan_key, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table, want_lse,
@@ -153,6 +158,13 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     return (out, lse) if want_lse else out
 
 
+# flash-attn's names of the arguments _attention and decode.check_values speak of.
+_FLASH_NAMES = {"query": "q", "key": "k", "value": "v", "cu_seq_q": "cu_seqlens_q", "cu_seq_k": "cu_seqlens_k",
+                "cu_seqlens_q": "cu_seqlens_q", "cu_seqlens_k": "cu_seqlens_k", "max_q": "max_seqlen_q",
+                "max_k": "max_seqlen_k", "seq_q": "max_seqlen_q", "seq_k": "max_seqlen_k", "scale": "softmax_scale",
+                "seqused_k": "the key lengths in cu_seqlens_k"}
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
@@ -162,17 +174,28 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ``return_attn_probs=True`` (lse float32 [heads, total_q]). As flash-attn's entry does, a
     head_dim that is not a multiple of 8 (up to 256) is padded with zeros and the output sliced
     back, and tensors whose rows are not contiguous and 16-byte aligned are copied (padding.py).
-    dropout, softcap and ALiBi raise UnsupportedError; the kernels are deterministic, so
-    ``deterministic`` needs nothing."""
+    ``window_size``: a pair of ints, or of a CPU tensor (options.as_window). dropout, softcap and
+    ALiBi raise UnsupportedError; the kernels are deterministic, so ``deterministic`` needs
+    nothing."""
+    return _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                         causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
+                         entry="flash_attn_varlen_func", names=_FLASH_NAMES)
+
+
+def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                  window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, *, entry: str,
+                  names: dict[str, str]):
+    """flash_attn_varlen_func and its packed forms (``entry``), their errors in the entry point's
+    ``names`` of the arguments."""
     refuse_missing_features(dropout_p, softcap, alibi_slopes)
-    names = {"scale": "softmax_scale", "seqused_k": "the key lengths in cu_seqlens_k"}
-    plan_key = _key("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None,
+    window_size = as_window(window_size)
+    plan_key = _key(entry, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None,
                     block_table, (window_size, type(softmax_scale), softmax_scale, type(causal), causal,
                                   type(deterministic), deterministic, type(return_attn_probs), return_attn_probs))
     if plan_key is not None and plan_key in replay.cache:
         lengths = None
         if block_table is not None:
-            check_memory("cu_seqlens_k", cu_seqlens_k)
+            check_memory(names["cu_seqlens_k"], cu_seqlens_k)
             lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
         hit = _replayed(plan_key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, lengths,
                         block_table, return_attn_probs, names)
@@ -182,21 +205,24 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
             raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
-    if padding.needed(q, k, v, ranks=(3, 4)):  # as flash-attn's entry: head_dim padded to a multiple of 8, rows made readable
-        return padding.run(flash_attn_varlen_func, dict(q=q, k=k, v=v), dict(
+    if padding.needed(q, k, v, ranks=(3, 4)):  # as flash-attn's entry: head_dim padded to 8s, rows made readable
+        return padding.run(lambda q, k, v, **kw: _flash_varlen(q, k, v, entry=entry, names=names, **kw),
+                           dict(q=q, k=k, v=v), dict(
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            max_seqlen_k=max_seqlen_k, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
+            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
             return_attn_probs=return_attn_probs, block_table=block_table), scale_name="softmax_scale")
     left, right = check_window(window_size)
     if causal:
         right = 0 if right < 0 else min(right, 0)
     seqused_k = None
+    names = dict(names)
     if block_table is not None:  # flash-attn's paged varlen: key lengths from cu_seqlens_k
         if not isinstance(q, torch.Tensor):
-            raise InvalidArgumentError(f"q must be a torch.Tensor, got {type(q).__name__}")
-        cu = check_int32("cu_seqlens_k", cu_seqlens_k, 1, q.device)
+            raise InvalidArgumentError(f"{names['query']} must be a torch.Tensor, got {type(q).__name__}")
+        cu = check_int32(names["cu_seqlens_k"], cu_seqlens_k, 1, q.device)
         if not (torch.compiler.is_compiling() or torch.jit.is_tracing()):
-            check_memory("cu_seqlens_k", cu)
+            check_memory(names["cu_seqlens_k"], cu)
         seqused_k = (cu[1:] - cu[:-1]).to(torch.int32)
         cu_seqlens_k = None
     else:
@@ -205,3 +231,43 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                           window_size=(left, right), gqa=True, seqused_k=seqused_k, block_table=block_table,
                           num_splits=0, return_lse=return_attn_probs, names=names, key=plan_key)
     return (out, lse, None) if return_attn_probs else out
+
+
+def _unpacked(name: str, packed: object, parts: int, layout: str) -> tuple[torch.Tensor, ...]:
+    """The ``parts`` tensors packed along the second dimension of ``packed`` [total, parts,
+    heads, head_dim], as views (nothing copied)."""
+    if not isinstance(packed, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(packed).__name__}")
+    if packed.dim() != 4 or packed.shape[1] != parts:
+        raise InvalidArgumentError(f"{name} must be 4-D {layout}, got shape {tuple(packed.shape)}")
+    return packed.unbind(1)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash-attn's ``flash_attn_varlen_qkvpacked_func`` (forward only): qkv [total, 3, heads,
+    head_dim] packs q, k and v of one set of sequences, cu_seqlens int32 [batch + 1] their offsets
+    and max_seqlen the longest; otherwise as :func:`flash_attn_varlen_func` on ``qkv[:, 0]``,
+    ``qkv[:, 1]`` and ``qkv[:, 2]``, which are views (copied only where flash_attn_varlen_func
+    copies: a head_dim that is not a multiple of 8)."""
+    q, k, v = _unpacked("qkv", qkv, 3, "[total, 3, heads, head_dim]")
+    names = {**_FLASH_NAMES, "query": "qkv", "key": "qkv", "value": "qkv", "cu_seq_q": "cu_seqlens",
+             "cu_seq_k": "cu_seqlens", "cu_seqlens_q": "cu_seqlens", "cu_seqlens_k": "cu_seqlens",
+             "max_q": "max_seqlen", "max_k": "max_seqlen", "seq_q": "max_seqlen", "seq_k": "max_seqlen"}
+    return _flash_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+                         window_size, softcap, alibi_slopes, deterministic, return_attn_probs, None,
+                         entry="flash_attn_varlen_qkvpacked_func", names=names)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's ``flash_attn_varlen_kvpacked_func`` (forward only): kv [total_k, 2, heads_kv,
+    head_dim] packs k and v; otherwise as :func:`flash_attn_varlen_func` on ``kv[:, 0]`` and
+    ``kv[:, 1]``, which are views (copied only where flash_attn_varlen_func copies)."""
+    k, v = _unpacked("kv", kv, 2, "[total_k, 2, heads_kv, head_dim]")
+    names = {**_FLASH_NAMES, "key": "kv", "value": "kv"}
+    return _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                         causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, None,
+                         entry="flash_attn_varlen_kvpacked_func", names=names)

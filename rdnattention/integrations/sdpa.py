@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import re
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -139,8 +140,11 @@ def sdpa_patched(*, devices: str | Iterable[str] = DEFAULT_DEVICES, device_masks
 
 def stats(*, reset: bool = False) -> dict:
     """What the patched function did: ``{"patched": bool, "served": calls run by the kernels,
-    "fallback": calls passed to torch's function, "fallbacks": {reason: calls}}`` (a copy). With
-    ``reset=True`` the counts start again from zero, and each reason logs its line again."""
+    "fallback": calls passed to torch's function, "fallbacks": {reason: calls}, "transformers":
+    {...}}`` (a copy); "transformers" holds the same three counts of the transformers integration
+    (integrations/transformers.py: register()'s attention function), zeros where it was never
+    imported. With ``reset=True`` the counts start again from zero, and each reason logs its line
+    again."""
     global _served
     _check_bool("reset", reset)
     with _lock:
@@ -150,6 +154,9 @@ def stats(*, reset: bool = False) -> dict:
             _served = 0
             _fallbacks.clear()
             _logged.clear()
+    integration = sys.modules.get("rdnattention.integrations.transformers")
+    out["transformers"] = (integration.counts(reset=reset) if integration is not None
+                           else {"served": 0, "fallback": 0, "fallbacks": {}})
     return out
 
 

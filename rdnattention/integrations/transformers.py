@@ -23,6 +23,7 @@ one device synchronisation per call. Rows of padding queries are zero."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections import Counter
 
@@ -36,6 +37,29 @@ _warned: set[str] = set()
 # Calls that ran transformers' sdpa attention instead of the kernels, by reason (each reason warns
 # once; the counts go on).
 fallbacks: Counter[str] = Counter()
+_served = 0  # calls the kernels ran
+_lock = threading.Lock()
+
+
+def counts(*, reset: bool = False) -> dict:
+    """What the attention function did: ``{"served": calls run by the kernels, "fallback": calls
+    run by transformers' sdpa attention, "fallbacks": {reason: calls}}`` (a copy; also
+    ``rdnattention.stats()["transformers"]``). With ``reset=True`` the counts start again from
+    zero, and each reason warns again."""
+    global _served
+    with _lock:
+        out = {"served": _served, "fallback": sum(fallbacks.values()), "fallbacks": dict(fallbacks)}
+        if reset:
+            _served = 0
+            fallbacks.clear()
+            _warned.clear()
+    return out
+
+
+def _count_served() -> None:
+    global _served
+    with _lock:
+        _served += 1
 
 
 def register(name: str = NAME) -> str:
@@ -106,12 +130,13 @@ def _tensors_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return None
 
 
-def _runs(mask: torch.Tensor, causal: bool):
+def _runs(mask: torch.Tensor, causal: bool, left: int = -1):
     """Per sequence (first query row, query rows, first valid key, valid keys) as int32 tensors, when
     ``mask`` [batch, 1 or heads, seq_q, seq_k] is the causal (or full) mask of one run of queries
-    against one run of keys, the queries at the end of the keys; else None. Rows outside the run
-    are padding: they see no key (left padding) or every valid key (right padding, where the run
-    ends at the first row that sees them all); the kernels leave them zero."""
+    against one run of keys, the queries at the end of the keys, each causal query seeing at most
+    ``left`` keys before its own (-1: all; a sliding window); else None. Rows outside the run are
+    padding: they see no key (left padding) or every valid key (right padding, where the run ends
+    at the first row that sees the last valid key); the kernels leave them zero."""
     if mask.dtype != torch.bool:
         if not bool(((mask == 0) | (mask == torch.finfo(mask.dtype).min) | torch.isneginf(mask)).all()):
             return None  # a bias, not a mask
@@ -124,8 +149,10 @@ def _runs(mask: torch.Tensor, causal: bool):
     k0, n = cols.int().argmax(-1), cols.sum(-1)
     counts = m.sum(-1)
     q0 = (counts > 0).int().argmax(-1)
-    if causal:  # the run ends at the first row that sees every valid key
-        sq = torch.where(n > 0, (counts == n[:, None]).int().argmax(-1) - q0 + 1, 0)
+    if causal:  # the run ends at the first row that sees the last valid key
+        last = (k0 + n - 1).clamp(min=0).long()
+        sees_last = m.gather(2, last[:, None, None].expand(-1, seq_q, 1))[..., 0]
+        sq = torch.where(n > 0, sees_last.int().argmax(-1) - q0 + 1, 0)
     else:
         sq = (counts > 0).sum(-1)
     p = torch.arange(seq_q, device=m.device)[None, :, None] - q0[:, None, None]
@@ -135,6 +162,8 @@ def _runs(mask: torch.Tensor, causal: bool):
     expected = in_run & valid_key
     if causal:
         expected &= key <= p + (n - sq)[:, None, None]
+        if left >= 0:
+            expected &= key >= p + (n - sq)[:, None, None] - left
     padding_row_ok = (counts == 0) | (counts == n[:, None])  # outside the run: no key, or all of them
     ok = torch.where(in_run, expected == m[:, :, :], (padding_row_ok[:, :, None] & (~m | valid_key)))
     if not bool(ok.all()):
@@ -167,14 +196,29 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                          is_causal=is_causal, **kwargs)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    sliding_window = kwargs.get("sliding_window")
+    left = -1
+    if sliding_window is not None:  # transformers' sliding window of W keys: a query sees W - 1 keys before its own
+        if (not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1
+                or not causal):
+            return _fallback(f"sliding_window {sliding_window!r} (the kernels take a causal window of a positive "
+                             "int)", module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                             is_causal=is_causal, **kwargs)
+        left = sliding_window - 1
     if attention_mask is None:
         attention_mask = query.new_empty(0, dtype=torch.bool)  # none: torch's SDPA semantics
-    return padded_attention_fwd(query, key, value, attention_mask, causal, scale), None
+    return padded_attention_fwd(query, key, value, attention_mask, causal, scale, left), None
 
 
-def _sdpa(query, key, value, mask, causal: bool, scale: float) -> torch.Tensor:
-    """What transformers' sdpa attention computes, as [batch, seq_q, heads, head_dim]."""
+def _sdpa(query, key, value, mask, causal: bool, scale: float, left: int = -1) -> torch.Tensor:
+    """What transformers' sdpa attention computes, as [batch, seq_q, heads, head_dim] (``left`` >= 0:
+    a causal sliding window, made a mask where none is given)."""
     gqa = key.shape[1] != query.shape[1]
+    if mask.numel() == 0 and left >= 0:
+        seq_q, seq_k = query.shape[2], key.shape[2]
+        diagonal = torch.arange(seq_q, device=query.device)[:, None] + (seq_k - seq_q)
+        keys = torch.arange(seq_k, device=query.device)[None, :]
+        mask = (keys <= diagonal) & (keys >= diagonal - left)
     if mask.numel() == 0:
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, is_causal=causal and query.shape[2] > 1, scale=scale, enable_gqa=gqa)
@@ -186,7 +230,8 @@ def _sdpa(query, key, value, mask, causal: bool, scale: float) -> torch.Tensor:
 
 def _fell_back(reason: str) -> None:
     """Counts a call that runs sdpa for ``reason``; the first of each reason warns."""
-    fallbacks[reason] += 1
+    with _lock:
+        fallbacks[reason] += 1
     if reason not in _warned:
         _warned.add(reason)
         warnings.warn(f"rdnattention: {reason}; these calls run transformers' sdpa attention instead",
@@ -195,7 +240,7 @@ def _fell_back(reason: str) -> None:
 
 @torch.library.custom_op("rdnattention::padded_attention_fwd", mutates_args=())
 def padded_attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                         causal: bool, scale: float) -> torch.Tensor:
+                         causal: bool, scale: float, left: int = -1) -> torch.Tensor:
     """The attention of a padded batch as [batch, seq_q, heads, head_dim]; ``mask`` empty: none. A
     custom op, so that compiled models (transformers compiles StaticCache generation) call it whole:
     reading the mask needs the device, which a CUDA graph being captured cannot give; such calls
@@ -205,32 +250,41 @@ def padded_attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         reason = _check_mask(mask, query, key)
     if reason:  # attention_forward sends these calls to sdpa; a direct call of the op runs torch's SDPA
         _fell_back(reason)
-        return _sdpa(query, key, value, mask, causal, scale)
+        return _sdpa(query, key, value, mask, causal, scale, left)
     try:
+        if mask.numel() == 0 and left >= 0:  # a sliding window over whole sequences: no mask to read
+            batch, seq_q, seq_k = query.shape[0], query.shape[2], key.shape[2]
+            runs = tuple(torch.full((batch,), x, dtype=torch.int32, device=query.device) for x in (0, seq_q, 0, seq_k))
+            out = _padded(query, key, value, runs, causal, scale, left)
+            _count_served()
+            return out
         if mask.numel() == 0:
             out = api.scaled_dot_product_attention(query, key, value, is_causal=causal and query.shape[2] > 1,
                                                    scale=scale, enable_gqa=key.shape[1] != query.shape[1])
+            _count_served()
             return out.transpose(1, 2).contiguous()
         if not checks.can_read(mask):
             _fell_back("a CUDA graph is being captured, and reading the attention mask needs the device")
-            return _sdpa(query, key, value, mask, causal, scale)
+            return _sdpa(query, key, value, mask, causal, scale, left)
         checks.check_memory("attention_mask", mask)
-        runs = _runs(_broadcast(mask, query, key), causal)
+        runs = _runs(_broadcast(mask, query, key), causal, left)
         if runs is None:
             _fell_back("an attention mask that is not causal or full over one run of valid positions per sequence")
-            return _sdpa(query, key, value, mask, causal, scale)
-        return _padded(query, key, value, runs, causal, scale)
+            return _sdpa(query, key, value, mask, causal, scale, left)
+        out = _padded(query, key, value, runs, causal, scale, left)
+        _count_served()
+        return out
     except (UnsupportedError, KernelsNotBuiltError) as e:
         _fell_back(str(e))
-        return _sdpa(query, key, value, mask, causal, scale)
+        return _sdpa(query, key, value, mask, causal, scale, left)
 
 
 @padded_attention_fwd.register_fake
-def _(query, key, value, mask, causal, scale):
+def _(query, key, value, mask, causal, scale, left=-1):
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
 
 
-def _padded(query, key, value, runs, causal: bool, scale: float) -> torch.Tensor:
+def _padded(query, key, value, runs, causal: bool, scale: float, left: int = -1) -> torch.Tensor:
     q0, sq, k0, n = runs
     if query.stride(0) % query.stride(2) or query.stride(3) != 1:
         query = query.contiguous()
@@ -238,7 +292,7 @@ def _padded(query, key, value, runs, causal: bool, scale: float) -> torch.Tensor
         key, value = key.contiguous(), value.contiguous()
     out = torch.zeros_like(query)  # same strides as query: one set of offsets serves both
     batch, _, seq_q, _ = query.shape
-    call = route.Attention(q=query, k=key, v=value, out=out, lse=None, window=(-1, 0) if causal else (-1, -1),
+    call = route.Attention(q=query, k=key, v=value, out=out, lse=None, window=(left, 0) if causal else (-1, -1),
                            softmax_scale=scale, batch=batch, seq_q=seq_q, seq_k=key.shape[2], seqused_k=n,
                            cu_seqlens_q=_offsets(query, q0), cu_seqlens_k=_offsets(key, k0), seqused_q=sq)
     for name, t in (("query", query), ("key", key), ("value", value)):

@@ -107,13 +107,13 @@ class F16(Family):
         "gqa": OracleCase(1, 4, 2, 97, 97, {"is_causal": True}),
         "mqa": OracleCase(1, 3, 1, 80, 80),
         "cross": OracleCase(1, 2, 2, 45, 170, {"is_causal": True}),
-        # Few rows against many keys, in enough query heads per K/V head that the row-block kernel serves
-        # them (fewer go to the dec family).
-        "single_row": OracleCase(2, 12, 1, 1, 203),
+        # Few rows against many keys: the fewest query rows per sequence the row-block kernels serve
+        # (route.SPLIT_KV_MAX_SEQ_Q + 1; fewer go to the dec family), in a partial row block.
+        "few_rows": OracleCase(2, 2, 1, 17, 203),
         "rope": OracleCase(1, 4, 2, 90, 90, {"is_causal": True, "rope": True}),
         # Cache lengths: enough query rows per K/V head for the row-block kernels; a used length
         # of 0 is an empty row.
-        "lengths": OracleCase(3, 2, 2, 16, 100, {"seqused_k": (100, 37, 0)}, layout="len"),
+        "lengths": OracleCase(3, 2, 2, 17, 100, {"seqused_k": (100, 37, 0)}, layout="len"),
         "lengths_causal_gqa": OracleCase(2, 4, 2, 24, 90, {"is_causal": True, "seqused_k": (90, 30)}, layout="len"),
         "lengths_window": OracleCase(2, 2, 2, 20, 80, {"window_size": (16, 3), "seqused_k": (80, 41)},
                                      layout="len"),

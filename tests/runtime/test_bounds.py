@@ -125,6 +125,22 @@ CASES = {
     call = lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=idx,
                                            num_splits=3)
 """,
+    # cache_leftpad: the keys' offsets and counts of the packed call it becomes (below 0, past the
+    # lengths, far past the cache), with the append, and with a prefill (the f16 varlen kernels)
+    "cache-leftpad-append": _CACHE + """
+    leftpad, lengths = ints(-(2**31), 2**31 - 1), ints(10, 2**31 - 1)
+    given = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, leftpad=leftpad, lengths=lengths)
+    written = {"k_cache", "v_cache"}
+    call = lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, cache_leftpad=leftpad,
+                                           causal=True, return_softmax_lse=True)
+""",
+    "cache-leftpad-prefill": _CACHE + """
+    q = rnd(2, 40, 4, 64)
+    leftpad, lengths = ints(64, -7), ints(30, 64)
+    given = dict(q=q, k_cache=k_cache, v_cache=v_cache, leftpad=leftpad, lengths=lengths)
+    call = lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_leftpad=leftpad,
+                                           causal=True)
+""",
     # block_table: the append's pages and the paged kernels' pages (one past the pool, far past it,
     # below it), with the combine of several slices
     "block-table-append": _POOL + """

@@ -380,7 +380,7 @@ def _tables(kw, positions=64):
 
 @pytest.mark.parametrize("change, error, message", [
     (lambda q, kc, vc, kw: kw.update(window_size=(-2, 0)), InvalidArgumentError, "window_size values must be >= -1"),
-    (lambda q, kc, vc, kw: kw.update(causal=1), InvalidArgumentError, "is_causal must be a bool, got 1"),
+    (lambda q, kc, vc, kw: kw.update(causal=1), InvalidArgumentError, "causal must be a bool, got 1"),
     (lambda q, kc, vc, kw: kw.update(softmax_scale=float("nan")), InvalidArgumentError,
      "softmax_scale must be a finite number"),
     (lambda q, kc, vc, kw: kw.update(softmax_scale=3e38), InvalidArgumentError, "times log2(e) is beyond float32"),

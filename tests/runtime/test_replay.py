@@ -131,7 +131,8 @@ def test_a_second_call_of_a_geometry_replays_its_plan_with_the_same_results(host
      "cache_seqlens + seq_new (1) must lie in [0, cache_len = 64]"),
     ("kvcache.paged", lambda: TABLE.__setitem__((1, 1), 8), "block_table values must lie in [0, 7]"),
     ("varlen.decode", lambda: CU_40.__setitem__(2, 90), "cu_seq_k ends at 90, past the 80 packed rows"),
-    ("varlen.prefill", lambda: CU_30.__setitem__(1, 31), "a sequence of 31 rows in cu_seq_q is longer than max_q = 30"),
+    ("varlen.prefill", lambda: CU_30.__setitem__(1, 31),
+     "a sequence of 31 rows in cu_seqlens_q is longer than max_seqlen_q = 30"),
     ("varlen.paged", lambda: TABLE.__setitem__((0, 0), -1), "block_table values must lie in [0, 7]"),
 ])
 def test_a_replayed_call_still_refuses_the_values_it_reads(host_build, monkeypatch, entry, spoil, message):

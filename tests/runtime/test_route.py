@@ -95,7 +95,7 @@ def test_a_call_describes_itself():
     call = route.Attention(q=q, k=k, v=k, out=q, lse=None, window=(-1, 0), softmax_scale=1.0, batch=2, seq_q=3,
                            seq_k=50, seqused_k=torch.empty(2, dtype=torch.int32, device="meta"), num_splits=2)
     assert call.request() == Request(precision=Precision.FP16, layout=Layout.SEQUSED, head_dim=64, rows=12,
-                                     options=frozenset({Option.KEY_SLICES}))
+                                     options=frozenset({Option.KEY_SLICES}), seq_q=3)
     packed = route.Attention(q=q, k=k, v=k, out=q, lse=None, window=(-1, -1), softmax_scale=1.0, batch=2, seq_q=3,
                              seq_k=50, cu_seqlens_q=k, cu_seqlens_k=k, num_splits=2)
     assert packed.request().layout is Layout.PACKED and not packed.request().options  # slices where split-KV runs
