@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from . import checks, decode, ops, padding, replay
-from .checks import TOKEN_MAJOR, check_fp16, check_int32, check_paged
+from .checks import TOKEN_MAJOR, check_fp16, check_int32, check_paged, check_same_dtype
 from .errors import InvalidArgumentError, UnsupportedError
 from .options import Options, check_seqused, validate
 from .reference import rotate
@@ -35,8 +35,9 @@ def _check_tables(cos: object, sin: object, interleaved: object, q: torch.Tensor
     if not isinstance(interleaved, bool):
         raise InvalidArgumentError(f"rotary_interleaved must be a bool, got {interleaved!r}")
     for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in (torch.float32, torch.float16):
-            raise InvalidArgumentError(f"{name} must be a float32 or float16 tensor [positions, rotary_dim/2]")
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in (torch.float32, torch.float16, q.dtype):
+            raise InvalidArgumentError(f"{name} must be a float32, float16 or q's dtype ({q.dtype}) tensor "
+                                       "[positions, rotary_dim/2]")
         if t.device != q.device:
             raise InvalidArgumentError(f"{name} is on {t.device}, q on {q.device}")
     if cos.shape != sin.shape or 2 * cos.shape[1] > q.shape[3]:
@@ -86,6 +87,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             scale_name="softmax_scale", written=("k_cache", "v_cache") if k is not None else ())
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_fp16(name, t, TOKEN_MAJOR)
+    check_same_dtype(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
     given = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("rotary_cos", rotary_cos),
              ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
              ("block_table", block_table))
@@ -128,6 +130,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k is not None:
         for name, t in (("k", k), ("v", v)):
             check_fp16(name, t, TOKEN_MAJOR)
+        check_same_dtype(("k_cache", k_cache), ("k", k), ("v", v))
             if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:] or t.shape != k.shape:
                 raise InvalidArgumentError(f"{name} shape {tuple(t.shape)} must be [batch, seq_new, heads_kv, "
                                            f"head_dim] matching the cache {tuple(k_cache.shape)}")

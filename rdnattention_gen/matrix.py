@@ -135,15 +135,15 @@ class Matrix:
                                v.where))
         for fam_name, hd, tile in self.alternates.get(target.name, ()):
             wanted.append((fam_name, hd, None, tile, "candidate", f"candidate {fam_name} head_dim {hd} {tile}"))
-        have = {(v.spec.family, v.spec.option("layout"), v.spec.head_dim, v.spec.gqa_group, v.spec.tile)
-                for v in entries}
+        have = {(v.spec.family, v.spec.option("layout"), v.spec.option("dtype"), v.spec.head_dim, v.spec.gqa_group,
+                 v.spec.tile) for v in entries}
         out = []
         for fam_name, hd, group, tile, provenance, where in wanted:
             fam = family(fam_name)
             if fam_name not in self.kernels or fam.tier(target) is None:
                 continue
             for point in fam.points(self.kernels[fam_name]):
-                key = (fam_name, point.get("layout"), point["head_dim"], point["gqa_group"], tile)
+                key = (fam_name, point.get("layout"), point.get("dtype"), point["head_dim"], point["gqa_group"], tile)
                 if (point["head_dim"] != hd or group not in (None, point["gqa_group"]) or key in have
                         or not target.builds(fam_name, hd)):
                     continue
@@ -358,7 +358,8 @@ def check_entries(variants: list[Variant]) -> list[str]:
     for v in variants:
         if v.priority < 0:  # an alternate: chosen only by name
             continue
-        keys.setdefault((kind(v.spec.family, v.spec.option("layout")), v.spec.head_dim, v.spec.gqa_group), []).append(v)
+        keys.setdefault((kind(v.spec.family, v.spec.option("layout"), v.spec.option("dtype")), v.spec.head_dim,
+                         v.spec.gqa_group), []).append(v)
     for key, entries in sorted(keys.items()):
         for i, v in enumerate(entries):
             for o in entries[i + 1:]:

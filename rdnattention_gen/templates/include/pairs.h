@@ -31,6 +31,36 @@ struct F32Pairs {
   RDNA_DEVICE float sum(pack_t p) { return (float)p.x + (float)p.y; }
 };
 
+// bf16 pairs, kept as loaded (16-bit pairs in LDS, as fp16's) and widened to fp32 where multiplied:
+// a 16-bit shift per value, no convert instruction, then fp32 FMAs. Probabilities are rounded to
+// bf16 for P.V (flash-attn rounds them to the input dtype too); the row sum adds them as stored.
+struct BF16Pairs {
+  typedef bf16_t elem_t;
+  typedef bf16x2_t pack_t;
+  RDNA_DEVICE float dot(pack_t a, pack_t b, float acc) {
+    return rdna_fma((float)a.y, (float)b.y, rdna_fma((float)a.x, (float)b.x, acc));
+  }
+  RDNA_DEVICE pack_t from_word(unsigned w) { return __builtin_bit_cast(bf16x2_t, w); }
+  RDNA_DEVICE pack_t join(bf16_t x, bf16_t y) { return pack_t{x, y}; }
+  RDNA_DEVICE pack_t make(float x, float y) { return pack_t{(bf16_t)x, (bf16_t)y}; }
+  RDNA_DEVICE float sum(pack_t p) { return (float)p.x + (float)p.y; }
+};
+
+// fp32 pairs of bf16 inputs: every value widened once, when its tile is staged (F32Pairs' layout
+// and products, so the main loop is fp16's on the targets that stage fp32).
+struct BF16F32Pairs {
+  typedef float elem_t;
+  typedef float pack_t __attribute__((ext_vector_type(2)));
+  RDNA_DEVICE float dot(pack_t a, pack_t b, float acc) { return rdna_fma(a.y, b.y, rdna_fma(a.x, b.x, acc)); }
+  RDNA_DEVICE pack_t from_word(unsigned w) {
+    const bf16x2_t h = __builtin_bit_cast(bf16x2_t, w);
+    return pack_t{(float)h.x, (float)h.y};
+  }
+  RDNA_DEVICE pack_t join(bf16_t x, bf16_t y) { return pack_t{(float)x, (float)y}; }
+  RDNA_DEVICE pack_t make(float x, float y) { return pack_t{x, y}; }
+  RDNA_DEVICE float sum(pack_t p) { return (float)p.x + (float)p.y; }
+};
+
 // LDS tiles of packs: tile row `row` holds S packs (S a multiple of CHUNK, so every row starts
 // 16-byte aligned), and the kernels move runs of up to CHUNK consecutive packs of one row, a
 // 16-byte access per run (per plane below). A layout derives from the element type E and adds

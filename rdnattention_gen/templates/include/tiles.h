@@ -12,6 +12,15 @@ RDNA_DEVICE constexpr T rdna_max(T a, T b) { return a < b ? b : a; }
 RDNA_DEVICE u32x4 rdna_load16(const half_t* p) { return *reinterpret_cast<const u32x4*>(p); }
 RDNA_DEVICE u32x4 rdna_load16(const signed char* p) { return *reinterpret_cast<const u32x4*>(p); }
 
+// bf16 values: the top 16 bits of an fp32 value. Widening one is a 16-bit shift (the compilers
+// lower the conversion so); narrowing rounds to nearest even, a NaN staying NaN.
+typedef __bf16 bf16_t;
+typedef __bf16 bf16x2_t __attribute__((ext_vector_type(2)));
+
+RDNA_DEVICE unsigned rdna_pack_bf16x2(float lo, float hi) {
+  return __builtin_bit_cast(unsigned, bf16x2_t{(bf16_t)lo, (bf16_t)hi});
+}
+
 RDNA_DEVICE unsigned rdna_pack_half2(float lo, float hi) {
   return __builtin_bit_cast(unsigned short, (half_t)lo) |
          ((unsigned)__builtin_bit_cast(unsigned short, (half_t)hi) << 16);
@@ -94,16 +103,19 @@ RDNA_DEVICE void rdna_store_key_packs(typename P::pack_t* tile, int S, int row, 
 }
 
 // One output row slice held in chunks of C columns: chunk c covers columns [c * stride, c * stride + C)
-// of `out`. Values are scaled by `scale` and stored as fp16, one store per chunk. LIMITED: only the
-// chunks that start before column `avail` (the rest are padding).
-template <int N, int C, bool LIMITED = false>
+// of `out`. Values are scaled by `scale` and stored as fp16 (BF16: as bf16, in the same 16-bit
+// words), one store per chunk. LIMITED: only the chunks that start before column `avail` (the rest
+// are padding).
+template <int N, int C, bool LIMITED = false, bool BF16 = false>
 RDNA_DEVICE void rdna_store_row(half_t* out, int stride, const float (&o)[N], float scale, int avail = 0) {
 #pragma unroll
   for (int c = 0; c < N / C; ++c) {
     if (LIMITED && c * stride >= avail) break;
     unsigned words[C / 2];
 #pragma unroll
-    for (int w = 0; w < C / 2; ++w) words[w] = rdna_pack_half2(o[c * C + 2 * w] * scale, o[c * C + 2 * w + 1] * scale);
+    for (int w = 0; w < C / 2; ++w)
+      words[w] = BF16 ? rdna_pack_bf16x2(o[c * C + 2 * w] * scale, o[c * C + 2 * w + 1] * scale)
+                      : rdna_pack_half2(o[c * C + 2 * w] * scale, o[c * C + 2 * w + 1] * scale);
     __builtin_memcpy(__builtin_assume_aligned(out + c * stride, C * sizeof(half_t)), words, sizeof(words));
   }
 }
