@@ -130,10 +130,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k is not None:
         for name, t in (("k", k), ("v", v)):
             check_fp16(name, t, TOKEN_MAJOR)
-        check_same_dtype(("k_cache", k_cache), ("k", k), ("v", v))
             if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:] or t.shape != k.shape:
                 raise InvalidArgumentError(f"{name} shape {tuple(t.shape)} must be [batch, seq_new, heads_kv, "
                                            f"head_dim] matching the cache {tuple(k_cache.shape)}")
+        check_same_dtype(("k_cache", k_cache), ("k", k), ("v", v))
         new = k.shape[1]
         if new > cache_len:
             raise InvalidArgumentError(f"seq_new ({new}) must not exceed cache_len ({cache_len}): the new keys are "

@@ -18,13 +18,15 @@ HEAD_DIMS = list(load_matrix().kernels["f16"]["head_dims"])
 VARIANTS = [name for name, case in FAMILY.oracle_cases.items() if case.layout is None]  # flash_attn's plain calls
 TOL = 2e-3      # output: fp16 rounding of the result, of the probabilities and (RoPE) of rotated Q/K
 LSE_TOL = 2e-3  # log-sum-exp, fp32
-# bf16 inputs, against the oracle on the same bf16 values: the same roundings (the output, the
-# probabilities where LDS holds bf16 pairs, RoPE's rotated Q/K) with bf16's unit roundoff 2^-9, 4x
-# fp16's 2^-11, so 4x TOL. The LSE sums the probabilities as rounded for P.V: each within 2^-9 of
-# its value, so the sum within 2^-9 = 1.95e-3 of its own (relative), which is the LSE's error
-# (natural log), plus fp32's: LSE_TOL holds.
-BF16_TOL = 4 * TOL
-TOLS = {"fp16": (TOL, LSE_TOL), "bf16": (BF16_TOL, LSE_TOL)}
+# bf16 inputs, against the oracle on the same bf16 values: the same roundings as fp16's (the output;
+# the probabilities for P.V where LDS holds 16-bit pairs; RoPE's rotated Q/K) with bf16's unit
+# roundoff, 2^-8 (8 significant bits), 8x fp16's 2^-11: 8x each tolerance. The output alone rounds
+# by up to 2^-8 of |out| <= max|v| (~4 here): the sweep's largest errors, ~8e-3, are that rounding
+# (host_f32's, whose probabilities stay fp32, are as large). The LSE sums the probabilities as
+# rounded, each within 2^-8 of its value: at most 2^-8 = 3.9e-3 off (RoPE's rounding adds to it).
+BF16_TOL = 8 * TOL
+BF16_LSE_TOL = 8 * LSE_TOL
+TOLS = {"fp16": (TOL, LSE_TOL), "bf16": (BF16_TOL, BF16_LSE_TOL)}
 # The dtype options of the families (None: fp16) and the torch dtype of each, as test ids spell them.
 DTYPES = {"fp16": None, "bf16": "bf16"}
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

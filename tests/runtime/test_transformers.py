@@ -74,7 +74,7 @@ def test_generate_on_a_left_padded_batch_matches_sdpa(device, cache):
 def test_a_bfloat16_model_runs_the_kernels_as_close_to_float32_as_sdpa(device):
     """bf16 weights (most checkpoints): every call runs the bf16 kernels (no fallback while it
     generates), and its logits are as close to the float32 model's as sdpa's in bf16 are, to bf16
-    rounding (2^-9 of the O(1) logits, a few times over)."""
+    rounding (TOL's 4e-3 for fp16's, times 8: bf16's unit roundoff 2^-8 against fp16's 2^-11)."""
     model, model32 = _model(device, dtype=torch.bfloat16), _model(device, dtype=torch.float32)
     ids = torch.tensor([[0, 0, 5, 6, 7, 9], [1, 2, 3, 4, 5, 6]], device=device)
     mask = (ids != 0).long()
@@ -92,7 +92,7 @@ def test_a_bfloat16_model_runs_the_kernels_as_close_to_float32_as_sdpa(device):
     valid = mask.bool()
     err = (ours[valid].float() - fp32[valid]).abs().max().item()
     base_err = (base[valid].float() - fp32[valid]).abs().max().item()
-    assert err <= 2 * base_err + 8e-3, (err, base_err)
+    assert err <= 2 * base_err + 8 * TOL["atol"], (err, base_err)
 
 
 def test_a_right_padded_forward_matches_sdpa_where_tokens_are(device):

@@ -114,9 +114,8 @@ template <class P>
 struct DecodeBF16 : DecodeF16<P> {
   static constexpr bool BF16 = true;
   RDNA_DEVICE void values(u32x4 c, float (&v)[DecodeF16<P>::CPL]) {
-    const bf16_t* h = reinterpret_cast<const bf16_t*>(&c);
 #pragma unroll
-    for (int e = 0; e < DecodeF16<P>::CPL; ++e) v[e] = (float)h[e];
+    for (int w = 0; w < 4; ++w) v[2 * w] = rdna_bf16_lo(c[w]), v[2 * w + 1] = rdna_bf16_hi(c[w]);
   }
 };
 

@@ -41,7 +41,7 @@ struct ForwardF16 : P {
 // the same products, softmax and accumulation as fp16's, in fp32.
 template <class P>
 struct ForwardBF16 : P {
-  typedef bf16_t input_t;
+  typedef rdna_bf16 input_t;
   typedef float acc_t;
   typedef typename P::pack_t pack_t;
   static constexpr int PACK = 2;
@@ -51,8 +51,8 @@ struct ForwardBF16 : P {
   RDNA_DEVICE void pack_columns(const unsigned (&rows)[PACK][VW / 2], pack_t (&out)[VW]) {
 #pragma unroll
     for (int e = 0; e < VW; ++e) {
-      const bf16x2_t x = __builtin_bit_cast(bf16x2_t, rows[0][e / 2]), y = __builtin_bit_cast(bf16x2_t, rows[1][e / 2]);
-      out[e] = P::join(e % 2 ? x.y : x.x, e % 2 ? y.y : y.x);
+      const int shift = e % 2 * 16;  // the low or the high value of each word
+      out[e] = P::join((unsigned short)(rows[0][e / 2] >> shift), (unsigned short)(rows[1][e / 2] >> shift));
     }
   }
   RDNA_DEVICE pack_t probabilities(const float (&e)[PACK], float& l, float&) {

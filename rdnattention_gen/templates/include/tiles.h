@@ -12,14 +12,25 @@ RDNA_DEVICE constexpr T rdna_max(T a, T b) { return a < b ? b : a; }
 RDNA_DEVICE u32x4 rdna_load16(const half_t* p) { return *reinterpret_cast<const u32x4*>(p); }
 RDNA_DEVICE u32x4 rdna_load16(const signed char* p) { return *reinterpret_cast<const u32x4*>(p); }
 
-// bf16 values: the top 16 bits of an fp32 value. Widening one is a 16-bit shift (the compilers
-// lower the conversion so); narrowing rounds to nearest even, a NaN staying NaN.
-typedef __bf16 bf16_t;
-typedef __bf16 bf16x2_t __attribute__((ext_vector_type(2)));
-
-RDNA_DEVICE unsigned rdna_pack_bf16x2(float lo, float hi) {
-  return __builtin_bit_cast(unsigned, bf16x2_t{(bf16_t)lo, (bf16_t)hi});
+// bf16 values: the top 16 bits of an fp32 value, in integer operations only (no target here has a
+// bf16 instruction the kernels use, and the host has no runtime for the compilers' bf16 type).
+// Widening one is a 16-bit shift, or a mask for the upper value of a word; narrowing rounds to
+// nearest even, a NaN staying a (quiet) NaN.
+RDNA_DEVICE unsigned rdna_bf16_bits(float x) {
+  const unsigned u = __builtin_bit_cast(unsigned, x);
+  return (x != x ? u | 0x400000u : u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
+RDNA_DEVICE float rdna_bf16_lo(unsigned w) { return __builtin_bit_cast(float, w << 16); }
+RDNA_DEVICE float rdna_bf16_hi(unsigned w) { return __builtin_bit_cast(float, w & 0xffff0000u); }
+RDNA_DEVICE unsigned rdna_pack_bf16x2(float lo, float hi) { return rdna_bf16_bits(lo) | (rdna_bf16_bits(hi) << 16); }
+
+// One bf16 value in memory (an element of a bf16 pair tile: RoPE reads and writes it as a float).
+struct rdna_bf16 {
+  unsigned short bits;
+  rdna_bf16() = default;
+  RDNA_METHOD rdna_bf16(float x) : bits((unsigned short)rdna_bf16_bits(x)) {}
+  RDNA_METHOD operator float() const { return rdna_bf16_lo(bits); }
+};
 
 RDNA_DEVICE unsigned rdna_pack_half2(float lo, float hi) {
   return __builtin_bit_cast(unsigned short, (half_t)lo) |
