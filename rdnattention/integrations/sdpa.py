@@ -40,7 +40,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.utils._python_dispatch
 
-from .. import ops, replay, route
+from .. import ops, route
 from ..call import DTYPE_OPTIONS, Layout, Precision, Request
 from ..checks import FLOAT_DTYPES as SERVED_DTYPES  # float16, bfloat16
 from ..errors import InvalidArgumentError, KernelsNotBuiltError, UnsupportedError
@@ -321,8 +321,9 @@ def _lengths(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 def _launch(q, k, v, window: tuple[int, int], scale: float | None, seqused: torch.Tensor | None) -> torch.Tensor:
     q, k, v = _rows(q), _rows(k), _rows(v)
-    key = replay.key(q, k, v, False, window, scale, False, False) if seqused is None else None
-    hit = replay.run(key, q, k, v, False, False) if key is not None else None
+    key = ops.key(q, k, v, is_causal=False, window_size=window, softmax_scale=scale, return_lse=False,
+                  token_major=False, seqused_k=seqused)
+    hit = ops.replayed(key, q, k, v, return_lse=False, token_major=False, seqused_k=seqused)
     if hit is not None:
         return hit[0]
     o = validate(q, k, v, is_causal=False, window_size=window, softmax_scale=scale, rotary_cos=None,
