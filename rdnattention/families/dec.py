@@ -3,7 +3,8 @@
 Its kernels read strided caches (``cache_batch_idx``), packed variable-length batches
 (``cu_seqlens_q``/``cu_seqlens_k``) and, compiled with the paged layout option, paged caches
 (``block_table``). The launches (a workgroup per row chunk, key slice, K/V head and batch, then the
-combine family's merge of the slices) are planned by _splitkv.py, which i8dec shares."""
+combine family's merge of the slices) are planned by _splitkv.py, which i8dec shares. Its kernels of
+dtype option bf16 read bf16 rows (and their combine stores bf16)."""
 
 from __future__ import annotations
 
