@@ -127,4 +127,4 @@ class Request:
     @property
     def what(self) -> str:
         """The inputs' dtype as messages say it: ``fp16``, ``int8``, ``bf16``."""
-        return self.precision.value if self.dtype is None else f"{self.dtype}"
+        return self.precision.value if self.dtype is None else self.dtype
