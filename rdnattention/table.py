@@ -192,8 +192,8 @@ class TargetTable:
         fits = [e for e in fits if e.priority > ALTERNATE]  # alternates serve only calls that name them
         if not fits:
             offered = "; ".join(f"{e.name} (group {e.gqa_group}, {e.when})" for e in same)
-            raise UnsupportedError(f"no {kind(family, layout, dtype)} kernel on {self.target} serves head_dim {head_dim} with "
-                                   f"{heads_per_kv} query heads per K/V head, causal={causal}, seq_q={seq_q}; "
+            raise UnsupportedError(f"no {kind(family, layout, dtype)} kernel on {self.target} serves head_dim {head_dim} "
+                                   f"with {heads_per_kv} query heads per K/V head, causal={causal}, seq_q={seq_q}; "
                                    f"built: {offered}")
         return max(fits, key=lambda e: (e.gqa_group, e.priority))
 

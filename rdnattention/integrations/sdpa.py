@@ -384,7 +384,7 @@ def _decide(config: _Config, query, key, value, attn_mask, dropout_p, is_causal,
         return "arguments", f"attn_mask of {mask.dtype} for query of {q.dtype}: torch takes bool, float32 or q's dtype"
     if not (q.dtype == k.dtype == v.dtype and q.dtype in SERVED_DTYPES):
         return f"dtype {q.dtype}" if q.dtype == k.dtype == v.dtype else "arguments", \
-            f"query, key, value of {q.dtype}, {k.dtype}, {v.dtype}: the kernels take float16 or bfloat16 (all three alike)"
+            f"query, key, value of {q.dtype}, {k.dtype}, {v.dtype}: the kernels take float16 or bfloat16, all alike"
     rank = q.dim()
     if rank not in (3, 4) or k.dim() != rank or v.dim() != rank:
         return "rank", f"query, key, value of {q.dim()}, {k.dim()}, {v.dim()} dimensions: served are 3 or 4"

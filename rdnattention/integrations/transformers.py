@@ -14,8 +14,8 @@ rdnattention's kernels (the split-KV kernels with per-sequence offsets and lengt
 a mask runs `scaled_dot_product_attention` with torch's semantics. Both go through the custom op
 ``rdnattention::padded_attention_fwd``, so compiled models call it whole. Anything else falls back
 to transformers' sdpa attention, with one warning per reason and every call counted in
-``fallbacks``: a dtype other than float16 and bfloat16 (or mixed dtypes), a head_dim with no built kernel, dropout while training,
-gradients, softcapping, attention outputs or position biases, tensors or masks the kernels do not
+``fallbacks``: a dtype other than float16 and bfloat16 (or mixed dtypes), a head_dim with no built
+kernel, dropout while training, gradients, softcapping, attention outputs or position biases, tensors or masks the kernels do not
 take, any other mask (biases, sliding windows, document masks), and calls captured into a CUDA
 graph (reading the mask needs the device: transformers' compiled StaticCache generation captures
 its decode steps; eager generation with a StaticCache runs the kernels). Reading the mask costs

@@ -1,8 +1,8 @@
 """The generic oracle sweep on the host platform: every family of the matrix x every head_dim the
 host targets build for it x every case the family declares x every dtype it is built for (fp16,
 bf16: tests/cases.py), through the entry point that serves the family, against the float64 oracle,
-checking that the family (and layout and dtype) did run; then every case again (every family and layout at its smallest head_dim; the plain fp16
-kernels at every head_dim in the slow suite) with the emulator's fiber order shuffled at every sync
+checking that the family (and layout and dtype) did run; then every case again (every family and
+layout at its smallest head_dim; the plain fp16 kernels at every head_dim in the slow suite) with the emulator's fiber order shuffled at every sync
 point, which must change nothing (a missing barrier would)."""
 
 import pytest
