@@ -12,6 +12,10 @@ if TYPE_CHECKING:  # the generator imports the families, and with them this modu
     import torch
 
 
+# torch dtypes (as str() spells them) whose kernels are a dtype option of the fp16 families.
+DTYPE_OPTIONS = {"torch.bfloat16": "bf16"}
+
+
 class Precision(Enum):
     FP16 = "fp16"
     INT8 = "int8"
@@ -77,6 +81,12 @@ class Attention:
         return left < 0 and right >= 0
 
     @property
+    def dtype(self) -> str | None:
+        """The kernels' dtype option that reads the call's tensors: ``bf16`` for bfloat16; None for
+        the families' own (fp16; int8 for the int8 families)."""
+        return DTYPE_OPTIONS.get(str(self.q.dtype))
+
+    @property
     def layout(self) -> Layout:
         if self.block_table is not None:
             return Layout.PAGED
@@ -97,7 +107,8 @@ class Attention:
                   Option.KEY_SLICES: self.num_splits > 0 and layout is not Layout.PACKED}
         return Request(precision=Precision.INT8 if self.scales is not None else Precision.FP16, layout=layout,
                        head_dim=self.q.shape[3], rows=self.q.shape[1] // max(self.k.shape[1], 1) * self.seq_q,
-                       options=frozenset(o for o, on in wanted.items() if on), kernel=self.kernel, seq_q=self.seq_q)
+                       options=frozenset(o for o, on in wanted.items() if on), kernel=self.kernel, seq_q=self.seq_q,
+                       dtype=self.dtype if self.scales is None else None)
 
 
 @dataclass(frozen=True)
@@ -111,3 +122,10 @@ class Request:
     options: frozenset[Option] = frozenset()
     kernel: str | None = None
     seq_q: int | None = None  # query rows per sequence; None: as many as rows (no grouped heads)
+    # The dtype option of the kernels that read it (``bf16``); None: the precision's own (fp16, int8).
+    dtype: str | None = None
+
+    @property
+    def what(self) -> str:
+        """The inputs' dtype as messages say it: ``fp16``, ``int8``, ``bf16``."""
+        return self.precision.value if self.dtype is None else self.dtype

@@ -21,12 +21,32 @@ NATIVE = "[batch, heads, seq, head_dim]"
 TOKEN_MAJOR = "[batch, seq, heads, head_dim]"
 
 
+# The dtypes of q, k, v the fp16 kernel families read (bfloat16 through their bf16 kernels); the
+# output has the inputs' dtype.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16)
+FLOAT_NAMES = "float16 or bfloat16"
+
+
+def check_dtype(name: str, t: torch.Tensor) -> None:
+    """``t`` is float16 or bfloat16."""
+    if t.dtype not in FLOAT_DTYPES:
+        raise InvalidArgumentError(f"{name} must be {FLOAT_NAMES}, got {t.dtype}")
+
+
+def check_same_dtype(*named: tuple[str, torch.Tensor]) -> None:
+    """Every tensor has the first one's dtype: the kernels read one dtype (no mixed inputs)."""
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.dtype != first.dtype:
+            raise InvalidArgumentError(f"{name} is {t.dtype} but {first_name} is {first.dtype}: "
+                                       f"{', '.join(n for n, _ in named)} must share one dtype")
+
+
 def check_fp16(name: str, t: object, layout: str) -> torch.Tensor:
-    """A float16 tensor of four dimensions; ``layout`` names them in the message."""
+    """A float16 or bfloat16 tensor of four dimensions; ``layout`` names them in the message."""
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.float16:
-        raise InvalidArgumentError(f"{name} must be float16, got {t.dtype}")
+    check_dtype(name, t)
     if t.dim() != 4:
         raise InvalidArgumentError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}")
     return t

@@ -45,7 +45,10 @@ def _table_facts(table: TargetTable) -> dict:
         entries = [e for e in table.kernels if e.family == name]
         ours = FAMILIES[name].ARGS.digest
         families[name] = {
-            "head_dims": sorted({e.head_dim for e in entries}),
+            "head_dims": sorted({e.head_dim for e in entries if e.dtype is None}),
+            # head_dims of the kernels of each dtype option (bf16)
+            "dtype_head_dims": {d: sorted({e.head_dim for e in entries if e.dtype == d})
+                                for d in sorted({e.dtype for e in entries if e.dtype is not None})},
             "gqa_groups": sorted({e.gqa_group for e in entries}),
             "tiers": sorted({e.tier for e in entries}),
             "kernels": len(entries),
@@ -59,7 +62,8 @@ def _table_facts(table: TargetTable) -> dict:
             "code_object_version": version,
             "loads_on": dispatch.rocm_floor(version) if version in dispatch.ROCM_LOADS else None,
             "isa_targets": list(table.isa_targets), "families": families,
-            "dtypes": ["float16"] + (["int8 (flash_attn_int8qk)"] if "i8" in families else []),
+            "dtypes": ["float16"] + (["bfloat16"] if any(e.dtype == "bf16" for e in table.kernels) else [])
+                      + (["int8 (flash_attn_int8qk)"] if "i8" in families else []),
             "features": ["causal", "sliding window", "GQA/MQA", "cross-attention and decode",
                          "RoPE (rotate-half, interleaved)", "log-sum-exp", "any strides"]}
 

@@ -68,8 +68,8 @@ def _check_extents(q, k, v, extents: Extents, seqused_k, block_table, cache_batc
 
     batch = extents.batch
     for name, t in (("q", q), ("k", k), ("v", v)):
-        need(t.dtype == torch.float16 and t.device == q.device and t.dim() in (3, 4),
-             f"{name} must be a float16 tensor of 3 or 4 dimensions on q's device")
+        need(t.dtype in checks.FLOAT_DTYPES and t.dtype == q.dtype and t.device == q.device and t.dim() in (3, 4),
+             f"{name} must be a float16 or bfloat16 tensor (q's dtype) of 3 or 4 dimensions on q's device")
     need(k.shape == v.shape and k.shape[-1] == q.shape[-1] and k.shape[-2] > 0 and q.shape[-2] % k.shape[-2] == 0,
          f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape, q's head_dim and a divisor of its heads")
     need(min(batch, extents.seq_q, extents.seq_k) >= 0, f"extents {extents} must not be negative")

@@ -26,7 +26,8 @@ _CHECKOUT = _PACKAGE.parent
 ROCM_LOADS = {4: (4, 1), 5: (5, 3), 6: (6, 2)}
 # AMD code-object versions a table may record that this runtime launches (None: not an AMD code object).
 LOADABLE_CODE_OBJECT_VERSIONS = (None, 4, 5)
-TABLE_FORMAT = 4  # 3: the code object's size and SHA-256 are recorded; 4: entries name their layout option
+TABLE_FORMAT = 5  # 3: the code object's size and SHA-256 are recorded; 4: entries name their layout option;
+# 5: and their dtype option
 
 
 def rocm_floor(version: int) -> str:
@@ -147,11 +148,14 @@ def _entry(e: dict, i: int) -> KernelEntry:
     layout = e.get("layout")
     if layout is not None and type(layout) is not str:
         raise ValueError(f"kernels[{i}].layout = {layout!r} is not a string or null")
+    dtype = e.get("dtype")
+    if dtype is not None and type(dtype) is not str:
+        raise ValueError(f"kernels[{i}].dtype = {dtype!r} is not a string or null")
     return KernelEntry(
         name=e["name"], family=e["family"], head_dim=e["head_dim"], gqa_group=e["gqa_group"], tier=e["tier"],
         threads=e["threads"], br=e["br"], bc=e["bc"], tm=e["tm"], lds_bytes=e["lds_bytes"],
         priority=e["priority"], when=Constraints.from_json(when), provenance=e["provenance"],
-        args_digest=e["args_digest"], layout=layout)
+        args_digest=e["args_digest"], layout=layout, dtype=dtype)
 
 
 def _check_entry(path: Path, i: int, e: KernelEntry, wave_size: object, rebuild: str) -> None:
@@ -173,6 +177,9 @@ def _check_entry(path: Path, i: int, e: KernelEntry, wave_size: object, rebuild:
     if e.layout != facts.get("options.layout"):
         raise IncompatibleKernelsError(f"{path}: kernels[{i}].layout is {e.layout!r} but kernel {e.name} was built "
                                        f"for {facts.get('options.layout')!r}; {rebuild}")
+    if e.dtype != facts.get("options.dtype"):
+        raise IncompatibleKernelsError(f"{path}: kernels[{i}].dtype is {e.dtype!r} but kernel {e.name} was built "
+                                       f"for {facts.get('options.dtype')!r}; {rebuild}")
     for key, value in facts.items():
         field = key.rsplit(".", 1)[-1]
         recorded = wave_size if field == "wave_size" else getattr(e, field, value)

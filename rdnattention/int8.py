@@ -208,6 +208,8 @@ def flash_attn_int8qk_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     per token and v per channel, and flash_attn_int8qk runs."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_fp16(name, t, NATIVE)
+        if t.dtype != torch.float16:  # the INT8 family's output is fp16: its fp16 entry takes fp16 only
+            raise InvalidArgumentError(f"{name} must be float16, got {t.dtype}")
     if check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k.shape[2]):
         seq_q, seq_k = q.shape[2], k.shape[2]
         positions_q = torch.arange(seq_q, device=q.device) + (seq_k - seq_q)

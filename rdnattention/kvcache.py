@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from . import checks, decode, ops, padding, replay, route
-from .checks import TOKEN_MAJOR, check_fp16, check_int32, check_paged
+from .checks import TOKEN_MAJOR, check_fp16, check_int32, check_paged, check_same_dtype
 from .errors import InvalidArgumentError, UnsupportedError
 from .options import Options, as_window, check_seqused, refuse_missing_features, validate
 from .plan import Plan
@@ -36,8 +36,9 @@ def _check_tables(cos: object, sin: object, interleaved: object, q: torch.Tensor
     if not isinstance(interleaved, bool):
         raise InvalidArgumentError(f"rotary_interleaved must be a bool, got {interleaved!r}")
     for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in (torch.float32, torch.float16):
-            raise InvalidArgumentError(f"{name} must be a float32 or float16 tensor [positions, rotary_dim/2]")
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in (torch.float32, torch.float16, q.dtype):
+            raise InvalidArgumentError(f"{name} must be a float32, float16 or q's dtype ({q.dtype}) tensor "
+                                       "[positions, rotary_dim/2]")
         if t.device != q.device:
             raise InvalidArgumentError(f"{name} is on {t.device}, q on {q.device}")
     if cos.shape != sin.shape or 2 * cos.shape[1] > q.shape[3]:
@@ -100,6 +101,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             in_place=("k_cache", "v_cache"))
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_fp16(name, t, TOKEN_MAJOR)
+    check_same_dtype(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
     given = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("rotary_cos", rotary_cos),
              ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
              ("cache_leftpad", cache_leftpad), ("block_table", block_table))
@@ -156,6 +158,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:] or t.shape != k.shape:
                 raise InvalidArgumentError(f"{name} shape {tuple(t.shape)} must be [batch, seq_new, heads_kv, "
                                            f"head_dim] matching the cache {tuple(k_cache.shape)}")
+        check_same_dtype(("k_cache", k_cache), ("k", k), ("v", v))
         new = k.shape[1]
         if new > cache_len:
             raise InvalidArgumentError(f"seq_new ({new}) must not exceed cache_len ({cache_len}): the new keys are "

@@ -161,6 +161,7 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: ob
         raise InvalidArgumentError(f"q heads ({heads_q}) must be a multiple of k/v heads ({heads_kv})")
     if q.device != k.device or q.device != v.device:
         raise InvalidArgumentError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    checks.check_same_dtype(("q", q), ("k", k), ("v", v))
     if max(seq_q, seq_k) > INT32_MAX:
         raise InvalidArgumentError(f"sequence lengths must be below 2^31, got {seq_q} and {seq_k}")
     softmax_scale = check_scale(softmax_scale, head_dim)

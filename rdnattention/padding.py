@@ -19,7 +19,7 @@ import torch
 
 from .errors import InvalidArgumentError, UnsupportedError
 
-MULTIPLE = 8        # head_dims the kernels read: whole 16-byte chunks of fp16
+MULTIPLE = 8        # head_dims the kernels read: whole 16-byte chunks of fp16 or bf16
 PADDED_UP_TO = 256  # flash-attn pads head_dims up to this; above it the kernels take multiples of 32
 
 
@@ -37,14 +37,15 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def needed(*tensors: object, ranks: tuple[int, ...] = (4,), in_place: tuple = ()) -> bool:
-    """Whether a call on these tensors (None: not given) takes the padded path: all fp16 tensors of
-    the ``ranks`` the entry point takes and of one head_dim, and some of them not read as they are
-    (that head_dim not a multiple of 8, or rows not contiguous and 16-byte aligned). ``in_place``:
-    those of them the entry point updates in place (a KV cache), which are never copied only to
-    align their rows: as flash-attn does, the entry point refuses such a cache with its own error."""
+    """Whether a call on these tensors (None: not given) takes the padded path: all fp16 (or all
+    bf16) tensors of the ``ranks`` the entry point takes and of one head_dim, and some of them not
+    read as they are (that head_dim not a multiple of 8, or rows not contiguous and 16-byte
+    aligned). ``in_place``: those of them the entry point updates in place (a KV cache), which are
+    never copied only to align their rows: as flash-attn does, the entry point refuses such a cache
+    with its own error."""
     given = [t for t in tensors if t is not None]
-    if not given or not all(isinstance(t, torch.Tensor) and t.dtype == torch.float16 and t.dim() in ranks
-                            for t in given):
+    if not given or not all(isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16)
+                            and t.dtype == given[0].dtype and t.dim() in ranks for t in given):
         return False
     if len({t.shape[-1] for t in given}) != 1:
         return False  # the entry point names the mismatch

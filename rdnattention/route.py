@@ -96,9 +96,10 @@ class Algorithm:
     options: frozenset[Option]
     planner: Callable[[TargetTable, Attention], Plan]
 
-    def kind(self, layout: Layout) -> str:
-        """The kernels that read ``layout``, as messages say them: ``f16 len``."""
-        return kind(self.family, self.layouts[layout])
+    def kind(self, layout: Layout, dtype: str | None = None) -> str:
+        """The kernels that read ``layout`` (in ``dtype``: the family's dtype option, None for its
+        own), as messages say them: ``f16 len``, ``dec paged bf16``."""
+        return kind(self.family, self.layouts[layout], dtype)
 
 
 FP16_ROW_BLOCKS = Algorithm(
@@ -137,19 +138,21 @@ def split_kv_preferred(rows: int, seq_q: int | None) -> bool:
 
 @dataclass(frozen=True)
 class Route:
-    """What serves a call: an algorithm, its kernel family and the layout option of the kernels
-    that read the call's layout (None: the plain kernels)."""
+    """What serves a call: an algorithm, its kernel family and the layout and dtype options of the
+    kernels that read the call's layout and dtype (None: the plain kernels, the family's dtype)."""
 
     algorithm: Algorithm
     family: str
     layout: str | None = None
+    dtype: str | None = None  # the family's dtype option (bf16); None: its own
 
 
 def choose(table: TargetTable, request: Request) -> Route:
     """The algorithm, its kernel family and layout option, that serve ``request`` on ``table``'s target.
 
     The algorithms of the call's precision compiled for its layout whose kernels take every option
-    it needs serve it. A kernel forced by name runs if its family is one of them. Otherwise few
+    it needs serve it, on their kernels of the call's dtype (bf16 is a dtype option of the fp16
+    families). A kernel forced by name runs if its family is one of them. Otherwise few
     query rows per K/V head (SPLIT_KV_MAX_ROWS) prefer the split-KV algorithm and more rows the
     row-block one, and the first whose family is built for the head_dim runs. UnsupportedError
     otherwise, naming what is missing."""
@@ -159,25 +162,25 @@ def choose(table: TargetTable, request: Request) -> Route:
                                "were not built); use flash_attn, the fp16 kernel")
     serving = [a for a in ALGORITHMS if a.precision is request.precision and request.layout in a.layouts]
     if not serving:
-        raise UnsupportedError(f"no {request.precision.value} kernels read {request.layout.value}")
+        raise UnsupportedError(f"no {request.what} kernels read {request.layout.value}")
     if request.kernel is not None:
         return _forced(table, request, serving)
     able = [a for a in serving if request.options <= a.options]
     if not able:
-        lacking = "; ".join(f"the {a.name} kernels ({a.kind(request.layout)}) take no "
+        lacking = "; ".join(f"the {a.name} kernels ({a.kind(request.layout, request.dtype)}) take no "
                             f"{', '.join(sorted(o.value for o in request.options - a.options))}" for a in serving)
-        raise UnsupportedError(f"no kernel family serves this {request.precision.value} call with "
+        raise UnsupportedError(f"no kernel family serves this {request.what} call with "
                                f"{request.layout.value}: {lacking}")
     split_first = split_kv_preferred(request.rows, request.seq_q)
     preferred = sorted(able, key=lambda a: a.split_kv != split_first)
     for a in preferred:
         layout = a.layouts[request.layout]
-        if table.entries(a.family, request.head_dim, layout):
-            return Route(algorithm=a, family=a.family, layout=layout)
+        if table.entries(a.family, request.head_dim, layout, request.dtype):
+            return Route(algorithm=a, family=a.family, layout=layout, dtype=request.dtype)
     missing = []
     for a in preferred:
-        dims = table.head_dims(a.family, a.layouts[request.layout])
-        what = a.kind(request.layout)
+        dims = table.head_dims(a.family, a.layouts[request.layout], request.dtype)
+        what = a.kind(request.layout, request.dtype)
         missing.append(f"no {what} kernel for head_dim {request.head_dim} on {table.target}; built head_dims: "
                        f"{dims}" if not missing else f"nor a {what} kernel (built head_dims: {dims})")
     raise UnsupportedError("; ".join(missing))
@@ -186,16 +189,17 @@ def choose(table: TargetTable, request: Request) -> Route:
 def _forced(table: TargetTable, request: Request, serving: list[Algorithm]) -> Route:
     """The route of a call that names its kernel: that kernel's family and layout, where they serve the call."""
     entry = table.named(request.kernel)
-    kinds = ", ".join(dict.fromkeys(a.kind(request.layout) for a in serving))
+    kinds = ", ".join(dict.fromkeys(a.kind(request.layout, request.dtype) for a in serving))
     why = "no kernel of that name is built"
     if entry is not None:
-        why = (f"it is a {entry.kind} kernel; this {request.precision.value} call with "
+        why = (f"it is a {entry.kind} kernel; this {request.what} call with "
                f"{request.layout.value} runs the {kinds} kernels")
     for a in serving:
-        if entry is not None and (a.family, a.layouts[request.layout]) == (entry.family, entry.layout):
+        if entry is not None and (a.family, a.layouts[request.layout], request.dtype) == (entry.family, entry.layout,
+                                                                                          entry.dtype):
             lacking = request.options - a.options
             if not lacking:
-                return Route(algorithm=a, family=entry.family, layout=entry.layout)
+                return Route(algorithm=a, family=entry.family, layout=entry.layout, dtype=entry.dtype)
             why = f"the {entry.kind} kernels take no {', '.join(sorted(o.value for o in lacking))}"
     raise UnsupportedError(f"kernel {request.kernel!r} does not serve this call on {table.target}: {why}")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import decode, padding, replay
-from .checks import check_int32, check_memory, check_paged
+from .checks import check_dtype, check_int32, check_memory, check_paged, check_same_dtype
 from .errors import InvalidArgumentError, UnsupportedError
 from .options import as_window, check_scale, check_window, refuse_missing_features
 
@@ -20,8 +20,7 @@ from .options import as_window, check_scale, check_window, refuse_missing_featur
 def _check_packed(name: str, t: object, dims: int) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.float16:
-        raise InvalidArgumentError(f"{name} must be float16, got {t.dtype}")
+    check_dtype(name, t)
     layout = "[total, heads, head_dim]" if dims == 3 else "[pages, page_size, heads, head_dim]"
     if t.dim() != dims:
         raise InvalidArgumentError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
@@ -83,6 +82,7 @@ def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_siz
     v = _check_packed(n("value"), v, 4 if paged else 3)
     if v.shape != k.shape:
         raise InvalidArgumentError(f"{n('value')} shape {tuple(v.shape)} must equal {n('key')} shape {tuple(k.shape)}")
+    check_same_dtype((n("query"), q), (n("key"), k), (n("value"), v))
     max_q, max_k = _check_int(n("max_q"), max_q), _check_int(n("max_k"), max_k)
     device = q.device
     for name, t in ((n("key"), k), (n("value"), v)):

@@ -27,6 +27,7 @@ def table(target: Target, variants: list[Variant], code_object: Path, dynamic_ld
             "name": spec.name,
             "family": spec.family,
             "layout": spec.option("layout"),  # the family's layout option; null: the plain kernels
+            "dtype": spec.option("dtype"),  # the family's dtype option; null: fp16
             "head_dim": spec.head_dim,
             "gqa_group": spec.gqa_group,
             "tier": spec.tier,

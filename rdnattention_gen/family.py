@@ -58,6 +58,11 @@ class Family:
     # what those kernels read), each at the head_dims `layouts:` lists under the family in
     # variants.yaml; the same template and tiles, the option a compile-time switch.
     layouts: dict[str, str] = {}
+    # The input dtypes the kernels are also compiled for beside fp16 (the runtime module's DTYPES:
+    # option -> what those kernels read), each at the head_dims `dtypes:` lists under the family in
+    # variants.yaml, for the plain kernels and every layout option built there; the same template
+    # and tiles over another element policy.
+    dtypes: dict[str, str] = {}
     tiles_family: str | None = None   # take another family's tiles (the combine: dec's); None: its own
     tile_constraints: bool = True     # False: the tiles' `when:` does not apply (the kernel serves every call)
 
@@ -70,8 +75,10 @@ class Family:
         """Every (head_dim, gqa_group, ...) point of the axes, and the layout points: the same at the
         head_dims each layout option lists (``layout``: the option; absent for the plain kernels)."""
         plain = self.plain_points(axes)
-        return plain + [{**p, "layout": layout} for layout, dims in axes.get("layouts", {}).items()
-                        for p in plain if p["head_dim"] in dims]
+        points = plain + [{**p, "layout": layout} for layout, dims in axes.get("layouts", {}).items()
+                          for p in plain if p["head_dim"] in dims]
+        return points + [{**p, "dtype": dtype} for dtype, dims in axes.get("dtypes", {}).items()
+                         for p in points if p["head_dim"] in dims]
 
     def plain_points(self, axes: dict) -> list[dict]:
         raise NotImplementedError
@@ -94,10 +101,28 @@ class Family:
         layouts.finish()
         return {"layouts": out} if out else {}
 
+    def dtype_axes(self, node: Node, head_dims: tuple[int, ...]) -> dict:
+        """``dtypes: {<dtype>: [head_dims]}`` under the family (optional): each an input dtype of the
+        family's besides fp16 and a subset of its head_dims."""
+        if "dtypes" not in node:
+            return {}
+        dtypes = node.child("dtypes")
+        out = {}
+        for key in sorted(dtypes, key=lambda k: dtypes.key_lines.get(k, 0)):
+            if key not in self.dtypes:
+                raise dtypes.fail(key, f"not a dtype of {self.name} (its dtypes besides fp16: "
+                                       f"{', '.join(sorted(self.dtypes)) or 'none'})")
+            dims = dtypes.int_list(key)
+            extra = [d for d in dims if d not in head_dims]
+            dtypes.check(key, not extra, f"head_dims {extra} are not {self.name}'s head_dims {list(head_dims)}")
+            out[key] = dims
+        dtypes.finish()
+        return {"dtypes": out} if out else {}
+
     @staticmethod
     def options(point: dict) -> tuple[tuple[str, object], ...]:
-        """A spec's options for ``point``: its layout, where it has one."""
-        return (("layout", point["layout"]),) if point.get("layout") else ()
+        """A spec's options for ``point``: its layout and its dtype, where it has them."""
+        return tuple((key, point[key]) for key in ("layout", "dtype") if point.get(key))
 
     def tier(self, target: Target) -> str | None:
         """This family's lowering on ``target``, or None when it has no kernels there."""
@@ -147,6 +172,7 @@ class HeadDimAxis:
     def axes(self, node: Node) -> dict:
         axes = {"head_dims": node.int_list("head_dims")}
         axes.update(self.layout_axes(node, axes["head_dims"]))
+        axes.update(self.dtype_axes(node, axes["head_dims"]))
         node.finish()
         return axes
 

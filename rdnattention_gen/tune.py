@@ -118,6 +118,7 @@ def restricted(matrix: Matrix, family_name: str, head_dims: list[int], groups: l
     # The plain kernels only: the family's layout options take the same tiles (one tile table per
     # algorithm), so what the plain kernels measure holds for them.
     axes.pop("layouts", None)
+    axes.pop("dtypes", None)  # fp16's: the bf16 kernels take the same tiles but where a table overrides them
     if "gqa_groups" in axes:
         unknown = sorted(set(groups) - set(axes["gqa_groups"]))
         if unknown:

@@ -1,7 +1,8 @@
 """The oracle sweep's cases, from the matrix: every family of it x every head_dim the host targets
 build for it x every case the family declares (rdnattention_gen/families/<family>.py:
-oracle_cases), each at the head_dims its layout's kernels are built for, so a new family, layout,
-head_dim or case is swept without editing the tests. How a case becomes a call of the entry point
+oracle_cases), each at the head_dims its layout's kernels are built for, and again in every dtype
+the family is also built for (bf16) at the head_dims of those kernels, so a new family, layout,
+dtype, head_dim or case is swept without editing the tests. How a case becomes a call of the entry point
 that serves its family: ENTRY_POINTS, by family and layout."""
 
 import torch
@@ -17,39 +18,67 @@ HEAD_DIMS = list(load_matrix().kernels["f16"]["head_dims"])
 VARIANTS = [name for name, case in FAMILY.oracle_cases.items() if case.layout is None]  # flash_attn's plain calls
 TOL = 2e-3      # output: fp16 rounding of the result, of the probabilities and (RoPE) of rotated Q/K
 LSE_TOL = 2e-3  # log-sum-exp, fp32
+# bf16 inputs, against the oracle on the same bf16 values: the same roundings as fp16's (the output;
+# the probabilities for P.V where LDS holds 16-bit pairs; RoPE's rotated Q/K) with bf16's unit
+# roundoff, 2^-8 (8 significant bits), 8x fp16's 2^-11: 8x each tolerance. The output alone rounds
+# by up to 2^-8 of |out| <= max|v| (~4 here): the sweep's largest errors, ~8e-3, are that rounding
+# (host_f32's, whose probabilities stay fp32, are as large). The LSE sums the probabilities as
+# rounded, each within 2^-8 of its value: at most 2^-8 = 3.9e-3 off (RoPE's rounding adds to it).
+BF16_TOL = 8 * TOL
+BF16_LSE_TOL = 8 * LSE_TOL
+TOLS = {"fp16": (TOL, LSE_TOL), "bf16": (BF16_TOL, BF16_LSE_TOL)}
+# The dtype options of the families (None: fp16) and the torch dtype of each, as test ids spell them.
+DTYPES = {"fp16": None, "bf16": "bf16"}
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # INT8, against the oracle on the dequantized inputs: P's 7-bit quantization and the fp16 output
 # (relative RMS error of the output, as tests/kernels/test_int8.py); the LSE comes from the unquantized P.
 INT8_REL_RMS = 0.03
 INT8_LSE_TOL = 1e-3
 
 
-def host_head_dims(target: str, name: str, layout: str | None = None) -> list[int]:
-    """The head_dims ``target`` builds kernels of family ``name`` compiled for ``layout`` for."""
+def host_head_dims(target: str, name: str, layout: str | None = None, dtype: str = "fp16") -> list[int]:
+    """The head_dims ``target`` builds kernels of family ``name`` compiled for ``layout`` and
+    ``dtype`` (fp16, bf16) for."""
     m = load_matrix()
     return sorted({v.spec.head_dim for v in m.variants_for(m.target(target))
-                   if v.spec.family == name and v.spec.option("layout") == layout})
+                   if v.spec.family == name and v.spec.option("layout") == layout
+                   and v.spec.option("dtype") == DTYPES[dtype]})
 
 
-def sweep() -> list[tuple[str, str, int, str]]:
-    """(host target, family, head_dim, case) for every family of the matrix and every case it
-    declares, at the head_dims of the case's layout."""
-    return [(t, name, hd, case) for t in HOST_TARGETS for name in load_matrix().kernels
-            for case, c in family(name).oracle_cases.items() for hd in host_head_dims(t, name, c.layout)]
+def bf16_head_dims(fam: str) -> list[int]:
+    """The head_dims variants.yaml builds family ``fam``'s bf16 kernels for (every GPU target builds
+    them all; the host targets a subset: host_head_dims)."""
+    return list(load_matrix().kernels[fam].get("dtypes", {}).get("bf16", ()))
+
+
+def sweep() -> list[tuple[str, str, int, str, str]]:
+    """(host target, family, head_dim, case, dtype) for every family of the matrix, every case it
+    declares and every dtype it is built for (fp16, and bf16 where variants.yaml lists it), at the
+    head_dims of the case's layout in that dtype."""
+    m = load_matrix()
+    return [(t, name, hd, case, dtype) for dtype in DTYPES for t in HOST_TARGETS for name in m.kernels
+            for case, c in family(name).oracle_cases.items() for hd in host_head_dims(t, name, c.layout, dtype)]
+
+
+def sweep_id(p) -> str:
+    """A sweep point's test id: fp16's as before (target-family-head_dim-case), other dtypes appended."""
+    return "-".join(map(str, p[:4] if p[4] == "fp16" else p))
 
 
 def layout_of(fam: str, case: str) -> str | None:
     return family(fam).oracle_cases[case].layout
 
 
-def make_case(name, head_dim, fam="f16"):
-    """q, k, v [batch, heads, seq, head_dim] (fp16) and the flash_attn options of case ``name`` of
-    family ``fam`` (layout options as the case declares them: see OracleCase)."""
+def make_case(name, head_dim, fam="f16", dtype="fp16"):
+    """q, k, v [batch, heads, seq, head_dim] (fp16, or ``dtype``: bf16) and the flash_attn options of
+    case ``name`` of family ``fam`` (layout options as the case declares them: see OracleCase)."""
     cases = family(fam).oracle_cases
     case = cases[name]
     g = torch.Generator().manual_seed(head_dim * 100 + list(cases).index(name))
-    q = torch.randn(case.batch, case.heads_q, case.seq_q, head_dim, generator=g).half()
-    k = torch.randn(case.batch, case.heads_kv, case.seq_k, head_dim, generator=g).half()
-    v = torch.randn(case.batch, case.heads_kv, case.seq_k, head_dim, generator=g).half()
+    dt = TORCH_DTYPES[dtype]
+    q = torch.randn(case.batch, case.heads_q, case.seq_q, head_dim, generator=g).to(dt)
+    k = torch.randn(case.batch, case.heads_kv, case.seq_k, head_dim, generator=g).to(dt)
+    v = torch.randn(case.batch, case.heads_kv, case.seq_k, head_dim, generator=g).to(dt)
     options = dict(case.options)
     if options.pop("rope", False):
         # Partial rotation where head_dim allows it, rotate-half and interleaved alternating.
@@ -124,10 +153,10 @@ ENTRY_POINTS = {("f16", None): _flash_attn, ("f16", "len"): _flash_attn, ("f16",
                 ("i8", None): _int8, ("i8dec", None): _int8, ("combine", None): _kvcache}
 
 
-def run_case(fam, name, head_dim):
-    """Case ``name`` of family ``fam`` at ``head_dim`` through the entry point that serves the
-    family's kernels of the case's layout: (out, lse, ref, ref_lse, int8)."""
-    q, k, v, options = make_case(name, head_dim, fam)
+def run_case(fam, name, head_dim, dtype="fp16"):
+    """Case ``name`` of family ``fam`` at ``head_dim`` in ``dtype`` through the entry point that
+    serves the family's kernels of the case's layout: (out, lse, ref, ref_lse, int8)."""
+    q, k, v, options = make_case(name, head_dim, fam, dtype)
     return ENTRY_POINTS[(fam, layout_of(fam, name))](q, k, v, options)
 
 

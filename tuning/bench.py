@@ -1,4 +1,4 @@
-"""Forward fp16 benchmark on an NVIDIA GPU (cuda platform), against peers measured in the same run.
+"""Forward fp16 (and bf16) benchmark on an NVIDIA GPU (cuda platform), against peers measured in the same run.
 
     python -m tuning.bench --out results/
 
@@ -12,7 +12,9 @@ context), all timed the same way. The "one call" column times single calls with 
 before each (timing.call_ms: median of 25, events around each call): the host's launch latency
 included.
 Causal rows also time the launch with row blocks in launch order instead of longest first.
-Writes bench.md and bench.png to --out."""
+The bf16 section (bench_bf16.md) times the bf16 kernels beside the fp16 ones at the same shapes on
+the same values (BF16_SHAPES, and the decode shapes), in turn: the target is the same speed within 5%.
+Writes bench.md, bench_decode.md, bench_bf16.md and bench.png to --out."""
 
 from __future__ import annotations
 
@@ -61,12 +63,12 @@ DECODE = [
 ]
 
 
-def shape_inputs(b, hq, hk, sq, sk, d, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp16 q, k, v of one SHAPES row, N(0, 1), the same on every run."""
+def shape_inputs(b, hq, hk, sq, sk, d, device, dtype=torch.float16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of one SHAPES row in ``dtype`` (fp16; bf16: the same values rounded to bf16),
+    N(0, 1), the same on every run."""
     g = torch.Generator(device=device).manual_seed(0)
-    return (torch.randn(b, hq, sq, d, device=device, dtype=torch.float16, generator=g),
-            torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g),
-            torch.randn(b, hk, sk, d, device=device, dtype=torch.float16, generator=g))
+    return tuple(torch.randn(b, h, s, d, device=device, dtype=torch.float16, generator=g).to(dtype)
+                 for h, s in ((hq, sq), (hk, sk), (hk, sk)))
 
 
 class SdpaPlan:
@@ -86,14 +88,14 @@ def decode_bytes(shape) -> int:
     return 2 * b * hk * sk * d * 2
 
 
-def decode_inputs(shape, device):
-    """q, k, v [batch, heads, seq, head_dim] (k, v contiguous, as SDPA reads them) and the decode
-    call on them; a paged shape holds the same keys in shuffled pages of a [pages, page, heads_kv,
-    head_dim] cache read through a block table."""
+def decode_inputs(shape, device, dtype=torch.float16):
+    """q, k, v [batch, heads, seq, head_dim] (k, v contiguous, as SDPA reads them) in ``dtype`` and
+    the decode call on them; a paged shape holds the same keys in shuffled pages of a [pages, page,
+    heads_kv, head_dim] cache read through a block table."""
     from rdnattention.families import dec
 
     _, b, hq, hk, sq, sk, d, page = shape
-    q, k, v = shape_inputs(b, hq, hk, sq, sk, d, device)
+    q, k, v = shape_inputs(b, hq, hk, sq, sk, d, device, dtype)
     out = torch.empty_like(q)
     common = dict(q=q, out=out, lse=None, window=(-1, -1), softmax_scale=d ** -0.5, batch=b, seq_q=sq, seq_k=sk)
     if page is None:
@@ -180,6 +182,49 @@ def int8_decode_line(device, rounds: int = 7) -> str:
             f"rows and scales), fp16 {ms['fp16']:.4f} ms: {ms['fp16'] / ms['int8']:.2f}x")
 
 
+# bf16 beside fp16 at the same shapes: the head_dims the bf16 kernels are built for (64, 80, 96,
+# 128, 256), full and causal, and GQA.
+BF16_SHAPES = [
+    *((f"1x32x2048x{d}", 1, 32, 32, 2048, 2048, d, causal) for d in (64, 80, 96, 128) for causal in (False, True)),
+    ("1x16x2048x256", 1, 16, 16, 2048, 2048, 256, True),
+    ("GQA 32/8 S4096 D128", 1, 32, 8, 4096, 4096, 128, True),
+]
+BF16_SAME_SPEED = 0.05  # bf16 time within 5% of fp16's
+
+
+def bf16_section(device, rounds: int = 5) -> str:
+    """bf16 against fp16 on the same values (bf16: the fp16 inputs rounded), each shape's two plans
+    timed in turn ``rounds`` times: prefill rows back to back (stream_ms), decode rows (DECODE, the
+    bf16 dec kernels and their combine) replayed from CUDA graphs (graph_ms)."""
+    from rdnattention.families import dec
+
+    lines = [f"GPU: {torch.cuda.get_device_name(device)}; torch {torch.__version__}; bf16 and fp16 kernels on the "
+             f"same values, timed in turn; the target: bf16 time within {BF16_SAME_SPEED:.0%} of fp16's", "",
+             "| shape | causal | fp16 ms | bf16 ms | bf16 / fp16 time | within 5% | fp16 kernel | bf16 kernel |",
+             "|---|---|---|---|---|---|---|---|"]
+    for label, b, hq, hk, sq, sk, d, causal in BF16_SHAPES:
+        plans = {dt: plan_flash_attn(*shape_inputs(b, hq, hk, sq, sk, d, device, dt), is_causal=causal)
+                 for dt in (torch.float16, torch.bfloat16)}
+        times: dict = {dt: [] for dt in plans}
+        for _ in range(rounds):
+            for dt, p in plans.items():
+                times[dt].append(stream_ms(p.run, rounds=1))
+        ms = {dt: sorted(t)[len(t) // 2] for dt, t in times.items()}
+        ratio = ms[torch.bfloat16] / ms[torch.float16]
+        lines.append(f"| {label} | {causal} | {ms[torch.float16]:.3f} | {ms[torch.bfloat16]:.3f} | {ratio:.3f} | "
+                     f"{'yes' if abs(ratio - 1) <= BF16_SAME_SPEED else 'NO'} | "
+                     f"{plans[torch.float16].launches[0].kernel.name} | {plans[torch.bfloat16].launches[0].kernel.name} |")
+    table = dispatch.table_for(drivers.target_of(device))
+    for shape in DECODE:
+        plans = {dt: dec.plan(table, decode_inputs(shape, device, dt)[3]) for dt in (torch.float16, torch.bfloat16)}
+        ms = graph_ms(plans, rounds)
+        ratio = ms[torch.bfloat16] / ms[torch.float16]
+        lines.append(f"| {shape[0]} | False | {ms[torch.float16]:.4f} | {ms[torch.bfloat16]:.4f} | {ratio:.3f} | "
+                     f"{'yes' if abs(ratio - 1) <= BF16_SAME_SPEED else 'NO'} | "
+                     f"{plans[torch.float16].launches[0].kernel.name} | {plans[torch.bfloat16].launches[0].kernel.name} |")
+    return "\n".join(lines)
+
+
 def varlen_section(device, rounds: int = 5) -> str:
     """Packed prefill (varlen_attn, the f16 kernels of layout varlen) against flash_attn on the same sequences
     padded into [batch, heads, seq, head_dim], causal, timed in turn."""
@@ -213,9 +258,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--decode-only", action="store_true", help="only the decode section")
+    parser.add_argument("--bf16-only", action="store_true", help="only the bf16 against fp16 section")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
+    bf16 = bf16_section(device)
+    print(bf16)
+    (args.out / "bench_bf16.md").write_text(bf16 + "\n")
+    if args.bf16_only:
+        return 0
     decode = decode_section(device) + "\n\n" + int8_decode_line(device) + "\n\n" + varlen_section(device)
     print(decode)
     (args.out / "bench_decode.md").write_text(decode + "\n")

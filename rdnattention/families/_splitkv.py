@@ -62,11 +62,12 @@ def slices(seq_k: int, keys_per_step: int, splits: int) -> int:
 
 
 def select(table: TargetTable, family: str, head_dim: int, rows: int, kernel: str | None = None,
-           layout: str | None = None) -> KernelEntry:
-    """The entry of ``family`` (compiled for ``layout``) for ``rows`` query rows per K/V head (tiles
-    for few rows say so with ``when: {rows: ...}``); rows beyond its br take several row chunks."""
+           layout: str | None = None, dtype: str | None = None) -> KernelEntry:
+    """The entry of ``family`` (compiled for ``layout`` and ``dtype``) for ``rows`` query rows per K/V
+    head (tiles for few rows say so with ``when: {rows: ...}``); rows beyond its br take several row
+    chunks."""
     return table.select(family, layout=layout, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=rows,
-                        rows=rows, kernel=kernel)
+                        rows=rows, kernel=kernel, dtype=dtype)
 
 
 def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Structure], layout: str | None = None,
@@ -80,7 +81,8 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
     heads_q, head_dim = q.shape[1], q.shape[3]
     heads_kv = k.shape[1]
     group = heads_q // heads_kv
-    entry = select(table, family, head_dim, group * call.seq_q, kernel, layout)
+    dtype = getattr(call, "dtype", None)  # an int8 call has none
+    entry = select(table, family, head_dim, group * call.seq_q, kernel, layout, dtype)
     chunks = -(-group * call.seq_q // entry.br)
     if call.num_splits:
         splits = slices(call.seq_k, entry.bc, call.num_splits)
@@ -121,7 +123,7 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
     scratch_bytes = scratch_lse = 0
     if splits > 1:  # the slices write the partials (fp32 [splits, batch, heads_q, seq_q, head_dim] and
         # [splits, batch, heads_q, seq_q]), the combine reads them
-        launches.append(combine.launch(table, call, head_dim, splits))
+        launches.append(combine.launch(table, call, head_dim, splits, dtype))
         rows = splits * call.batch * heads_q * call.seq_q
         scratch_lse = workspace.align(rows * head_dim * 4)
         scratch_bytes = scratch_lse + workspace.align(rows * 4)

@@ -11,7 +11,10 @@ from ..table import TargetTable
 from . import f16
 
 NAME = "combine"
+# Output dtypes beside fp16 (f16.DTYPES): the combine of the bf16 dec kernels stores bf16 rows.
+DTYPES = f16.DTYPES
 NAMES = NameSchema("fa2_combine", (
+    f16.dtype_field(DTYPES),
     NameField("head_dim", "_hd{}", r"\d+"),
     NameField("tile.threads", "_nt{}", r"\d+"),
     NameField("wave_size", "_w{}", r"32|64"),
@@ -21,7 +24,7 @@ NAMES = NameSchema("fa2_combine", (
 ARGS = ArgStruct("Fa2CombineArgs", (
     ("part_o", "const float*"),    # fp32 [splits, batch, heads_q, seq_q, head_dim], each slice normalised
     ("part_lse", "const float*"),  # fp32 [splits, batch, heads_q, seq_q], log2 domain; -inf: no key
-    ("o", "half_t*"),
+    ("o", "half_t*"),  # bf16 rows in the bf16 kernels (the same 16-bit words)
     ("o_stride_b", "long long"), ("o_stride_h", "long long"), ("o_stride_s", "long long"),
     *f16.LSE_FIELDS,
     ("cu_seqlens_q", "const int*"),  # packed batches: rows past a sequence's end are skipped
@@ -45,10 +48,11 @@ def lds_bytes(facts: dict[str, object]) -> int:
     return sum(lds_layout(facts["head_dim"], facts["tile.threads"]).values())
 
 
-def launch(table: TargetTable, call, head_dim: int, splits: int) -> Launch:
-    """The combine launch of a dec call with ``splits`` key slices; the caller sets its part_o and
-    part_lse once the scratch is allocated (after the launch, and with it the grid, is checked)."""
-    entry = table.select(NAME, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=1)
+def launch(table: TargetTable, call, head_dim: int, splits: int, dtype: str | None = None) -> Launch:
+    """The combine launch of a dec call with ``splits`` key slices, storing ``dtype`` (None: fp16);
+    the caller sets its part_o and part_lse once the scratch is allocated (after the launch, and with
+    it the grid, is checked)."""
+    entry = table.select(NAME, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=1, dtype=dtype)
     fields = dict(o=call.out.data_ptr(), batch=call.batch, heads_q=call.q.shape[1], seq_q=call.seq_q, splits=splits)
     fields["o_stride_b"], fields["o_stride_h"], fields["o_stride_s"] = call.out.stride()[:3]
     if call.lse is not None:

@@ -3,7 +3,8 @@
 Its kernels read strided caches (``cache_batch_idx``), packed variable-length batches
 (``cu_seqlens_q``/``cu_seqlens_k``) and, compiled with the paged layout option, paged caches
 (``block_table``). The launches (a workgroup per row chunk, key slice, K/V head and batch, then the
-combine family's merge of the slices) are planned by _splitkv.py, which i8dec shares."""
+combine family's merge of the slices) are planned by _splitkv.py, which i8dec shares. Its kernels of
+dtype option bf16 read bf16 rows (and their combine stores bf16)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ NAME = "dec"
 # registers spilled on GCN when both lived in one kernel).
 LAYOUTS = {"paged": "a paged cache (block_table)"}
 # br = tm: the query rows one workgroup holds (every thread holds all of them); bc: keys per step.
-NAMES = NameSchema("fa2_dec", (f16.layout_field(LAYOUTS),) + f16.FP16_NAME_FIELDS)
+# Input dtypes beside fp16 (f16.DTYPES): the same kernel over bf16 keys and values.
+DTYPES = f16.DTYPES
+NAMES = NameSchema("fa2_dec", (f16.layout_field(LAYOUTS), f16.dtype_field(DTYPES)) + f16.FP16_NAME_FIELDS)
 
 # Paged caches: key i of batch b lives in page block_table[b * block_table_stride + i >> page_shift],
 # row i & (2^page_shift - 1); k_stride_b and v_stride_b are then the page strides.

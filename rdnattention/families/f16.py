@@ -26,9 +26,12 @@ TILE_NAME_FIELDS = (
     NameField("tile.waves", "_wv{}", r"\d+", optional=True),  # a register budget: waves per SIMD
     NameField("wave_size", "_w{}", r"32|64"),
 )
+# tier: the pair product's lowering (fp16: dot2, fma_mix, mad_mix, cvt_fma; bf16: shift_fma, each
+# value widened to fp32 by a shift, then fp32 FMAs); stage: what LDS holds (f16 or bf16 pairs as
+# loaded, or f32 pairs converted once when staged).
 FP16_NAME_FIELDS = TILE_NAME_FIELDS + (
-    NameField("tier", "_{}", r"dot2|fma_mix|mad_mix|cvt_fma", str),
-    NameField("stage", "_s{}", r"f16|f32", str),
+    NameField("tier", "_{}", r"dot2|fma_mix|mad_mix|cvt_fma|shift_fma", str),
+    NameField("stage", "_s{}", r"f16|bf16|f32", str),
 )
 
 
@@ -36,6 +39,20 @@ def layout_field(layouts: dict[str, str]) -> NameField:
     """A family's compile-time layout option (``options.layout``), spelled right after its prefix
     (``fa2_f16len_...``) and absent for the kernels that read plain strided tensors."""
     return NameField("options.layout", "{}", "|".join(layouts), str, optional=True)
+
+
+def dtype_field(dtypes: dict[str, str]) -> NameField:
+    """A family's compile-time input dtype option (``options.dtype``), spelled after its layout
+    (``fa2_f16len_bf16_...``) and absent for the family's own dtype (fp16), so that its names are
+    unchanged."""
+    return NameField("options.dtype", "_{}", "|".join(dtypes), str, optional=True)
+
+
+# The input dtypes the kernels are also compiled for, beside fp16: option value -> what they read.
+# The same kernel body and tiles over another element policy (templates/include/pairs.h): bf16 Q, K
+# and V (and output), widened to fp32 by a shift where they are multiplied (or once, when staged,
+# where LDS holds fp32 pairs), the same fp32 softmax and accumulation.
+DTYPES = {"bf16": "bfloat16 q, k, v and output"}
 
 
 # The kernels compiled for another way of finding the keys, beside the plain ones (which read
@@ -46,7 +63,7 @@ LAYOUTS = {
     "len": "per-sequence key counts (seqused_k)",
     "varlen": "packed sequences (cu_seqlens_q, cu_seqlens_k)",
 }
-NAMES = NameSchema("fa2_f16", (layout_field(LAYOUTS),) + FP16_NAME_FIELDS)
+NAMES = NameSchema("fa2_f16", (layout_field(LAYOUTS), dtype_field(DTYPES)) + FP16_NAME_FIELDS)
 
 # Argument fields every fa2 family shares. Strides are in elements; the last dimension is contiguous.
 STRIDE_FIELDS = tuple((f"{t}_stride_{d}", "long long") for t in "qkvo" for d in "bhs")
@@ -71,6 +88,8 @@ VARLEN_FIELDS = (("cu_seqlens_q", "const int*"), ("cu_seqlens_k", "const int*"))
 # kernels clamp the offsets into them (fa2_policies.h), since their values are not read on a GPU.
 PACKED_BOUND_FIELDS = (("total_q", "int"), ("total_k", "int"))
 
+# q, k, v, o: fp16 rows, or bf16 rows in the bf16 kernels (16-bit words either way: the element
+# policy says what they are).
 ARGS = ArgStruct("Fa2Args", (
     ("q", "const half_t*"),
     ("k", "const half_t*"),
@@ -106,7 +125,7 @@ def lds_layout(head_dim: int, br: int, bc: int, stage: str) -> dict[str, int]:
     """Bytes of each LDS region of a kernel whose tiles hold ``head_dim`` columns (padded_head_dim):
     the Q tile, the K/V tile, the P tile. The generator sizes kernels with it and the runtime checks
     dispatch entries against it (on cuda the launch requests exactly this much)."""
-    pair = 4 if stage == "f16" else 8
+    pair = 8 if stage == "f32" else 4  # f16 and bf16 pairs: one 32-bit word
     pad = 4  # pairs (pairs.h CHUNK): rows stay 16-byte aligned, f32 tiles' planes included
     p_row = (br + pad) * pair
     p_row_pair_gap = 16 if stage == "f32" else 0  # pipeline.h P_ROW_PAIR_GAP
@@ -187,7 +206,8 @@ def plan(table: TargetTable, call: Call) -> Plan:
     q, k = call.q, call.k
     packed = call.cu_seqlens_q is not None
     entry = table.select(NAME, layout=layout_of(call), head_dim=q.shape[3], heads_per_kv=q.shape[1] // k.shape[1],
-                         causal=call.causal_like, seq_q=call.seq_q if packed else q.shape[2], kernel=call.kernel)
+                         causal=call.causal_like, seq_q=call.seq_q if packed else q.shape[2], kernel=call.kernel,
+                         dtype=call.dtype)
     fields = common_fields(q, k, call.v, call.out, call.lse, call.window, call.softmax_scale, call.causal_like,
                            call.heavy_first, call.seqused_k)
     if packed:

@@ -42,7 +42,8 @@ import torch
 import torch.utils._python_dispatch
 
 from .. import ops, route
-from ..call import Layout, Precision, Request
+from ..call import DTYPE_OPTIONS, Layout, Precision, Request
+from ..checks import FLOAT_DTYPES as SERVED_DTYPES  # float16, bfloat16
 from ..errors import InvalidArgumentError, KernelsNotBuiltError, UnsupportedError
 from ..options import FLOAT32_MAX, LOG2E, validate
 
@@ -278,7 +279,7 @@ class _Slice:
 
 @dataclass
 class _Run:
-    """A call found servable: q, k, v as [batch, heads, seq, head_dim] fp16, and how to launch."""
+    """A call found servable: q, k, v as [batch, heads, seq, head_dim] fp16 or bf16, and how to launch."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -388,9 +389,9 @@ def _decide(config: _Config, query, key, value, attn_mask, dropout_p, is_causal,
         return why
     if mask is not None and mask.dtype not in (torch.bool, torch.float32, q.dtype):
         return "arguments", f"attn_mask of {mask.dtype} for query of {q.dtype}: torch takes bool, float32 or q's dtype"
-    if not q.dtype == k.dtype == v.dtype == torch.float16:
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in SERVED_DTYPES):
         return f"dtype {q.dtype}" if q.dtype == k.dtype == v.dtype else "arguments", \
-            f"query, key, value of {q.dtype}, {k.dtype}, {v.dtype}: the kernels take float16"
+            f"query, key, value of {q.dtype}, {k.dtype}, {v.dtype}: the kernels take float16 or bfloat16, all alike"
     rank = q.dim()
     if rank not in (3, 4) or k.dim() != rank or v.dim() != rank:
         return "rank", f"query, key, value of {q.dim()}, {k.dim()}, {v.dim()} dimensions: served are 3 or 4"
@@ -424,7 +425,9 @@ def _decide(config: _Config, query, key, value, attn_mask, dropout_p, is_causal,
     if isinstance(table, str):
         return f"no kernels for {device.type}", table
     rows = heads // heads_kv * seq_q
-    why = _choose(table, Request(precision=Precision.FP16, layout=Layout.STRIDED, head_dim=head_dim, rows=rows, seq_q=seq_q))
+    dtype = DTYPE_OPTIONS.get(str(q.dtype))  # the kernels' dtype option (bf16); None: fp16
+    why = _choose(table, Request(precision=Precision.FP16, layout=Layout.STRIDED, head_dim=head_dim, rows=rows,
+                                 seq_q=seq_q, dtype=dtype))
     if why:
         return f"head_dim {head_dim}", why
     if mask is None:  # torch's is_causal is top-left: query i sees keys 0..i
@@ -442,7 +445,7 @@ def _decide(config: _Config, query, key, value, attn_mask, dropout_p, is_causal,
         # One call with per-sequence key counts where kernels of that layout are built, else one
         # call per sequence on the plain kernels.
         run.seqused = not _choose(table, Request(precision=Precision.FP16, layout=Layout.SEQUSED, head_dim=head_dim,
-                                                 rows=rows, seq_q=seq_q))
+                                                 rows=rows, seq_q=seq_q, dtype=dtype))
     return run
 
 
@@ -467,19 +470,19 @@ def _choose(table, request: Request) -> str | None:
 
 def _autocast(q, k, v, mask):
     """The tensors as torch's autocast would give them to the operator (it casts its floating
-    inputs to the autocast dtype), and a fallback reason where that is not float16."""
+    inputs to the autocast dtype), and a fallback reason where that is neither float16 nor bfloat16."""
     kind = q.device.type
     if not torch.is_autocast_enabled(kind):
         return q, k, v, mask, None
     dtype = torch.get_autocast_dtype(kind)
-    if dtype != torch.float16:
-        return q, k, v, mask, (f"dtype {dtype}", f"autocast to {dtype}: the kernels take float16")
+    if dtype not in SERVED_DTYPES:
+        return q, k, v, mask, (f"dtype {dtype}", f"autocast to {dtype}: the kernels take float16 or bfloat16")
     cast = (torch.float32, torch.bfloat16, torch.float16)
     if any(t.dtype not in cast for t in (q, k, v)):
         return q, k, v, mask, ("arguments", "inputs autocast does not cast")
     if mask is not None and mask.dtype in cast:
-        mask = mask.to(torch.float16)
-    return q.to(torch.float16), k.to(torch.float16), v.to(torch.float16), mask, None
+        mask = mask.to(dtype)
+    return q.to(dtype), k.to(dtype), v.to(dtype), mask, None
 
 
 def _slice(band: tuple | None, seq_q: int) -> _Slice | None:

@@ -2,7 +2,7 @@
 
     import rdnattention.integrations.transformers as rt
     rt.register()
-    model = AutoModelForCausalLM.from_pretrained(..., torch_dtype=torch.float16, attn_implementation="rdnattention")
+    model = AutoModelForCausalLM.from_pretrained(..., torch_dtype=torch.bfloat16, attn_implementation="rdnattention")
 
 The attention function receives transformers' boolean mask (its sdpa mask function is registered
 under the same name) and reads it as what padded batches and caches make of it: per sequence, a
@@ -14,8 +14,8 @@ rdnattention's kernels (the split-KV kernels with per-sequence offsets and lengt
 a mask runs `scaled_dot_product_attention` with torch's semantics. Both go through the custom op
 ``rdnattention::padded_attention_fwd``, so compiled models call it whole. Anything else falls back
 to transformers' sdpa attention, with one warning per reason and every call counted in
-``fallbacks``: a dtype other than float16, a head_dim with no built kernel, dropout while training,
-gradients, softcapping, attention outputs or position biases, tensors or masks the kernels do not
+``fallbacks``: a dtype other than float16 and bfloat16 (or mixed dtypes), a head_dim with no built
+kernel, dropout while training, gradients, softcapping, attention outputs or position biases, tensors or masks the kernels do not
 take, any other mask (biases, sliding windows, document masks), and calls captured into a CUDA
 graph (reading the mask needs the device: transformers' compiled StaticCache generation captures
 its decode steps; eager generation with a StaticCache runs the kernels). Reading the mask costs
@@ -80,8 +80,9 @@ def _fallback(reason: str, module, query, key, value, attention_mask, **kwargs):
 
 
 def _unsupported(module, query, key, value, dropout: float, kwargs: dict) -> str | None:
-    if query.dtype != torch.float16 or key.dtype != torch.float16 or value.dtype != torch.float16:
-        return f"dtype {query.dtype}: the kernels take float16"
+    if query.dtype not in checks.FLOAT_DTYPES or not query.dtype == key.dtype == value.dtype:
+        return (f"dtype {query.dtype}: the kernels take float16 or bfloat16" if query.dtype == key.dtype == value.dtype
+                else f"dtypes {query.dtype}, {key.dtype}, {value.dtype}: the kernels take one dtype")
     if dropout and module.training:
         return f"dropout {dropout} while training: the kernels are inference only"
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):

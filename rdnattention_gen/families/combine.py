@@ -34,29 +34,31 @@ class Combine(HeadDimAxis, Family):
         "slices": OracleCase(2, 4, 2, 1, 300, {"num_splits": 3}),
         "slices_causal": OracleCase(1, 4, 1, 2, 257, {"num_splits": 5, "is_causal": True}),
     }
+    dtypes = runtime.DTYPES  # bf16: the combine of the bf16 dec kernels stores bf16
     tiles_family = "dec"
     tile_constraints = False  # one combine per threads count, whatever rows the dec tile is for
 
     def tier(self, target: Target) -> str | None:
         return "fp32"
 
-    def _spec(self, head_dim: int, threads: int, wave_size: int) -> KernelSpec:
+    def _spec(self, head_dim: int, threads: int, wave_size: int, dtype: str | None = None) -> KernelSpec:
         return KernelSpec(family=self.name, head_dim=head_dim, gqa_group=1,
                           tile=Tile(br=1, bc=1, threads=threads, tm=1), wave_size=wave_size, tier="fp32",
-                          stage="f32")
+                          stage="f32", options=self.options({"dtype": dtype}))
 
     def spec(self, target: Target, point: dict, tile: Tile) -> KernelSpec:
-        return self._spec(point["head_dim"], tile.threads, target.wave_size)
+        return self._spec(point["head_dim"], tile.threads, target.wave_size, point.get("dtype"))
 
     def from_name(self, name: str) -> KernelSpec | None:
         v = self.schema.parse(name)
-        return None if v is None else self._spec(v["head_dim"], v["tile.threads"], v["wave_size"])
+        return None if v is None else self._spec(v["head_dim"], v["tile.threads"], v["wave_size"],
+                                                 v.get("options.dtype"))
 
     def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
         return runtime.lds_layout(spec.head_dim, spec.tile.threads)
 
     def context(self, spec: KernelSpec) -> dict:
-        return {"lds_bytes": self.lds_bytes(spec)}
+        return {"lds_bytes": self.lds_bytes(spec), "bf16": spec.option("dtype") == "bf16"}
 
 
 FAMILY = Combine()

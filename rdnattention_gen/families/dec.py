@@ -14,7 +14,7 @@ from rdnattention.families import dec as runtime
 from ..family import Family, HeadDimAxis, OracleCase, Rule
 from ..spec import KernelSpec, Tile
 from ..target import Target, register_budgets
-from .f16 import F16, LDS_RULE, REGISTER_BUDGET, WHOLE_WAVES
+from .f16 import F16, LDS_RULE, REGISTER_BUDGET, WHOLE_WAVES, dtype_tier, pairs_type
 
 
 # Waves per SIMD a kernel is compiled to keep resident (its register budget): a memory-bound loop
@@ -79,6 +79,7 @@ class Dec(HeadDimAxis, Family):
     rules = RULES
     signatures = F16.signatures
     layouts = runtime.LAYOUTS  # paged: a paged cache (block_table)
+    dtypes = runtime.DTYPES    # bf16 (F16's docstring: the same element policy per value)
     lane_values = 8  # fp16 values of each key per lane (16 bytes)
     # Decode rows: at most 8 query rows per K/V head (route.SPLIT_KV_MAX_ROWS), against many keys.
     oracle_cases = {
@@ -99,9 +100,11 @@ class Dec(HeadDimAxis, Family):
         return target.stage
 
     def spec(self, target: Target, point: dict, tile: Tile) -> KernelSpec:
+        tier, stage = self.tier(target), self.stage(target)
+        if point.get("dtype"):
+            tier, stage = dtype_tier(target, point["dtype"], tier)
         return KernelSpec(family=self.name, head_dim=point["head_dim"], gqa_group=1, tile=tile,
-                          wave_size=target.wave_size, tier=self.tier(target), stage=self.stage(target),
-                          options=self.options(point))
+                          wave_size=target.wave_size, tier=tier, stage=stage, options=self.options(point))
 
     def from_name(self, name: str) -> KernelSpec | None:
         v = self.schema.parse(name)
@@ -109,7 +112,8 @@ class Dec(HeadDimAxis, Family):
             return None
         return KernelSpec(family=self.name, head_dim=v["head_dim"], gqa_group=v["gqa_group"],
                           tile=Tile.from_name_fields(v), wave_size=v["wave_size"], tier=v["tier"],
-                          stage=v.get("stage", "i8"), options=self.options({"layout": v.get("options.layout")}))
+                          stage=v.get("stage", "i8"),
+                          options=self.options({"layout": v.get("options.layout"), "dtype": v.get("options.dtype")}))
 
     def tile_space(self, target: Target, head_dim: int) -> dict[str, tuple[int, ...]] | None:
         """1, 2, 4 or 8 rows per workgroup, 1-8 keys per lane group per step, 128 threads, and
@@ -123,8 +127,9 @@ class Dec(HeadDimAxis, Family):
         return runtime.lds_layout(spec.head_dim, spec.tile.threads, spec.tile.br, spec.wave_size)
 
     def context(self, spec: KernelSpec) -> dict:
-        return {"pairs": "F32Pairs" if spec.stage == "f32" else "F16Pairs", "lds_bytes": self.lds_bytes(spec),
-                "waves": waves_per_simd(spec), "paged": spec.option("layout") == "paged"}
+        bf16 = spec.option("dtype") == "bf16"
+        return {"pairs": pairs_type(spec), "lds_bytes": self.lds_bytes(spec), "waves": waves_per_simd(spec),
+                "paged": spec.option("layout") == "paged", "element": "DecodeBF16" if bf16 else "DecodeF16"}
 
 
 FAMILY = Dec()

@@ -1,5 +1,15 @@
 """fp16 FlashAttention-2 forward: fp16 Q, K, V and output; both products and the softmax in fp32.
 
+bf16 is a dtype option of the family (``dtypes:`` under it in variants.yaml, like ``layouts:``): the
+same kernel body, tiles and layouts over a bf16 element policy (pairs.h), built at the head_dims
+the bf16 checkpoints use rather than at all of them, so the matrix grows by a few kernels per
+target, not twofold. No target multiplies bf16 pairs natively in this build: every value is
+widened to fp32 by a 16-bit shift (tier ``shift_fma``), where LDS holds fp32 pairs (stage f32:
+sm_90, host_f32) once when its tile is staged, elsewhere (stage bf16: the AMD targets, the host)
+where it is read from LDS, so that LDS holds 16-bit pairs as for fp16 and every tile fits as it
+does for fp16. The probabilities are rounded to bf16 for P.V where LDS holds bf16 pairs, as
+flash-attn rounds them to the input dtype.
+
 Kernel body: templates/include/fa2_f16.h (the fp16 element policy over fa2_forward.h), composed
 from the policies in fa2_policies.h and a schedule policy of pipeline.h."""
 
@@ -97,8 +107,10 @@ class F16(Family):
     schema = runtime.NAMES
     rules = RULES
     # The instruction each tier's kernels must contain (audit counts).
-    signatures = {"dot2": "dot2", "fma_mix": "fma_mix", "mad_mix": "mad_mix", "cvt_fma": "cvt_f32_f16"}
+    signatures = {"dot2": "dot2", "fma_mix": "fma_mix", "mad_mix": "mad_mix", "cvt_fma": "cvt_f32_f16",
+                  "shift_fma": "none"}  # a shift and fp32 FMAs: no instruction of its own to find
     layouts = runtime.LAYOUTS  # len: cache lengths (seqused_k); varlen: packed batches
+    dtypes = runtime.DTYPES    # bf16
     oracle_cases = {
         "plain": OracleCase(2, 2, 2, 100, 100),
         "causal": OracleCase(1, 2, 2, 150, 150, {"is_causal": True}),
@@ -129,6 +141,7 @@ class F16(Family):
     def axes(self, node: Node) -> dict:
         axes = {"head_dims": node.int_list("head_dims"), "gqa_groups": node.int_list("gqa_groups")}
         axes.update(self.layout_axes(node, axes["head_dims"]))
+        axes.update(self.dtype_axes(node, axes["head_dims"]))
         node.finish()
         return axes
 
@@ -139,9 +152,9 @@ class F16(Family):
         return target.tier.value  # every target multiplies fp16 pairs, natively or not
 
     def spec(self, target: Target, point: dict, tile: Tile) -> KernelSpec:
+        tier, stage = dtype_tier(target, point.get("dtype"), self.tier(target))
         return KernelSpec(family=self.name, head_dim=point["head_dim"], gqa_group=point["gqa_group"], tile=tile,
-                          wave_size=target.wave_size, tier=self.tier(target), stage=target.stage,
-                          options=self.options(point))
+                          wave_size=target.wave_size, tier=tier, stage=stage, options=self.options(point))
 
     def from_name(self, name: str) -> KernelSpec | None:
         v = self.schema.parse(name)
@@ -150,7 +163,7 @@ class F16(Family):
         return KernelSpec(family=self.name, head_dim=v["head_dim"], gqa_group=v["gqa_group"],
                           tile=Tile.from_name_fields(v),
                           wave_size=v["wave_size"], tier=v["tier"], stage=v["stage"],
-                          options=self.options({"layout": v.get("options.layout")}))
+                          options=self.options({"layout": v.get("options.layout"), "dtype": v.get("options.dtype")}))
 
     def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
         return runtime.lds_layout(padded_head_dim(spec), spec.tile.br, spec.tile.bc, spec.stage)
@@ -172,12 +185,31 @@ class F16(Family):
     # The main loop's schedule policy (include/pipeline.h) by staging precision: fp32 pairs are
     # sm_90's (and host_f32's, which mirrors it), fp16 pairs the AMD targets' (and the host's). The
     # runtime's lds_layout sizes the P tile's row-pair gap by the same rule.
-    PIPELINES = {"f16": "LeanPipeline", "f32": "PrefetchPipeline"}
+    PIPELINES = {"f16": "LeanPipeline", "bf16": "LeanPipeline", "f32": "PrefetchPipeline"}
 
     def context(self, spec: KernelSpec) -> dict:
-        return {"pairs": "F32Pairs" if spec.stage == "f32" else "F16Pairs", "pipeline": self.PIPELINES[spec.stage],
+        return {"pairs": pairs_type(spec), "pipeline": self.PIPELINES[spec.stage],
                 "lds_bytes": self.lds_bytes(spec), "padded_head_dim": padded_head_dim(spec),
-                "lengths": spec.option("layout") == "len", "varlen": spec.option("layout") == "varlen"}
+                "lengths": spec.option("layout") == "len", "varlen": spec.option("layout") == "varlen",
+                "bf16": spec.option("dtype") == "bf16"}
+
+
+# The pair types of pairs.h, by input dtype and staging precision.
+PAIRS = {(None, "f16"): "F16Pairs", (None, "f32"): "F32Pairs", ("bf16", "bf16"): "BF16Pairs",
+         ("bf16", "f32"): "BF16F32Pairs"}
+
+
+def pairs_type(spec: KernelSpec) -> str:
+    return PAIRS[spec.option("dtype"), spec.stage]
+
+
+def dtype_tier(target: Target, dtype: str | None, fp16_tier: str) -> tuple[str, str]:
+    """A kernel's (tier, stage) for input ``dtype`` on ``target``: fp16 (None) takes the target's
+    tier and staging; bf16 is widened by a shift (shift_fma), into fp32 pairs when staged where the
+    target stages fp32, else kept as bf16 pairs in LDS."""
+    if dtype is None:
+        return fp16_tier, target.stage
+    return "shift_fma", "f32" if target.stage == "f32" else "bf16"
 
 
 FAMILY = F16()

@@ -25,6 +25,7 @@ class I8Dec(Dec):
     rules = decode_rules(runtime.LANE_VALUES)
     signatures = I8.signatures
     layouts = {}  # [batch, heads, seq, head_dim] tensors only (flash_attn_int8qk)
+    dtypes = {}   # int8 only
     # As i8's, with at most 8 query rows per K/V head (route.SPLIT_KV_MAX_ROWS).
     oracle_cases = {
         "decode": OracleCase(2, 4, 2, 1, 203),

@@ -27,8 +27,9 @@ def test_default_targets_pass_the_audit(matrix, default_audit):
         assert row.lds_bytes <= matrix.target(row.target).lds_bytes
         if row.name.startswith(INT8_KERNELS):
             assert row.dot4 > 0, f"{row.target}/{row.name} has no v_dot4"
-        elif row.name.startswith("fa2_combine_"):
-            assert row.dot2 == 0  # fp32 sums of partial rows: no products of fp16 pairs
+        elif row.name.startswith("fa2_combine_") or "_bf16_" in row.name:
+            # fp32 sums of partial rows, or bf16 widened by a shift into fp32 FMAs: no products of fp16 pairs
+            assert row.dot2 == 0
         else:
             assert row.dot2 > 0, f"{row.target}/{row.name} has no v_dot2"
         assert row.waves_per_simd >= 1
@@ -46,7 +47,7 @@ def test_default_code_objects_contain_their_dot_instructions(matrix, default_aud
         names = kernels[0::2]
         assert sorted(names) == sorted(s.name for s in matrix.specs_for(target))
         for name, body in zip(names, kernels[1::2]):
-            if name.startswith("fa2_combine_"):
+            if name.startswith("fa2_combine_") or "_bf16_" in name:  # fp32 sums; bf16 through fp32 FMAs
                 assert "v_dot" not in body, f"{target.name}/{name}"
                 continue
             assert ("v_dot4" if name.startswith(INT8_KERNELS) else "v_dot2") in body, f"{target.name}/{name}"
@@ -61,7 +62,7 @@ def test_waves_per_simd_follows_llvm_rules(matrix):
 
 def test_audit_rules_catch_violations(matrix, default_audit):
     target = matrix.target("gfx1030")
-    spec = next(s for s in matrix.specs_for(target) if s.family == "f16")
+    spec = next(s for s in matrix.specs_for(target) if s.family == "f16" and s.option("dtype") is None)
     row = next(r for r in default_audit if r.target == "gfx1030" and r.name == spec.name)
     assert audit.violations(target, spec, row) == []
     bad = audit.KernelAudit(**{**row.to_json(), "vgpr_spills": 3, "scratch_bytes": 64, "lds_bytes": 70000, "dot2": 0})
@@ -97,9 +98,13 @@ def test_every_head_dim_is_built_for_every_target(matrix, default_audit, tier2_a
 
 @pytest.mark.parametrize("name", sorted(TIER2))
 def test_tier2_targets_use_their_lowering(matrix, tier2_audit, name):
-    rows = [r for r in tier2_audit if r.target == name and not r.name.startswith("fa2_combine_")]  # no fp16 products
+    # The fp16 kernels (the combine has no fp16 products; the bf16 kernels' are fp32 FMAs on shifted values)
+    rows = [r for r in tier2_audit if r.target == name and not r.name.startswith("fa2_combine_")
+            and "_bf16_" not in r.name]
     field = TIER2[name]
     assert rows and all(getattr(r, field) > 0 and r.dot2 == 0 for r in rows)
+    bf16 = [r for r in tier2_audit if r.target == name and "_bf16_" in r.name]
+    assert bf16 and all(r.dot2 == 0 and r.fma_mix == 0 and r.mad_mix == 0 for r in bf16)
     if field == "fma_mix":
         assert all(r.mad_mix == 0 for r in rows)
 

@@ -132,6 +132,37 @@ def test_a_bad_layout_option_is_named(tmp_path, layouts, message):
         _load(tmp_path, text)
 
 
+def test_a_dtype_option_is_built_for_every_layout_with_the_familys_tiles_unless_its_own(tmp_path):
+    text = MINIMAL.replace("    gqa_groups: [1, 2]\n", "    gqa_groups: [1, 2]\n    layouts:\n      varlen: [64]\n"
+                           "    dtypes:\n      bf16: [64]\n")
+    specs = _load(tmp_path, text).specs_for(_load(tmp_path, text).target("gfx1030"))
+    assert sorted((s.name, s.option("layout"), s.option("dtype")) for s in specs if s.option("dtype")) == [
+        ("fa2_f16_bf16_hd64_g1_br128_bc64_nt256_tm8_w32_shift_fma_sbf16", None, "bf16"),
+        ("fa2_f16_bf16_hd64_g2_br128_bc64_nt256_tm8_w32_shift_fma_sbf16", None, "bf16"),
+        ("fa2_f16varlen_bf16_hd64_g1_br128_bc64_nt256_tm8_w32_shift_fma_sbf16", "varlen", "bf16"),
+        ("fa2_f16varlen_bf16_hd64_g2_br128_bc64_nt256_tm8_w32_shift_fma_sbf16", "varlen", "bf16")]
+    assert all(family("f16").from_name(s.name) == s for s in specs)  # the name spells the option back
+    assert len([s for s in specs if not s.option("dtype")]) == 4  # the fp16 kernels as they were
+    # A tile table's f16_bf16 entry gives the bf16 kernels their own tile; fp16's keep theirs.
+    own = text + "    f16_bf16:\n      64: {br: 64, bc: 64, threads: 256, tm: 4, waves: 5}\n"
+    specs = _load(tmp_path, own).specs_for(_load(tmp_path, own).target("gfx1030"))
+    assert {(s.option("dtype"), s.tile.br, s.tile.waves) for s in specs} == {(None, 128, 0), ("bf16", 64, 5)}
+
+
+@pytest.mark.parametrize("tiles, message", [
+    ("    f16_fp32:\n      64: {br: 64, bc: 64, threads: 256, tm: 4}\n", "tiles.small.f16_fp32: not a kernel family"),
+    ("    f16_bf16:\n      default: {br: 64, bc: 64, threads: 256, tm: 4}\n",
+     "a dtype option's tiles are head_dims only"),
+    ("    f16_bf16:\n      128: {br: 64, bc: 64, threads: 256, tm: 4}\n", "is not one of f16_bf16's head_dims [64]"),
+])
+def test_a_bad_dtype_option_or_its_tiles_are_named(tmp_path, tiles, message):
+    text = MINIMAL.replace("    gqa_groups: [1, 2]\n", "    gqa_groups: [1, 2]\n    dtypes:\n      bf16: [64]\n")
+    with pytest.raises(VariantsError, match=re.escape(message)):
+        _load(tmp_path, text + tiles)
+    with pytest.raises(VariantsError, match=re.escape("kernels.f16.dtypes.fp32: not a dtype of f16")):
+        _load(tmp_path, MINIMAL.replace("    gqa_groups: [1, 2]\n", "    gqa_groups: [1, 2]\n    dtypes:\n      fp32: [64]\n"))
+
+
 def test_target_names_match_in_full(tmp_path):
     with pytest.raises(VariantsError, match="target names are gfxNNN"):
         _load(tmp_path, MINIMAL.replace("  gfx1030:\n", '  "gfx1030\\n":\n', 1))

@@ -74,7 +74,9 @@ def test_host_mirrors_every_tile_of_the_default_amd_targets(matrix):
             assert (v.spec.family, v.spec.head_dim, v.spec.gqa_group, v.spec.tile) in have, (gpu, v.spec.name)
     alternates = [v for v in host if v.priority == ALTERNATE]
     assert alternates and all(v.provenance.startswith("mirrors ") for v in alternates)
-    assert {v.spec.tile.waves for v in alternates} == {2, 6}
+    assert {v.spec.tile.waves for v in alternates if not v.spec.option("dtype")} == {2, 6}
+    # The bf16 kernels mirror their own tiles: RDNA's head_dim 128 at 5 waves (variants.yaml f16_bf16)
+    assert {v.spec.tile.waves for v in alternates if v.spec.option("dtype") == "bf16"} == {2, 5, 6}
 
 
 def test_only_host_targets_mirror(tmp_path):
@@ -431,12 +433,16 @@ def test_tuned_entries_serve_every_layout_of_their_family(tmp_path):
     matrix = load_matrix(tuned_dir=tmp_path)
     variants = matrix.variants_for(matrix.target("sm_90"))
 
-    def tuned(family, hd, layout=None):
+    def tuned(family, hd, layout=None, dtype=None):
         return {(v.spec.tile.br, v.spec.tile.bc, v.spec.tile.tm) for v in variants
                 if v.spec.family == family and v.spec.option("layout") == layout and v.spec.head_dim == hd
-                and v.provenance == "tuned/sm_90.yaml"}
+                and v.spec.option("dtype") == dtype and v.provenance == "tuned/sm_90.yaml"}
 
+    # ... and its bf16 kernels (the same main loop on sm_90: fp32 pairs staged)
     assert tuned("f16", 64) == tuned("f16", 64, "len") == tuned("f16", 64, "varlen") == {(64, 32, 4)}
-    assert tuned("dec", 128) == tuned("dec", 128, "paged") == {(2, 32, 2)}
-    combine = [v for v in variants if v.spec.family == "combine" and v.spec.head_dim == 128]
-    assert len(combine) == 1 and not combine[0].when.to_json()  # one combine per threads count, still
+    assert tuned("f16", 64, dtype="bf16") == tuned("f16", 64, "varlen", "bf16") == {(64, 32, 4)}
+    assert tuned("dec", 128) == tuned("dec", 128, "paged") == tuned("dec", 128, "paged", "bf16") == {(2, 32, 2)}
+    for dtype in (None, "bf16"):
+        combine = [v for v in variants if v.spec.family == "combine" and v.spec.head_dim == 128
+                   and v.spec.option("dtype") == dtype]
+        assert len(combine) == 1 and not combine[0].when.to_json()  # one combine per threads count, still

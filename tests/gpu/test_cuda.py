@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from cases import HEAD_DIMS, LSE_TOL, TOL, VARIANTS, make_case
+from cases import BF16_LSE_TOL, BF16_TOL, HEAD_DIMS, LSE_TOL, TOL, VARIANTS, bf16_head_dims, make_case, run_case
 
 from rdnattention import attention_reference, flash_attn, flash_attn_with_kvcache, varlen_attn
 from rdnattention.reference import rotate
@@ -33,10 +33,16 @@ def test_cuda_targets_build_without_spills(matrix, cuda_audit, target):
     for r in rows:
         assert (r.vgpr_spills, r.scratch_bytes) == (0, 0), r
         assert r.lds_bytes <= budget, r
-        if not r.name.startswith("fa2_combine_"):  # fp32 sums only: no conversions to count
+        # fp32 sums only (the combine), or bf16 widened by a shift (cvt.f32.bf16): no fp16 conversions to count
+        if not r.name.startswith("fa2_combine_") and "_bf16_" not in r.name:
             assert (r.dot4 if r.name.startswith(INT8_KERNELS) else r.cvt_f32_f16) > 0, r
-    # sm_90 converts each fp16 value once into fp32 LDS; Pascal, with 48 KiB, keeps fp16 pairs.
-    assert all(r.name.endswith("_sf32" if target == "sm_90" else "_sf16") for r in rows if r.name.startswith("fa2_f16_"))
+    # sm_90 converts each fp16 (and bf16) value once into fp32 LDS; Pascal, with 48 KiB, keeps fp16
+    # (bf16) pairs.
+    fp16 = [r for r in rows if r.name.startswith("fa2_f16_") and "_bf16_" not in r.name]
+    bf16 = [r for r in rows if r.name.startswith(("fa2_f16_bf16_", "fa2_f16len_bf16_", "fa2_f16varlen_bf16_"))]
+    assert fp16 and bf16
+    assert all(r.name.endswith("_sf32" if target == "sm_90" else "_sf16") for r in fp16)
+    assert all(r.name.endswith("_shift_fma_sf32" if target == "sm_90" else "_shift_fma_sbf16") for r in bf16)
     # dp4a on every Pascal-and-later target that has it: sm_60 has none, so no int8 kernels there.
     assert any(r.name.startswith("fa2_i8_") for r in rows) == (target != "sm_60")
 
@@ -90,6 +96,59 @@ def test_gpu_matches_oracle_and_torch(head_dim, variant):
     assert (lse.cpu().double() - ref_lse).abs().max().item() <= LSE_TOL
     peer = _torch_attention(qd, kd, vd, gpu_options)
     assert (out.float() - peer).abs().max().item() <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("head_dim", bf16_head_dims("f16"))
+def test_gpu_bf16_matches_oracle_and_torch(head_dim, variant):
+    """bf16 q, k, v (the bf16 kernels, fp32 pairs staged on sm_90): a bf16 output within BF16_TOL
+    of the oracle on the same bf16 values (tests/cases.py), its LSE within BF16_LSE_TOL, and of torch."""
+    device = _gpu()
+    q, k, v, options = make_case(variant, head_dim, dtype="bf16")
+    gpu_options = {key: (val.to(device) if isinstance(val, torch.Tensor) else val) for key, val in options.items()}
+    qd, kd, vd = q.to(device), k.to(device), v.to(device)
+    out, lse = flash_attn(qd, kd, vd, return_lse=True, **gpu_options)
+    torch.cuda.synchronize()
+    assert out.dtype == torch.bfloat16
+    ref, ref_lse = attention_reference(q, k, v, return_lse=True, **options)
+    assert torch.isfinite(out).all()
+    assert (out.cpu().double() - ref).abs().max().item() <= BF16_TOL
+    assert (lse.cpu().double() - ref_lse).abs().max().item() <= BF16_LSE_TOL
+    peer = _torch_attention(qd, kd, vd, gpu_options)
+    assert (out.float() - peer).abs().max().item() <= BF16_TOL
+
+
+# Every case of every family the bf16 kernels are built for (layouts included: cache lengths, packed
+# batches, paged caches, key slices and their combine) on the GPU, through the sweep's entry points
+# (tests/cases.py run_case) with the tensors moved to it.
+BF16_CASES = [(fam, case, hd) for fam in ("f16", "dec", "combine") for case in family(fam).oracle_cases
+              for hd in bf16_head_dims(fam)[::2]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fam,case,head_dim", BF16_CASES)
+def test_gpu_bf16_every_family_matches_the_oracle(monkeypatch, fam, case, head_dim):
+    device = _gpu()
+    import rdnattention as rdna
+
+    # run_case builds CPU tensors and calls the entry points: run them on the GPU instead.
+    for name in ("flash_attn", "flash_attn_varlen_func", "flash_attn_with_kvcache"):
+        real = getattr(rdna, name)
+
+        def on_gpu(*args, _real=real, **kwargs):
+            move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+            out = _real(*map(move, args), **{k: move(x) for k, x in kwargs.items()})
+            return tuple(x.cpu() if isinstance(x, torch.Tensor) else x for x in out)
+
+        monkeypatch.setattr("cases." + name, on_gpu)
+    out, lse, ref, ref_lse, _ = run_case(fam, case, head_dim, "bf16")
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert (out.double() - ref).abs().max().item() <= BF16_TOL
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    if finite.any():
+        assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() <= BF16_LSE_TOL
 
 
 @pytest.mark.gpu

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cases import mirrored_kernels
+from cases import BF16_LSE_TOL, BF16_TOL, mirrored_kernels
 from rdnattention import attention_reference, dispatch, drivers, plan_flash_attn
 from rdnattention.errors import UnsupportedError
 from rdnattention.families import dec
@@ -43,10 +43,10 @@ def _on(*ts):
     return tuple(None if t is None else t.to(DEVICE) for t in ts)
 
 
-def _inputs(b, hq, hk, sq, sk, d, seed=0):
+def _inputs(b, hq, hk, sq, sk, d, seed=0, dtype=torch.float16):
     g = torch.Generator().manual_seed(seed)
-    return _on(torch.randn(b, hq, sq, d, generator=g).half(), torch.randn(b, hk, sk, d, generator=g).half(),
-               torch.randn(b, hk, sk, d, generator=g).half())
+    return _on(torch.randn(b, hq, sq, d, generator=g).to(dtype), torch.randn(b, hk, sk, d, generator=g).to(dtype),
+               torch.randn(b, hk, sk, d, generator=g).to(dtype))
 
 
 def _window(options):
@@ -72,12 +72,13 @@ def _run(table, call):
     return plan
 
 
-def _check(out, lse, ref, ref_lse):
-    assert (out.double() - ref).abs().max().item() <= TOL
+def _check(out, lse, ref, ref_lse, tol=TOL, lse_tol=TOL):
+    """``tol``, ``lse_tol``: the output's and the LSE's (bf16: BF16_TOL and BF16_LSE_TOL, tests/cases.py)."""
+    assert (out.double() - ref).abs().max().item() <= tol
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     if finite.any():
-        assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() <= TOL
+        assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() <= lse_tol
 
 
 CASES = [  # (batch, heads_q, heads_kv, seq_q, seq_k, head_dim, options)
@@ -103,6 +104,20 @@ def test_matches_the_oracle(table, case, splits):
         assert plan.launches[0].args.splits == dec.slices(sk, plan.launches[0].kernel.bc, splits)
     ref, ref_lse = attention_reference(q, k, v, return_lse=True, **options)
     _check(*plan.outputs, ref, ref_lse)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 0])
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] in (64, 128, 256)],
+                         ids=lambda c: "x".join(map(str, c[:6])) + "-" + str(c[6]))
+def test_bf16_matches_the_oracle(table, case, splits):
+    """The bf16 decode kernels (and their combine) on bf16 inputs: bf16 out, within BF16_TOL."""
+    b, hq, hk, sq, sk, d, options = case
+    q, k, v = _inputs(b, hq, hk, sq, sk, d, dtype=torch.bfloat16)
+    plan = _run(table, _call(q, k, v, options, num_splits=splits))
+    assert all(launch.kernel.dtype == "bf16" for launch in plan.launches)
+    assert plan.launches[0].kernel.family == "dec" and plan.outputs[0].dtype == torch.bfloat16
+    ref, ref_lse = attention_reference(q, k, v, return_lse=True, **options)
+    _check(*plan.outputs, ref, ref_lse, tol=BF16_TOL, lse_tol=BF16_LSE_TOL)
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -267,7 +282,8 @@ def test_mirrored_gpu_decode_tiles_match_the_oracle(host_build, monkeypatch, tar
     for b, hq, hk, sq, sk, d, options in CASES:
         if f"_hd{d}_" not in name:
             continue
-        q, k, v = _inputs(b, hq, hk, sq, sk, d)
+        bf16 = spec_from_name(name).option("dtype") == "bf16"  # a bf16 kernel's tile runs on bf16 inputs
+        q, k, v = _inputs(b, hq, hk, sq, sk, d, dtype=torch.bfloat16 if bf16 else torch.float16)
         for splits in (1, 3):
             call = _call(q, k, v, options, num_splits=splits)
             if spec_from_name(name).option("layout") == "paged":
@@ -283,14 +299,16 @@ def test_mirrored_gpu_decode_tiles_match_the_oracle(host_build, monkeypatch, tar
             assert plan.launches[0].kernel.name == name
             plan.run()
             ref, ref_lse = attention_reference(q, k, v, return_lse=True, **options)
-            _check(*plan.outputs, ref, ref_lse)
+            _check(*plan.outputs, ref, ref_lse, *((BF16_TOL, BF16_LSE_TOL) if bf16 else (TOL, TOL)))
 
 
 def test_one_combine_entry_per_head_dim(matrix):
-    """combine takes dec's tiles but not their `when:`: one entry per kernel, serving every call."""
+    """combine takes dec's tiles but not their `when:`: one entry per kernel and dtype, serving every call."""
     for target in ("host", "gfx1030", "sm_90"):
         t = matrix.target(target)
-        combine = [v for v in matrix.variants_for(t) if v.spec.family == "combine"]
-        built = [hd for hd in matrix.kernels["combine"]["head_dims"] if t.builds("combine", hd)]  # host: a subset
-        assert len({v.spec.name for v in combine}) == len(combine) == len(built)
-        assert all(not v.when.to_json() for v in combine)
+        for dtype, dims in ((None, matrix.kernels["combine"]["head_dims"]),
+                            ("bf16", matrix.kernels["combine"]["dtypes"]["bf16"])):
+            combine = [v for v in matrix.variants_for(t) if v.spec.family == "combine" and v.spec.option("dtype") == dtype]
+            built = [hd for hd in dims if t.builds("combine", hd)]  # host: a subset
+            assert len({v.spec.name for v in combine}) == len(combine) == len(built)
+            assert all(not v.when.to_json() for v in combine)

@@ -80,7 +80,8 @@ def test_shuffled_fiber_order_gives_identical_results(host_build):
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda q, k, v: (q.float(), k, v), "q must be float16, got torch.float32"),
+    (lambda q, k, v: (q.float(), k, v), "q must be float16 or bfloat16, got torch.float32"),
+    (lambda q, k, v: (q, k.bfloat16(), v), r"k is torch.bfloat16 but q is torch.float16: q, k, v must share one dtype"),
     (lambda q, k, v: (q[0], k, v), "q must be 4-D [batch, heads, seq, head_dim], got shape (2, 16, 64)"),
     (lambda q, k, v: (q, k[:, :, :, :32], v), "k shape (1, 2, 16, 32) does not match q shape (1, 2, 16, 64)"),
     (lambda q, k, v: (q, k, v[:, :, :8]), "v shape (1, 2, 8, 64) must equal k shape (1, 2, 16, 64)"),

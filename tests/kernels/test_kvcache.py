@@ -12,11 +12,11 @@ from rdnattention.reference import rotate
 TOL = 2e-3
 
 
-def _setup(b=3, sq=1, new=1, hq=4, hk=2, d=64, cache=64, lengths=(10, 0, 40), seed=0):
+def _setup(b=3, sq=1, new=1, hq=4, hk=2, d=64, cache=64, lengths=(10, 0, 40), seed=0, dtype=torch.float16):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, sq, hq, d, generator=g).half()
-    k_cache, v_cache = (torch.randn(b, cache, hk, d, generator=g).half() for _ in range(2))
-    k, v = (torch.randn(b, new, hk, d, generator=g).half() for _ in range(2)) if new else (None, None)
+    q = torch.randn(b, sq, hq, d, generator=g).to(dtype)
+    k_cache, v_cache = (torch.randn(b, cache, hk, d, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(b, new, hk, d, generator=g).to(dtype) for _ in range(2)) if new else (None, None)
     return q, k_cache, v_cache, k, v, torch.tensor(lengths, dtype=torch.int32)
 
 
@@ -35,10 +35,10 @@ def _expected(q, k_cache, v_cache, k, v, lengths, causal, window, rope):
                 local = causal or window != (-1, -1)
                 qpos = torch.arange(q.shape[1]) + n if local else torch.full((q.shape[1],), n)
                 qb = rotate(qb, cos, sin, qpos, inter)
-            kc[b, n:n + new] = kb[0].transpose(0, 1).half()
+            kc[b, n:n + new] = kb[0].transpose(0, 1).to(q.dtype)
             vc[b, n:n + new] = v[b]
         used = n + new
-        o, lse = attention_reference(qb.half(), kc[b:b + 1, :used].transpose(1, 2), vc[b:b + 1, :used].transpose(1, 2),
+        o, lse = attention_reference(qb.to(q.dtype), kc[b:b + 1, :used].transpose(1, 2), vc[b:b + 1, :used].transpose(1, 2),
                                      is_causal=causal, window_size=window, return_lse=True)
         outs.append(o.transpose(1, 2))
         lses.append(lse)
@@ -65,6 +65,42 @@ def test_matches_the_oracle_and_appends_in_place(host_build, sq, new, rope, caus
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("sq, new, rope", [(1, 1, None), (4, 4, None), (1, 0, None), (1, 1, True), (4, 4, False)])
+def test_bf16_matches_the_oracle_and_appends_in_place(host_build, sq, new, rope):
+    """A bf16 cache with bf16 q, k, v: the append, RoPE and attention as in fp16, the output bf16
+    within BF16_TOL and BF16_LSE_TOL (tests/cases.py: bf16's unit roundoff)."""
+    from cases import BF16_LSE_TOL, BF16_TOL
+
+    q, k_cache, v_cache, k, v, lengths = _setup(sq=sq, new=new, dtype=torch.bfloat16)
+    tables = None
+    if rope is not None:
+        cos, sin = rotary_tables(64, 32)
+        tables = (cos, sin, rope)
+    kc, vc, ref, ref_lse = _expected(q, k_cache, v_cache, k, v, lengths, True, (-1, -1), tables)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=tables and tables[0],
+                                       rotary_sin=tables and tables[1], cache_seqlens=lengths, causal=True,
+                                       rotary_interleaved=bool(rope), return_softmax_lse=True)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
+    assert (out.double() - ref).abs().max().item() <= BF16_TOL
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() <= BF16_LSE_TOL
+
+
+@pytest.mark.parametrize("names, make", [
+    ("k_cache is torch.bfloat16 but q is torch.float16", lambda q, kc, vc, k, v: (q, kc.bfloat16(), vc.bfloat16(), k, v)),
+    ("v_cache is torch.bfloat16 but q is torch.float16", lambda q, kc, vc, k, v: (q, kc, vc.bfloat16(), k, v)),
+    ("k is torch.bfloat16 but k_cache is torch.float16", lambda q, kc, vc, k, v: (q, kc, vc, k.bfloat16(), v.bfloat16())),
+])
+def test_mixed_dtypes_are_refused_naming_both_and_write_nothing(host_build, names, make):
+    q, k_cache, v_cache, k, v = make(*_setup()[:5])
+    saved = [t.clone() for t in (q, k_cache, v_cache, k, v)]
+    with pytest.raises(InvalidArgumentError, match=names):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor([10, 0, 40], dtype=torch.int32))
+    assert all(torch.equal(a, b) for a, b in zip((q, k_cache, v_cache, k, v), saved))
 
 
 def test_an_int_length_and_the_whole_cache(host_build):

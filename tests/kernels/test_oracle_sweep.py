@@ -1,13 +1,13 @@
 """The generic oracle sweep on the host platform: every family of the matrix x every head_dim the
-host targets build for it x every case the family declares (tests/cases.py), through the entry
-point that serves the family, against the float64 oracle, checking that the family (and layout)
-did run; then every case again (every family and layout at its smallest head_dim; the plain fp16
-kernels at every head_dim in the slow suite) with the emulator's fiber order shuffled at every sync
+host targets build for it x every case the family declares x every dtype it is built for (fp16,
+bf16: tests/cases.py), through the entry point that serves the family, against the float64 oracle,
+checking that the family (and layout and dtype) did run; then every case again (every family and
+layout at its smallest head_dim; the plain fp16 kernels at every head_dim in the slow suite) with the emulator's fiber order shuffled at every sync
 point, which must change nothing (a missing barrier would)."""
 
 import pytest
 import torch
-from cases import INT8_LSE_TOL, INT8_REL_RMS, LSE_TOL, TOL, layout_of, run_case, sweep
+from cases import DTYPES, INT8_LSE_TOL, INT8_REL_RMS, TOLS, TORCH_DTYPES, layout_of, run_case, sweep, sweep_id
 
 import rdnattention
 from rdnattention import replay, route
@@ -15,7 +15,7 @@ from rdnattention_gen.families import family
 from rdnattention_gen.matrix import load_matrix
 
 SWEEP = sweep()
-IDS = ["-".join(map(str, p)) for p in SWEEP]
+IDS = [sweep_id(p) for p in SWEEP]
 # The in-order results of the sweep, for the shuffled run.
 in_order_results = {}
 
@@ -24,20 +24,22 @@ def test_every_family_and_layout_declares_cases_and_is_swept():
     for name, axes in load_matrix().kernels.items():
         assert family(name).oracle_cases, f"family {name} declares no oracle_cases"
         for layout in (None, *axes.get("layouts", {})):
-            assert any(p[1] == name and layout_of(name, p[3]) == layout for p in SWEEP), \
-                f"no {name} case of layout {layout} is swept (none declared, or the host targets build none)"
+            for dtype in ("fp16", *axes.get("dtypes", {})):
+                assert any(p[1] == name and layout_of(name, p[3]) == layout and p[4] == dtype for p in SWEEP), \
+                    f"no {name} case of layout {layout} in {dtype} is swept (none declared, or the host targets " \
+                    "build none)"
 
 
 @pytest.fixture
 def families_run(monkeypatch):
-    """The (family, layout) of the kernels each call planned (route.plan), with the fp16 replay
+    """The (family, layout, dtype) of the kernels each call planned (route.plan), with the replay
     cache empty so that every call is planned."""
     ran = []
     plan = route.plan
 
     def recording(table, call):
         p = plan(table, call)
-        ran.append({(launch.kernel.family, launch.kernel.layout) for launch in p.launches})
+        ran.append({(launch.kernel.family, launch.kernel.layout, launch.kernel.dtype) for launch in p.launches})
         return p
 
     monkeypatch.setattr(route, "plan", recording)
@@ -45,12 +47,14 @@ def families_run(monkeypatch):
     return ran
 
 
-@pytest.mark.parametrize("target,fam,head_dim,case", SWEEP, ids=IDS)
-def test_matches_oracle(host_build, monkeypatch, families_run, target, fam, head_dim, case):
+@pytest.mark.parametrize("target,fam,head_dim,case,dtype", SWEEP, ids=IDS)
+def test_matches_oracle(host_build, monkeypatch, families_run, target, fam, head_dim, case, dtype):
     monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
-    out, lse, ref, ref_lse, int8 = run_case(fam, case, head_dim)
-    assert families_run and all((fam, layout_of(fam, case)) in ran for ran in families_run), \
-        f"the call ran the kernels {families_run}, not {fam} of layout {layout_of(fam, case)}"
+    out, lse, ref, ref_lse, int8 = run_case(fam, case, head_dim, dtype)
+    want = (fam, layout_of(fam, case), DTYPES[dtype])
+    assert families_run and all(want in ran for ran in families_run), \
+        f"the call ran the kernels {families_run}, not {fam} of layout {want[1]} in {dtype}"
+    assert out.dtype == TORCH_DTYPES[dtype]  # the inputs' (int8: fp16)
     assert torch.isfinite(out).all()
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
@@ -60,32 +64,33 @@ def test_matches_oracle(host_build, monkeypatch, families_run, target, fam, head
         assert rel_rms <= INT8_REL_RMS, f"relative RMS error {rel_rms:.2e}"
         assert lse_err <= INT8_LSE_TOL, f"lse error {lse_err:.2e}"
     else:
+        tol, lse_tol = TOLS[dtype]
         err = (out.double() - ref).abs().max().item()
-        assert err <= TOL, f"max abs error {err:.2e}"
-        assert lse_err <= LSE_TOL, f"lse error {lse_err:.2e}"
-    in_order_results[(target, fam, head_dim, case)] = (out, lse)
+        assert err <= tol, f"max abs error {err:.2e}"
+        assert lse_err <= lse_tol, f"lse error {lse_err:.2e}"
+    in_order_results[(target, fam, head_dim, case, dtype)] = (out, lse)
 
 
 # Every family, layout and case at its smallest head_dim in the fast suite; the plain fp16 kernels at
 # every other head_dim behind the slow marker (each runs its in-order case first when the in-order
 # test did not run in the same session).
 def _smallest(p):
-    return p[2] == min(q[2] for q in SWEEP if q[:2] == p[:2] and q[3] == p[3])
+    return p[2] == min(q[2] for q in SWEEP if q[:2] == p[:2] and q[3:] == p[3:])
 
 
-SHUFFLED = [pytest.param(*p, id="-".join(map(str, p)), marks=() if _smallest(p) else pytest.mark.slow)
+SHUFFLED = [pytest.param(*p, id=sweep_id(p), marks=() if _smallest(p) else pytest.mark.slow)
             for p in SWEEP if _smallest(p) or (p[1] == "f16" and layout_of(p[1], p[3]) is None)]
 
 
-@pytest.mark.parametrize("target,fam,head_dim,case", SHUFFLED)
-def test_shuffled_order_changes_nothing(host_build, monkeypatch, target, fam, head_dim, case):
+@pytest.mark.parametrize("target,fam,head_dim,case,dtype", SHUFFLED)
+def test_shuffled_order_changes_nothing(host_build, monkeypatch, target, fam, head_dim, case, dtype):
     monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
-    key = (target, fam, head_dim, case)
+    key = (target, fam, head_dim, case, dtype)
     if key not in in_order_results:
-        in_order_results[key] = run_case(fam, case, head_dim)[:2]
+        in_order_results[key] = run_case(fam, case, head_dim, dtype)[:2]
     rdnattention.set_host_shuffle(head_dim * 7 + 1)
     try:
-        out, lse = run_case(fam, case, head_dim)[:2]
+        out, lse = run_case(fam, case, head_dim, dtype)[:2]
     finally:
         rdnattention.set_host_shuffle(None)
     ref_out, ref_lse = in_order_results[key]

@@ -100,7 +100,9 @@ def test_flash_attn_varlen_func(host_build):
     (lambda a: a.update(cu_seq_k=torch.tensor([0, 30, 236], dtype=torch.int32)), "cu_seq_k must be int32 (4,)"),
     (lambda a: a.update(cu_seq_q=a["cu_seq_q"].long()), "cu_seq_q must be int32 1-D"),
     (lambda a: a.update(enable_gqa=False), "pass enable_gqa=True"),
-    (lambda a: a.update(key=a["key"].float()), "key must be float16"),
+    (lambda a: a.update(key=a["key"].float()), "key must be float16 or bfloat16"),
+    (lambda a: a.update(key=a["key"].bfloat16(), value=a["value"].bfloat16()),
+     "key is torch.bfloat16 but query is torch.float16"),
     (lambda a: a.update(block_table=torch.zeros(3, 2, dtype=torch.int32)), "must be 4-D"),
     (lambda a: a.update(window_size=(-2, 0)), "window_size values must be >= -1"),
 ])

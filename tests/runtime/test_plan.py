@@ -88,8 +88,8 @@ def test_a_foreign_argument_layout_is_refused(host_copy, monkeypatch):
 
 @pytest.mark.parametrize("text, message", [
     ("{not json", "unreadable dispatch table (JSONDecodeError"),
-    ('{"format": 3, "kernels": []}', "table format 3, this runtime reads format 4"),
-    ('{"format": 4, "kernels": [{"family": "f16"}]}', "unreadable dispatch table (ValueError: kernels[0] has no head_dim, gqa_group"),
+    ('{"format": 3, "kernels": []}', "table format 3, this runtime reads format 5"),
+    ('{"format": 5, "kernels": [{"family": "f16"}]}', "unreadable dispatch table (ValueError: kernels[0] has no head_dim, gqa_group"),
 ])
 def test_a_malformed_table_is_a_typed_error(host_copy, text, message):
     host_copy.write_text(text)
@@ -162,7 +162,7 @@ def test_plan_options(host_build):
     assert plan_flash_attn(q, k, v).launches[0].args.heavy_first == 0
     assert plan_flash_attn(q, k, v, is_causal=True, heavy_first=False).launches[0].args.heavy_first == 0
     group1 = next(e.name for e in dispatch.table_for("host").kernels
-                  if e.family == "f16" and e.head_dim == 64 and e.gqa_group == 1)
+                  if e.family == "f16" and e.head_dim == 64 and e.gqa_group == 1 and e.dtype is None)
     plan = plan_flash_attn(q, k, v, is_causal=True, kernel=group1)
     assert plan.launches[0].kernel.name == group1 and plan.launches[0].grid[1] == 4
     plan.run()

@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import REPO_ROOT
 
+import rdnattention
 from rdnattention import plan_flash_attn, route
 from rdnattention.errors import UnsupportedError
 from rdnattention.route import Layout, Option, Precision, Request
@@ -106,6 +107,54 @@ def test_a_forced_split_kv_kernel_with_rope_is_refused(host_build):
     q = torch.randn(1, 2, 1, 64).half()
     k = torch.randn(1, 2, 40, 64).half()
     cos, sin = torch.ones(40, 16), torch.zeros(40, 16)
-    name = next(e.name for e in route.device_table(q.device).kernels if e.family == "dec" and e.head_dim == 64)
+    name = next(e.name for e in route.device_table(q.device).kernels
+                if e.family == "dec" and e.head_dim == 64 and e.dtype is None)
     with pytest.raises(UnsupportedError, match="the dec kernels take no RoPE in the kernel"):
         plan_flash_attn(q, k, k, rotary_cos=cos, rotary_sin=sin, kernel=name)
+
+
+def _bf16(family, head_dim=64, layout=None):
+    e = _entry(family, head_dim, layout)
+    return KernelEntry(**{**e.__dict__, "name": e.name + "_bf16", "dtype": "bf16"})
+
+
+# bf16 kernels (the fp16 families' dtype option) at head_dim 64 only, paged decode among them.
+BF16_TABLE = TargetTable("t", "host", REPO_ROOT, False, TABLE.kernels + tuple(
+    _bf16(f, layout=layout) for f, layout in (("f16", None), ("dec", None), ("dec", "paged"))))
+
+
+def test_a_call_runs_the_kernels_of_its_dtype():
+    for dtype in (None, "bf16"):
+        for layout, rows, family, compiled in ((Layout.STRIDED, 1, "dec", None), (Layout.STRIDED, 64, "f16", None),
+                                               (Layout.PAGED, 64, "dec", "paged")):
+            r = route.choose(BF16_TABLE, Request(precision=Precision.FP16, layout=layout, head_dim=64, rows=rows,
+                                                 dtype=dtype))
+            assert (r.family, r.layout, r.dtype) == (family, compiled, dtype)
+            assert BF16_TABLE.select(r.family, layout=r.layout, dtype=r.dtype, head_dim=64, heads_per_kv=1,
+                                     causal=False, seq_q=rows).dtype == dtype
+
+
+def test_a_dtype_without_kernels_is_refused_naming_it():
+    # bf16 at 96: built in fp16 only
+    with pytest.raises(UnsupportedError, match=r"no f16 bf16 kernel for head_dim 96 on t; built head_dims: \[64\]; "
+                                               r"nor a dec bf16 kernel \(built head_dims: \[64\]\)"):
+        route.choose(BF16_TABLE, Request(precision=Precision.FP16, layout=Layout.STRIDED, head_dim=96, rows=64,
+                                         dtype="bf16"))
+    # No f16 varlen bf16 kernel here: a long packed bf16 batch takes the split-KV ones, which read it.
+    assert route.choose(BF16_TABLE, Request(precision=Precision.FP16, layout=Layout.PACKED, head_dim=64, rows=64,
+                                            dtype="bf16")).family == "dec"
+    # A bf16 kernel forced by name does not serve an fp16 call, nor an fp16 one a bf16 call.
+    with pytest.raises(UnsupportedError, match="it is a f16 bf16 kernel; this fp16 call"):
+        route.choose(BF16_TABLE, Request(precision=Precision.FP16, layout=Layout.STRIDED, head_dim=64, rows=64,
+                                         kernel="f16_64_bf16"))
+    with pytest.raises(UnsupportedError, match="it is a f16 kernel; this bf16 call .* runs the f16 bf16, dec bf16"):
+        route.choose(BF16_TABLE, Request(precision=Precision.FP16, layout=Layout.STRIDED, head_dim=64, rows=64,
+                                         kernel="f16_64", dtype="bf16"))
+
+
+def test_bf16_tensors_at_a_head_dim_without_bf16_kernels_are_refused_untouched(host_build):
+    q = torch.randn(1, 2, 8, 32).bfloat16()  # fp16 kernels at 32, bf16 ones from 64
+    saved = q.clone()
+    with pytest.raises(UnsupportedError, match="bf16 kernel for head_dim 32"):
+        rdnattention.flash_attn(q, q, q)
+    assert torch.equal(q, saved)

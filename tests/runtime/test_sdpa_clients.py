@@ -198,6 +198,23 @@ def test_llama_prefill_without_padding_is_causal(patched):
     _close_to_float32(ours, fp16, fp32)
 
 
+def test_a_bfloat16_llama_is_served(patched):
+    """bf16 weights, as most checkpoints ship: every attention call of a left-padded generation is
+    served (2 layers x 8 forward passes: 16 of 16), and the prefill's logits are as close to the
+    float32 model's as torch's bf16 attention gives, to bf16 rounding (8x fp16's slack: bf16's unit
+    roundoff 2^-8 against fp16's 2^-11)."""
+    model, model32 = _llama(patched, torch.bfloat16), _llama(patched, torch.float32)
+    _generate(model)
+    assert _counts() == (model.config.num_hidden_layers * NEW_TOKENS, {})
+    ids = IDS[1:].to(patched)
+    with torch.no_grad():
+        ours = model(ids).logits
+        assert _counts() == (model.config.num_hidden_layers, {})
+        bf16 = _unpatched(lambda: model(ids).logits)
+        fp32 = _unpatched(lambda: model32(ids).logits)
+    _close_to_float32(ours, bf16, fp32, slack=8 * 2e-3)
+
+
 def test_a_float32_llama_runs_torchs_function_counted(patched):
     model = _llama(patched, torch.float32)
     ours = _generate(model)

@@ -145,6 +145,28 @@ def test_autocast_to_float16_is_served_as_torch_would_cast(patched):
     _served()
 
 
+# bf16: the same comparison with bf16's unit roundoff, 8x fp16's (2^-8 vs 2^-11; tests/cases.py).
+BF16_TOL = dict(atol=8 * TOL["atol"], rtol=8 * TOL["rtol"])
+
+
+def test_bfloat16_is_served(patched):
+    q, k, v = _qkv(d=64, dtype=torch.bfloat16)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _reference(q, k, v, is_causal=True), **BF16_TOL)
+    _served()
+
+
+def test_autocast_to_bfloat16_is_served_as_torch_would_cast(patched):
+    q, k, v = _qkv(d=64, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == torch.bfloat16
+    cast = (t.bfloat16() for t in (q, k, v))  # what autocast hands the operator
+    torch.testing.assert_close(out.float(), _reference(*cast, is_causal=True), **BF16_TOL)
+    _served()
+
+
 def _nested():
     q = torch.nested.nested_tensor([torch.randn(2, 5, 32), torch.randn(2, 7, 32)], dtype=torch.float16)
     return q, q, q
@@ -157,7 +179,8 @@ class _Sub(torch.Tensor):
 FALLBACKS = {
     # name: (make inputs, keyword arguments, reason)
     "float32": (lambda: _qkv(dtype=torch.float32), {}, "dtype torch.float32"),
-    "bfloat16": (lambda: _qkv(dtype=torch.bfloat16), {}, "dtype torch.bfloat16"),
+    # bf16 kernels are built at the bf16 checkpoints' head_dims (64, 80, 96, 128, 256), not at 32
+    "bfloat16 at head_dim 32": (lambda: _qkv(dtype=torch.bfloat16), {}, "head_dim 32"),
     "head_dim 12": (lambda: _qkv(d=12), {}, "head_dim 12"),
     "dropout": (_qkv, {"dropout_p": 0.5}, "dropout"),
     "a bias": (_qkv, {"attn_mask": torch.randn(24, 40).half()}, "attn_mask values"),

@@ -1,7 +1,7 @@
 """The Hugging Face transformers integration: a tiny randomly initialised Llama (built from a config,
 no download) generates with attn_implementation="rdnattention" the same tokens as with "sdpa", and
 logits that agree to fp16 rounding, on left-padded batches with a DynamicCache and a StaticCache and
-on a right-padded forward pass; what the kernels do not cover falls back to sdpa with one warning
+on a right-padded forward pass; a bf16 model runs the bf16 kernels; what the kernels do not cover falls back to sdpa with one warning
 per reason. On the host platform, and on an NVIDIA GPU where one is present."""
 
 import warnings
@@ -69,6 +69,30 @@ def test_generate_on_a_left_padded_batch_matches_sdpa(device, cache):
     assert torch.equal(ours.sequences, ref.sequences)
     for a, b in zip(ours.logits, ref.logits):
         torch.testing.assert_close(a, b, **TOL)
+
+
+def test_a_bfloat16_model_runs_the_kernels_as_close_to_float32_as_sdpa(device):
+    """bf16 weights (most checkpoints): every call runs the bf16 kernels (no fallback while it
+    generates), and its logits are as close to the float32 model's as sdpa's in bf16 are, to bf16
+    rounding (TOL's 4e-3 for fp16's, times 8: bf16's unit roundoff 2^-8 against fp16's 2^-11)."""
+    model, model32 = _model(device, dtype=torch.bfloat16), _model(device, dtype=torch.float32)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 9], [1, 2, 3, 4, 5, 6]], device=device)
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        _use(model32, "sdpa")
+        fp32 = model32(ids, attention_mask=mask).logits
+        _use(model, "sdpa")
+        base = model(ids, attention_mask=mask).logits
+        _use(model, "rdnattention")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no call may fall back
+            ours = model(ids, attention_mask=mask).logits
+            out = _generate(model, "rdnattention", ids, mask)
+    assert out.sequences.shape == (2, 6 + 8)
+    valid = mask.bool()
+    err = (ours[valid].float() - fp32[valid]).abs().max().item()
+    base_err = (base[valid].float() - fp32[valid]).abs().max().item()
+    assert err <= 2 * base_err + 8 * TOL["atol"], (err, base_err)
 
 
 def test_a_right_padded_forward_matches_sdpa_where_tokens_are(device):

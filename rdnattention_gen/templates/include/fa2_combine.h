@@ -1,5 +1,5 @@
 // The combine step of split-KV decode: merges the normalised partial rows of every key slice
-// (fa2_decode.h) by their log2-domain LSEs into the fp16 output and the natural-log LSE.
+// (fa2_decode.h) by their log2-domain LSEs into the fp16 (BF16: bf16) output and the natural-log LSE.
 //
 // One workgroup per row of the padded [batch, heads_q, seq_q] row space; rows past a sequence's
 // query rows do not exist. Its threads form G = NT / L groups of L = D/8 lanes (8 fp32 values of
@@ -13,7 +13,7 @@
 #include "tiles.h"
 #include "fa2_decode.h"  // fa2_query_rows, fa2_merge_partials, fa2_store_final_row
 
-template <int D, int NT, class Args>
+template <int D, int NT, bool BF16 = false, class Args>
 RDNA_DEVICE void fa2_combine(const Args& a, unsigned char* lds) {
   constexpr int L = D / 8, G = NT / L;
   static_assert(D % 8 == 0 && L <= NT, "lanes per row");
@@ -57,5 +57,5 @@ RDNA_DEVICE void fa2_combine(const Args& a, unsigned char* lds) {
   if (g != 0) return;
   float ref, out[8];
   const float sum_all = fa2_merge_partials(stat, 2, accl + c0, D, G, out, ref);
-  fa2_store_final_row(a, b, head, q0 + p, c0, out, sum_all, ref);
+  fa2_store_final_row<8, BF16>(a, b, head, q0 + p, c0, out, sum_all, ref);
 }

@@ -78,6 +78,7 @@ template <class P>
 struct DecodeF16 {
   static constexpr int CPL = 8;
   static constexpr bool LAYOUTS = true;  // packed batches, cache lengths, cache rows: read from the arguments
+  static constexpr bool BF16 = false;    // the output's dtype: fp16
   struct Q {
     typename P::pack_t p[4];
   };
@@ -107,6 +108,17 @@ struct DecodeF16 {
   RDNA_DEVICE Scales scales(const Args&, long long, int) { return Scales{}; }
 };
 
+// bf16 keys and values through the bf16 pairs policy P (BF16Pairs or BF16F32Pairs): each value
+// widened to fp32 by a shift; the output bf16.
+template <class P>
+struct DecodeBF16 : DecodeF16<P> {
+  static constexpr bool BF16 = true;
+  RDNA_DEVICE void values(u32x4 c, float (&v)[DecodeF16<P>::CPL]) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) v[2 * w] = rdna_bf16_lo(c[w]), v[2 * w + 1] = rdna_bf16_hi(c[w]);
+  }
+};
+
 // Merging partial results of one row (the decode kernel's waves, the combine's lane groups): n
 // (maximum, sum) pairs at stat[0], stat[step], ... (log2 domain; maximum -inf: no key, sum 0) and
 // their values at vals[0], vals[vstep], ..., each against its own maximum. acc receives the values
@@ -134,12 +146,12 @@ RDNA_DEVICE float fa2_merge_partials(const float* stat, int step, const float* v
 RDNA_DEVICE float fa2_row_scale(float sum) { return sum == 0.f ? 0.f : 1.f / sum; }
 RDNA_DEVICE float fa2_row_lse2(float sum, float ref) { return sum == 0.f ? -__builtin_inff() : ref + rdna_log2(sum); }
 
-// The final fp16 row (acc / sum) of query head ``head`` at row ``pos`` of batch b, lanes' columns
-// from c0, and its natural-log LSE where asked for.
-template <int N, class Args>
+// The final fp16 (BF16: bf16) row (acc / sum) of query head ``head`` at row ``pos`` of batch b, lanes'
+// columns from c0, and its natural-log LSE where asked for.
+template <int N, bool BF16 = false, class Args>
 RDNA_DEVICE void fa2_store_final_row(const Args& a, long long b, int head, long long pos, int c0, const float (&acc)[N],
                                      float sum, float ref) {
-  rdna_store_row<N, 8>(a.o + b * a.o_stride_b + head * a.o_stride_h + pos * a.o_stride_s + c0, 8, acc, fa2_row_scale(sum));
+  rdna_store_row<N, 8, false, BF16>(a.o + b * a.o_stride_b + head * a.o_stride_h + pos * a.o_stride_s + c0, 8, acc, fa2_row_scale(sum));
   if (a.lse && c0 == 0) a.lse[b * a.lse_stride_b + head * a.lse_stride_h + pos] = fa2_row_lse2(sum, ref) * 0.6931471805599453f;
 }
 
@@ -372,7 +384,7 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
       __builtin_memcpy(__builtin_assume_aligned(a.part_o + row * D + c0, 16), acc, sizeof(acc));
       if (c0 == 0) a.part_lse[row] = fa2_row_lse2(sum, ref);
     } else {
-      fa2_store_final_row(a, b, head, q0 + p, c0, acc, sum, ref);
+      fa2_store_final_row<CPL, E::BF16>(a, b, head, q0 + p, c0, acc, sum, ref);
     }
   }
 }

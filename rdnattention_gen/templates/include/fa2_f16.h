@@ -37,14 +37,50 @@ struct ForwardF16 : P {
   }
 };
 
+// bf16 Q, K, V through the bf16 pairs type P (BF16Pairs, or BF16F32Pairs where LDS holds fp32 pairs):
+// the same products, softmax and accumulation as fp16's, in fp32.
+template <class P>
+struct ForwardBF16 : P {
+  typedef rdna_bf16 input_t;
+  typedef float acc_t;
+  typedef typename P::pack_t pack_t;
+  static constexpr int PACK = 2;
+  static constexpr int VW = 4;
+  static constexpr bool EXACT_LSE = false;
+  RDNA_DEVICE float exp2(float x) { return rdna_exp2(x); }
+  RDNA_DEVICE void pack_columns(const unsigned (&rows)[PACK][VW / 2], pack_t (&out)[VW]) {
+#pragma unroll
+    for (int e = 0; e < VW; ++e) {
+      const int shift = e % 2 * 16;  // the low or the high value of each word
+      out[e] = P::join((unsigned short)(rows[0][e / 2] >> shift), (unsigned short)(rows[1][e / 2] >> shift));
+    }
+  }
+  RDNA_DEVICE pack_t probabilities(const float (&e)[PACK], float& l, float&) {
+    const pack_t p = P::make(e[0], e[1]);
+    l += P::sum(p);
+    return p;
+  }
+};
+
+// The element policy of pairs type P for the input dtype (BF16: bf16, else fp16).
+template <class P, bool BF16>
+struct Fa2Element {
+  typedef ForwardF16<P> type;
+};
+template <class P>
+struct Fa2Element<P, true> {
+  typedef ForwardBF16<P> type;
+};
+
 // LENGTHS: the kernels of layout len: batch b uses its first seqused_k[b] keys.
 // VARLEN: the kernels of layout varlen (packed batches): batch b's query rows start at
 // cu_seqlens_q[b] and its keys at cu_seqlens_k[b], as many as the next offsets say (keys: or
 // seqused_k[b]), within the total_q and total_k packed rows (fa2_packed_span); row blocks past its
 // query rows end at once.
 // D: the head_dim the tiles hold, HD padded with zero columns (fa2_forward.h); HD: the inputs'.
+// BF16: bf16 inputs and output (the kernels of dtype bf16; P a bf16 pairs type).
 template <class P, class Pipe, int D, int HD, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, bool LENGTHS,
-          bool VARLEN = false>
+          bool VARLEN = false, bool BF16 = false>
 RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a, unsigned char* lds) {
   const RowBlockSchedule<BR, G> sched(a.seq_q, a.heads_q, a.heads_kv, a.heavy_first);
   const long long b = sched.batch;
@@ -60,6 +96,6 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a, unsigned char* lds) {
   const StridedKv<Fa2Args, LENGTHS || VARLEN> kv(a, b, sched.head_kv, keys, key0);
   const WindowMask<Fa2Args, LENGTHS || VARLEN, VARLEN> mask{a, keys, sq};
   const RotaryTables<Fa2Args> rope{a};
-  const NormalizeEpilogue<Fa2Args> epi{a, q0};
-  fa2_forward<ForwardF16<P>, Pipe, D, HD, G, BR, BC, NT, TM, LDS_BYTES>(lds, sched, q, kv, mask, rope, NoScales{}, epi);
+  const NormalizeEpilogue<Fa2Args, BF16> epi{a, q0};
+  fa2_forward<typename Fa2Element<P, BF16>::type, Pipe, D, HD, G, BR, BC, NT, TM, LDS_BYTES>(lds, sched, q, kv, mask, rope, NoScales{}, epi);
 }

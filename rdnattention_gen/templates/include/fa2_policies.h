@@ -209,10 +209,10 @@ RDNA_DEVICE float fa2_softmax_update(float& m, float& l, float (&o)[TD], float t
 }
 
 // --- epilogue ----------------------------------------------------------------------------------
-// The final output: each row divided by its sum l and stored as fp16, and the natural-log
+// The final output: each row divided by its sum l and stored as fp16 (BF16: bf16), and the natural-log
 // log-sum-exp of the scaled scores (m and lse_sum, the sum of the unrounded probabilities, live in
 // the log2 domain) where asked for.
-template <class Args>
+template <class Args, bool BF16 = false>
 struct NormalizeEpilogue {
   const Args& a;
   long long q0 = 0;  // the batch's first row (packed batches), as in StridedQ
@@ -225,7 +225,7 @@ struct NormalizeEpilogue {
     // row and its LSE stay NaN (never mistaken for "no visible key").
     const float inv = l == 0.f ? 0.f : 1.f / l;
     half_t* out = a.o + b * a.o_stride_b + head * a.o_stride_h + (q0 + pos) * a.o_stride_s + tx * CD;
-    rdna_store_row<TD, CD, (HD < TD * TCW)>(out, TCW * CD, row, inv, HD - tx * CD);
+    rdna_store_row<TD, CD, (HD < TD * TCW), BF16>(out, TCW * CD, row, inv, HD - tx * CD);
     if (a.lse && tx == 0) {
       const float ln2 = 0.6931471805599453f;
       a.lse[b * a.lse_stride_b + head * a.lse_stride_h + q0 + pos] =

@@ -31,6 +31,34 @@ struct F32Pairs {
   RDNA_DEVICE float sum(pack_t p) { return (float)p.x + (float)p.y; }
 };
 
+// bf16 pairs, kept as loaded (16-bit pairs in LDS, as fp16's) and widened to fp32 where multiplied:
+// a 16-bit shift per value, no convert instruction, then fp32 FMAs. Probabilities are rounded to
+// bf16 for P.V (flash-attn rounds them to the input dtype too); the row sum adds them as stored.
+// A pack is the 32-bit word as loaded: x in its low half, y in its high half.
+struct BF16Pairs {
+  typedef rdna_bf16 elem_t;
+  typedef unsigned pack_t;
+  RDNA_DEVICE float dot(pack_t a, pack_t b, float acc) {
+    return rdna_fma(rdna_bf16_hi(a), rdna_bf16_hi(b), rdna_fma(rdna_bf16_lo(a), rdna_bf16_lo(b), acc));
+  }
+  RDNA_DEVICE pack_t from_word(unsigned w) { return w; }
+  RDNA_DEVICE pack_t join(unsigned short x, unsigned short y) { return x | (unsigned)y << 16; }
+  RDNA_DEVICE pack_t make(float x, float y) { return rdna_pack_bf16x2(x, y); }
+  RDNA_DEVICE float sum(pack_t p) { return rdna_bf16_lo(p) + rdna_bf16_hi(p); }
+};
+
+// fp32 pairs of bf16 inputs: every value widened once, when its tile is staged (F32Pairs' layout
+// and products, so the main loop is fp16's on the targets that stage fp32).
+struct BF16F32Pairs {
+  typedef float elem_t;
+  typedef float pack_t __attribute__((ext_vector_type(2)));
+  RDNA_DEVICE float dot(pack_t a, pack_t b, float acc) { return rdna_fma(a.y, b.y, rdna_fma(a.x, b.x, acc)); }
+  RDNA_DEVICE pack_t from_word(unsigned w) { return pack_t{rdna_bf16_lo(w), rdna_bf16_hi(w)}; }
+  RDNA_DEVICE pack_t join(unsigned short x, unsigned short y) { return pack_t{rdna_bf16_lo(x), rdna_bf16_lo(y)}; }
+  RDNA_DEVICE pack_t make(float x, float y) { return pack_t{x, y}; }
+  RDNA_DEVICE float sum(pack_t p) { return (float)p.x + (float)p.y; }
+};
+
 // LDS tiles of packs: tile row `row` holds S packs (S a multiple of CHUNK, so every row starts
 // 16-byte aligned), and the kernels move runs of up to CHUNK consecutive packs of one row, a
 // 16-byte access per run (per plane below). A layout derives from the element type E and adds

@@ -12,6 +12,26 @@ RDNA_DEVICE constexpr T rdna_max(T a, T b) { return a < b ? b : a; }
 RDNA_DEVICE u32x4 rdna_load16(const half_t* p) { return *reinterpret_cast<const u32x4*>(p); }
 RDNA_DEVICE u32x4 rdna_load16(const signed char* p) { return *reinterpret_cast<const u32x4*>(p); }
 
+// bf16 values: the top 16 bits of an fp32 value, in integer operations only (no target here has a
+// bf16 instruction the kernels use, and the host has no runtime for the compilers' bf16 type).
+// Widening one is a 16-bit shift, or a mask for the upper value of a word; narrowing rounds to
+// nearest even, a NaN staying a (quiet) NaN.
+RDNA_DEVICE unsigned rdna_bf16_bits(float x) {
+  const unsigned u = __builtin_bit_cast(unsigned, x);
+  return (x != x ? u | 0x400000u : u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+RDNA_DEVICE float rdna_bf16_lo(unsigned w) { return __builtin_bit_cast(float, w << 16); }
+RDNA_DEVICE float rdna_bf16_hi(unsigned w) { return __builtin_bit_cast(float, w & 0xffff0000u); }
+RDNA_DEVICE unsigned rdna_pack_bf16x2(float lo, float hi) { return rdna_bf16_bits(lo) | (rdna_bf16_bits(hi) << 16); }
+
+// One bf16 value in memory (an element of a bf16 pair tile: RoPE reads and writes it as a float).
+struct rdna_bf16 {
+  unsigned short bits;
+  rdna_bf16() = default;
+  RDNA_METHOD rdna_bf16(float x) : bits((unsigned short)rdna_bf16_bits(x)) {}
+  RDNA_METHOD operator float() const { return rdna_bf16_lo(bits); }
+};
+
 RDNA_DEVICE unsigned rdna_pack_half2(float lo, float hi) {
   return __builtin_bit_cast(unsigned short, (half_t)lo) |
          ((unsigned)__builtin_bit_cast(unsigned short, (half_t)hi) << 16);
@@ -94,16 +114,19 @@ RDNA_DEVICE void rdna_store_key_packs(typename P::pack_t* tile, int S, int row, 
 }
 
 // One output row slice held in chunks of C columns: chunk c covers columns [c * stride, c * stride + C)
-// of `out`. Values are scaled by `scale` and stored as fp16, one store per chunk. LIMITED: only the
-// chunks that start before column `avail` (the rest are padding).
-template <int N, int C, bool LIMITED = false>
+// of `out`. Values are scaled by `scale` and stored as fp16 (BF16: as bf16, in the same 16-bit
+// words), one store per chunk. LIMITED: only the chunks that start before column `avail` (the rest
+// are padding).
+template <int N, int C, bool LIMITED = false, bool BF16 = false>
 RDNA_DEVICE void rdna_store_row(half_t* out, int stride, const float (&o)[N], float scale, int avail = 0) {
 #pragma unroll
   for (int c = 0; c < N / C; ++c) {
     if (LIMITED && c * stride >= avail) break;
     unsigned words[C / 2];
 #pragma unroll
-    for (int w = 0; w < C / 2; ++w) words[w] = rdna_pack_half2(o[c * C + 2 * w] * scale, o[c * C + 2 * w + 1] * scale);
+    for (int w = 0; w < C / 2; ++w)
+      words[w] = BF16 ? rdna_pack_bf16x2(o[c * C + 2 * w] * scale, o[c * C + 2 * w + 1] * scale)
+                      : rdna_pack_half2(o[c * C + 2 * w] * scale, o[c * C + 2 * w + 1] * scale);
     __builtin_memcpy(__builtin_assume_aligned(out + c * stride, C * sizeof(half_t)), words, sizeof(words));
   }
 }
