@@ -101,14 +101,19 @@ class Algorithm:
         return kind(self.family, self.layouts[layout])
 
 
+# The score transforms, applied in the score step of the fp16 kernels (fa2_policies.h); the int8
+# kernels have none, so a call asking for one is refused there naming it.
+SCORE_TRANSFORMS = (Option.SOFTCAP, Option.ALIBI, Option.SINKS)
+
 FP16_ROW_BLOCKS = Algorithm(
     "fp16 row-block", Precision.FP16, split_kv=False, family=f16.NAME,
     layouts={Layout.STRIDED: None, Layout.SEQUSED: "len", Layout.PACKED: "varlen"},
-    options=frozenset({Option.ROTARY, Option.ROW_ORDER}), planner=_fp16_row_blocks)
+    options=frozenset({Option.ROTARY, Option.ROW_ORDER, *SCORE_TRANSFORMS}), planner=_fp16_row_blocks)
 FP16_SPLIT_KV = Algorithm(
     "fp16 split-KV", Precision.FP16, split_kv=True, family=dec.NAME,
     layouts={Layout.STRIDED: None, Layout.SEQUSED: None, Layout.PACKED: None, Layout.PAGED: "paged"},
-    options=frozenset({Option.CACHE_ROWS, Option.KEY_SLICES, Option.QUERY_COUNTS}), planner=_fp16_split_kv)
+    options=frozenset({Option.CACHE_ROWS, Option.KEY_SLICES, Option.QUERY_COUNTS, *SCORE_TRANSFORMS}),
+    planner=_fp16_split_kv)
 INT8_ROW_BLOCKS = Algorithm(
     "int8 row-block", Precision.INT8, split_kv=False, family=i8.NAME, layouts={Layout.STRIDED: None},
     options=frozenset({Option.ROW_ORDER}), planner=_int8_row_blocks)

@@ -113,6 +113,7 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
     for key in ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "window_left", "window_right"):
         if not -2**31 <= fields[key] < 2**31:
             raise InvalidArgumentError(f"{key} = {fields[key]} does not fit the kernel's 32-bit field")
+    fields.update(f16.score_fields(call))  # softcap, ALiBi, sinks: where the call has them
     fields.update(extra or {})
     # The launches, and with them their grids, are checked here; the scratch is allocated where the
     # plan runs (Plan.run, or a stream's workspace), never for a grid beyond the limits.
@@ -126,7 +127,8 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
         scratch_lse = workspace.align(rows * head_dim * 4)
         scratch_bytes = scratch_lse + workspace.align(rows * 4)
     buffers = tuple(t for t in (q, k, v, call.out, call.lse, call.seqused_k, call.cache_batch_idx, call.block_table,
-                                call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q, *buffers)
+                                call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q,
+                                call.alibi_slopes, call.sinks, *buffers)
                     if t is not None)
     return Plan(table=table, device=q.device, launches=launches, outputs=(call.out, call.lse), buffers=buffers,
                 scratch_bytes=scratch_bytes, scratch_lse=scratch_lse)

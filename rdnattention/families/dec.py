@@ -53,6 +53,7 @@ ARGS = ArgStruct("Fa2DecArgs", (
     *VARLEN_FIELDS,
     *SPLIT_FIELDS,
     *BOUND_FIELDS,
+    *f16.SCORE_FIELDS,  # the sinks join where a row is written: here unsplit, else in the combine
 ))
 Fa2DecArgs = ARGS.ctype
 

@@ -14,7 +14,8 @@
 // workgroup step), and each keeps its own online softmax over the keys it saw; at the end the
 // groups of a wave merge by shuffles and the waves meet once, in LDS. With one slice the workgroup writes the output; with several it writes
 // a normalised fp32 partial output and its log2-domain LSE per row and slice, which the combine
-// kernel (fa2_combine.h) merges.
+// kernel (fa2_combine.h) merges. The score transforms (softcap, ALiBi) apply to each score as
+// the prefill's do; a sink joins each row once: where the row is written, or in the combine.
 //
 // The K/V source covers three layouts: strided [batch, keys, heads, dim] tensors (cache rows picked
 // by cache_batch_idx where given), packed variable-length batches (cu_seqlens_k) and a paged cache
@@ -78,6 +79,8 @@ template <class P>
 struct DecodeF16 {
   static constexpr int CPL = 8;
   static constexpr bool LAYOUTS = true;  // packed batches, cache lengths, cache rows: read from the arguments
+  template <class Args>
+  using Transform = ScoreTransform<Args>;  // softcap, ALiBi, sinks (fa2_policies.h)
   struct Q {
     typename P::pack_t p[4];
   };
@@ -179,6 +182,7 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
                                  key0, head_kv);
   const WindowMask<Args, true, true> mask{a, n, sq};
   const typename E::Scales scales = E::scales(a, b, head_kv);
+  const typename E::template Transform<Args> xf{a};
 
   // This workgroup's rows: query head head_kv * group + r / sq at position r % sq. Rows past the
   // last (a short final chunk) repeat it; they are computed and never written.
@@ -275,9 +279,12 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
 #pragma unroll
       for (int x = SPAN / 2; x >= 1; x >>= 1) acc[0] += rdna_shfl_xor(acc[0], x);
       const int key = k0 + t * NG + grp;
-      const float score = acc[0] * (own_qs * ks[t]);
-      s[t] = whole || (key < s_hi && mask.visible(key, own_pos, mask.diag(own_pos))) ? mask.scale(score)
-                                                                                      : -__builtin_inff();
+      const float score = mask.scale(acc[0] * (own_qs * ks[t]));
+      const bool seen = whole || (key < s_hi && mask.visible(key, own_pos, mask.diag(own_pos)));
+      // The score transforms (a uniform branch): the own row's slope, of its query head.
+      s[t] = !seen ? -__builtin_inff()
+             : xf.enabled() ? xf.apply(score, xf.slope(b, head_kv * group + own_r / sq), key - mask.diag(own_pos))
+                            : score;
     }
     // The own row's softmax step; every slot's rescale factor and probabilities come from the
     // lanes that own those rows. A maximum that did not grow rescales by exactly 1: skipped.
@@ -361,9 +368,11 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
     const int i = item / LD, c0 = item % LD * CPL, r = r0 + i;
     const int head = head_kv * group + r / sq, p = r % sq;
     float ref, acc[CPL];
-    const float sum = fa2_merge_partials(ml + 2 * i, 2 * R, ol + i * D + c0, R * D, NW, acc, ref);
+    float sum = fa2_merge_partials(ml + 2 * i, 2 * R, ol + i * D + c0, R * D, NW, acc, ref);
 #pragma unroll
     for (int c = 0; c < CPL; ++c) acc[c] *= scales.value(c0 + c);
+    // Unsplit, the row's sink joins here; split, in the combine (fa2_combine.h), once.
+    if (!a.part_o && xf.sinks()) fa2_join_sink(xf.sink(head), sum, ref, acc);
     if (a.part_o) {  // one slice of several: the normalised partial row and its log2-domain LSE
       const long long row = ((split * a.batch + b) * a.heads_q + head) * (long long)a.seq_q + p;
       const float inv = fa2_row_scale(sum);
