@@ -15,7 +15,7 @@ import functools
 import os
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnsupportedError
 from ..plan import Launch, Plan
 from ..table import KernelEntry, TargetTable
 from . import combine, f16
@@ -61,12 +61,31 @@ def slices(seq_k: int, keys_per_step: int, splits: int) -> int:
     return max(1, -(-seq_k // per)) if seq_k else 1
 
 
+# The most query rows a tile may hold to apply ALiBi (fa2_decode.h: FA2_DECODE_ALIBI_ROWS, the same):
+# its per-row slope takes a register that tiles of more rows do not have to spare (they spilled), so
+# ALiBi calls run tiles of at most this many rows (select), in more row chunks.
+ALIBI_ROWS = 2
+
+
 def select(table: TargetTable, family: str, head_dim: int, rows: int, kernel: str | None = None,
-           layout: str | None = None) -> KernelEntry:
+           layout: str | None = None, most_rows: int | None = None) -> KernelEntry:
     """The entry of ``family`` (compiled for ``layout``) for ``rows`` query rows per K/V head (tiles
-    for few rows say so with ``when: {rows: ...}``); rows beyond its br take several row chunks."""
-    return table.select(family, layout=layout, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=rows,
-                        rows=rows, kernel=kernel)
+    for few rows say so with ``when: {rows: ...}``); rows beyond its br take several row chunks.
+    ``most_rows``: the tile may hold no more rows than that (ALiBi: ALIBI_ROWS), the entry for fewer
+    rows chosen where the one for ``rows`` holds more; UnsupportedError where none does."""
+    def pick(n: int) -> KernelEntry:
+        return table.select(family, layout=layout, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=n,
+                            rows=n, kernel=kernel)
+
+    entry = pick(rows)
+    if most_rows is None or entry.br <= most_rows:
+        return entry
+    for fewer in range(min(rows, most_rows), 0, -1):
+        entry = pick(fewer)
+        if entry.br <= most_rows:
+            return entry
+    raise UnsupportedError(f"ALiBi on the split-KV kernels needs a tile of at most {most_rows} query rows; the "
+                           f"{family} kernel for head_dim {head_dim} on {table.target} ({entry.name}) holds {entry.br}")
 
 
 def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Structure], layout: str | None = None,
@@ -80,7 +99,8 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
     heads_q, head_dim = q.shape[1], q.shape[3]
     heads_kv = k.shape[1]
     group = heads_q // heads_kv
-    entry = select(table, family, head_dim, group * call.seq_q, kernel, layout)
+    entry = select(table, family, head_dim, group * call.seq_q, kernel, layout,
+                   most_rows=ALIBI_ROWS if call.alibi_slopes is not None else None)
     chunks = -(-group * call.seq_q // entry.br)
     if call.num_splits:
         splits = slices(call.seq_k, entry.bc, call.num_splits)

@@ -185,3 +185,30 @@ def test_compiled_calls_take_the_transforms(host_build):
                        fullgraph=True, backend="eager")
     ref = attention_reference(q, k, v, is_causal=True, softcap=5.0, sinks=sinks)
     assert _err(fn(q, k, v, sinks), ref) <= TOL
+
+
+def test_the_decode_kernels_and_the_planner_agree_on_alibi_tiles():
+    from pathlib import Path
+
+    from rdnattention.families import _splitkv
+
+    header = (Path(__file__).parents[2] / "rdnattention_gen/templates/include/fa2_decode.h").read_text()
+    assert f"#define FA2_DECODE_ALIBI_ROWS {_splitkv.ALIBI_ROWS}\n" in header
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])  # GQA 8 (one row per query head of a group), decode
+def test_alibi_decode_runs_tiles_that_apply_it(host_build, monkeypatch, rows):
+    from rdnattention.families import _splitkv
+
+    planned = []
+    plan = route.plan
+    monkeypatch.setattr(route, "plan", lambda table, call: planned.append(plan(table, call)) or planned[-1])
+    monkeypatch.setattr(replay, "cache", {})
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randn(2, rows, 1, D, generator=g).half()
+    k, v = (torch.randn(2, 1, 300, D, generator=g).half() for _ in range(2))
+    slopes = torch.rand(rows, generator=g)
+    out = rdnattention.flash_attn(q, k, v, alibi_slopes=slopes)
+    assert _err(out, attention_reference(q, k, v, alibi_slopes=slopes)) <= TOL
+    dec = [launch.kernel for p in planned for launch in p.launches if launch.kernel.family == "dec"]
+    assert dec and all(e.br <= _splitkv.ALIBI_ROWS for e in dec)

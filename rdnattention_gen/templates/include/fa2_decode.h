@@ -146,6 +146,9 @@ RDNA_DEVICE void fa2_store_final_row(const Args& a, long long b, int head, long 
   if (a.lse && c0 == 0) a.lse[b * a.lse_stride_b + head * a.lse_stride_h + pos] = fa2_row_lse2(sum, ref) * 0.6931471805599453f;
 }
 
+// The most rows a decode tile may hold to apply ALiBi (families/_splitkv.py: ALIBI_ROWS, the same).
+#define FA2_DECODE_ALIBI_ROWS 2
+
 template <class E, int D, int R, int BC, int NT, int LDS_BYTES, bool PAGED, class Args>
 RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   constexpr int CPL = E::CPL;
@@ -279,12 +282,18 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
 #pragma unroll
       for (int x = SPAN / 2; x >= 1; x >>= 1) acc[0] += rdna_shfl_xor(acc[0], x);
       const int key = k0 + t * NG + grp;
-      const float score = mask.scale(acc[0] * (own_qs * ks[t]));
-      const bool seen = whole || (key < s_hi && mask.visible(key, own_pos, mask.diag(own_pos)));
-      // The score transforms (a uniform branch): the own row's slope, of its query head.
-      s[t] = !seen ? -__builtin_inff()
-             : xf.enabled() ? xf.apply(score, xf.slope(b, head_kv * group + own_r / sq), key - mask.diag(own_pos))
-                            : score;
+      const float score = acc[0] * (own_qs * ks[t]);
+      s[t] = whole || (key < s_hi && mask.visible(key, own_pos, mask.diag(own_pos))) ? mask.scale(score)
+                                                                                      : -__builtin_inff();
+    }
+    // The score transforms (a uniform branch) of the own row's visible scores. ALiBi's per-row
+    // slope only where a workgroup holds at most FA2_DECODE_ALIBI_ROWS rows: tiles of more rows have
+    // no register to spare for it (they spilled), and the runtime gives ALiBi calls smaller tiles.
+    if (xf.enabled()) {
+      const float slope = R <= FA2_DECODE_ALIBI_ROWS ? xf.slope(b, head_kv * group + own_r / sq) : 0.f;
+#pragma unroll
+      for (int t = 0; t < T; ++t)
+        if (s[t] != -__builtin_inff()) s[t] = xf.apply(s[t], slope, k0 + t * NG + grp - mask.diag(own_pos));
     }
     // The own row's softmax step; every slot's rescale factor and probabilities come from the
     // lanes that own those rows. A maximum that did not grow rescales by exactly 1: skipped.

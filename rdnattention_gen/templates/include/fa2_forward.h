@@ -210,23 +210,10 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
       for (int j = 0; j < TN; ++j) kscale[j] = ks[((j / CK) * TCW + tx) * CK + j % CK];
     }
 
-    // Scale, transform and mask in one place (in place where the products are fp32); masked scores
-    // are -inf. The transforms (a uniform branch) see every score through the per-score tests.
+    // Scale and mask in one place (in place where the products are fp32); masked scores are -inf.
     float s_int[INT_ACC ? TM : 1][TN];
     auto& s = rdna_pick<INT_ACC>(s_int, sa);
-    if (xf.enabled()) {
-#pragma unroll
-      for (int i = 0; i < TM; ++i) {
-        const float slope = xf.slope(b, head0 + (row0 + i) / RPH);
-#pragma unroll
-        for (int j = 0; j < TN; ++j) {
-          const int key = k0 + ((j / CK) * TCW + tx) * CK + j % CK;
-          s[i][j] = mask.visible(key, pos[i], diag[i])
-                        ? xf.apply(scales.score(mask, sa[i][j], rs[i], kscale[j]), slope, key - diag[i])
-                        : -__builtin_inff();
-        }
-      }
-    } else if (mask.template whole<BC>(k0, block_pos, last_pos)) {
+    if (mask.template whole<BC>(k0, block_pos, last_pos)) {
 #pragma unroll
       for (int i = 0; i < TM; ++i)
 #pragma unroll
@@ -246,6 +233,16 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     float o_alpha[INT_ACC ? TM : 1];  // integer products: each row's rescale, applied as they are added
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
+      // The score transforms (a uniform branch) of the row's visible scores, a row at a time: applied
+      // where the scores are made, all rows at once, they cost the tightest tiles spills.
+      if (xf.enabled()) {
+        const float slope = xf.slope(b, head0 + (row0 + i) / RPH);
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+          const int key = k0 + ((j / CK) * TCW + tx) * CK + j % CK;
+          if (s[i][j] != -__builtin_inff()) s[i][j] = xf.apply(s[i][j], slope, key - diag[i]);
+        }
+      }
       float tile_max = -__builtin_inff();
 #pragma unroll
       for (int j = 0; j < TN; ++j) tile_max = rdna_fmax(tile_max, s[i][j]);
