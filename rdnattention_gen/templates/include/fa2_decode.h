@@ -79,8 +79,8 @@ template <class P>
 struct DecodeF16 {
   static constexpr int CPL = 8;
   static constexpr bool LAYOUTS = true;  // packed batches, cache lengths, cache rows: read from the arguments
-  template <class Args>
-  using Transform = ScoreTransform<Args>;  // softcap, ALiBi, sinks (fa2_policies.h)
+  template <class Args, bool ALIBI>
+  using Transform = ScoreTransform<Args, ALIBI>;  // softcap, ALiBi, sinks (fa2_policies.h)
   struct Q {
     typename P::pack_t p[4];
   };
@@ -185,7 +185,10 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
                                  key0, head_kv);
   const WindowMask<Args, true, true> mask{a, n, sq};
   const typename E::Scales scales = E::scales(a, b, head_kv);
-  const typename E::template Transform<Args> xf{a};
+  // ALiBi's per-row slope only where a workgroup holds at most FA2_DECODE_ALIBI_ROWS rows: tiles of
+  // more rows have no register to spare for it (they spilled), and the runtime gives ALiBi calls
+  // smaller tiles.
+  const typename E::template Transform<Args, (R <= FA2_DECODE_ALIBI_ROWS)> xf{a};
 
   // This workgroup's rows: query head head_kv * group + r / sq at position r % sq. Rows past the
   // last (a short final chunk) repeat it; they are computed and never written.
@@ -286,11 +289,9 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
       s[t] = whole || (key < s_hi && mask.visible(key, own_pos, mask.diag(own_pos))) ? mask.scale(score)
                                                                                       : -__builtin_inff();
     }
-    // The score transforms (a uniform branch) of the own row's visible scores. ALiBi's per-row
-    // slope only where a workgroup holds at most FA2_DECODE_ALIBI_ROWS rows: tiles of more rows have
-    // no register to spare for it (they spilled), and the runtime gives ALiBi calls smaller tiles.
+    // The score transforms (a uniform branch) of the own row's visible scores.
     if (xf.enabled()) {
-      const float slope = R <= FA2_DECODE_ALIBI_ROWS ? xf.slope(b, head_kv * group + own_r / sq) : 0.f;
+      const float slope = xf.slope(b, head_kv * group + own_r / sq);
 #pragma unroll
       for (int t = 0; t < T; ++t)
         if (s[t] != -__builtin_inff()) s[t] = xf.apply(s[t], slope, k0 + t * NG + grp - mask.diag(own_pos));

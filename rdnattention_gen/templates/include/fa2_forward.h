@@ -236,7 +236,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
       // The score transforms (a uniform branch) of the row's visible scores, a row at a time: applied
       // where the scores are made, all rows at once, they cost the tightest tiles spills.
       if (xf.enabled()) {
-        const float slope = xf.slope(b, head0 + (row0 + i) / RPH);
+        const float slope = Xf::HAS_ALIBI ? xf.slope(b, head0 + (row0 + i) / RPH) : 0.f;
 #pragma unroll
         for (int j = 0; j < TN; ++j) {
           const int key = k0 + ((j / CK) * TCW + tx) * CK + j % CK;

@@ -8,7 +8,7 @@
 struct DecodeI8 {
   static constexpr int CPL = 16;
   static constexpr bool LAYOUTS = false;  // [batch, heads, seq, head_dim] tensors only (flash_attn_int8qk)
-  template <class Args>
+  template <class Args, bool>
   using Transform = NoScoreTransform<Args>;  // no score transforms
   typedef u32x4 Q;
   typedef u32x4 K;

@@ -151,19 +151,25 @@ RDNA_DEVICE float fa2_tanh(float x) {
   return x < 0.f ? -r : x > 0.f ? r : x;  // x: 0 or NaN as it came
 }
 
-template <class Args>
+// ALIBI: the kernel applies ALiBi (the split-KV kernels of at most FA2_DECODE_ALIBI_ROWS rows): its
+// per-row slope and distances cost the row-block kernels' tightest tiles registers they do not have
+// (GCN's head_dim 64 spilled, RDNA2's lost a wave), so the runtime sends ALiBi calls to those.
+template <class Args, bool ALIBI>
 struct ScoreTransform {
   const Args& a;
+  static constexpr bool HAS_ALIBI = ALIBI;
 
+  // Without ALIBI, slopes never reach the kernel (the runtime's route): the test of them stays, since
+  // the branch it makes keeps the softcap's code from spreading over RDNA2's tiles (a wave lost).
   RDNA_METHOD bool enabled() const { return a.softcap_log2 != 0.f || a.alibi_slopes; }
   // The ALiBi slope of batch b's query head, log2 domain (0 without ALiBi).
   RDNA_METHOD float slope(long long b, int head) const {
-    return a.alibi_slopes ? a.alibi_slopes[b * a.alibi_stride_b + head] * 1.4426950408889634f : 0.f;
+    return ALIBI && a.alibi_slopes ? a.alibi_slopes[b * a.alibi_stride_b + head] * 1.4426950408889634f : 0.f;
   }
   // A visible scaled score of the key ``dist`` keys after the row's diagonal.
   RDNA_METHOD float apply(float s, float slope, int dist) const {
     if (a.softcap_log2 != 0.f) s = a.softcap_log2 * fa2_tanh(s * a.softcap_inv);
-    return s - slope * (float)(dist < 0 ? -dist : dist);
+    return ALIBI ? s - slope * (float)(dist < 0 ? -dist : dist) : s;
   }
   RDNA_METHOD bool sinks() const { return a.sinks; }
   RDNA_METHOD float sink(int head) const { return a.sinks[head] * 1.4426950408889634f; }
@@ -173,6 +179,7 @@ struct ScoreTransform {
 template <class Args>
 struct NoScoreTransform {
   const Args& a;
+  static constexpr bool HAS_ALIBI = false;
   RDNA_METHOD constexpr bool enabled() const { return false; }
   RDNA_METHOD float slope(long long, int) const { return 0.f; }
   RDNA_METHOD float apply(float s, float, int) const { return s; }
