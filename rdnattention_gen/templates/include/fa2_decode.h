@@ -80,7 +80,7 @@ struct DecodeF16 {
   static constexpr int CPL = 8;
   static constexpr bool LAYOUTS = true;  // packed batches, cache lengths, cache rows: read from the arguments
   template <class Args, bool ALIBI>
-  using Transform = ScoreTransform<Args, ALIBI>;  // softcap, ALiBi, sinks (fa2_policies.h)
+  using Transform = ScoreTransform<Args, ALIBI, CapSymmetric>;  // softcap, ALiBi, sinks (fa2_policies.h)
   struct Q {
     typename P::pack_t p[4];
   };

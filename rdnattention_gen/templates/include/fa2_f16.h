@@ -61,7 +61,7 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a, unsigned char* lds) {
   const WindowMask<Fa2Args, LENGTHS || VARLEN, VARLEN> mask{a, keys, sq};
   const RotaryTables<Fa2Args> rope{a};
   const NormalizeEpilogue<Fa2Args> epi{a, q0};
-  const ScoreTransform<Fa2Args, false> xf{a};  // softcap and sinks; ALiBi runs the split-KV kernels
+  const ScoreTransform<Fa2Args, false, CapFma> xf{a};  // softcap and sinks; ALiBi runs the split-KV kernels
   fa2_forward<ForwardF16<P>, Pipe, D, HD, G, BR, BC, NT, TM, LDS_BYTES>(lds, sched, q, kv, mask, rope, NoScales{}, xf,
                                                                         epi);
 }

@@ -142,19 +142,31 @@ struct WindowMask {
 // arguments, so the kernels without them take one uniform branch per tile, not a variant each:
 // softcap_log2 (C; 0: no cap) and softcap_inv (1 / C), alibi_slopes (fp32, element [b *
 // alibi_stride_b + head]; null: none), sinks (fp32 [heads_q], natural log; null: none).
-RDNA_DEVICE float fa2_tanh(float x) {
-  // Through exp2 on every platform (no libm on the device): tanh |x| = (1 - t) / (1 + t) with t =
-  // e^(-2|x|), which is 1 at large |x| and loses nothing near 0 beyond t's own rounding.
-  // The reciprocal, not a division: an IEEE division's slow path costs the tightest tiles spills.
-  const float t = rdna_exp2(-2.8853900817779268f * __builtin_fabsf(x));
-  const float r = (1.f - t) * rdna_rcp(1.f + t);
-  return x < 0.f ? -r : x > 0.f ? r : x;  // x: 0 or NaN as it came
-}
+// The softcap C tanh(s / C) (inv = 1 / C) in two forms, equal but for rounding, whose register cost
+// differs by kernel (measured: each spilled some tiles the other does not). Both give -C for -inf
+// (so masked scores skip them), C for inf and NaN for NaN.
+// CapFma, the row-block kernels': C - 2C / (1 + e^(2s/C)), an exponential, a reciprocal and an FMA
+// (RDNA2's tightest tiles spilled with CapSymmetric).
+struct CapFma {
+  RDNA_METHOD float operator()(float s, float c, float inv) const {
+    return rdna_fma(-2.f * c, rdna_rcp(1.f + rdna_exp2(s * (2.8853900817779268f * inv))), c);
+  }
+};
+// CapSymmetric, the split-KV kernels': C sign(s) (1 - t) / (1 + t), t = e^(-2|s|/C), which loses
+// nothing near 0 beyond t's rounding (sm_90's four-row tiles spilled with CapFma).
+struct CapSymmetric {
+  RDNA_METHOD float operator()(float s, float c, float inv) const {
+    const float x = s * inv;
+    const float t = rdna_exp2(-2.8853900817779268f * __builtin_fabsf(x));
+    const float r = (1.f - t) * rdna_rcp(1.f + t);
+    return c * (x < 0.f ? -r : x > 0.f ? r : x);  // x: 0 or NaN as it came
+  }
+};
 
 // ALIBI: the kernel applies ALiBi (the split-KV kernels of at most FA2_DECODE_ALIBI_ROWS rows): its
 // per-row slope and distances cost the row-block kernels' tightest tiles registers they do not have
 // (GCN's head_dim 64 spilled, RDNA2's lost a wave), so the runtime sends ALiBi calls to those.
-template <class Args, bool ALIBI>
+template <class Args, bool ALIBI, class Cap>
 struct ScoreTransform {
   const Args& a;
   static constexpr bool HAS_ALIBI = ALIBI;
@@ -168,7 +180,7 @@ struct ScoreTransform {
   }
   // A visible scaled score of the key ``dist`` keys after the row's diagonal.
   RDNA_METHOD float apply(float s, float slope, int dist) const {
-    if (a.softcap_log2 != 0.f) s = a.softcap_log2 * fa2_tanh(s * a.softcap_inv);
+    if (a.softcap_log2 != 0.f) s = Cap{}(s, a.softcap_log2, a.softcap_inv);
     return ALIBI ? s - slope * (float)(dist < 0 ? -dist : dist) : s;
   }
   RDNA_METHOD bool sinks() const { return a.sinks; }
