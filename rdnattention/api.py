@@ -48,7 +48,8 @@ def _warn_if_token_major(q: torch.Tensor) -> None:
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
                window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
                rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
-               rotary_interleaved: bool = False, return_lse: bool = False, seqused_k: torch.Tensor | None = None):
+               rotary_interleaved: bool = False, return_lse: bool = False, seqused_k: torch.Tensor | None = None,
+               softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
     """FlashAttention-2 forward on fp16 tensors [batch, heads, seq, head_dim]; returns a new tensor,
     or ``(out, lse)`` with ``return_lse=True`` (lse: float32 [batch, heads_q, seq_q], natural log).
 
@@ -58,19 +59,26 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: 
     (-1: unbounded). ``softmax_scale`` defaults to 1/sqrt(head_dim). ``rotary_cos``/``rotary_sin``
     ([positions, rotary_dim/2], float32 or q's dtype; see :func:`rotary_tables`) apply RoPE to Q and K
     in the kernel. ``seqused_k`` (int32 [batch]) gives the keys each batch uses, the first
-    seqused_k[b] of a preallocated cache of seq_k rows; queries align to the end of those."""
+    seqused_k[b] of a preallocated cache of seq_k rows; queries align to the end of those.
+
+    Score transforms, each applied once to every visible score (docs/api.md): ``softcap`` (flash-attn's:
+    a score s, the softmax scale applied, becomes softcap * tanh(s / softcap); 0.0: none),
+    ``alibi_slopes`` (flash-attn's: fp32 [heads_q] or [batch, heads_q]; -slope * |i + Sk - Sq - j|
+    is added to the scaled score of query i and key j) and ``sinks`` (fp32 [heads_q]: one logit per
+    query head that joins each row's softmax denominator, and its LSE, and adds no value)."""
     key = ops.key(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
                   return_lse=return_lse, token_major=False, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                  rotary_interleaved=rotary_interleaved, seqused_k=seqused_k)
+                  rotary_interleaved=rotary_interleaved, seqused_k=seqused_k, softcap=softcap,
+                  alibi_slopes=alibi_slopes, sinks=sinks)
     hit = ops.replayed(key, q, k, v, return_lse=return_lse, token_major=False, rotary_cos=rotary_cos,
-                       rotary_sin=rotary_sin, seqused_k=seqused_k)
+                       rotary_sin=rotary_sin, seqused_k=seqused_k, alibi_slopes=alibi_slopes, sinks=sinks)
     if hit is not None:
         return hit if return_lse else hit[0]
     q, k, v = (check_fp16(n, t, NATIVE) for n, t in (("q", q), ("k", k), ("v", v)))
     padding.refuse(q.shape[3])
     o = validate(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
                  rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-                 return_lse=return_lse, seqused_k=seqused_k)
+                 return_lse=return_lse, seqused_k=seqused_k, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     _warn_if_token_major(q)
     out, lse = ops.forward(q, k, v, o, token_major=False, key=key)
     return (out, lse) if return_lse else out
@@ -80,7 +88,8 @@ def plan_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cau
                     window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
                     rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
                     rotary_interleaved: bool = False, return_lse: bool = False,
-                    seqused_k: torch.Tensor | None = None,
+                    seqused_k: torch.Tensor | None = None, softcap: float = 0.0,
+                    alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                     heavy_first: bool | None = None, kernel: str | None = None) -> Plan:
     """Validates a :func:`flash_attn` call and plans it without running it: the returned
     :class:`~rdnattention.plan.Plan` holds the outputs and launches; ``plan.run()`` executes it
@@ -90,7 +99,7 @@ def plan_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cau
     padding.refuse(q.shape[3])
     o = validate(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
                  rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-                 return_lse=return_lse, seqused_k=seqused_k)
+                 return_lse=return_lse, seqused_k=seqused_k, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     if heavy_first is not None and not isinstance(heavy_first, bool):
         raise InvalidArgumentError(f"heavy_first must be a bool or None, got {heavy_first!r}")
     if kernel is not None and not isinstance(kernel, str):
@@ -103,39 +112,41 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
                     deterministic: bool = False, return_attn_probs: bool = False, *,
                     rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
-                    rotary_interleaved: bool = False):
+                    rotary_interleaved: bool = False, sinks: torch.Tensor | None = None):
     """flash-attn's ``flash_attn_func``: fp16 q [batch, seq_q, heads, head_dim], k and v
     [batch, seq_k, heads_kv, head_dim]; returns out [batch, seq_q, heads, head_dim], or
     ``(out, softmax_lse, None)`` with ``return_attn_probs=True`` (lse float32 [batch, heads, seq_q];
     the attention probabilities themselves are not materialised). Causal masks align to the end of
     the keys, as flash-attn's do. As flash-attn's entry does, a head_dim that is not a multiple of 8
     (up to 256) is padded with zeros and the output sliced back, and tensors whose last dimension
-    is not contiguous or whose rows are not 16-byte aligned are copied (padding.py). dropout,
-    softcap and ALiBi raise UnsupportedError; the kernels are deterministic, so ``deterministic``
-    needs nothing. ``window_size``: a pair of ints, or of a CPU tensor (options.as_window). RoPE
-    options as in :func:`flash_attn`."""
-    refuse_missing_features(dropout_p, softcap, alibi_slopes)
+    is not contiguous or whose rows are not 16-byte aligned are copied (padding.py). ``softcap``
+    and ``alibi_slopes`` as flash-attn's, ``sinks`` (keyword) and the RoPE options as in
+    :func:`flash_attn`. dropout raises UnsupportedError; the kernels are deterministic, so
+    ``deterministic`` needs nothing. ``window_size``: a pair of ints, or of a CPU tensor
+    (options.as_window)."""
+    refuse_missing_features(dropout_p)
     window_size = as_window(window_size)
     for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
             raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
     key = ops.key(q, k, v, is_causal=causal, window_size=window_size, softmax_scale=softmax_scale,
                   return_lse=return_attn_probs, token_major=True, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                  rotary_interleaved=rotary_interleaved)  # of the token-major tensors as given
+                  rotary_interleaved=rotary_interleaved, softcap=softcap, alibi_slopes=alibi_slopes,
+                  sinks=sinks)  # of the token-major tensors as given
     hit = ops.replayed(key, q, k, v, return_lse=return_attn_probs, token_major=True, rotary_cos=rotary_cos,
-                       rotary_sin=rotary_sin)
+                       rotary_sin=rotary_sin, alibi_slopes=alibi_slopes, sinks=sinks)
     if hit is None and padding.needed(q, k, v):  # as flash-attn's entry: head_dim padded to 8s, rows made readable
         return padding.run(flash_attn_func, dict(q=q, k=k, v=v), dict(
             softmax_scale=softmax_scale, causal=causal, window_size=window_size, return_attn_probs=return_attn_probs,
-            rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved),
-            scale_name="softmax_scale")
+            rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=sinks), scale_name="softmax_scale")
     if hit is not None:
         out, lse = hit
     else:
         q, k, v = (check_fp16(n, t, TOKEN_MAJOR).transpose(1, 2) for n, t in (("q", q), ("k", k), ("v", v)))
         o = validate(q, k, v, is_causal=causal, window_size=window_size, softmax_scale=softmax_scale,
                      rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-                     return_lse=return_attn_probs)
+                     return_lse=return_attn_probs, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         out, lse = ops.forward(q, k, v, o, token_major=True, key=key)
         out = out.transpose(1, 2)
     return (out, lse, None) if return_attn_probs else out

@@ -32,14 +32,16 @@ class Layout(Enum):
 
 class Option(Enum):
     """What a call may ask of a kernel beyond reading its layout (the value is how messages say it).
-    A score transform (softcap, ALiBi) becomes one more, taken by the algorithms whose kernels
-    apply it."""
+    The score transforms (softcap, ALiBi, sinks) are taken by the algorithms whose kernels apply them."""
 
     ROTARY = "RoPE in the kernel (rotary_cos, rotary_sin)"
     ROW_ORDER = "a row-block order (heavy_first)"
     CACHE_ROWS = "cache rows chosen per sequence (cache_batch_idx)"
     KEY_SLICES = "a number of key slices (num_splits)"
     QUERY_COUNTS = "per-sequence query rows (padded batches)"
+    SOFTCAP = "a logit softcap (softcap)"
+    ALIBI = "ALiBi (alibi_slopes)"
+    SINKS = "attention sinks (sinks)"
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,11 @@ class Attention:
     num_splits: int = 0  # key slices of the split-KV kernels; 0: chosen from the grid and the device
     heavy_first: bool | None = None  # the row-block order; None: the kernel's default
     kernel: str | None = None  # a kernel forced by name
+    # Score transforms (options.ScoreOptions states them): the logit softcap (0.0: none), ALiBi
+    # slopes fp32 [heads_q] or [batch, heads_q], attention sinks fp32 [heads_q].
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
 
     @property
     def causal_like(self) -> bool:
@@ -104,7 +111,10 @@ class Attention:
                   # num_splits). On packed batches (varlen_attn's) it applies where they run: a long
                   # packed prefill runs row blocks, which have no slices, so their results do not
                   # depend on the batch either.
-                  Option.KEY_SLICES: self.num_splits > 0 and layout is not Layout.PACKED}
+                  Option.KEY_SLICES: self.num_splits > 0 and layout is not Layout.PACKED,
+                  Option.SOFTCAP: self.softcap != 0.0,
+                  Option.ALIBI: self.alibi_slopes is not None,
+                  Option.SINKS: self.sinks is not None}
         return Request(precision=Precision.INT8 if self.scales is not None else Precision.FP16, layout=layout,
                        head_dim=self.q.shape[3], rows=self.q.shape[1] // max(self.k.shape[1], 1) * self.seq_q,
                        options=frozenset(o for o, on in wanted.items() if on), kernel=self.kernel, seq_q=self.seq_q,

@@ -221,6 +221,17 @@ class Values:
                                            "or infinite value")
         return self._add(name, t, [t.min(), t.max()], test)
 
+    def finite(self, name: str, t: torch.Tensor | None) -> Values:
+        """Every value finite (ALiBi slopes, sinks): the least above -inf and the greatest below
+        inf (a NaN makes both NaN)."""
+        if not self._readable(t):
+            return self
+
+        def test(v: list[float]) -> None:
+            if not (v[0] > -float("inf") and v[1] < float("inf")):
+                raise InvalidArgumentError(f"{name} must hold finite values; it has a NaN or infinite value")
+        return self._add(name, t, [t.min(), t.max()], test)
+
     def check(self) -> bool:
         """Reads every gathered reduction in one read and raises the first failed check's
         InvalidArgumentError (in the order the checks were added); returns whether every value the

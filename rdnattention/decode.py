@@ -14,14 +14,15 @@ from typing import Mapping, Optional
 
 import torch
 
-from . import checks, replay, route
+from . import checks, options, replay, route
 from .errors import InvalidArgumentError
+from .options import NO_SCORE_OPTIONS, ScoreOptions
 from .plan import Plan
 
 # The pointer fields of a call's launches (dec and f16 varlen structs, the combine's), each filled
 # by one tensor.
 ROLES = frozenset({"q", "k", "v", "o", "lse", "seqused_k", "block_table", "cache_batch_idx", "cu_seqlens_q",
-                   "cu_seqlens_k"})
+                   "cu_seqlens_k", "alibi_slopes", "sinks"})
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,12 @@ class Extents:
 
 
 def check_values(q, k, *, extents: Extents, seqused_k=None, block_table=None, cache_batch_idx=None,
-                 cu_seqlens_q=None, cu_seqlens_k=None, names: Mapping[str, str] | None = None) -> None:
+                 cu_seqlens_q=None, cu_seqlens_k=None, names: Mapping[str, str] | None = None,
+                 score: ScoreOptions = NO_SCORE_OPTIONS) -> None:
     """The index tensors' values, in one device read (checks.Values): pages within the pool, cache
     rows within the cache, offsets from 0, never decreasing, within the packed rows and no sequence
-    longer than seq_q / seq_k, key counts within seq_k and each sequence's keys. Run by the eager
+    longer than seq_q / seq_k, key counts within seq_k and each sequence's keys; ALiBi slopes and
+    sinks finite (``score``). Run by the eager
     entry points and by the custom op's implementation alike, so a compiled call is checked as an
     eager one. ``names``: the entry point's names of the arguments, for messages."""
     def n(name: str) -> str:
@@ -55,6 +58,7 @@ def check_values(q, k, *, extents: Extents, seqused_k=None, block_table=None, ca
     if seqused_k is not None and cu_seqlens_k is not None:
         values.at_most(n("seqused_k"), seqused_k, cu_seqlens_k[1:] - cu_seqlens_k[:-1],
                        f"each sequence's keys in {n('cu_seqlens_k')}")
+    options.check_score_values(values, score)
     values.check()
 
 
@@ -98,8 +102,8 @@ def _check_extents(q, k, v, extents: Extents, seqused_k, block_table, cache_batc
 
 def prepare(q, k, v, *, window: tuple[int, int], softmax_scale: float, return_lse: bool, extents: Extents,
             seqused_k=None, block_table=None, cache_batch_idx=None, cu_seqlens_q=None, cu_seqlens_k=None,
-            num_splits: int = 0, names: Mapping[str, str] | None = None,
-            values_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
+            num_splits: int = 0, names: Mapping[str, str] | None = None, values_checked: bool = False,
+            score: ScoreOptions = NO_SCORE_OPTIONS) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
     """Checks a validated call against memory and its index values (not where the caller has,
     ``values_checked``) and plans it: (out, lse, plan), plan None where nothing is launched. Nothing
     is launched or written; `run` runs it."""
@@ -116,7 +120,9 @@ def prepare(q, k, v, *, window: tuple[int, int], softmax_scale: float, return_ls
     if not values_checked:
         check_values(q, k, extents=extents, seqused_k=seqused_k, block_table=block_table,
                      cache_batch_idx=cache_batch_idx, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                     names=names)
+                     names=names, score=score)
+    else:  # the caller checked the index values, not the score transforms'
+        options.check_score_values(checks.Values(), score).check()
     out, lse = allocate(q, return_lse, packed)
     if packed:  # [1, heads, total, head_dim] views
         qv, ov = q.unsqueeze(0).transpose(1, 2), out.unsqueeze(0).transpose(1, 2)
@@ -133,7 +139,8 @@ def prepare(q, k, v, *, window: tuple[int, int], softmax_scale: float, return_ls
                            softmax_scale=softmax_scale, batch=extents.batch, seq_q=extents.seq_q,
                            seq_k=extents.seq_k, seqused_k=seqused_k, cache_batch_idx=cache_batch_idx,
                            block_table=block_table, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                           num_splits=num_splits)
+                           num_splits=num_splits, softcap=score.softcap, alibi_slopes=score.alibi_slopes,
+                           sinks=score.sinks)
     return out, lse, route.plan(route.device_table(q.device), call)
 
 
@@ -150,26 +157,32 @@ def run(q, k, v, *, key: tuple | None = None, **kw) -> tuple[torch.Tensor, torch
 
 def _tensors(q, k, v, kw) -> tuple:
     """The tensors a replay checks per call, in replayed's order."""
+    score = kw.get("score", NO_SCORE_OPTIONS)
     return (q, k, v, kw.get("seqused_k"), kw.get("block_table"), kw.get("cache_batch_idx"), kw.get("cu_seqlens_q"),
-            kw.get("cu_seqlens_k"))
+            kw.get("cu_seqlens_k"), *score.tensors)
 
 
-_POINTERS = ("q", "k", "v", "seqused_k", "block_table", "cache_batch_idx", "cu_seqlens_q", "cu_seqlens_k")
+_POINTERS = ("q", "k", "v", "seqused_k", "block_table", "cache_batch_idx", "cu_seqlens_q", "cu_seqlens_k",
+             "alibi_slopes", "sinks")
 
 
 def replayed(key: tuple | None, q, k, v, *, seqused_k=None, block_table=None, cache_batch_idx=None,
-             cu_seqlens_q=None, cu_seqlens_k=None, return_lse: bool,
-             check=None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+             cu_seqlens_q=None, cu_seqlens_k=None, return_lse: bool, check=None,
+             score: ScoreOptions = NO_SCORE_OPTIONS) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The outputs of a call whose key was planned before (run's tensors), replayed: its memory
     checked as prepare checks it, and its index values by ``check()`` (the entry point's
-    check_values) where they are read; None where it was not planned, or where its memory needs
-    the full path (which raises the error)."""
+    check_values) where they are read, and the slopes' and sinks' (``score``) likewise; None where
+    it was not planned, or where its memory needs the full path (which raises the error)."""
     r = replay.cache.get(key) if key is not None else None
-    tensors = (q, k, v, seqused_k, block_table, cache_batch_idx, cu_seqlens_q, cu_seqlens_k)
+    tensors = (q, k, v, seqused_k, block_table, cache_batch_idx, cu_seqlens_q, cu_seqlens_k, *score.tensors)
     if r is None or not replay.memory_ok(tensors, r.reach, 3):
         return None
     if check is not None and checks.reads(q):
         check()
+    values = checks.Values()
+    for name, t in (("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
+        values.finite(name, t)
+    values.check()
     out, lse = allocate(q, return_lse, cu_seqlens_q is not None, empty_lse=False)
     pointers = {"o": out.data_ptr()}
     if lse is not None:
@@ -196,8 +209,9 @@ def allocate(q: torch.Tensor, return_lse: bool, packed: bool,
 def forward(q, k, v, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     """`run` (``key``: see run), through the custom op where torch traces or the tensors are
     subclasses."""
+    score = kw.get("score", NO_SCORE_OPTIONS)
     tensors = [t for t in (q, k, v, kw.get("seqused_k"), kw.get("block_table"), kw.get("cache_batch_idx"),
-                           kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")) if t is not None]
+                           kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k"), *score.tensors) if t is not None]
     if (torch.compiler.is_compiling() or torch.jit.is_tracing()
             or not all(type(t) is torch.Tensor for t in tensors)):
         # The op's implementation checks the index values itself (with the op's argument names).
@@ -205,7 +219,8 @@ def forward(q, k, v, **kw) -> tuple[torch.Tensor, torch.Tensor]:
         return flash_attn_decode_fwd(q, k, v, kw.get("seqused_k"), kw.get("block_table"), kw.get("cache_batch_idx"),
                                      kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k"), extents.batch, extents.seq_q,
                                      extents.seq_k, kw["window"][0], kw["window"][1], kw["softmax_scale"],
-                                     kw["return_lse"], kw.get("num_splits", 0))
+                                     kw["return_lse"], kw.get("num_splits", 0), score.softcap, score.alibi_slopes,
+                                     score.sinks)
     return run(q, k, v, **kw)
 
 
@@ -214,14 +229,18 @@ def flash_attn_decode_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq
                           block_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],
                           cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor], batch: int,
                           seq_q: int, seq_k: int, window_left: int, window_right: int, softmax_scale: float,
-                          return_lse: bool, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+                          return_lse: bool, num_splits: int, softcap: float = 0.0,
+                          alibi_slopes: Optional[torch.Tensor] = None,
+                          sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    heads_q = q.shape[-2]
+    score = options.check_score_options(softcap, alibi_slopes, sinks, batch=batch, heads_q=heads_q, device=q.device)
     return run(q, k, v, window=(window_left, window_right), softmax_scale=softmax_scale, return_lse=return_lse,
                extents=Extents(batch=batch, seq_q=seq_q, seq_k=seq_k), seqused_k=seqused_k, block_table=block_table,
                cache_batch_idx=cache_batch_idx, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-               num_splits=num_splits)
+               num_splits=num_splits, score=score)
 
 
 @flash_attn_decode_fwd.register_fake
 def _(q, k, v, seqused_k, block_table, cache_batch_idx, cu_seqlens_q, cu_seqlens_k, batch, seq_q, seq_k,
-      window_left, window_right, softmax_scale, return_lse, num_splits):
+      window_left, window_right, softmax_scale, return_lse, num_splits, softcap=0.0, alibi_slopes=None, sinks=None):
     return allocate(q, return_lse, cu_seqlens_q is not None)

@@ -25,7 +25,8 @@ import torch
 from . import checks, decode, ops, padding, replay, route
 from .checks import TOKEN_MAJOR, check_fp16, check_int32, check_paged, check_same_dtype
 from .errors import InvalidArgumentError, UnsupportedError
-from .options import Options, as_window, check_seqused, refuse_missing_features, validate
+from .options import (NO_SCORE_OPTIONS, Options, ScoreOptions, as_window, check_score_options, check_seqused,
+                      validate)
 from .plan import Plan
 from .reference import rotate
 
@@ -55,7 +56,8 @@ def _check_cache_view(name: str, t: torch.Tensor) -> None:
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
+                            sinks=None):
     """flash-attn's signature, in its order, and semantics: q [batch, seq_q, heads, head_dim];
     k_cache, v_cache [batch_cache, cache_len, heads_kv, head_dim], or with ``block_table`` (int32
     [batch, pages per sequence]) a page pool [pages, page_size, heads_kv, head_dim] (page_size a
@@ -69,21 +71,28 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     under a causal or local mask, else at cache_seqlens), and attention covers keys cache_leftpad ..
     cache_seqlens + seq_new - 1. Queries align to the end of each sequence's keys. ``window_size``:
     a pair of ints, or of a CPU tensor (options.as_window). ``num_splits``: key slices of the
-    split-KV kernels (0: chosen from the device). softcap and ALiBi raise UnsupportedError. Returns
+    split-KV kernels (0: chosen from the device). ``softcap`` and ``alibi_slopes`` (fp32 [batch,
+    heads] or [heads]) as flash-attn's, ``sinks`` (keyword, fp32 [heads]) as in
+    :func:`rdnattention.flash_attn`; ALiBi with cache_leftpad raises UnsupportedError. Returns
     out [batch, seq_q, heads, head_dim], with the LSE [batch, heads, seq_q] if return_softmax_lse.
     A call that raises has written nothing. As flash-attn's entry does, q, k and v whose rows are
     not contiguous and 16-byte aligned run on copies, and a head_dim that is not a multiple of 8
     (up to 256) on padded copies of every tensor, the cache copied back (padding.py); a cache whose
     rows are not contiguous and aligned is refused (InvalidArgumentError), never copied."""
-    refuse_missing_features(0.0, softcap, alibi_slopes)
+    if cache_leftpad is not None and alibi_slopes is not None:
+        raise UnsupportedError("alibi_slopes with cache_leftpad: the left-padded cache runs as a packed batch, "
+                               "whose ALiBi positions are not flash-attn's; pass one of them")
     window_size = as_window(window_size)
     plan_key = None if cache_leftpad is not None else _key(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table,
-        (softmax_scale, causal, window_size, rotary_interleaved, num_splits, return_softmax_lse))
+        (softmax_scale, causal, window_size, rotary_interleaved, num_splits, return_softmax_lse),
+        softcap, alibi_slopes, sinks)
     r = replay.cache.get(plan_key) if plan_key is not None else None
     if r is not None:
+        # The key holds the softcap's value and the slopes' and sinks' shapes, dtypes and devices.
+        score = ScoreOptions(softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks)
         hit = _replayed(r, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                        block_table, rotary_interleaved, num_splits, return_softmax_lse)
+                        block_table, rotary_interleaved, num_splits, return_softmax_lse, score)
         if hit is not None:
             return hit if return_softmax_lse else hit[0]
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
@@ -96,7 +105,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
             cache_leftpad=cache_leftpad, block_table=block_table, softmax_scale=softmax_scale, causal=causal,
             window_size=window_size, rotary_interleaved=rotary_interleaved, num_splits=num_splits,
-            return_softmax_lse=return_softmax_lse),
+            return_softmax_lse=return_softmax_lse, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks),
             scale_name="softmax_scale", written=("k_cache", "v_cache") if k is not None else (),
             in_place=("k_cache", "v_cache"))
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -104,7 +113,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     check_same_dtype(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
     given = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("rotary_cos", rotary_cos),
              ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
-             ("cache_leftpad", cache_leftpad), ("block_table", block_table))
+             ("cache_leftpad", cache_leftpad), ("block_table", block_table), ("alibi_slopes", alibi_slopes),
+             ("sinks", sinks))
     given = [(name, t) for name, t in given if isinstance(t, torch.Tensor)]
     for name, t in given:
         if t.device != q.device and name in ("k", "v"):
@@ -188,7 +198,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             (batch, k_cache.shape[2], cache_len, k_cache.shape[3]), (0, 0, 0, 1))
     o = validate(qv, kv, vv, is_causal=causal, window_size=window_size, softmax_scale=softmax_scale,
                  rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_softmax_lse,
-                 seqused_k=lengths)
+                 seqused_k=lengths, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     if torch.is_grad_enabled():
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("rotary_cos", rotary_cos),
                         ("rotary_sin", rotary_sin)):
@@ -200,14 +210,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, cache_batch_idx, block_table,
             o.window_left, o.window_right, o.softmax_scale, rotary_interleaved, local, return_softmax_lse, num_splits)
     if traced:
-        out, lse = _traced(*args, cache_len=cache_len, leftpad=cache_leftpad)
+        out, lse = _traced(*args, cache_len=cache_len, leftpad=cache_leftpad, score=o.score)
     else:
-        out, lse = _run(*args, key=plan_key, leftpad=cache_leftpad)
+        out, lse = _run(*args, key=plan_key, leftpad=cache_leftpad, score=o.score)
     return (out, lse) if return_softmax_lse else out
 
 
 def _key(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, block_table,
-         options: tuple) -> tuple | None:
+         options: tuple, softcap=0.0, alibi_slopes=None, sinks=None) -> tuple | None:
     """The replay key of a call (replay.key): its options with their types, and how cache_seqlens
     is given (an int's value is checked per call), or None where the full path must run."""
     softmax_scale, causal, window_size, interleaved, num_splits, return_lse = options
@@ -220,13 +230,15 @@ def _key(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, bl
     else:
         lengths, given = cache_seqlens, torch.Tensor
     return replay.key("flash_attn_with_kvcache", q.device,
-                      (q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table),
+                      (q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, alibi_slopes,
+                       sinks),
                       (type(softmax_scale), softmax_scale, causal, window_size, interleaved, num_splits, return_lse,
-                       given))
+                       given, type(softcap), softcap))
 
 
 def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, block_table,
-              interleaved: bool, num_splits: int, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+              interleaved: bool, num_splits: int, return_lse: bool,
+              score: ScoreOptions) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A call whose key was planned before (validated then: the key holds all validation read),
     run by _run on that plan; None where its memory needs the full path."""
     window_left, window_right, softmax_scale, local, cache_len = r.extra
@@ -240,23 +252,24 @@ def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqle
     else:
         lengths = cache_seqlens
     return _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left, window_right,
-                softmax_scale, interleaved, local, return_lse, num_splits, replayed=r)
+                softmax_scale, interleaved, local, return_lse, num_splits, replayed=r, score=score)
 
 
 def _traced(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left: int,
             window_right: int, softmax_scale: float, interleaved: bool, local: bool, return_lse: bool,
-            num_splits: int, *, cache_len: int, leftpad=None) -> tuple[torch.Tensor, torch.Tensor]:
+            num_splits: int, *, cache_len: int, leftpad=None,
+            score: ScoreOptions = NO_SCORE_OPTIONS) -> tuple[torch.Tensor, torch.Tensor]:
     """A call where torch traces (or on subclasses), through the custom ops: the one that appends
     (and every call with cache_leftpad), or, without new keys, those of ops.py and decode.py (each
     checks the index values it is given)."""
     if k is not None or leftpad is not None:
         return flash_attn_kvcache_fwd(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table,
                                       window_left, window_right, softmax_scale, interleaved, local, return_lse,
-                                      num_splits, leftpad)
+                                      num_splits, leftpad, score.softcap, score.alibi_slopes, score.sinks)
     if block_table is None and cache_batch_idx is None and num_splits == 0:
         o = Options(window_left=window_left, window_right=window_right, softmax_scale=softmax_scale,
                     rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_lse,
-                    seqused_k=lengths)
+                    seqused_k=lengths, score=score)
         out, lse = ops.forward(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), o,
                                token_major=True)
         return out.transpose(1, 2), lse
@@ -264,7 +277,8 @@ def _traced(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block
                           return_lse=return_lse,
                           extents=decode.Extents(batch=q.shape[0], seq_q=q.shape[1], seq_k=cache_len),
                           seqused_k=lengths, block_table=block_table, cache_batch_idx=cache_batch_idx,
-                          num_splits=num_splits, names={"seqused_k": "cache_seqlens", "seq_k": "cache_len"})
+                          num_splits=num_splits, names={"seqused_k": "cache_seqlens", "seq_k": "cache_len"},
+                          score=score)
 
 
 def check_values(lengths: torch.Tensor, new: int, cache_len: int, cache_rows: int, cache_batch_idx, block_table,
@@ -307,14 +321,15 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
 # The tensors a call reads, by name, in the order _run checks their memory; the pointer fields of
 # its launches, each filled by one tensor.
 _NAMES = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
-          "block_table")
-ROLES = frozenset({"q", "k", "v", "o", "lse", "seqused_k", "cache_batch_idx", "block_table"})
+          "block_table", "alibi_slopes", "sinks")
+ROLES = frozenset({"q", "k", "v", "o", "lse", "seqused_k", "cache_batch_idx", "block_table", "alibi_slopes", "sinks"})
 
 
 def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left: int,
          window_right: int, softmax_scale: float, interleaved: bool, local: bool, return_lse: bool,
          num_splits: int, key: tuple | None = None, replayed: replay.Replay | None = None,
-         leftpad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+         leftpad: torch.Tensor | None = None,
+         score: ScoreOptions = NO_SCORE_OPTIONS) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A validated call (shapes, options: flash_attn_with_kvcache), in eager mode or as the custom
     op's implementation: memory and index values checked and the call planned, then the append,
     then the launches. With ``key``, the plan is kept for later calls of that key; ``replayed``:
@@ -325,7 +340,7 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
     page = k_cache.shape[1]
     cache_len = block_table.shape[1] * page if paged else page
     new = 0 if k is None else k.shape[1]
-    tensors = (q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table)
+    tensors = (q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, *score.tensors)
     if replayed is None:
         for name, t in zip(_NAMES, tensors):
             if t is not None:
@@ -341,6 +356,11 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
     checked = checks.reads(lengths) and check_values(lengths, new, cache_len, k_cache.shape[0], cache_batch_idx,
                                                      block_table, k_cache.shape[0] if paged else 0,
                                                      cos.shape[0] if cos is not None else None, rotated, leftpad)
+    if replayed is not None:  # planned calls check them where planned (ops.plan, decode.prepare)
+        values = checks.Values()
+        for name, t in (("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
+            values.finite(name, t)
+        values.check()
 
     # What the kernels read, computed apart from the caches: the rotated queries and new keys, the
     # lengths after the append. Values that were not read are bounded on the device first: the
@@ -376,11 +396,11 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
             out, lse = decode.allocate(q_in, return_lse, False, empty_lse=False)
     elif leftpad is not None:
         out, lse, plan = _leftpad_plan(q_in, k_cache, v_cache, used, leftpad, (window_left, window_right),
-                                       softmax_scale, return_lse, num_splits, cache_len)
+                                       softmax_scale, return_lse, num_splits, cache_len, score)
     elif plain:
         o = Options(window_left=window_left, window_right=window_right, softmax_scale=softmax_scale,
                     rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_lse,
-                    seqused_k=used)
+                    seqused_k=used, score=score)
         plan = ops.plan(q_in.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), o, token_major=True,
                         values_checked=True)
         out, lse = plan.outputs
@@ -390,7 +410,7 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
                                         softmax_scale=softmax_scale, return_lse=return_lse,
                                         extents=decode.Extents(batch=batch, seq_q=seq_q, seq_k=cache_len),
                                         seqused_k=used, block_table=block_table, cache_batch_idx=cache_batch_idx,
-                                        num_splits=num_splits, values_checked=True)
+                                        num_splits=num_splits, values_checked=True, score=score)
 
     if k is not None:
         if paged:  # page block_table[b, pos // page], row pos % page
@@ -415,6 +435,9 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
             pointers["cache_batch_idx"] = cache_batch_idx.data_ptr()
         if block_table is not None:
             pointers["block_table"] = block_table.data_ptr()
+        for name, t in (("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
+            if t is not None:
+                pointers[name] = t.data_ptr()
         replay.launch(replayed, pointers, q.device)
     elif plan is not None:
         replay.run(plan, key, tensors, ROLES, extra=(window_left, window_right, softmax_scale, local, cache_len))
@@ -425,7 +448,8 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
 
 def _leftpad_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, used: torch.Tensor,
                   leftpad: torch.Tensor, window: tuple[int, int], softmax_scale: float, return_lse: bool,
-                  num_splits: int, cache_len: int) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
+                  num_splits: int, cache_len: int,
+                  score: ScoreOptions = NO_SCORE_OPTIONS) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
     """A left-padded call as a packed batch over the cache's own rows: sequence b's keys start at
     row b * (batch stride / position stride) + cache_leftpad[b] of the cache and number
     cache_seqlens + seq_new - cache_leftpad (per-sequence key counts), its queries at row b *
@@ -459,7 +483,8 @@ def _leftpad_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     counts = (used.long() - leftpad.long()).clamp(0, cache_len).to(torch.int32)  # keys from cache_leftpad on
     call = route.Attention(q=q.transpose(1, 2), k=kv, v=vv, out=out.transpose(1, 2), lse=lse if return_lse else None,
                            window=window, softmax_scale=softmax_scale, batch=batch, seq_q=seq_q, seq_k=cache_len,
-                           seqused_k=counts, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, num_splits=num_splits)
+                           seqused_k=counts, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, num_splits=num_splits,
+                           softcap=score.softcap, alibi_slopes=score.alibi_slopes, sinks=score.sinks)
     return out, lse, route.plan(route.device_table(device), call)
 
 
@@ -470,18 +495,21 @@ def flash_attn_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            cache_seqlens: torch.Tensor, cache_batch_idx: Optional[torch.Tensor],
                            block_table: Optional[torch.Tensor], window_left: int, window_right: int,
                            softmax_scale: float, rotary_interleaved: bool, rotary_local: bool, return_lse: bool,
-                           num_splits: int, cache_leftpad: Optional[torch.Tensor] = None
+                           num_splits: int, cache_leftpad: Optional[torch.Tensor] = None, softcap: float = 0.0,
+                           alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """A flash_attn_with_kvcache call that appends or has cache_leftpad, as one custom op
     (validated by the entry point; the implementation checks memory and values, plans, then
     appends and runs, as in eager mode)."""
+    score = check_score_options(softcap, alibi_slopes, sinks, batch=q.shape[0], heads_q=q.shape[2], device=q.device)
     return _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table,
                 window_left, window_right, softmax_scale, rotary_interleaved, rotary_local, return_lse, num_splits,
-                leftpad=cache_leftpad)
+                leftpad=cache_leftpad, score=score)
 
 
 @flash_attn_kvcache_fwd.register_fake
 def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table, window_left,
-      window_right, softmax_scale, rotary_interleaved, rotary_local, return_lse, num_splits, cache_leftpad=None):
+      window_right, softmax_scale, rotary_interleaved, rotary_local, return_lse, num_splits, cache_leftpad=None,
+      softcap=0.0, alibi_slopes=None, sinks=None):
     lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if return_lse else (0,)
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)

@@ -7,7 +7,8 @@ graphs need no break. The op has a fake implementation and torch.library.opcheck
 arguments are the kernel's: q, k, v as [batch, heads, seq, head_dim] views, the window after
 folding causal in, the softmax scale, RoPE tables or None, whether to return the log-sum-exp,
 whether the output is stored token-major ([batch, seq, heads, head_dim], returned as the
-[batch, heads, seq, head_dim] view of it), and per-sequence key counts or None."""
+[batch, heads, seq, head_dim] view of it), per-sequence key counts or None, and the score
+transforms (softcap, ALiBi slopes or None, sinks or None)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from . import checks, replay, route
+from . import checks, options, replay, route
 from .errors import InvalidArgumentError
 from .options import Options
 from .plan import Plan
@@ -53,45 +54,56 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token_ma
         cos, sin = cos.float(), sin.float()
     if o.seqused_k is not None:
         checks.check_memory("seqused_k", o.seqused_k)
-        if not values_checked:
-            checks.Values().within("seqused_k", o.seqused_k, 0, k.shape[2], "seq_k").check()
+    values = checks.Values()
+    if o.seqused_k is not None and not values_checked:
+        values.within("seqused_k", o.seqused_k, 0, k.shape[2], "seq_k")
+    options.check_score_values(values, o.score).check()
     out, lse = allocate(q, token_major, o.return_lse)
     call = route.Attention(q=q, k=k, v=v, out=out, lse=lse if o.return_lse else None,
                            window=(o.window_left, o.window_right), softmax_scale=o.softmax_scale,
                            batch=q.shape[0], seq_q=q.shape[2], seq_k=k.shape[2], seqused_k=o.seqused_k,
                            rotary_cos=cos, rotary_sin=sin, rotary_interleaved=o.rotary_interleaved,
-                           heavy_first=heavy_first, kernel=kernel)
+                           heavy_first=heavy_first, kernel=kernel, softcap=o.score.softcap,
+                           alibi_slopes=o.score.alibi_slopes, sinks=o.score.sinks)
     empty = out.numel() == 0 or k.shape[2] == 0
     return route.plan(route.device_table(q.device), call).returning(out, lse, empty=empty)
 
 
 # The pointer fields of a call's launches (f16 and dec structs), each filled by one tensor.
-ROLES = frozenset({"q", "k", "v", "o", "lse", "seqused_k", "rotary_cos", "rotary_sin"})
+ROLES = frozenset({"q", "k", "v", "o", "lse", "seqused_k", "rotary_cos", "rotary_sin", "alibi_slopes", "sinks"})
 
 
 def key(q, k, v, *, is_causal, window_size, softmax_scale, return_lse, token_major: bool, rotary_cos=None,
-        rotary_sin=None, rotary_interleaved=False, seqused_k=None) -> tuple | None:
+        rotary_sin=None, rotary_interleaved=False, seqused_k=None, softcap=0.0, alibi_slopes=None,
+        sinks=None) -> tuple | None:
     """The replay key of a flash_attn-like call (replay.key), or None where its options are not of
-    the types validation accepts (the full path refuses them): q, k, v in the kernel's view."""
+    the types validation accepts (the full path refuses them): q, k, v in the kernel's view. The
+    softcap is in it with its type (its value is in the planned arguments), the slopes and sinks
+    by their shapes, strides, dtypes and devices, as every tensor."""
     if (type(is_causal) is not bool or type(return_lse) is not bool or type(rotary_interleaved) is not bool
             or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
             or type(window_size[1]) is not int or type(q) is not torch.Tensor):
         return None
-    return replay.key("flash_attn", q.device, (q, k, v, rotary_cos, rotary_sin, seqused_k),
+    return replay.key("flash_attn", q.device, (q, k, v, rotary_cos, rotary_sin, seqused_k, alibi_slopes, sinks),
                       (is_causal, window_size, type(softmax_scale), softmax_scale, return_lse, token_major,
-                       rotary_interleaved))
+                       rotary_interleaved, type(softcap), softcap))
 
 
 def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool, rotary_cos=None, rotary_sin=None,
-             seqused_k=None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+             seqused_k=None, alibi_slopes=None, sinks=None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The outputs of a call whose key was planned before, replayed, in the caller's layout (q, k,
     v as the key saw them: token-major ones [batch, seq, heads, head_dim]); None where it was not,
     or where its memory needs the full path (which raises the error)."""
     r = replay.cache.get(key) if key is not None else None
-    if r is None or not replay.memory_ok((q, k, v, rotary_cos, rotary_sin, seqused_k), r.reach, 3):
+    if r is None or not replay.memory_ok((q, k, v, rotary_cos, rotary_sin, seqused_k, alibi_slopes, sinks), r.reach,
+                                         3):
         return None
-    if seqused_k is not None and checks.reads(seqused_k):
-        checks.Values().within("seqused_k", seqused_k, 0, k.shape[2], "seq_k").check()
+    values = checks.Values()
+    if seqused_k is not None:
+        values.within("seqused_k", seqused_k, 0, k.shape[2], "seq_k")
+    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        values.finite(name, t)  # where read (checks.reads), as the full path
+    values.check()
     if token_major:
         batch, seq, heads, _ = q.shape
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -101,8 +113,9 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
     pointers = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": out.data_ptr()}
     if lse is not None:
         pointers["lse"] = lse.data_ptr()
-    if seqused_k is not None:
-        pointers["seqused_k"] = seqused_k.data_ptr()
+    for name, t in (("seqused_k", seqused_k), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is not None:
+            pointers[name] = t.data_ptr()
     if rotary_cos is not None:
         if rotary_cos.dtype != torch.float32:  # q's dtype: the kernel reads fp32 tables
             rotary_cos, rotary_sin = rotary_cos.float(), rotary_sin.float()
@@ -118,9 +131,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token
     if (torch.compiler.is_compiling() or torch.jit.is_tracing()
             or not (type(q) is type(k) is type(v) is torch.Tensor)):
         return flash_attn_fwd(q, k, v, o.rotary_cos, o.rotary_sin, o.window_left, o.window_right, o.softmax_scale,
-                              o.rotary_interleaved, o.return_lse, token_major, o.seqused_k)
+                              o.rotary_interleaved, o.return_lse, token_major, o.seqused_k, o.score.softcap,
+                              o.score.alibi_slopes, o.score.sinks)
     p = plan(q, k, v, o, token_major)
-    replay.run(p, key, (q, k, v, o.rotary_cos, o.rotary_sin, o.seqused_k), ROLES)
+    replay.run(p, key, (q, k, v, o.rotary_cos, o.rotary_sin, o.seqused_k, *o.score.tensors), ROLES)
     return p.outputs
 
 
@@ -128,10 +142,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary_cos: Optional[torch.Tensor],
                    rotary_sin: Optional[torch.Tensor], window_left: int, window_right: int, softmax_scale: float,
                    rotary_interleaved: bool, return_lse: bool, token_major: bool,
-                   seqused_k: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   seqused_k: Optional[torch.Tensor] = None, softcap: float = 0.0,
+                   alibi_slopes: Optional[torch.Tensor] = None,
+                   sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    score = options.check_score_options(softcap, alibi_slopes, sinks, batch=q.shape[0], heads_q=q.shape[1],
+                                        device=q.device)
     o = Options(window_left=window_left, window_right=window_right, softmax_scale=softmax_scale,
                 rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-                return_lse=return_lse, seqused_k=seqused_k)
+                return_lse=return_lse, seqused_k=seqused_k, score=score)
     p = plan(q, k, v, o, token_major)
     p.run()
     return p.outputs
@@ -139,5 +157,5 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary_cos
 
 @flash_attn_fwd.register_fake
 def _(q, k, v, rotary_cos, rotary_sin, window_left, window_right, softmax_scale, rotary_interleaved, return_lse,
-      token_major, seqused_k=None):
+      token_major, seqused_k=None, softcap=0.0, alibi_slopes=None, sinks=None):
     return allocate(q, token_major, return_lse)

@@ -1,5 +1,6 @@
 """A call's options, validated into the kernel's terms: the mask (is_causal folded into the window),
-the softmax scale, RoPE tables, per-sequence key counts, the log-sum-exp. Everything here reads
+the softmax scale, RoPE tables, per-sequence key counts, the log-sum-exp, the score transforms
+(softcap, ALiBi, sinks). Everything here reads
 shapes, strides, dtypes and devices only, never values, so it runs on fake tensors too."""
 
 from __future__ import annotations
@@ -18,6 +19,26 @@ LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
+class ScoreOptions:
+    """The score transforms of a call (docs/api.md: score transforms), each applied once to every
+    visible score in the kernels' score step: the logit softcap (flash-attn's ``softcap``: a score
+    s, softmax scale applied, becomes softcap * tanh(s / softcap); 0.0: none), ALiBi slopes
+    (flash-attn's ``alibi_slopes``, fp32 [heads_q] or [batch, heads_q]: -slope * |i + seqlen_k -
+    seqlen_q - j| added to the scaled score of query i and key j) and attention sinks (``sinks``,
+    fp32 [heads_q]: one logit per query head that joins each row's softmax denominator and adds
+    no value)."""
+
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def tensors(self) -> tuple:
+        return (self.alibi_slopes, self.sinks)
+
+
+NO_SCORE_OPTIONS = ScoreOptions()
+@dataclass(frozen=True)
 class Options:
     """A validated call's options, in the kernel's terms."""
 
@@ -29,6 +50,7 @@ class Options:
     rotary_interleaved: bool
     return_lse: bool
     seqused_k: torch.Tensor | None = None  # int32 [batch]: keys each batch uses (a preallocated cache)
+    score: ScoreOptions = NO_SCORE_OPTIONS  # softcap, ALiBi, sinks
 
 
 def as_window(window_size: object) -> object:
@@ -141,7 +163,8 @@ def check_seqused(seqused_k: object, q: torch.Tensor, name: str = "seqused_k") -
 
 def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: object, window_size: object,
              softmax_scale: object, rotary_cos: object, rotary_sin: object, rotary_interleaved: object,
-             return_lse: object, seqused_k: object = None) -> Options:
+             return_lse: object, seqused_k: object = None, softcap: object = 0.0, alibi_slopes: object = None,
+             sinks: object = None) -> Options:
     """Everything but the data pointers, so it runs on fake tensors too. q, k, v: the kernel's view."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_rows(name, t)
@@ -180,14 +203,72 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: ob
     return Options(window_left=left, window_right=right, softmax_scale=softmax_scale,
                    rotary_cos=rotary_cos if rope else None, rotary_sin=rotary_sin if rope else None,
                    rotary_interleaved=bool(rotary_interleaved) if rope else False, return_lse=return_lse,
-                   seqused_k=check_seqused(seqused_k, q))
+                   seqused_k=check_seqused(seqused_k, q),
+                   score=check_score_options(softcap, alibi_slopes, sinks, batch=batch, heads_q=heads_q,
+                                             device=q.device))
 
 
-def refuse_missing_features(dropout_p: object, softcap: object, alibi_slopes: object) -> None:
+def refuse_missing_features(dropout_p: object) -> None:
     """flash-attn's options this library does not have: UnsupportedError naming each."""
     if dropout_p != 0.0:
         raise UnsupportedError(f"dropout_p={dropout_p!r}: rdnattention has no dropout (inference only); pass 0.0")
-    if softcap != 0.0:
-        raise UnsupportedError(f"softcap={softcap!r}: logit softcapping is not implemented; pass 0.0")
+
+
+# The least softcap whose 1 / (softcap * log2(e)), which the kernels multiply by, is a float32.
+_SOFTCAP_MIN = 1.0 / (FLOAT32_MAX / 2) / LOG2E
+
+
+def check_softcap(softcap: object) -> float:
+    """flash-attn's ``softcap``: a finite number, 0.0 (none) or positive, whose product with
+    log2(e) and its reciprocal are float32 numbers (the kernels' terms)."""
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not math.isfinite(softcap):
+        raise InvalidArgumentError(f"softcap must be a finite number (0.0: no cap), got {softcap!r}")
+    if softcap < 0:
+        raise InvalidArgumentError(f"softcap must be 0.0 (no cap) or positive, got {softcap!r}")
+    if softcap and not _SOFTCAP_MIN <= softcap <= FLOAT32_MAX / LOG2E:
+        raise InvalidArgumentError(f"softcap {softcap!r} is outside float32's range for the kernels' terms "
+                                   f"(softcap * log2(e) and its reciprocal); use a value in [{_SOFTCAP_MIN:.3g}, "
+                                   f"{FLOAT32_MAX / LOG2E:.3g}]")
+    return float(softcap)
+
+
+def _check_fp32(name: str, t: object, shapes: tuple[tuple[int, ...], ...], what: str,
+                device: torch.device) -> torch.Tensor:
+    """A float32 tensor of one of ``shapes`` on ``device``, its last dimension contiguous."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype != torch.float32 or tuple(t.shape) not in shapes:
+        raise InvalidArgumentError(f"{name} must be float32 {what}, got {t.dtype} {tuple(t.shape)}")
+    if t.device != device:
+        raise InvalidArgumentError(f"{name} is on {t.device}, q on {device}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise InvalidArgumentError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    if torch.is_grad_enabled() and t.requires_grad:
+        raise UnsupportedError(f"rdnattention is forward-only and {name} requires grad: run it under "
+                               "torch.no_grad() or torch.inference_mode(), or pass a detached tensor")
+    return t
+
+
+def check_score_options(softcap: object = 0.0, alibi_slopes: object = None, sinks: object = None, *, batch: int,
+                        heads_q: int, device: torch.device) -> ScoreOptions:
+    """Validates a call's score transforms (shapes, dtypes and devices only: their values are
+    checked where the call is planned, check_score_values)."""
+    softcap = check_softcap(softcap)
     if alibi_slopes is not None:
-        raise UnsupportedError("alibi_slopes: ALiBi is not implemented; pass None")
+        alibi_slopes = _check_fp32("alibi_slopes", alibi_slopes, ((heads_q,), (batch, heads_q)),
+                                   f"[heads_q] = ({heads_q},) or [batch, heads_q] = ({batch}, {heads_q})", device)
+    if sinks is not None:
+        sinks = _check_fp32("sinks", sinks, ((heads_q,),), f"[heads_q] = ({heads_q},)", device)
+    if not softcap and alibi_slopes is None and sinks is None:
+        return NO_SCORE_OPTIONS
+    return ScoreOptions(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+def check_score_values(values: checks.Values, score: ScoreOptions) -> checks.Values:
+    """Adds the checks of the slopes' and sinks' values to ``values`` (finite, where they are read:
+    checks.reads), after their memory's."""
+    for name, t in (("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
+        if t is not None:
+            checks.check_memory(name, t)
+            values.finite(name, t)
+    return values

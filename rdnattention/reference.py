@@ -33,27 +33,39 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is
                         window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
                         rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
                         rotary_interleaved: bool = False, return_lse: bool = False,
-                        seqused_k: torch.Tensor | None = None):
+                        seqused_k: torch.Tensor | None = None, softcap: float = 0.0,
+                        alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
     """Attention in float64 on the CPU. Shapes [batch, heads, seq, head_dim]; K/V may have fewer heads.
 
     Query i sits at key position i + (Sk - Sq); RoPE rotates queries at those positions and keys at
     0..Sk-1. A row that sees no key is zero (and its log-sum-exp is -inf); a row with a NaN among
     the scores of the keys it sees is NaN, and so is its log-sum-exp (the scores of keys it does
     not see are masked out, NaN or not). ``seqused_k`` (int [batch]): batch b uses its first
-    seqused_k[b] keys only, as if seq_k were that."""
+    seqused_k[b] keys only, as if seq_k were that.
+
+    Score transforms, in this order, on the scaled score s of query i and key j: ``softcap`` > 0
+    makes it softcap * tanh(s / softcap); ``alibi_slopes`` ([heads_q] or [batch, heads_q]) add
+    -slope * |i + Sk - Sq - j|; ``sinks`` ([heads_q]) add one logit per query head to each row's
+    softmax (and its log-sum-exp) that weighs no value, so a row that sees no key is zero with the
+    sink as its log-sum-exp."""
     if seqused_k is not None:  # each batch on its first seqused_k[b] keys, on its own
+        def slopes(b):
+            return alibi_slopes[b:b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
         outs = [attention_reference(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], is_causal=is_causal,
                                     window_size=window_size, softmax_scale=softmax_scale, rotary_cos=rotary_cos,
-                                    rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, return_lse=True)
+                                    rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, return_lse=True,
+                                    softcap=softcap, alibi_slopes=slopes(b), sinks=sinks)
                 for b, n in enumerate(seqused_k.tolist())]
         out, lse = torch.cat([o for o, _ in outs]), torch.cat([x for _, x in outs])
         return (out, lse) if return_lse else out
     q64, k64, v64 = (t.detach().to("cpu", torch.float64) for t in (q, k, v))
     batch, heads_q, seq_q, head_dim = q64.shape
     heads_kv, seq_k = k64.shape[1], k64.shape[2]
-    if seq_k == 0:  # no key at all: every row is zero, its log-sum-exp -inf
+    if seq_k == 0:  # no key at all: every row is zero, its log-sum-exp -inf (or the sink's)
         out = torch.zeros(batch, heads_q, seq_q, head_dim, dtype=torch.float64)
         lse = torch.full((batch, heads_q, seq_q), -math.inf, dtype=torch.float64)
+        if sinks is not None:
+            lse[:] = sinks.detach().to("cpu", torch.float64)[None, :, None]
         return (out, lse) if return_lse else out
     if rotary_cos is not None:
         cos, sin = rotary_cos.detach().cpu(), rotary_sin.detach().cpu()
@@ -67,6 +79,12 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is
     scores = torch.einsum("bhqd,bhkd->bhqk", q64, k64) * scale
     diag = torch.arange(seq_q).unsqueeze(1) + (seq_k - seq_q)
     key = torch.arange(seq_k).unsqueeze(0)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slope = alibi_slopes.detach().to("cpu", torch.float64)
+        slope = slope.expand(batch, heads_q)  # [heads_q] or [batch, heads_q]
+        scores = scores - slope[:, :, None, None] * (diag - key).abs().to(torch.float64)
     left, right = window_size
     if is_causal:
         right = 0 if right < 0 else min(right, 0)
@@ -77,6 +95,9 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is
         visible &= key <= diag + right
 
     scores = scores.masked_fill(~visible, -math.inf)
+    if sinks is not None:  # one more logit per row, of no value: the last column, dropped below
+        sink = sinks.detach().to("cpu", torch.float64)[None, :, None, None].expand(batch, heads_q, seq_q, 1)
+        scores = torch.cat([scores, sink], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
@@ -84,5 +105,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is
     total = weights.sum(dim=-1, keepdim=True)
     # A row that sees no key is zero; a NaN among its visible scores makes it (and its LSE) NaN.
     weights = torch.where(total == 0, torch.zeros_like(weights), weights / torch.where(total == 0, 1.0, total))
+    if sinks is not None:
+        weights = weights[..., :seq_k]
     out = torch.einsum("bhqk,bhkd->bhqd", weights, v64)
     return (out, lse) if return_lse else out

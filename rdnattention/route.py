@@ -102,14 +102,23 @@ class Algorithm:
         return kind(self.family, self.layouts[layout], dtype)
 
 
+# The score transforms, applied in the score step of the fp16 kernels (fa2_policies.h); the int8
+# kernels have none, so a call asking for one is refused there naming it. ALiBi runs the split-KV
+# kernels only (their tiles of at most _splitkv.ALIBI_ROWS rows, any number of rows in chunks): its
+# per-row slopes and distances cost the row-block kernels' tightest AMD tiles registers they do not
+# have (GCN's head_dim 64 spilled, RDNA2's lost a wave), so it is compiled out of them.
+SCORE_TRANSFORMS = (Option.SOFTCAP, Option.ALIBI, Option.SINKS)
+ROW_BLOCK_TRANSFORMS = (Option.SOFTCAP, Option.SINKS)
+
 FP16_ROW_BLOCKS = Algorithm(
     "fp16 row-block", Precision.FP16, split_kv=False, family=f16.NAME,
     layouts={Layout.STRIDED: None, Layout.SEQUSED: "len", Layout.PACKED: "varlen"},
-    options=frozenset({Option.ROTARY, Option.ROW_ORDER}), planner=_fp16_row_blocks)
+    options=frozenset({Option.ROTARY, Option.ROW_ORDER, *ROW_BLOCK_TRANSFORMS}), planner=_fp16_row_blocks)
 FP16_SPLIT_KV = Algorithm(
     "fp16 split-KV", Precision.FP16, split_kv=True, family=dec.NAME,
     layouts={Layout.STRIDED: None, Layout.SEQUSED: None, Layout.PACKED: None, Layout.PAGED: "paged"},
-    options=frozenset({Option.CACHE_ROWS, Option.KEY_SLICES, Option.QUERY_COUNTS}), planner=_fp16_split_kv)
+    options=frozenset({Option.CACHE_ROWS, Option.KEY_SLICES, Option.QUERY_COUNTS, *SCORE_TRANSFORMS}),
+    planner=_fp16_split_kv)
 INT8_ROW_BLOCKS = Algorithm(
     "int8 row-block", Precision.INT8, split_kv=False, family=i8.NAME, layouts={Layout.STRIDED: None},
     options=frozenset({Option.ROW_ORDER}), planner=_int8_row_blocks)

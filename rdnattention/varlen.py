@@ -14,7 +14,7 @@ import torch
 from . import decode, padding, replay
 from .checks import check_dtype, check_int32, check_memory, check_paged, check_same_dtype
 from .errors import InvalidArgumentError, UnsupportedError
-from .options import as_window, check_scale, check_window, refuse_missing_features
+from .options import ScoreOptions, as_window, check_scale, check_score_options, check_window, refuse_missing_features
 
 
 def _check_packed(name: str, t: object, dims: int) -> torch.Tensor:
@@ -42,20 +42,26 @@ def _check_int(name: str, value: object) -> int:
 _NAMES = {"cu_seqlens_q": "cu_seq_q", "cu_seqlens_k": "cu_seq_k", "seq_q": "max_q", "seq_k": "max_k"}
 
 
-def _key(entry: str, q, k, v, cu_q, cu_k, max_q, max_k, seqused_k, block_table, options: tuple) -> tuple | None:
-    """The replay key of a call (replay.key): ints as ints, windows as tuples of two ints, else none."""
+def _key(entry: str, q, k, v, cu_q, cu_k, max_q, max_k, seqused_k, block_table, options: tuple, softcap=0.0,
+         alibi_slopes=None, sinks=None) -> tuple | None:
+    """The replay key of a call (replay.key): ints as ints, windows as tuples of two ints, the
+    softcap with its type, the slopes and sinks as tensors, else none."""
     if (type(q) is not torch.Tensor or type(max_q) is not int or type(max_k) is not int
             or type(options[0]) is not tuple or len(options[0]) != 2 or type(options[0][0]) is not int
             or type(options[0][1]) is not int):
         return None
-    return replay.key(entry, q.device, (q, k, v, cu_q, cu_k, seqused_k, block_table), (max_q, max_k, *options))
+    return replay.key(entry, q.device, (q, k, v, cu_q, cu_k, seqused_k, block_table, alibi_slopes, sinks),
+                      (max_q, max_k, *options, type(softcap), softcap))
 
 
 def _replayed(key, q, k, v, cu_q, cu_k, max_q: int, max_k: int, seqused_k, block_table, return_lse: bool,
-              names: dict[str, str]) -> tuple[torch.Tensor, torch.Tensor] | None:
+              names: dict[str, str], softcap=0.0, alibi_slopes=None,
+              sinks=None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A call of a key planned before, replayed (decode.replayed), or None."""
     if key is None or key not in replay.cache:
         return None
+    # The key holds the softcap's value and the slopes' and sinks' shapes, dtypes and devices: valid.
+    score = ScoreOptions(softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks)
     cu_k = None if block_table is not None else cu_k
 
     def check() -> None:  # the index values, where they are read: as decode.prepare checks them
@@ -65,12 +71,13 @@ def _replayed(key, q, k, v, cu_q, cu_k, max_q: int, max_k: int, seqused_k, block
                             names={**_NAMES, **names, **({"seq_k": "block_table's pages per sequence * page_size"}
                                                          if block_table is not None else {})})
     return decode.replayed(key, q, k, v, seqused_k=seqused_k, block_table=block_table, cu_seqlens_q=cu_q,
-                           cu_seqlens_k=cu_k, return_lse=return_lse, check=check)
+                           cu_seqlens_k=cu_k, return_lse=return_lse, check=check, score=score)
 
 
 def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_size, gqa: bool, seqused_k,
-               block_table, num_splits: int, return_lse: bool,
-               names: dict[str, str] | None = None, key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               block_table, num_splits: int, return_lse: bool, names: dict[str, str] | None = None,
+               key: tuple | None = None, softcap=0.0, alibi_slopes=None,
+               sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
     names = names or {}
 
     def n(name: str) -> str:  # the entry point's name of an argument
@@ -120,6 +127,7 @@ def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_siz
     left, right = check_window(window_size)
     left, right = (-1 if left >= max(seq_k, 1) else left), (max_q if right >= max_q else right)
     scale = check_scale(scale, head_dim, n("scale"))
+    score = check_score_options(softcap, alibi_slopes, sinks, batch=batch, heads_q=heads_q, device=device)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise UnsupportedError("rdnattention is forward-only and an input requires grad: run it under "
                                "torch.no_grad() or torch.inference_mode()")
@@ -128,33 +136,37 @@ def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_siz
     return decode.forward(q, k, v, window=(left, right), softmax_scale=scale, return_lse=return_lse,
                           extents=decode.Extents(batch=batch, seq_q=max_q, seq_k=seq_k), seqused_k=seqused_k,
                           block_table=block_table, cu_seqlens_q=cu_q, cu_seqlens_k=None if paged else cu_k,
-                          num_splits=num_splits, names={**_NAMES, **names}, key=key)
+                          num_splits=num_splits, names={**_NAMES, **names}, key=key, score=score)
 
 
 def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None,
+                softcap=0.0, alibi_slopes=None, sinks=None):
     """torch.nn.attention.varlen.varlen_attn's signature and semantics (forward only): query
     [total_q, heads_q, head_dim], key and value [total_k, heads_kv, head_dim] (or a page pool
     [pages, page_size, heads_kv, head_dim] with ``block_table`` int32 [batch, pages per sequence],
     which needs ``seqused_k``), cu_seq_q / cu_seq_k int32 [batch + 1]. ``window_size=(-1, 0)`` is
     causal. Returns the output [total_q, heads_q, head_dim], and with ``return_aux.lse`` the
     log-sum-exp, float32 [heads_q, total_q] (the layout torch's kernels return). ``num_splits``:
-    key slices (None: chosen from the device; 1: none, so results never depend on the batch)."""
+    key slices (None: chosen from the device; 1: none, so results never depend on the batch).
+    Beyond torch's signature, the score transforms of :func:`rdnattention.flash_attn` (keywords
+    ``softcap``, ``alibi_slopes`` fp32 [heads_q] or [batch, heads_q], ``sinks`` fp32 [heads_q])."""
     if not isinstance(enable_gqa, bool):
         raise InvalidArgumentError(f"enable_gqa must be a bool, got {enable_gqa!r}")
     want_lse = bool(getattr(return_aux, "lse", False)) if return_aux is not None else False
     window_size = as_window(window_size)
     plan_key = _key("varlen_attn", query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table,
-                    (window_size, type(scale), scale, enable_gqa, type(num_splits), num_splits, want_lse))
+                    (window_size, type(scale), scale, enable_gqa, type(num_splits), num_splits, want_lse), softcap,
+                    alibi_slopes, sinks)
     hit = _replayed(plan_key, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table, want_lse,
-                    {})
+                    {}, softcap, alibi_slopes, sinks)
     if hit is not None:
         out, lse = hit
         return (out, lse) if want_lse else out
     splits = 0 if num_splits is None else _check_int("num_splits", num_splits)
     out, lse = _attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
                           gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=splits,
-                          return_lse=want_lse, key=plan_key)
+                          return_lse=want_lse, key=plan_key, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     return (out, lse) if want_lse else out
 
 
@@ -167,38 +179,40 @@ _FLASH_NAMES = {"query": "q", "key": "k", "value": "v", "cu_seq_q": "cu_seqlens_
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, *, sinks=None):
     """flash-attn's ``flash_attn_varlen_func`` (forward only): q [total_q, heads, head_dim], k and v
     [total_k, heads_kv, head_dim] (fewer heads: GQA), or a page pool with ``block_table``.
     Returns out [total_q, heads, head_dim], or ``(out, softmax_lse, None)`` with
     ``return_attn_probs=True`` (lse float32 [heads, total_q]). As flash-attn's entry does, a
     head_dim that is not a multiple of 8 (up to 256) is padded with zeros and the output sliced
     back, and tensors whose rows are not contiguous and 16-byte aligned are copied (padding.py).
-    ``window_size``: a pair of ints, or of a CPU tensor (options.as_window). dropout, softcap and
-    ALiBi raise UnsupportedError; the kernels are deterministic, so ``deterministic`` needs
-    nothing."""
+    ``window_size``: a pair of ints, or of a CPU tensor (options.as_window). ``softcap`` and
+    ``alibi_slopes`` (fp32 [heads] or [batch, heads]) as flash-attn's; ``sinks`` (keyword, fp32
+    [heads]): attention sinks (docs/api.md). dropout raises UnsupportedError; the kernels are
+    deterministic, so ``deterministic`` needs nothing."""
     return _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                          causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
-                         entry="flash_attn_varlen_func", names=_FLASH_NAMES)
+                         entry="flash_attn_varlen_func", names=_FLASH_NAMES, sinks=sinks)
 
 
 def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                   window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, *, entry: str,
-                  names: dict[str, str]):
+                  names: dict[str, str], sinks=None):
     """flash_attn_varlen_func and its packed forms (``entry``), their errors in the entry point's
     ``names`` of the arguments."""
-    refuse_missing_features(dropout_p, softcap, alibi_slopes)
+    refuse_missing_features(dropout_p)
     window_size = as_window(window_size)
     plan_key = _key(entry, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None,
                     block_table, (window_size, type(softmax_scale), softmax_scale, type(causal), causal,
-                                  type(deterministic), deterministic, type(return_attn_probs), return_attn_probs))
+                                  type(deterministic), deterministic, type(return_attn_probs), return_attn_probs),
+                    softcap, alibi_slopes, sinks)
     if plan_key is not None and plan_key in replay.cache:
         lengths = None
         if block_table is not None:
             check_memory(names["cu_seqlens_k"], cu_seqlens_k)
             lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
         hit = _replayed(plan_key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, lengths,
-                        block_table, return_attn_probs, names)
+                        block_table, return_attn_probs, names, softcap, alibi_slopes, sinks)
         if hit is not None:
             out, lse = hit
             return (out, lse, None) if return_attn_probs else out
@@ -211,7 +225,7 @@ def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-            return_attn_probs=return_attn_probs, block_table=block_table), scale_name="softmax_scale")
+            return_attn_probs=return_attn_probs, block_table=block_table, sinks=sinks), scale_name="softmax_scale")
     left, right = check_window(window_size)
     if causal:
         right = 0 if right < 0 else min(right, 0)
@@ -229,7 +243,8 @@ def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         del names["seqused_k"]
     out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
                           window_size=(left, right), gqa=True, seqused_k=seqused_k, block_table=block_table,
-                          num_splits=0, return_lse=return_attn_probs, names=names, key=plan_key)
+                          num_splits=0, return_lse=return_attn_probs, names=names, key=plan_key, softcap=softcap,
+                          alibi_slopes=alibi_slopes, sinks=sinks)
     return (out, lse, None) if return_attn_probs else out
 
 

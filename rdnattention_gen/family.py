@@ -35,7 +35,8 @@ class OracleCase:
     the call's (is_causal, window_size, softmax_scale, rope) and its layout's: ``seqused_k`` (keys
     each sequence uses), ``seqlens_q``/``seqlens_k`` (a packed batch: batch, seq_q and seq_k are
     their count and longest), ``page_size`` (a paged cache of seq_k keys per sequence),
-    ``num_splits`` (key slices)."""
+    ``num_splits`` (key slices); and the score transforms: ``softcap``, ``alibi`` (slopes per
+    ``heads`` or per ``batch`` and head) and ``sinks`` (True), the tensors made by the test."""
 
     batch: int
     heads_q: int

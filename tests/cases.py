@@ -87,12 +87,22 @@ def make_case(name, head_dim, fam="f16", dtype="fp16"):
         options["rotary_interleaved"] = head_dim % 64 == 0
     if "seqused_k" in options:
         options["seqused_k"] = torch.tensor(options["seqused_k"], dtype=torch.int32)
+    alibi = options.pop("alibi", None)
+    if alibi is not None:  # Bloom's slopes 2^(-8h/H), per batch scaled by a factor in [1, 2)
+        slopes = 2.0 ** (-8.0 * torch.arange(1, case.heads_q + 1) / case.heads_q)
+        if alibi == "batch":
+            slopes = slopes * (1 + torch.rand(case.batch, 1, generator=g))
+        options["alibi_slopes"] = slopes.float()
+    if options.pop("sinks", False):  # near the rows' log-sum-exps, so that they weigh
+        options["sinks"] = (torch.randn(case.heads_q, generator=g) * 2 + 3).float()
     return q, k, v, options
 
 
 # --- entry points: each runs a case and returns (out, lse, ref, ref_lse, int8)
 
 def _flash_attn(q, k, v, options):
+    if "num_splits" in options:  # a slice count: through the cache entry point, which takes one
+        return _kvcache(q, k, v, options)
     out, lse = flash_attn(q, k, v, return_lse=True, **options)
     return (out, lse, *attention_reference(q, k, v, return_lse=True, **options), False)
 
@@ -109,10 +119,15 @@ def _varlen(q, k, v, options):
     """Sequence b: its first seqlens_q[b] query rows and seqlens_k[b] keys, packed."""
     lq, lk = options.pop("seqlens_q"), options.pop("seqlens_k")
     causal, window = options.pop("is_causal", False), options.pop("window_size", (-1, -1))
+    slopes = options.pop("alibi_slopes", None)
+
+    def alibi(b):  # sequence b's slopes: [batch, heads] per sequence
+        return slopes[b] if slopes is not None and slopes.dim() == 2 else slopes
     out, lse, _ = flash_attn_varlen_func(_packed(q, lq), _packed(k, lk), _packed(v, lk), _cu(lq), _cu(lk), max(lq),
-                                         max(lk), causal=causal, window_size=window, return_attn_probs=True, **options)
+                                         max(lk), causal=causal, window_size=window, return_attn_probs=True,
+                                         alibi_slopes=slopes, **options)
     refs = [attention_reference(q[b:b + 1, :, :nq], k[b:b + 1, :, :nk], v[b:b + 1, :, :nk], return_lse=True,
-                                is_causal=causal, window_size=window, **options)
+                                is_causal=causal, window_size=window, alibi_slopes=alibi(b), **options)
             for b, (nq, nk) in enumerate(zip(lq, lk))]
     ref = torch.cat([r[0, :].transpose(0, 1) for r, _ in refs])  # packed [total_q, heads, d]
     ref_lse = torch.cat([x[0] for _, x in refs], dim=1)         # [heads, total_q]

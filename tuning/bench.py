@@ -14,7 +14,8 @@ included.
 Causal rows also time the launch with row blocks in launch order instead of longest first.
 The bf16 section (bench_bf16.md) times the bf16 kernels beside the fp16 ones at the same shapes on
 the same values (BF16_SHAPES, and the decode shapes), in turn: the target is the same speed within 5%.
-Writes bench.md, bench_decode.md, bench_bf16.md and bench.png to --out."""
+The score transforms (softcap, ALiBi, sinks) are timed against plain attention on the same shapes.
+Writes bench.md, bench_decode.md, bench_bf16.md, bench_score.md and bench.png to --out."""
 
 from __future__ import annotations
 
@@ -254,6 +255,42 @@ def varlen_section(device, rounds: int = 5) -> str:
             f"{ms['padded']:.3f} ms")
 
 
+# Score transforms against plain causal on the same tensors (the target: each at most 5% slower):
+# (label, batch, heads_q, heads_kv, seq_q, seq_k, head_dim); prefill rows causal, decode rows on the
+# whole cache.
+SCORE_SHAPES = [
+    ("1x32x2048x128 causal", 1, 32, 32, 2048, 2048, 128),
+    ("1x32x2048x64 causal", 1, 32, 32, 2048, 2048, 64),
+    ("Gemma 2 8/4 S4096 D256 causal", 1, 8, 4, 4096, 4096, 256),
+    ("gpt-oss 64/8 S4096 D64 causal", 1, 64, 8, 4096, 4096, 64),
+    ("decode H32 Sk8192 D128", 1, 32, 32, 1, 8192, 128),
+    ("decode GQA 64/8 Sk8192 D64", 1, 64, 8, 1, 8192, 64),
+]
+
+
+def score_transform_section(device, rounds: int = 7) -> str:
+    """Each SCORE_SHAPES row plain, with a logit softcap (50), ALiBi slopes (per head), attention
+    sinks (per head) and all three, replayed from CUDA graphs and timed in turn (graph_ms); the
+    cost of each against plain, in percent (the target: at most 5)."""
+    from rdnattention import plan_flash_attn
+
+    lines = [f"GPU: {torch.cuda.get_device_name(device)}; score transforms against plain (same kernels, a "
+             "runtime branch); kernel times from CUDA-graph replays", "",
+             "| shape | plain ms | softcap | ALiBi | sinks | all three |", "|---|---|---|---|---|---|"]
+    for label, b, hq, hk, sq, sk, d in SCORE_SHAPES:
+        q, k, v = shape_inputs(b, hq, hk, sq, sk, d, device)
+        causal = sq > 1
+        slopes = 2.0 ** (-8.0 * torch.arange(1, hq + 1, device=device) / hq)
+        sinks = torch.randn(hq, device=device)
+        options = {"plain": {}, "softcap": {"softcap": 50.0}, "alibi": {"alibi_slopes": slopes},
+                   "sinks": {"sinks": sinks}, "all": {"softcap": 50.0, "alibi_slopes": slopes, "sinks": sinks}}
+        plans = {name: plan_flash_attn(q, k, v, is_causal=causal, **kw) for name, kw in options.items()}
+        ms = graph_ms(plans, rounds)
+        cost = [f"{100 * (ms[name] / ms['plain'] - 1):+.1f}%" for name in ("softcap", "alibi", "sinks", "all")]
+        lines.append(f"| {label} | {ms['plain']:.4f} | " + " | ".join(cost) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
@@ -270,6 +307,9 @@ def main() -> int:
     decode = decode_section(device) + "\n\n" + int8_decode_line(device) + "\n\n" + varlen_section(device)
     print(decode)
     (args.out / "bench_decode.md").write_text(decode + "\n")
+    score = score_transform_section(device)
+    print(score)
+    (args.out / "bench_score.md").write_text(score + "\n")
     if args.decode_only:
         return 0
     peak = fma_peak_tflops(device)  # the probe in the target's own code object

@@ -15,7 +15,7 @@ import functools
 import os
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnsupportedError
 from ..plan import Launch, Plan
 from ..table import KernelEntry, TargetTable
 from . import combine, f16
@@ -61,13 +61,30 @@ def slices(seq_k: int, keys_per_step: int, splits: int) -> int:
     return max(1, -(-seq_k // per)) if seq_k else 1
 
 
+# The most query rows a tile may hold to apply ALiBi (fa2_decode.h: FA2_DECODE_ALIBI_ROWS, the same):
+# its per-row slope takes a register that tiles of more rows do not have to spare (they spilled), so
+# ALiBi calls run tiles of at most this many rows (select), in more row chunks.
+ALIBI_ROWS = 2
+
+
 def select(table: TargetTable, family: str, head_dim: int, rows: int, kernel: str | None = None,
-           layout: str | None = None, dtype: str | None = None) -> KernelEntry:
+           layout: str | None = None, most_rows: int | None = None, dtype: str | None = None) -> KernelEntry:
     """The entry of ``family`` (compiled for ``layout`` and ``dtype``) for ``rows`` query rows per K/V
     head (tiles for few rows say so with ``when: {rows: ...}``); rows beyond its br take several row
-    chunks."""
-    return table.select(family, layout=layout, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=rows,
-                        rows=rows, kernel=kernel, dtype=dtype)
+    chunks. ``most_rows``: the tile may hold no more rows than that (ALiBi: ALIBI_ROWS), the entry for
+    fewer rows chosen where the one for ``rows`` holds more; UnsupportedError where none does."""
+    def pick(n: int) -> KernelEntry:
+        return table.select(family, layout=layout, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=n,
+                            rows=n, kernel=kernel, dtype=dtype)
+    entry = pick(rows)
+    if most_rows is None or entry.br <= most_rows:
+        return entry
+    for fewer in range(min(rows, most_rows), 0, -1):
+        entry = pick(fewer)
+        if entry.br <= most_rows:
+            return entry
+    raise UnsupportedError(f"ALiBi on the split-KV kernels needs a tile of at most {most_rows} query rows; the "
+                           f"{family} kernel for head_dim {head_dim} on {table.target} ({entry.name}) holds {entry.br}")
 
 
 def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Structure], layout: str | None = None,
@@ -82,7 +99,8 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
     heads_kv = k.shape[1]
     group = heads_q // heads_kv
     dtype = getattr(call, "dtype", None)  # an int8 call has none
-    entry = select(table, family, head_dim, group * call.seq_q, kernel, layout, dtype)
+    entry = select(table, family, head_dim, group * call.seq_q, kernel, layout,
+                   most_rows=ALIBI_ROWS if call.alibi_slopes is not None else None, dtype=dtype)
     chunks = -(-group * call.seq_q // entry.br)
     if call.num_splits:
         splits = slices(call.seq_k, entry.bc, call.num_splits)
@@ -115,6 +133,7 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
     for key in ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "window_left", "window_right"):
         if not -2**31 <= fields[key] < 2**31:
             raise InvalidArgumentError(f"{key} = {fields[key]} does not fit the kernel's 32-bit field")
+    fields.update(f16.score_fields(call))  # softcap, ALiBi, sinks: where the call has them
     fields.update(extra or {})
     # The launches, and with them their grids, are checked here; the scratch is allocated where the
     # plan runs (Plan.run, or a stream's workspace), never for a grid beyond the limits.
@@ -128,7 +147,8 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
         scratch_lse = workspace.align(rows * head_dim * 4)
         scratch_bytes = scratch_lse + workspace.align(rows * 4)
     buffers = tuple(t for t in (q, k, v, call.out, call.lse, call.seqused_k, call.cache_batch_idx, call.block_table,
-                                call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q, *buffers)
+                                call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q,
+                                call.alibi_slopes, call.sinks, *buffers)
                     if t is not None)
     return Plan(table=table, device=q.device, launches=launches, outputs=(call.out, call.lse), buffers=buffers,
                 scratch_bytes=scratch_bytes, scratch_lse=scratch_lse)

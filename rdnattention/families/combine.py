@@ -34,6 +34,7 @@ ARGS = ArgStruct("Fa2CombineArgs", (
     ("seq_q", "int"),
     ("splits", "int"),
     ("total_q", "int"),  # packed batches: the rows cu_seqlens_q may address (clamped into them)
+    ("sinks", "const float*"),  # fp32 [heads_q]: each row's attention sink joins here, once; null: none
 ))
 Fa2CombineArgs = ARGS.ctype
 
@@ -63,6 +64,8 @@ def launch(table: TargetTable, call, head_dim: int, splits: int, dtype: str | No
             fields.update(lse_stride_b=0, lse_stride_h=call.lse.stride(0))
     if call.seqused_q is not None:
         fields["seqused_q"] = call.seqused_q.data_ptr()
+    if call.sinks is not None:
+        fields["sinks"] = call.sinks.data_ptr()
     rows = call.batch * call.q.shape[1] * call.seq_q
     return Launch(kernel=entry, grid=(rows, 1, 1), block=entry.threads, shared_bytes=table.shared_bytes(entry),
                   args=Fa2CombineArgs(**fields))

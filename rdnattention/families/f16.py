@@ -88,6 +88,18 @@ VARLEN_FIELDS = (("cu_seqlens_q", "const int*"), ("cu_seqlens_k", "const int*"))
 # kernels clamp the offsets into them (fa2_policies.h), since their values are not read on a GPU.
 PACKED_BOUND_FIELDS = (("total_q", "int"), ("total_k", "int"))
 
+# Score transforms (fa2_policies.h), each off at its zero: the logit softcap as C = softcap * log2(e)
+# and 1 / C (0, 0: no cap); ALiBi slopes fp32, element [b * alibi_stride_b + query head] (a stride
+# of 0: one slope per head); attention sinks fp32 [heads_q] (natural log). Null: none.
+SCORE_FIELDS = (
+    ("softcap_log2", "float"),
+    ("softcap_inv", "float"),
+    ("alibi_slopes", "const float*"),
+    ("alibi_stride_b", "long long"),
+    ("sinks", "const float*"),
+)
+
+
 # q, k, v, o: fp16 rows, or bf16 rows in the bf16 kernels (16-bit words either way: the element
 # policy says what they are).
 ARGS = ArgStruct("Fa2Args", (
@@ -108,6 +120,7 @@ ARGS = ArgStruct("Fa2Args", (
     ("rotary_interleaved", "int"),  # 1: rotate pairs (2i, 2i+1); 0: rotate halves (i, i + rotary_dim/2)
     ("heavy_first", "int"),  # 1: workgroups take row blocks longest first (causal-like masks)
     *PACKED_BOUND_FIELDS,
+    *SCORE_FIELDS,
 ))
 Fa2Args = ARGS.ctype
 
@@ -172,6 +185,20 @@ def common_fields(q, k, v, out, lse, window: tuple[int, int], softmax_scale: flo
     return fields
 
 
+def score_fields(call) -> dict:
+    """The score-transform fields of ``call`` (an Attention): only those it sets, so a struct without
+    them (the int8 families') is filled as before."""
+    fields = {}
+    if call.softcap:
+        fields.update(softcap_log2=call.softcap * _LOG2E, softcap_inv=1.0 / (call.softcap * _LOG2E))
+    if call.alibi_slopes is not None:
+        slopes = call.alibi_slopes
+        fields.update(alibi_slopes=slopes.data_ptr(), alibi_stride_b=slopes.stride(0) if slopes.dim() == 2 else 0)
+    if call.sinks is not None:
+        fields["sinks"] = call.sinks.data_ptr()
+    return fields
+
+
 def packed_rows(t) -> int:
     """The rows of ``t`` [batch, heads, rows, head_dim] that packed offsets (zero batch stride) may
     address: its rows, and those of the batches before the last where its batch stride is a whole
@@ -221,7 +248,8 @@ def plan(table: TargetTable, call: Call) -> Plan:
         fields.update(rotary_cos=call.rotary_cos.data_ptr(), rotary_sin=call.rotary_sin.data_ptr(),
                       rotary_stride=call.rotary_cos.stride(0), rotary_dim=2 * call.rotary_cos.shape[1],
                       rotary_interleaved=int(call.rotary_interleaved))
+    fields.update(score_fields(call))
     launch = row_block_launch(table, entry, Fa2Args, fields)
     buffers = tuple(t for t in (q, k, call.v, call.out, call.lse, call.rotary_cos, call.rotary_sin, call.seqused_k,
-                                call.cu_seqlens_q, call.cu_seqlens_k) if t is not None)
+                                call.cu_seqlens_q, call.cu_seqlens_k, call.alibi_slopes, call.sinks) if t is not None)
     return Plan(table=table, device=q.device, launches=[launch], outputs=(call.out, call.lse), buffers=buffers)

@@ -15,21 +15,27 @@ a mask runs `scaled_dot_product_attention` with torch's semantics. Both go throu
 ``rdnattention::padded_attention_fwd``, so compiled models call it whole. Anything else falls back
 to transformers' sdpa attention, with one warning per reason and every call counted in
 ``fallbacks``: a dtype other than float16 and bfloat16 (or mixed dtypes), a head_dim with no built
-kernel, dropout while training, gradients, softcapping, attention outputs or position biases, tensors or masks the kernels do not
+kernel, dropout while training, gradients, attention outputs or position biases, tensors or masks the kernels do not
 take, any other mask (biases, sliding windows, document masks), and calls captured into a CUDA
 graph (reading the mask needs the device: transformers' compiled StaticCache generation captures
 its decode steps; eager generation with a StaticCache runs the kernels). Reading the mask costs
-one device synchronisation per call. Rows of padding queries are zero."""
+one device synchronisation per call. Rows of padding queries are zero. A logit softcap (Gemma 2's
+``softcap``) and attention sinks (gpt-oss's ``s_aux``, one logit per query head) run in the kernels
+(rdnattention's ``softcap`` and ``sinks``); where such a call falls back, it runs the attention
+written out in torch (softmax of the capped scores, the sinks in the denominator), which sdpa
+cannot express."""
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 from collections import Counter
+from typing import Optional
 
 import torch
 
-from .. import api, checks, route
+from .. import api, checks, options, route
 from ..errors import InvalidArgumentError, KernelsNotBuiltError, UnsupportedError
 
 NAME = "rdnattention"
@@ -74,6 +80,12 @@ def register(name: str = NAME) -> str:
 
 def _fallback(reason: str, module, query, key, value, attention_mask, **kwargs):
     _fell_back(reason)
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if softcap or sinks is not None:  # sdpa has neither: the attention written out
+        scale = query.shape[-1] ** -0.5 if kwargs.get("scaling") is None else float(kwargs["scaling"])
+        causal = bool(kwargs["is_causal"] if kwargs.get("is_causal") is not None else getattr(module, "is_causal", True))
+        mask = attention_mask if attention_mask is not None else query.new_empty(0, dtype=torch.bool)
+        return _math(query, key, value, mask, causal, scale, float(softcap or 0.0), sinks), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -87,9 +99,17 @@ def _unsupported(module, query, key, value, dropout: float, kwargs: dict) -> str
         return f"dropout {dropout} while training: the kernels are inference only"
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return "inputs that require grad: the kernels are forward only"
-    for name in ("softcap", "position_bias", "s_aux"):
-        if kwargs.get(name) is not None:
-            return f"{name} is not supported"
+    if kwargs.get("position_bias") is not None:
+        return "position_bias is not supported"
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if softcap is not None:
+        try:
+            options.check_softcap(softcap)
+        except InvalidArgumentError as e:
+            return str(e)
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (query.shape[1],)
+                              or sinks.device != query.device or not sinks.is_floating_point()):
+        return "s_aux that is not one floating-point logit per query head on the query's device"
     if kwargs.get("output_attentions"):
         return "output_attentions: the attention weights are never materialised"
     return None
@@ -208,18 +228,44 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         left = sliding_window - 1
     if attention_mask is None:
         attention_mask = query.new_empty(0, dtype=torch.bool)  # none: torch's SDPA semantics
-    return padded_attention_fwd(query, key, value, attention_mask, causal, scale, left), None
+    softcap, sinks = float(kwargs.get("softcap") or 0.0), kwargs.get("s_aux")
+    if sinks is not None:  # a parameter in the model's dtype: the kernels read fp32 logits
+        sinks = sinks.detach().to(torch.float32)
+    return padded_attention_fwd(query, key, value, attention_mask, causal, scale, left, softcap, sinks), None
 
 
-def _sdpa(query, key, value, mask, causal: bool, scale: float, left: int = -1) -> torch.Tensor:
+def _math(query, key, value, mask, causal: bool, scale: float, softcap: float, sinks) -> torch.Tensor:
+    """The attention of a model with a softcap or sinks written out in torch, as transformers' eager
+    attention computes it (fp32 softmax), as [batch, seq_q, heads, head_dim]; ``mask`` empty: none
+    (sdpa's semantics: causal top-left)."""
+    group = query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    s = (query @ k.transpose(2, 3)).float() * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if mask.numel():
+        s = s + (torch.where(mask, 0.0, -math.inf) if mask.dtype == torch.bool else mask.float())
+    elif causal and query.shape[2] > 1:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    if sinks is not None:
+        s = torch.cat([s, sinks.float().reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)[..., :key.shape[2]]
+    return (p.to(v.dtype) @ v).transpose(1, 2).contiguous()
+
+
+def _sdpa(query, key, value, mask, causal: bool, scale: float, left: int = -1, softcap: float = 0.0,
+          sinks=None) -> torch.Tensor:
     """What transformers' sdpa attention computes, as [batch, seq_q, heads, head_dim] (``left`` >= 0:
-    a causal sliding window, made a mask where none is given)."""
+    a causal sliding window, made a mask where none is given; with a softcap or sinks, which sdpa
+    has not: _math)."""
     gqa = key.shape[1] != query.shape[1]
     if mask.numel() == 0 and left >= 0:
         seq_q, seq_k = query.shape[2], key.shape[2]
         diagonal = torch.arange(seq_q, device=query.device)[:, None] + (seq_k - seq_q)
         keys = torch.arange(seq_k, device=query.device)[None, :]
         mask = (keys <= diagonal) & (keys >= diagonal - left)
+    if softcap or sinks is not None:
+        return _math(query, key, value, mask, causal, scale, softcap, sinks)
     if mask.numel() == 0:
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, is_causal=causal and query.shape[2] > 1, scale=scale, enable_gqa=gqa)
@@ -241,51 +287,73 @@ def _fell_back(reason: str) -> None:
 
 @torch.library.custom_op("rdnattention::padded_attention_fwd", mutates_args=())
 def padded_attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                         causal: bool, scale: float, left: int = -1) -> torch.Tensor:
-    """The attention of a padded batch as [batch, seq_q, heads, head_dim]; ``mask`` empty: none. A
-    custom op, so that compiled models (transformers compiles StaticCache generation) call it whole:
-    reading the mask needs the device, which a CUDA graph being captured cannot give; such calls
-    run torch's SDPA with the mask, with a warning."""
+                         causal: bool, scale: float, left: int = -1, softcap: float = 0.0,
+                         sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The attention of a padded batch as [batch, seq_q, heads, head_dim]; ``mask`` empty: none;
+    ``left`` >= 0: a causal sliding window of left + 1 keys; ``softcap`` (0.0: none) and ``sinks``
+    (fp32 [heads_q] or None) as rdnattention's. A custom op, so that compiled models (transformers
+    compiles StaticCache generation) call it whole: reading the mask needs the device, which a CUDA
+    graph being captured cannot give; such calls run torch's SDPA with the mask (_math with a
+    softcap or sinks), with a warning."""
+    transforms = (left, softcap, sinks)
     reason = _tensors_unsupported(query, key, value)
     if reason is None and mask.numel():
         reason = _check_mask(mask, query, key)
     if reason:  # attention_forward sends these calls to sdpa; a direct call of the op runs torch's SDPA
         _fell_back(reason)
-        return _sdpa(query, key, value, mask, causal, scale, left)
+        return _sdpa(query, key, value, mask, causal, scale, *transforms)
     try:
         if mask.numel() == 0 and left >= 0:  # a sliding window over whole sequences: no mask to read
             batch, seq_q, seq_k = query.shape[0], query.shape[2], key.shape[2]
             runs = tuple(torch.full((batch,), x, dtype=torch.int32, device=query.device) for x in (0, seq_q, 0, seq_k))
-            out = _padded(query, key, value, runs, causal, scale, left)
+            out = _padded(query, key, value, runs, causal, scale, left, softcap, sinks)
             _count_served()
             return out
         if mask.numel() == 0:
+            if softcap or sinks is not None:
+                out = _unmasked(query, key, value, causal and query.shape[2] > 1, scale, softcap, sinks)
+                _count_served()
+                return out
             out = api.scaled_dot_product_attention(query, key, value, is_causal=causal and query.shape[2] > 1,
                                                    scale=scale, enable_gqa=key.shape[1] != query.shape[1])
             _count_served()
             return out.transpose(1, 2).contiguous()
         if not checks.can_read(mask):
             _fell_back("a CUDA graph is being captured, and reading the attention mask needs the device")
-            return _sdpa(query, key, value, mask, causal, scale, left)
+            return _sdpa(query, key, value, mask, causal, scale, *transforms)
         checks.check_memory("attention_mask", mask)
         runs = _runs(_broadcast(mask, query, key), causal, left)
         if runs is None:
             _fell_back("an attention mask that is not causal or full over one run of valid positions per sequence")
-            return _sdpa(query, key, value, mask, causal, scale, left)
-        out = _padded(query, key, value, runs, causal, scale, left)
+            return _sdpa(query, key, value, mask, causal, scale, *transforms)
+        out = _padded(query, key, value, runs, causal, scale, left, softcap, sinks)
         _count_served()
         return out
     except (UnsupportedError, KernelsNotBuiltError) as e:
         _fell_back(str(e))
-        return _sdpa(query, key, value, mask, causal, scale, left)
+        return _sdpa(query, key, value, mask, causal, scale, *transforms)
 
 
 @padded_attention_fwd.register_fake
-def _(query, key, value, mask, causal, scale, left=-1):
+def _(query, key, value, mask, causal, scale, left=-1, softcap=0.0, sinks=None):
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
 
 
-def _padded(query, key, value, runs, causal: bool, scale: float, left: int = -1) -> torch.Tensor:
+def _unmasked(query, key, value, causal: bool, scale: float, softcap: float, sinks) -> torch.Tensor:
+    """A call without a mask, with a softcap or sinks, with sdpa's semantics (causal top-left, as
+    api.scaled_dot_product_attention maps it onto flash_attn's windows)."""
+    seq_q, seq_k = query.shape[2], key.shape[2]
+    window = (-1, -1)
+    if causal and seq_k > seq_q:  # no query sees a key at or past seq_q
+        key, value, window = key[:, :, :seq_q], value[:, :, :seq_q], (-1, 0)
+    elif causal:
+        window = (-1, seq_q - seq_k)
+    out = api.flash_attn(query, key, value, window_size=window, softmax_scale=scale, softcap=softcap, sinks=sinks)
+    return out.transpose(1, 2).contiguous()
+
+
+def _padded(query, key, value, runs, causal: bool, scale: float, left: int = -1, softcap: float = 0.0,
+            sinks=None) -> torch.Tensor:
     q0, sq, k0, n = runs
     if query.stride(0) % query.stride(2) or query.stride(3) != 1:
         query = query.contiguous()
@@ -295,8 +363,10 @@ def _padded(query, key, value, runs, causal: bool, scale: float, left: int = -1)
     batch, _, seq_q, _ = query.shape
     call = route.Attention(q=query, k=key, v=value, out=out, lse=None, window=(left, 0) if causal else (-1, -1),
                            softmax_scale=scale, batch=batch, seq_q=seq_q, seq_k=key.shape[2], seqused_k=n,
-                           cu_seqlens_q=_offsets(query, q0), cu_seqlens_k=_offsets(key, k0), seqused_q=sq)
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        checks.check_memory(name, t)
+                           cu_seqlens_q=_offsets(query, q0), cu_seqlens_k=_offsets(key, k0), seqused_q=sq,
+                           softcap=softcap, sinks=sinks)
+    for name, t in (("query", query), ("key", key), ("value", value), ("s_aux", sinks)):
+        if t is not None:
+            checks.check_memory(name, t)
     route.plan(route.device_table(query.device), call).run()
     return out.transpose(1, 2).contiguous()

@@ -33,6 +33,9 @@ class Combine(HeadDimAxis, Family):
     oracle_cases = {
         "slices": OracleCase(2, 4, 2, 1, 300, {"num_splits": 3}),
         "slices_causal": OracleCase(1, 4, 1, 2, 257, {"num_splits": 5, "is_causal": True}),
+        # Score transforms across slices: each row's sink joins once, in the combine.
+        "slices_score": OracleCase(2, 4, 2, 1, 300, {"num_splits": 3, "softcap": 3.0, "alibi": "batch", "sinks": True}),
+        "slices_sinks_causal": OracleCase(1, 4, 1, 2, 257, {"num_splits": 5, "is_causal": True, "sinks": True}),
     }
     dtypes = runtime.DTYPES  # bf16: the combine of the bf16 dec kernels stores bf16
     tiles_family = "dec"

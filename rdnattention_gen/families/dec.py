@@ -91,6 +91,17 @@ class Dec(HeadDimAxis, Family):
         "paged": OracleCase(2, 4, 2, 1, 256, {"page_size": 16, "seqused_k": (256, 100)}, layout="paged"),
         "paged_causal": OracleCase(2, 4, 2, 3, 128, {"page_size": 64, "is_causal": True, "seqused_k": (128, 70)},
                                    layout="paged"),
+        # Score transforms: each row's sink joins where it is written (one slice).
+        "decode_score": OracleCase(2, 8, 2, 1, 203, {"softcap": 3.0, "alibi": "batch", "sinks": True,
+                                                     "num_splits": 1}),
+        "window_alibi_sinks": OracleCase(1, 2, 1, 4, 120, {"window_size": (16, 3), "alibi": "heads", "sinks": True}),
+        # ALiBi runs these kernels whatever the rows (tiles of at most two rows, in chunks): a prefill.
+        "alibi_prefill_gqa": OracleCase(2, 4, 2, 37, 110, {"is_causal": True, "alibi": "batch", "softcap": 3.0,
+                                                           "sinks": True}),
+        "alibi_lengths": OracleCase(2, 2, 2, 20, 90, {"window_size": (30, 0), "seqused_k": (90, 41),
+                                                      "alibi": "heads"}),
+        "paged_score": OracleCase(2, 4, 2, 3, 128, {"page_size": 64, "is_causal": True, "seqused_k": (128, 70),
+                                                    "softcap": 3.0, "alibi": "batch", "sinks": True}, layout="paged"),
     }
 
     def tier(self, target: Target) -> str | None:

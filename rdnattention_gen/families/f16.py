@@ -136,6 +136,15 @@ class F16(Family):
                                                           "seqlens_k": (50, 9)}, layout="varlen"),
         "packed_window": OracleCase(2, 2, 2, 40, 70, {"window_size": (21, 9), "seqlens_q": (12, 40),
                                                       "seqlens_k": (70, 40)}, layout="varlen"),
+        # Score transforms (a softcap low enough to bend the scores; sinks), with masks, GQA and rows
+        # that see no key (a sink's LSE). ALiBi runs the dec family's kernels (route.py).
+        "softcap_window": OracleCase(1, 4, 2, 120, 120, {"is_causal": True, "window_size": (40, -1), "softcap": 2.0}),
+        "sinks_cross": OracleCase(1, 4, 2, 90, 60, {"is_causal": True, "sinks": True}),
+        "lengths_score": OracleCase(2, 4, 2, 24, 90, {"is_causal": True, "seqused_k": (90, 30), "softcap": 3.0,
+                                                      "sinks": True}, layout="len"),
+        "packed_score": OracleCase(3, 4, 2, 30, 60, {"window_size": (21, 9), "seqlens_q": (30, 1, 17),
+                                                     "seqlens_k": (30, 60, 17), "softcap": 3.0, "sinks": True},
+                                   layout="varlen"),
     }
 
     def axes(self, node: Node) -> dict:

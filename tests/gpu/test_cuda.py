@@ -6,7 +6,8 @@ import pytest
 import torch
 from cases import BF16_LSE_TOL, BF16_TOL, HEAD_DIMS, LSE_TOL, TOL, VARIANTS, bf16_head_dims, make_case, run_case
 
-from rdnattention import attention_reference, flash_attn, flash_attn_with_kvcache, varlen_attn
+from rdnattention import (attention_reference, flash_attn, flash_attn_varlen_func, flash_attn_with_kvcache,
+                          varlen_attn)
 from rdnattention.reference import rotate
 from rdnattention_gen import build, toolchain
 from rdnattention_gen.families import family
@@ -56,7 +57,8 @@ def _gpu():
 
 
 def _torch_attention(q, k, v, options):
-    """torch's own attention in fp32 (math path), with our masks and RoPE made explicit."""
+    """torch's own attention in fp32 (math path), with our masks and RoPE made explicit; with score
+    transforms, torch's fp32 operations written out (sdpa takes no softcap nor sink)."""
     q32, k32, v32 = (t.float() for t in (q, k, v))
     sq, sk = q.shape[2], k.shape[2]
     if "rotary_cos" in options:
@@ -75,6 +77,21 @@ def _torch_attention(q, k, v, options):
         mask &= key >= diag - left
     if right >= 0:
         mask &= key <= diag + right
+    if any(options.get(name) is not None for name in ("softcap", "alibi_slopes", "sinks")):
+        scale = options.get("softmax_scale") or 1 / math.sqrt(q.shape[3])
+        s = q32 @ k32.transpose(2, 3) * scale
+        if options.get("softcap"):
+            s = options["softcap"] * torch.tanh(s / options["softcap"])
+        slopes = options.get("alibi_slopes")
+        if slopes is not None:
+            slopes = slopes.float().expand(q.shape[0], q.shape[1])
+            s = s - slopes[:, :, None, None] * (diag - key).abs().to(s.device)
+        s = s.masked_fill(~mask.to(s.device), -math.inf)
+        sinks = options.get("sinks")
+        if sinks is not None:
+            s = torch.cat([s, sinks.float()[None, :, None, None].expand(*s.shape[:3], 1)], dim=-1)
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)[..., :sk]  # a row that sees nothing (no sink): zero
+        return p @ v32
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         return torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask.to(q32.device),
                                                                 scale=options.get("softmax_scale"))
@@ -401,6 +418,8 @@ def _entry_point_calls(device):
     packed_q, packed_k = rnd(4, 8, 128), rnd(5000, 2, 128)
     cu_q, cu_k = ints(0, 1, 2, 3, 4), ints(0, 1000, 3000, 4000, 5000)
     rows, paged_cu_k = ints(1, 0), ints(0, 3000, 3017)  # made here: a copy from the host synchronises
+    slopes = torch.rand(8, device=device)  # values not read on a GPU (checks.reads): no synchronisation
+    sinks = torch.randn(8, device=device)
     (q8, qs), (k8, ks), (v8, vs) = (rdnattention.quantize_per_token(q1), rdnattention.quantize_per_token(kv),
                                     rdnattention.quantize_per_channel(kv))
     return [
@@ -429,6 +448,13 @@ def _entry_point_calls(device):
         ("varlen paged", lambda: rdnattention.flash_attn_varlen_func(packed_q[:2], pool, pool, cu_q[:3],
                                                                      paged_cu_k, 1, 4096,
                                                                      block_table=table)),
+        ("softcap", lambda: rdnattention.flash_attn(q4.repeat(1, 1, 64, 1), kv, kv, is_causal=True, softcap=30.0)),
+        ("alibi", lambda: rdnattention.flash_attn(q1, kv, kv, alibi_slopes=slopes)),
+        ("sinks split", lambda: rdnattention.flash_attn_with_kvcache(tq, cache, cache, cache_seqlens=lengths,
+                                                                      num_splits=4, sinks=sinks)),
+        ("sinks varlen", lambda: rdnattention.flash_attn_varlen_func(packed_k[:, :1].repeat(1, 8, 1), packed_k,
+                                                                     packed_k, cu_k, cu_k, 2000, 2000, causal=True,
+                                                                     sinks=sinks, alibi_slopes=slopes)),
         ("int8", lambda: rdnattention.flash_attn_int8qk(q8, k8, v8, qs, ks, vs)),
         ("int8 quantized", lambda: rdnattention.flash_attn_int8qk_quantized(q4, kv, kv)),
     ]
@@ -540,3 +566,93 @@ def test_gpu_hostile_index_values_are_bounded_on_the_device():
                          timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok True"), out.stdout
+
+
+def _score_options(batch, heads, seed):
+    g = torch.Generator().manual_seed(seed)
+    return dict(softcap=20.0, alibi_slopes=torch.rand(batch, heads, generator=g) * 0.05,
+                sinks=torch.randn(heads, generator=g) + 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("num_splits", [0, 1, 3])  # automatic; one slice (the sink where rows are written); combined
+@pytest.mark.parametrize("paged", [False, True])
+def test_gpu_decode_score_transforms(head_dim, num_splits, paged):
+    """softcap, ALiBi and sinks on the split-KV kernels (plain and paged caches, the combine) on the GPU."""
+    device = _gpu()
+    batch, hq, hk, cache_len, page = 2, 8, 2, 1024, 64
+    g = torch.Generator().manual_seed(head_dim + num_splits)
+    q = torch.randn(batch, 2, hq, head_dim, generator=g).half()
+    k, v = (torch.randn(batch, cache_len, hk, head_dim, generator=g).half() for _ in range(2))
+    lengths = torch.tensor([cache_len, 333], dtype=torch.int32)
+    score = _score_options(batch, hq, head_dim)
+    kw = {}
+    kc, vc = k, v
+    if paged:
+        order = torch.randperm(batch * cache_len // page, generator=g).to(torch.int32)
+        kw["block_table"] = order.view(batch, cache_len // page).to(device)
+        kc, vc = (torch.empty_like(t.reshape(-1, page, hk, head_dim)).index_copy_(0, order.long(),
+                                                                                  t.reshape(-1, page, hk, head_dim))
+                  for t in (k, v))
+    out, lse = flash_attn_with_kvcache(q.to(device), kc.to(device), vc.to(device), cache_seqlens=lengths.to(device),
+                                       causal=True, num_splits=num_splits, return_softmax_lse=True,
+                                       **{n: (t.to(device) if isinstance(t, torch.Tensor) else t)
+                                          for n, t in score.items()}, **kw)
+    torch.cuda.synchronize()
+    ref, ref_lse = attention_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                       seqused_k=lengths, return_lse=True, **score)
+    assert (out.cpu().transpose(1, 2).double() - ref).abs().max().item() <= TOL
+    assert (lse.cpu().double() - ref_lse).abs().max().item() <= LSE_TOL
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_score_transforms():
+    """The row-block kernels of packed batches (and the split-KV ones for a decode batch) with
+    softcap, per-sequence ALiBi slopes and sinks."""
+    device = _gpu()
+    g = torch.Generator().manual_seed(9)
+    for lengths_q, lengths_k in (([1, 7, 300, 0], [900, 7, 300, 5]), ([1, 1, 1, 1], [900, 7, 300, 5])):
+        q = torch.randn(sum(lengths_q), 8, 128, generator=g).half()
+        k, v = (torch.randn(sum(lengths_k), 2, 128, generator=g).half() for _ in range(2))
+        cu = [torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32) for n in (lengths_q, lengths_k)]
+        score = _score_options(4, 8, 9)
+        out = flash_attn_varlen_func(q.to(device), k.to(device), v.to(device), cu[0].to(device), cu[1].to(device),
+                                     max(lengths_q), 900, causal=True,
+                                     **{n: (t.to(device) if isinstance(t, torch.Tensor) else t)
+                                        for n, t in score.items()}).cpu()
+        view = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731
+        for i in range(4):
+            qs, ks = slice(int(cu[0][i]), int(cu[0][i + 1])), slice(int(cu[1][i]), int(cu[1][i + 1]))
+            if qs.stop > qs.start:
+                ref = attention_reference(view(q[qs]), view(k[ks]), view(v[ks]), is_causal=True,
+                                          **dict(score, alibi_slopes=score["alibi_slopes"][i]))
+                assert (view(out[qs]).double() - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.gpu
+def test_gpu_gemma2_and_gpt_oss_rows():
+    """Gemma 2's softcap at head_dim 256 over its sliding window, gpt-oss's sinks at head_dim 64 with
+    its window, on the GPU against the oracle (tests/kernels/test_model_rows.py on the host)."""
+    device = _gpu()
+    g = torch.Generator().manual_seed(11)
+    q = (torch.randn(1, 8, 512, 256, generator=g) * 4).half()
+    k, v = (torch.randn(1, 4, 512, 256, generator=g).half() for _ in range(2))
+    for window in ((-1, -1), (127, 0)):
+        out, lse = flash_attn(q.to(device), k.to(device), v.to(device), is_causal=True, window_size=window,
+                              softmax_scale=256 ** -0.5, softcap=50.0, return_lse=True)
+        ref, ref_lse = attention_reference(q, k, v, is_causal=True, window_size=window, softmax_scale=256 ** -0.5,
+                                           softcap=50.0, return_lse=True)
+        assert (out.cpu().double() - ref).abs().max().item() <= TOL
+        assert (lse.cpu().double() - ref_lse).abs().max().item() <= LSE_TOL
+    q = torch.randn(2, 64, 300, 64, generator=g).half()
+    k, v = (torch.randn(2, 8, 300, 64, generator=g).half() for _ in range(2))
+    sinks = torch.randn(64, generator=g) * 2 + 2
+    for rows in (300, 1):
+        qs = q[:, :, -rows:].contiguous()
+        out, lse = flash_attn(qs.to(device), k.to(device), v.to(device), is_causal=True, window_size=(127, 0),
+                              sinks=sinks.to(device), return_lse=True)
+        ref, ref_lse = attention_reference(qs, k, v, is_causal=True, window_size=(127, 0), sinks=sinks,
+                                           return_lse=True)
+        assert (out.cpu().double() - ref).abs().max().item() <= TOL
+        assert (lse.cpu().double() - ref_lse).abs().max().item() <= LSE_TOL

@@ -236,3 +236,66 @@ def test_a_mask_the_kernels_do_not_read_goes_to_sdpa_counted_and_warned_once(hos
         with pytest.raises(RuntimeError, match="attn_mask dtype"):
             rt.attention_forward(module, q, k, v, torch.ones(1, 1, 6, 6, dtype=torch.int32))
     assert rt.fallbacks["an attention mask of dtype torch.int32"] == 1
+
+
+def _score_model(kind, device, sliding_window=None):
+    """A tiny Gemma 2 (logit softcap) or gpt-oss (attention sinks) from a config, its sinks (gpt-oss)
+    made to weigh: head_dim 64, 2 query heads per K/V head."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, max_position_embeddings=128,
+                  sliding_window=sliding_window or 128)
+    if kind == "gemma2":
+        cfg = transformers.Gemma2Config(intermediate_size=128, attn_logit_softcapping=5.0,
+                                        final_logit_softcapping=None, query_pre_attn_scalar=64, **common)
+        model = transformers.Gemma2ForCausalLM(cfg)
+    else:
+        cfg = transformers.GptOssConfig(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, **common)
+        model = transformers.GptOssForCausalLM(cfg)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(2.0, 1.0)
+    return model.to(device=device, dtype=torch.float16).eval()
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
+def test_softcap_and_sinks_run_the_kernels_and_match_eager(device, kind):
+    """Gemma 2 passes its softcap and gpt-oss its sinks (s_aux) to the attention function: the
+    kernels take them (no fallback) and the logits match transformers' eager attention, which
+    applies them, on a left-padded batch and through generation with a cache."""
+    model = _score_model(kind, device)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 9], [1, 2, 3, 4, 5, 6]], device=device)
+    mask = (ids != 0).long()
+    rt.fallbacks.clear()
+    with torch.no_grad():
+        _use(model, "eager")
+        ref = model(ids, attention_mask=mask).logits
+        _use(model, "rdnattention")
+        ours = model(ids, attention_mask=mask).logits
+    assert not rt.fallbacks, rt.fallbacks
+    valid = mask.bool()
+    torch.testing.assert_close(ours[valid], ref[valid], **TOL)
+    ours_gen = _generate(model, "rdnattention", ids, mask)
+    ref_gen = _generate(model, "eager", ids, mask)
+    assert not rt.fallbacks, rt.fallbacks
+    assert torch.equal(ours_gen.sequences, ref_gen.sequences)
+    for a, b in zip(ours_gen.logits, ref_gen.logits):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
+def test_sliding_window_layers_fall_back_to_the_transforms_written_out(device, kind):
+    """A sliding window reaches the attention function as a mask the kernels do not read: such calls
+    fall back with the softcap or the sinks applied (sdpa would drop them), matching eager."""
+    model = _score_model(kind, device, sliding_window=3)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 9], [1, 2, 3, 4, 5, 6]], device=device)
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        _use(model, "eager")
+        ref = model(ids, attention_mask=mask).logits
+        _use(model, "rdnattention")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            ours = model(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(ours[valid], ref[valid], **TOL)

@@ -1,5 +1,6 @@
 // The combine step of split-KV decode: merges the normalised partial rows of every key slice
-// (fa2_decode.h) by their log2-domain LSEs into the fp16 (BF16: bf16) output and the natural-log LSE.
+// (fa2_decode.h) by their log2-domain LSEs into the fp16 (BF16: bf16) output and the natural-log LSE; a
+// row's attention sink (sinks, fp32 [heads_q]; null: none) joins its sum here, after every slice.
 //
 // One workgroup per row of the padded [batch, heads_q, seq_q] row space; rows past a sequence's
 // query rows do not exist. Its threads form G = NT / L groups of L = D/8 lanes (8 fp32 values of
@@ -56,6 +57,7 @@ RDNA_DEVICE void fa2_combine(const Args& a, unsigned char* lds) {
   rdna_block_sync();
   if (g != 0) return;
   float ref, out[8];
-  const float sum_all = fa2_merge_partials(stat, 2, accl + c0, D, G, out, ref);
+  float sum_all = fa2_merge_partials(stat, 2, accl + c0, D, G, out, ref);
+  if (a.sinks) fa2_join_sink(a.sinks[head] * 1.4426950408889634f, sum_all, ref, out);  // the row's sink, once
   fa2_store_final_row<8, BF16>(a, b, head, q0 + p, c0, out, sum_all, ref);
 }

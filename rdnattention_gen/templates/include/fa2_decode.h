@@ -14,7 +14,8 @@
 // workgroup step), and each keeps its own online softmax over the keys it saw; at the end the
 // groups of a wave merge by shuffles and the waves meet once, in LDS. With one slice the workgroup writes the output; with several it writes
 // a normalised fp32 partial output and its log2-domain LSE per row and slice, which the combine
-// kernel (fa2_combine.h) merges.
+// kernel (fa2_combine.h) merges. The score transforms (softcap, ALiBi) apply to each score as
+// the prefill's do; a sink joins each row once: where the row is written, or in the combine.
 //
 // The K/V source covers three layouts: strided [batch, keys, heads, dim] tensors (cache rows picked
 // by cache_batch_idx where given), packed variable-length batches (cu_seqlens_k) and a paged cache
@@ -79,6 +80,8 @@ struct DecodeF16 {
   static constexpr int CPL = 8;
   static constexpr bool LAYOUTS = true;  // packed batches, cache lengths, cache rows: read from the arguments
   static constexpr bool BF16 = false;    // the output's dtype: fp16
+  template <class Args, bool ALIBI>
+  using Transform = ScoreTransform<Args, ALIBI, CapSymmetric>;  // softcap, ALiBi, sinks (fa2_policies.h)
   struct Q {
     typename P::pack_t p[4];
   };
@@ -155,6 +158,9 @@ RDNA_DEVICE void fa2_store_final_row(const Args& a, long long b, int head, long 
   if (a.lse && c0 == 0) a.lse[b * a.lse_stride_b + head * a.lse_stride_h + pos] = fa2_row_lse2(sum, ref) * 0.6931471805599453f;
 }
 
+// The most rows a decode tile may hold to apply ALiBi (families/_splitkv.py: ALIBI_ROWS, the same).
+#define FA2_DECODE_ALIBI_ROWS 2
+
 template <class E, int D, int R, int BC, int NT, int LDS_BYTES, bool PAGED, class Args>
 RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   constexpr int CPL = E::CPL;
@@ -191,6 +197,10 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
                                  key0, head_kv);
   const WindowMask<Args, true, true> mask{a, n, sq};
   const typename E::Scales scales = E::scales(a, b, head_kv);
+  // ALiBi's per-row slope only where a workgroup holds at most FA2_DECODE_ALIBI_ROWS rows: tiles of
+  // more rows have no register to spare for it (they spilled), and the runtime gives ALiBi calls
+  // smaller tiles.
+  const typename E::template Transform<Args, (R <= FA2_DECODE_ALIBI_ROWS)> xf{a};
 
   // This workgroup's rows: query head head_kv * group + r / sq at position r % sq. Rows past the
   // last (a short final chunk) repeat it; they are computed and never written.
@@ -291,6 +301,13 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
       s[t] = whole || (key < s_hi && mask.visible(key, own_pos, mask.diag(own_pos))) ? mask.scale(score)
                                                                                       : -__builtin_inff();
     }
+    // The score transforms (a uniform branch) of the own row's visible scores.
+    if (xf.enabled()) {
+      const float slope = xf.slope(b, head_kv * group + own_r / sq);
+#pragma unroll
+      for (int t = 0; t < T; ++t)
+        if (s[t] != -__builtin_inff()) s[t] = xf.apply(s[t], slope, k0 + t * NG + grp - mask.diag(own_pos));
+    }
     // The own row's softmax step; every slot's rescale factor and probabilities come from the
     // lanes that own those rows. A maximum that did not grow rescales by exactly 1: skipped.
     float tile_max = -__builtin_inff();
@@ -373,9 +390,11 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
     const int i = item / LD, c0 = item % LD * CPL, r = r0 + i;
     const int head = head_kv * group + r / sq, p = r % sq;
     float ref, acc[CPL];
-    const float sum = fa2_merge_partials(ml + 2 * i, 2 * R, ol + i * D + c0, R * D, NW, acc, ref);
+    float sum = fa2_merge_partials(ml + 2 * i, 2 * R, ol + i * D + c0, R * D, NW, acc, ref);
 #pragma unroll
     for (int c = 0; c < CPL; ++c) acc[c] *= scales.value(c0 + c);
+    // Unsplit, the row's sink joins here; split, in the combine (fa2_combine.h), once.
+    if (!a.part_o && xf.sinks()) fa2_join_sink(xf.sink(head), sum, ref, acc);
     if (a.part_o) {  // one slice of several: the normalised partial row and its log2-domain LSE
       const long long row = ((split * a.batch + b) * a.heads_q + head) * (long long)a.seq_q + p;
       const float inv = fa2_row_scale(sum);

@@ -1,7 +1,7 @@
 // The fp16 family's kernel body: its element policy (pairs of fp16 values) and its argument struct
 // (Fa2Args) turned into the policies of the FlashAttention-2 main loop: row blocks (longest first
-// under causal-like masks), strided K/V, a sliding-window/causal mask, RoPE, and the normalising
-// epilogue.
+// under causal-like masks), strided K/V, a sliding-window/causal mask, RoPE, the score transforms
+// (softcap, ALiBi, sinks) and the normalising epilogue.
 #pragma once
 
 #include "tiles.h"
@@ -97,5 +97,7 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a, unsigned char* lds) {
   const WindowMask<Fa2Args, LENGTHS || VARLEN, VARLEN> mask{a, keys, sq};
   const RotaryTables<Fa2Args> rope{a};
   const NormalizeEpilogue<Fa2Args, BF16> epi{a, q0};
-  fa2_forward<typename Fa2Element<P, BF16>::type, Pipe, D, HD, G, BR, BC, NT, TM, LDS_BYTES>(lds, sched, q, kv, mask, rope, NoScales{}, epi);
+  const ScoreTransform<Fa2Args, false, CapFma> xf{a};  // softcap and sinks; ALiBi runs the split-KV kernels
+  fa2_forward<typename Fa2Element<P, BF16>::type, Pipe, D, HD, G, BR, BC, NT, TM, LDS_BYTES>(lds, sched, q, kv, mask, rope,
+                                                                                        NoScales{}, xf, epi);
 }

@@ -24,7 +24,8 @@
 // scores, probabilities and values (E), what runs ahead and how LDS is laid out (Pipe,
 // pipeline.h), and the problem (fa2_policies.h): which rows a workgroup owns (Schedule), where
 // queries (Q) and keys and values (Kv) come from, how scores are masked (Mask), the RoPE tables
-// (Rope), the scales of quantized inputs (Scales), and what is written at the end (Epilogue).
+// (Rope), the scales of quantized inputs (Scales), the score transforms (Xf: softcap, ALiBi, sinks;
+// fa2_policies.h) and what is written at the end (Epilogue).
 //
 // E provides: pack_t, elem_t, input_t (the element type in memory), acc_t (the products'
 // accumulator: float, or int for products accumulated apart and then added to the fp32 scores and
@@ -34,9 +35,10 @@
 #pragma once
 
 template <class E, class Pipe, int D, int HD, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, class Schedule,
-          class Q, class Kv, class Mask, class Rope, class Scales, class Epilogue>
+          class Q, class Kv, class Mask, class Rope, class Scales, class Xf, class Epilogue>
 RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q& q_rows, const Kv& kv,
-                             const Mask& mask, const Rope& rope, const Scales& scales, const Epilogue& epi) {
+                             const Mask& mask, const Rope& rope, const Scales& scales, const Xf& xf,
+                             const Epilogue& epi) {
   using P = typename Pipe::template Tile<E>;  // E's packs in the pipeline's LDS layout
   using pack_t = typename E::pack_t;
   using acc_t = typename E::acc_t;
@@ -231,6 +233,16 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     float o_alpha[INT_ACC ? TM : 1];  // integer products: each row's rescale, applied as they are added
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
+      // The score transforms (a uniform branch) of the row's visible scores, a row at a time: applied
+      // where the scores are made, all rows at once, they cost the tightest tiles spills.
+      if (xf.enabled()) {
+        const float slope = Xf::HAS_ALIBI ? xf.slope(b, head0 + (row0 + i) / RPH) : 0.f;
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+          const int key = k0 + ((j / CK) * TCW + tx) * CK + j % CK;
+          if (s[i][j] != -__builtin_inff()) s[i][j] = xf.apply(s[i][j], slope, key - diag[i]);
+        }
+      }
       float tile_max = -__builtin_inff();
 #pragma unroll
       for (int j = 0; j < TN; ++j) tile_max = rdna_fmax(tile_max, s[i][j]);
@@ -323,6 +335,14 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     if constexpr (E::EXACT_LSE)
       for (int x = 1; x < TCW; x <<= 1) lx[i] += rdna_shfl_xor(lx[i], x);
     if (pos[i] >= mask.seq_q()) continue;
+    if (xf.sinks()) {  // the row's sink joins its sum (both sums, with E::EXACT_LSE) after its keys
+      float alpha;
+      const float w = fa2_sink_weight(xf.sink(head0 + (row0 + i) / RPH), m[i], alpha);
+      l[i] = l[i] * alpha + w;
+      if constexpr (E::EXACT_LSE) lx[i] = lx[i] * alpha + w;
+#pragma unroll
+      for (int c = 0; c < TD; ++c) o[i][c] *= alpha;
+    }
     if constexpr (Scales::ENABLED) {
 #pragma unroll
       for (int c = 0; c < TD; ++c) o[i][c] *= vs[c];

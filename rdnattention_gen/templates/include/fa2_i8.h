@@ -92,5 +92,6 @@ RDNA_DEVICE void fa2_i8_forward(const Fa2I8Args& a, unsigned char* lds) {
   const WindowMask<Fa2I8Args> mask{a};
   const QuantScales<Fa2I8Args> scales(a, sched.batch, sched.head_kv);
   const NormalizeEpilogue<Fa2I8Args> epi{a};
-  fa2_forward<ForwardI8, Pipe, D, D, G, BR, BC, NT, TM, LDS_BYTES>(lds, sched, q, kv, mask, NoRope{}, scales, epi);
+  const NoScoreTransform<Fa2I8Args> xf{a};
+  fa2_forward<ForwardI8, Pipe, D, D, G, BR, BC, NT, TM, LDS_BYTES>(lds, sched, q, kv, mask, NoRope{}, scales, xf, epi);
 }

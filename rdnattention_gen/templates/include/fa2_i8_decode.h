@@ -9,6 +9,8 @@ struct DecodeI8 {
   static constexpr int CPL = 16;
   static constexpr bool LAYOUTS = false;  // [batch, heads, seq, head_dim] tensors only (flash_attn_int8qk)
   static constexpr bool BF16 = false;     // the output's dtype: fp16
+  template <class Args, bool>
+  using Transform = NoScoreTransform<Args>;  // no score transforms
   typedef u32x4 Q;
   typedef u32x4 K;
   RDNA_DEVICE Q query(u32x4 c) { return c; }

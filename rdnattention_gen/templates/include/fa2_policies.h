@@ -1,6 +1,6 @@
 // The seams of the FlashAttention-2 forward kernel, as small policies its main loop composes
 // (fa2_forward.h), and that the split-KV decode kernel (fa2_decode.h) shares: the mask and the
-// online softmax. A new variant replaces one of them: softcap or ALiBi is another score transform.
+// online softmax, and the score transforms (softcap, ALiBi, sinks). A new variant replaces one of them.
 //
 // Policies hold a reference to the kernel's argument struct (Args: a family's struct with the
 // fields each policy names) and read an argument where it is used. Kernel arguments live in
@@ -131,6 +131,94 @@ struct WindowMask {
   }
   RDNA_METHOD float scale(float s) const { return s * a.scale_log2; }
 };
+
+// --- score transforms: logit softcap, ALiBi, attention sinks ----------------------------------------
+// Each visible score s (log2 domain: q.k times softmax_scale times log2(e), as the mask scales it)
+// is transformed once, in this order: the softcap, s -> C tanh(s / C) with C = softcap log2(e)
+// (flash-attn's softcap * tanh(x / softcap) of the natural-log score x), then ALiBi, s -> s -
+// slope log2(e) |key - diag| (flash-attn's bias -slope |i + seqlen_k - seqlen_q - j|, the slope of the
+// row's batch and query head). A sink (one logit per query head) joins each row's softmax sum and
+// log-sum-exp once, after its keys, and adds no value (fa2_join_sink). All are read from the
+// arguments, so the kernels without them take one uniform branch per tile, not a variant each:
+// softcap_log2 (C; 0: no cap) and softcap_inv (1 / C), alibi_slopes (fp32, element [b *
+// alibi_stride_b + head]; null: none), sinks (fp32 [heads_q], natural log; null: none).
+// The softcap C tanh(s / C) (inv = 1 / C) in two forms, equal but for rounding, whose register cost
+// differs by kernel (measured: each spilled some tiles the other does not). Both give -C for -inf
+// (so masked scores skip them), C for inf and NaN for NaN.
+// CapFma, the row-block kernels': C - 2C / (1 + e^(2s/C)), an exponential, a reciprocal and an FMA
+// (RDNA2's tightest tiles spilled with CapSymmetric).
+struct CapFma {
+  RDNA_METHOD float operator()(float s, float c, float inv) const {
+    return rdna_fma(-2.f * c, rdna_rcp(1.f + rdna_exp2(s * (2.8853900817779268f * inv))), c);
+  }
+};
+// CapSymmetric, the split-KV kernels': C sign(s) (1 - t) / (1 + t), t = e^(-2|s|/C), which loses
+// nothing near 0 beyond t's rounding (sm_90's four-row tiles spilled with CapFma).
+struct CapSymmetric {
+  RDNA_METHOD float operator()(float s, float c, float inv) const {
+    const float x = s * inv;
+    const float t = rdna_exp2(-2.8853900817779268f * __builtin_fabsf(x));
+    const float r = (1.f - t) * rdna_rcp(1.f + t);
+    return c * (x < 0.f ? -r : x > 0.f ? r : x);  // x: 0 or NaN as it came
+  }
+};
+
+// ALIBI: the kernel applies ALiBi (the split-KV kernels of at most FA2_DECODE_ALIBI_ROWS rows): its
+// per-row slope and distances cost the row-block kernels' tightest tiles registers they do not have
+// (GCN's head_dim 64 spilled, RDNA2's lost a wave), so the runtime sends ALiBi calls to those.
+template <class Args, bool ALIBI, class Cap>
+struct ScoreTransform {
+  const Args& a;
+  static constexpr bool HAS_ALIBI = ALIBI;
+
+  // Without ALIBI, slopes never reach the kernel (the runtime's route): the test of them stays, since
+  // the branch it makes keeps the softcap's code from spreading over RDNA2's tiles (a wave lost).
+  RDNA_METHOD bool enabled() const { return a.softcap_log2 != 0.f || a.alibi_slopes; }
+  // The ALiBi slope of batch b's query head, log2 domain (0 without ALiBi).
+  RDNA_METHOD float slope(long long b, int head) const {
+    return ALIBI && a.alibi_slopes ? a.alibi_slopes[b * a.alibi_stride_b + head] * 1.4426950408889634f : 0.f;
+  }
+  // A visible scaled score of the key ``dist`` keys after the row's diagonal.
+  RDNA_METHOD float apply(float s, float slope, int dist) const {
+    if (a.softcap_log2 != 0.f) s = Cap{}(s, a.softcap_log2, a.softcap_inv);
+    return ALIBI ? s - slope * (float)(dist < 0 ? -dist : dist) : s;
+  }
+  RDNA_METHOD bool sinks() const { return a.sinks; }
+  RDNA_METHOD float sink(int head) const { return a.sinks[head] * 1.4426950408889634f; }
+};
+
+// No transform (the int8 families): every branch on it folds away.
+template <class Args>
+struct NoScoreTransform {
+  const Args& a;
+  static constexpr bool HAS_ALIBI = false;
+  RDNA_METHOD constexpr bool enabled() const { return false; }
+  RDNA_METHOD float slope(long long, int) const { return 0.f; }
+  RDNA_METHOD float apply(float s, float, int) const { return s; }
+  RDNA_METHOD constexpr bool sinks() const { return false; }
+  RDNA_METHOD float sink(int) const { return 0.f; }
+};
+
+// A sink of logit ``sink`` (log2 domain) joins a row whose sum and values are against ``ref``:
+// ref moves to the larger of the two; returned is the sink's weight against it, and alpha is the
+// factor the row's sum and values are to be rescaled by (0 where ref was -inf: no key).
+RDNA_DEVICE float fa2_sink_weight(float sink, float& ref, float& alpha) {
+  const float m = rdna_fmax(ref, sink);
+  alpha = rdna_exp2(ref - m);
+  ref = m;
+  return rdna_exp2(sink - m);
+}
+
+// The sink joined to a row's sum and values: a row that saw no key (sum 0) then has sum 1 against
+// the sink, a zero row whose LSE is the sink's.
+template <int N>
+RDNA_DEVICE void fa2_join_sink(float sink, float& sum, float& ref, float (&vals)[N]) {
+  float alpha;
+  const float w = fa2_sink_weight(sink, ref, alpha);
+  sum = sum * alpha + w;
+#pragma unroll
+  for (int c = 0; c < N; ++c) vals[c] *= alpha;
+}
 
 // --- Q/K transform: RoPE -----------------------------------------------------------------------
 // Tables [positions, rotary_dim/2] in fp32 with row stride rotary_stride; rotary_dim 0: no rotation.

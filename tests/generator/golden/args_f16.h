@@ -1,5 +1,5 @@
 // @generated from templates/_args.h.j2 for family f16: the runtime's argument struct
-// (rdnattention/families/f16.py), layout digest 6d4f5d6e5919d25e.
+// (rdnattention/families/f16.py), layout digest d60ba9bce60c1936.
 #pragma once
 
 struct Fa2Args {
@@ -41,4 +41,9 @@ struct Fa2Args {
   int heavy_first;
   int total_q;
   int total_k;
+  float softcap_log2;
+  float softcap_inv;
+  const float* alibi_slopes;
+  long long alibi_stride_b;
+  const float* sinks;
 };

@@ -41,6 +41,7 @@ RDNA_DEVICE float rdna_shfl_xor(float v, int mask) {
 RDNA_DEVICE float rdna_exp2(float x) { return __builtin_amdgcn_exp2f(x); }
 // exp2 where a result below 2^-126 may be 0: here the same v_exp_f32 as rdna_exp2
 RDNA_DEVICE float rdna_exp2_flush(float x) { return __builtin_amdgcn_exp2f(x); }
+RDNA_DEVICE float rdna_rcp(float x) { return __builtin_amdgcn_rcpf(x); }  // 1 / x to about an ulp (no IEEE division's slow path)
 RDNA_DEVICE float rdna_fmax(float a, float b) { return __builtin_fmaxf(a, b); }
 RDNA_DEVICE float rdna_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 RDNA_DEVICE float rdna_log2(float x) { return __builtin_amdgcn_logf(x); }

@@ -36,6 +36,7 @@ RDNA_DEVICE void rdna_block_sync() { rdna_host::block_sync(); }
 RDNA_DEVICE float rdna_shfl_xor(float v, int mask) { return rdna_host::shfl_xor(v, mask); }
 RDNA_DEVICE float rdna_exp2(float x) { return std::exp2(x); }
 RDNA_DEVICE float rdna_exp2_flush(float x) { return std::exp2(x); }  // exp2 where a result below 2^-126 may be 0
+RDNA_DEVICE float rdna_rcp(float x) { return 1.f / x; }  // 1 / x to about an ulp (no IEEE division's slow path)
 RDNA_DEVICE float rdna_fmax(float a, float b) { return std::fmax(a, b); }
 RDNA_DEVICE float rdna_fma(float a, float b, float c) { return std::fma(a, b, c); }
 RDNA_DEVICE float rdna_log2(float x) { return std::log2(x); }
