@@ -19,7 +19,7 @@ import torch
 from . import checks, replay, route
 from .checks import NATIVE, check_fp16
 from .errors import InvalidArgumentError
-from .options import Options, check_rotary, validate
+from .options import NO_SCORE_OPTIONS, Options, check_rotary, validate
 from .plan import Plan
 from .reference import rotate
 
@@ -230,7 +230,8 @@ def flash_attn_int8qk_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_s
     """The INT8 forward as a custom op (its arguments the kernel's, as in ops.py), with a fake
     implementation: flash_attn_int8qk runs it where torch traces or the tensors are subclasses."""
     o = Options(window_left=window_left, window_right=window_right, softmax_scale=softmax_scale,
-                rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_lse)
+                rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_lse,
+                seqused_k=None, score=NO_SCORE_OPTIONS)
     plan = _plan(q, k, v, q_scale, k_scale, v_scale, o)
     plan.run()
     return plan.outputs

@@ -49,8 +49,10 @@ class Options:
     rotary_sin: torch.Tensor | None
     rotary_interleaved: bool
     return_lse: bool
-    seqused_k: torch.Tensor | None = None  # int32 [batch]: keys each batch uses (a preallocated cache)
-    score: ScoreOptions = NO_SCORE_OPTIONS  # softcap, ALiBi, sinks
+    seqused_k: torch.Tensor | None  # int32 [batch]: keys each batch uses (a preallocated cache)
+    # softcap, ALiBi, sinks. No default: torch.compile cannot trace a dataclass field whose default
+    # is an object (torch 2.11's dynamo refuses to wrap it), so every caller passes one.
+    score: ScoreOptions
 
 
 def as_window(window_size: object) -> object:
@@ -259,8 +261,6 @@ def check_score_options(softcap: object = 0.0, alibi_slopes: object = None, sink
                                    f"[heads_q] = ({heads_q},) or [batch, heads_q] = ({batch}, {heads_q})", device)
     if sinks is not None:
         sinks = _check_fp32("sinks", sinks, ((heads_q,),), f"[heads_q] = ({heads_q},)", device)
-    if not softcap and alibi_slopes is None and sinks is None:
-        return NO_SCORE_OPTIONS
     return ScoreOptions(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
