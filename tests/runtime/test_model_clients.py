@@ -3,7 +3,9 @@ kernels two ways: through the SDPA patch (attn_implementation="sdpa", rdnattenti
 and through rdnattention's own transformers integration (register(), attn_implementation=
 "rdnattention"). Tiny configs with random weights (nothing downloaded): Qwen2 (GQA, biased
 projections), Mistral with a sliding window shorter than the sequence, Phi-3 (head_dim 96), and
-timm's ViT where timm is installed. A left-padded forward pass is compared with the unpatched
+timm's ViT where timm is installed; and, through register() only (transformers runs neither on sdpa),
+Gemma 2 (logit softcap 50, head_dim 256, alternating sliding windows) and gpt-oss (attention sinks,
+alternating sliding windows), compared with their eager attention. A left-padded forward pass is compared with the unpatched
 model in float32 (the fp16 model's own rounding is the yardstick), and generate() (slow) with the
 unpatched fp16 model's tokens and logits; rdnattention.stats() must count every attention call as
 served by the kernels, except where the target builds no kernel for it (then counted under the
@@ -153,6 +155,62 @@ def test_generate_is_the_unpatched_models(device, name, how):
     assert torch.equal(ours.sequences, ref.sequences)
     for a, b in zip(ours.logits, ref.logits):
         torch.testing.assert_close(a, b, atol=4e-3, rtol=4e-3)
+
+
+def _gemma2(**kw):  # softcap 50 (config value), head_dim 256, a window of 4 keys on every other layer
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=256, max_position_embeddings=64, sliding_window=4,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256, pad_token_id=0, **kw))
+
+
+def _gpt_oss(**kw):  # one learned sink logit per query head, head_dim 64, a window of 4 keys on every other layer
+    return transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        vocab_size=128, hidden_size=256, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=64, sliding_window=4, num_local_experts=4,
+        num_experts_per_tok=2, pad_token_id=0, **kw))
+
+
+TRANSFORM_MODELS = {"gemma2 softcap": (_gemma2, Option.SOFTCAP), "gpt-oss sinks": (_gpt_oss, Option.SINKS)}
+
+
+@pytest.mark.parametrize("name", list(TRANSFORM_MODELS))
+def test_softcap_and_sinks_models_are_their_eager_attention(device, name):
+    """A left-padded forward pass of Gemma 2 / gpt-oss with attention through register() is the
+    float32 model's with eager attention, to the fp16 model's own rounding. Their sinks are
+    trained weights: random ones, scaled up so they change the softmax, stand in for them."""
+    make, option = TRANSFORM_MODELS[name]
+    models = []
+    for dtype in (torch.float32, torch.float16):
+        torch.manual_seed(0)
+        m = make(attn_implementation="eager").to(device=device, dtype=dtype).eval()
+        with torch.no_grad():
+            for layer in m.model.layers:
+                if hasattr(layer.self_attn, "sinks"):
+                    layer.self_attn.sinks.copy_(torch.linspace(-2.0, 3.0, layer.self_attn.sinks.numel()))
+        models.append(m)
+    m32, m16 = models
+    ids, mask = IDS.to(device), MASK.to(device)
+    valid = mask.bool()
+    with torch.no_grad():
+        fp32 = m32(ids, attention_mask=mask).logits
+        fp16 = m16(ids, attention_mask=mask).logits
+        m16.set_attn_implementation(rt.register())
+        rdnattention.stats(reset=True)
+        ours = m16(ids, attention_mask=mask).logits
+    s = rdnattention.stats(reset=True)
+    head_dim = m16.config.head_dim
+    request = Request(precision=Precision.FP16, layout=Layout.PACKED, head_dim=head_dim, rows=1,
+                      options=frozenset({Option.QUERY_COUNTS, option}))
+    try:
+        route.choose(route.device_table(device), request)
+        expected = (LAYERS, {})
+    except rdnattention.UnsupportedError as e:  # the target builds no kernel for it: counted, run in torch
+        expected = (0, {str(e): LAYERS})
+    assert (s["transformers"]["served"], s["transformers"]["fallbacks"]) == expected
+    if device.type == "cuda":
+        assert expected == (LAYERS, {})  # every head_dim is built for GPUs
+    _close_to_float32(ours[valid], fp16[valid], fp32[valid])
 
 
 def test_vit_of_timm_through_the_patch(device):
