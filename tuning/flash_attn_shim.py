@@ -7,8 +7,8 @@ rdnattention is forward-only: an entry point called with inputs that require gra
 UnsupportedError. So that the forward checks of a test that also asks for gradients still run, an
 entry point called with grad-requiring inputs (and grad mode on) runs its forward under
 ``torch.autograd.Function`` (grad mode off inside), and the backward of that function does not
-compute gradients: it returns NaN placeholders, counts the request in ``STATE`` and registers the
-placeholders there, so the harness can tell a failed assertion about a placeholder gradient
+compute gradients: it returns NaN placeholders (PlaceholderGrad), counts the request in ``STATE``
+and registers the placeholders there, so the harness can tell a failed assertion about a placeholder gradient
 (backward not served) from one about the forward output."""
 
 from __future__ import annotations
@@ -20,6 +20,12 @@ import torch
 import rdnattention
 
 USE_TRITON_ROCM = False
+
+
+class PlaceholderGrad(torch.Tensor):
+    """A NaN placeholder gradient. torch ops on it return this type, so the gradients a test derives
+    from it (padded, rearranged, unbound) stay recognisable; a leaf's accumulated ``.grad`` is a
+    plain tensor (the harness recognises it as all NaN)."""
 
 
 class State:
@@ -35,13 +41,15 @@ class State:
         self._storages: set[int] = set()
 
     def placeholder(self, shape, dtype, device) -> torch.Tensor:
-        t = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        t = torch.full(shape, float("nan"), dtype=dtype, device=device).as_subclass(PlaceholderGrad)
         self.placeholders.append(t)
         self._storages.add(t.untyped_storage().data_ptr())
         return t
 
     def is_placeholder(self, t: torch.Tensor) -> bool:
-        """``t`` is (a view of) a NaN placeholder gradient."""
+        """``t`` is a NaN placeholder gradient, one derived from it by torch ops, or a view of one."""
+        if isinstance(t, PlaceholderGrad):
+            return True
         try:
             return t.untyped_storage().data_ptr() in self._storages
         except (RuntimeError, NotImplementedError):

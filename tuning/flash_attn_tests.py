@@ -164,7 +164,7 @@ def spread(items: list, n: int, seed: int = 0) -> list:
 
 
 def _norm(message: str) -> str:
-    """A refusal's message as a grouping key: numbers and reprs of values made '…' ."""
+    """A refusal's message as a grouping key: numbers and tensor reprs made '…'."""
     first = message.strip().splitlines()[0] if message.strip() else type(message).__name__
     first = re.sub(r"\btensor\([^)]*\)", "…", first)
     first = re.sub(r"(?<![\w.])-?\d+(\.\d+)?(e-?\d+)?", "…", first)
@@ -202,7 +202,7 @@ class Classifier:
 
         from tuning.flash_attn_shim import STATE
         self.run, self.test_path, self.max_cost, self.max_cases, self.seed = run, test_path, max_cost, max_cases, seed
-        self.keyword = keyword_filter(keyword, test_path.name)
+        self.keyword, self.keyword_expr = keyword_filter(keyword, test_path.name), keyword
         self.dropped: set[str] = set()
         self.unsupported, self.state = UnsupportedError, STATE
 
@@ -240,7 +240,7 @@ class Classifier:
 
     def pytest_collection_modifyitems(self, session, config, items):
         self.run.collected += sum(1 for item in items if not hasattr(item, "callspec"))
-        keep = [item for item in items if item.name not in self.dropped]
+        keep = [item for item in items if item.name not in self.dropped and self._matches(item)]
         if self.max_cases is not None and len(keep) > self.max_cases:
             chosen = spread(keep, self.max_cases, self.seed)
             self.run.sampled_out += len(keep) - len(chosen)
@@ -250,6 +250,17 @@ class Classifier:
         if drop:
             config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+    def _matches(self, item) -> bool:
+        """pytest's own -k on ``item`` (applied here, before --max-cases spreads the cases)."""
+        if self.keyword_expr is None:
+            return True
+        try:
+            from _pytest.mark import KeywordMatcher
+            from _pytest.mark.expression import Expression
+            return Expression.compile(self.keyword_expr).evaluate(KeywordMatcher.from_item(item))
+        except Exception:  # noqa: BLE001  (a private API: pytest applies -k itself afterwards)
+            return True
 
     def pytest_runtest_setup(self, item):
         self.state.reset()
@@ -276,7 +287,7 @@ class Classifier:
         exc = excinfo.value
         for e in _chain(exc):
             if isinstance(e, self.unsupported):
-                return Outcome("refused", _norm(str(e)))
+                return Outcome("refused", _first_line(str(e)))
         if isinstance(exc, ImportError) and "flash_attn" in str(exc):
             return Outcome("not_applicable", _first_line(str(exc)))
         if isinstance(exc, AssertionError) and self.state.backward_calls and self._about_placeholder(excinfo):
@@ -405,13 +416,15 @@ def summary(run: Run, command: str = "") -> str:
         lines += ["Rewritten for the host emulator: " + "; ".join(run.rewrites) + ".", ""]
     lines += ["| outcome | cases |", "|---|---|"]
     lines += [f"| {TITLES[b]} | {counts.get(b, 0)} |" for b in BUCKETS]
-    by_reason = collections.Counter((o.bucket, o.reason) for o in run.outcomes.values()
-                                    if o.bucket in ("refused", "skipped", "not_applicable"))
-    if by_reason:
-        lines += ["", "## Refused, skipped and not applicable, by reason", "", "| outcome | reason | cases |",
-                  "|---|---|---|"]
-        for (bucket, reason), n in sorted(by_reason.items(), key=lambda kv: (BUCKETS.index(kv[0][0]), -kv[1])):
-            lines.append(f"| {bucket} | {_cell(reason)} | {n} |")
+    groups: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
+    for o in run.outcomes.values():
+        if o.bucket in ("refused", "skipped", "not_applicable"):
+            groups[o.bucket, _norm(o.reason)].append(o.reason)
+    if groups:
+        lines += ["", "## Refused, skipped and not applicable, by reason", "",
+                  "| outcome | reason (numbers as …) | cases | an example |", "|---|---|---|---|"]
+        for (bucket, key), reasons in sorted(groups.items(), key=lambda kv: (BUCKETS.index(kv[0][0]), -len(kv[1]))):
+            lines.append(f"| {bucket} | {_cell(key)} | {len(reasons)} | {_cell(reasons[0])} |")
     failed = [(nodeid, o.reason) for nodeid, o in run.outcomes.items() if o.bucket == "failed"]
     if failed:
         lines += ["", "## Failed", "", "| case | error |", "|---|---|"]
