@@ -288,8 +288,8 @@ class Classifier:
         for e in _chain(exc):
             if isinstance(e, self.unsupported):
                 return Outcome("refused", _first_line(str(e)))
-        if isinstance(exc, ImportError) and "flash_attn" in str(exc):
-            return Outcome("not_applicable", _first_line(str(exc)))
+        if isinstance(exc, ImportError) and "flash_attn" in str(exc):  # the shim's path dropped from the message
+            return Outcome("not_applicable", re.sub(r"\s*\([^()]*\)\s*$", "", _first_line(str(exc))))
         if isinstance(exc, AssertionError) and self.state.backward_calls and self._about_placeholder(excinfo):
             return Outcome("forward_only", "an assertion about a gradient (the backward is not served)")
         where = self._where(excinfo)
@@ -386,7 +386,7 @@ def run_tests(test_file: Path, device: str, *, max_cases: int | None = None, key
         sys.path[:0] = [str(shim), str(ROOT)]
         plugin = Classifier(run, copy, max_cost, max_cases, seed, keyword)
         args = [str(copy), "-c", str(tests / "pytest.ini"), "--rootdir", str(tests), "-p", "no:cacheprovider",
-                "-q", "--tb=no", "--no-header", "-W", "ignore::DeprecationWarning", *pytest_args]
+                "-q", "--tb=no", "-rN", "--no-header", "-W", "ignore::DeprecationWarning", *pytest_args]
         if keyword:
             args += ["-k", keyword]
         pytest.main(args, plugins=[plugin])
