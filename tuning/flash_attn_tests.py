@@ -204,6 +204,7 @@ class Classifier:
         self.run, self.test_path, self.max_cost, self.max_cases, self.seed = run, test_path, max_cost, max_cases, seed
         self.keyword, self.keyword_expr = keyword_filter(keyword, test_path.name), keyword
         self.dropped: set[str] = set()
+        self.asserts_passed = 0
         self.unsupported, self.state = UnsupportedError, STATE
 
     @pytest.hookimpl(wrapper=True)
@@ -264,6 +265,10 @@ class Classifier:
 
     def pytest_runtest_setup(self, item):
         self.state.reset()
+        self.asserts_passed = 0
+
+    def pytest_assertion_pass(self, item, lineno, orig, expl):
+        self.asserts_passed += 1
 
     def pytest_runtest_logreport(self, report):
         if report.nodeid in self.run.outcomes and report.when != "call":
@@ -291,7 +296,9 @@ class Classifier:
         if isinstance(exc, ImportError) and "flash_attn" in str(exc):  # the shim's path dropped from the message
             return Outcome("not_applicable", re.sub(r"\s*\([^()]*\)\s*$", "", _first_line(str(exc))))
         if isinstance(exc, AssertionError) and self.state.backward_calls and self._about_placeholder(excinfo):
-            return Outcome("forward_only", "an assertion about a gradient (the backward is not served)")
+            n = self.asserts_passed
+            return Outcome("forward_only", f"{n} assertion{'s' * (n != 1)} passed before the first about a gradient"
+                           if n else "no assertion before the first about a gradient (a backward-only test)")
         where = self._where(excinfo)
         return Outcome("failed", f"{type(exc).__name__}: {_first_line(str(exc))}" + (f" [{where}]" if where else ""))
 
@@ -380,7 +387,7 @@ def run_tests(test_file: Path, device: str, *, max_cases: int | None = None, key
         shim = _install_shim(tmp)
         tests = tmp / "tests"
         tests.mkdir()
-        (tests / "pytest.ini").write_text("[pytest]\n")
+        (tests / "pytest.ini").write_text("[pytest]\nenable_assertion_pass_hook = true\n")
         copy = tests / test_file.name
         copy.write_text(text)
         sys.path[:0] = [str(shim), str(ROOT)]
@@ -418,10 +425,10 @@ def summary(run: Run, command: str = "") -> str:
     lines += [f"| {TITLES[b]} | {counts.get(b, 0)} |" for b in BUCKETS]
     groups: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
     for o in run.outcomes.values():
-        if o.bucket in ("refused", "skipped", "not_applicable"):
+        if o.bucket in ("refused", "forward_only", "skipped", "not_applicable"):
             groups[o.bucket, _norm(o.reason)].append(o.reason)
     if groups:
-        lines += ["", "## Refused, skipped and not applicable, by reason", "",
+        lines += ["", "## Refused, forward-only, skipped and not applicable, by reason", "",
                   "| outcome | reason (numbers as …) | cases | an example |", "|---|---|---|---|"]
         for (bucket, key), reasons in sorted(groups.items(), key=lambda kv: (BUCKETS.index(kv[0][0]), -len(kv[1]))):
             lines.append(f"| {bucket} | {_cell(key)} | {len(reasons)} | {_cell(reasons[0])} |")
