@@ -17,7 +17,8 @@ one bucket:
 * forward passed, backward not served: rdnattention is forward-only. An entry point called with
   inputs that require grad runs its forward with grad mode off, and the backward returns NaN
   placeholder gradients (flash_attn_shim.py); a case lands here when the assertion that failed is
-  about a placeholder gradient, so every assertion before it (the forward ones) passed;
+  about a placeholder gradient, so every assertion before it (the forward ones) passed; its reason
+  says how many did (pytest's assertion-pass hook), none meaning a backward-only test;
 * failed: any other assertion or exception, with the case id: a bug to look at;
 * skipped by the test (its own pytest.skip), and not applicable (it imports flash-attn internals
   the shim does not serve, e.g. the raw C++ extension).
@@ -26,9 +27,9 @@ one bucket:
 CUDA capability queries are rewritten in a patched copy (the capability read as (9, 0), the H200
 the cuda proxy target is, so the file parametrises bf16 as well), and only cases whose work
 ``batch * heads * seqlen_q * seqlen_k * head_dim * repeats`` is at most ``--max-cost`` (default
-2**25 on cpu, a few seconds a case, unbounded on cuda) are collected. batch, heads and repeats (``for _ in range(N)``
-loops) are read from the test function's source, seqlens and head_dim from its parameters; a case
-without seqlen parameters is always kept. ``--max-cases N`` then keeps N of them, spread over the
+2**25 on cpu, a few seconds a case; unbounded on cuda) are collected. batch, heads and repeats
+(``for _ in range(N)`` loops) are read from the test function's source, seqlens and head_dim from
+its parameters; a case without seqlen parameters is always kept. ``--max-cases N`` then keeps N of them, spread over the
 test functions (round robin, each function's cases in a seeded shuffle).
 
 The summary (counts, refusals by reason, failures with ids, counts per test function) is printed
