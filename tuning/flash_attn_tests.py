@@ -242,7 +242,10 @@ class Classifier:
 
     def pytest_collection_modifyitems(self, session, config, items):
         self.run.collected += sum(1 for item in items if not hasattr(item, "callspec"))
-        keep = [item for item in items if item.name not in self.dropped and self._matches(item)]
+        keep = [item for item in items if item.name not in self.dropped]
+        matching = [item for item in keep if self._matches(item)]
+        self.run.not_matching += len(keep) - len(matching)
+        keep = matching
         if self.max_cases is not None and len(keep) > self.max_cases:
             chosen = spread(keep, self.max_cases, self.seed)
             self.run.sampled_out += len(keep) - len(chosen)

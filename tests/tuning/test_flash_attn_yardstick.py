@@ -156,7 +156,7 @@ def test_classifies_each_case(synthetic, host_build):
 def test_keyword_and_max_cases(synthetic, host_build):
     run = harness.run_tests(synthetic, "cpu", keyword="cost or skips", max_cost=2 * 16 * 16 * 64, max_cases=2)
     assert _buckets(run) == {"test_cost[16]": "passed", "test_skips": "skipped"}
-    assert run.over_cost == 1
+    assert run.over_cost == 1 and run.not_matching == 8
 
 
 def test_cpu_source_rewrites():
