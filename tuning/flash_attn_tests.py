@@ -301,7 +301,7 @@ class Classifier:
             return Outcome("not_applicable", re.sub(r"\s*\([^()]*\)\s*$", "", _first_line(str(exc))))
         if isinstance(exc, AssertionError) and self.state.backward_calls and self._about_placeholder(excinfo):
             n = self.asserts_passed
-            return Outcome("forward_only", f"{n} assertion{'s' * (n != 1)} passed before the first about a gradient"
+            return Outcome("forward_only", f"assertions passed before the first about a gradient: {n}"
                            if n else "no assertion before the first about a gradient (a backward-only test)")
         where = self._where(excinfo)
         return Outcome("failed", f"{type(exc).__name__}: {_first_line(str(exc))}" + (f" [{where}]" if where else ""))
