@@ -296,8 +296,9 @@ def check_values(lengths: torch.Tensor, new: int, cache_len: int, cache_rows: in
     ``rotated`` - 1 within them. Returns whether they were read (else _run bounds them on the
     device)."""
     values = checks.Values()
+    capacity = _capacity(block_table)
     values.within("cache_seqlens", lengths, 0, cache_len - new,
-                  rule=f"cache_seqlens + seq_new ({new}) must lie in [0, {_capacity(block_table)} = {cache_len}]")
+                  rule=f"cache_seqlens + seq_new ({new}) must lie in [0, {capacity} = {cache_len}]")
     values.within("cache_leftpad", leftpad, 0, cache_len)
     if leftpad is not None:
         values.at_most("cache_leftpad", leftpad, lengths, "cache_seqlens (keys start at cache_leftpad, before "

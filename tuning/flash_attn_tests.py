@@ -102,7 +102,7 @@ def _source_int(source: str, pattern: str, default: int) -> int:
     return int(m.group(1)) if m else default
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _source_sizes(function) -> tuple[int, int, int]:
     try:
         source = inspect.getsource(function)
@@ -200,7 +200,6 @@ class Classifier:
     def __init__(self, run: Run, test_path: Path, max_cost: int | None, max_cases: int | None, seed: int,
                  keyword: str | None = None):
         from rdnattention.errors import UnsupportedError
-
         from tuning.flash_attn_shim import STATE
         self.run, self.test_path, self.max_cost, self.max_cases, self.seed = run, test_path, max_cost, max_cases, seed
         self.keyword, self.keyword_expr = keyword_filter(keyword, test_path.name), keyword
@@ -419,10 +418,9 @@ def summary(run: Run, command: str = "") -> str:
     lines = [f"# flash-attn's test_flash_attn.py against rdnattention ({run.device})", ""]
     if command:
         lines += [f"    {command}", ""]
-    lines += [f"Test file: `{Path(run.test_file).name}` (sha256 {run.digest}). Collected {run.collected} cases; "
-              f"{run.over_cost} over the cost bound, {run.not_matching} not matching -k, "
-              f"{run.sampled_out} left out by --max-cases, "
-              f"{len(run.outcomes)} run.", ""]
+    lines += [(f"Test file: `{Path(run.test_file).name}` (sha256 {run.digest}). Collected {run.collected} cases; "
+               f"{run.over_cost} over the cost bound, {run.not_matching} not matching -k, "
+               f"{run.sampled_out} left out by --max-cases, {len(run.outcomes)} run."), ""]
     if run.rewrites:
         lines += ["Rewritten for the host emulator: " + "; ".join(run.rewrites) + ".", ""]
     lines += ["| outcome | cases |", "|---|---|"]
