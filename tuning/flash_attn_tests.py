@@ -207,16 +207,16 @@ class Classifier:
         self.asserts_passed = 0
         self.unsupported, self.state = UnsupportedError, STATE
 
-    @pytest.hookimpl(wrapper=True)
+    @pytest.hookimpl(hookwrapper=True)  # the old-style wrapper: pytest 7 has no wrapper=True
     def pytest_generate_tests(self, metafunc):
         """Prunes a function's parametrisations before pytest makes items of them (flash-attn's file
         has hundreds of thousands): over the cost bound, not matching -k, and, with --max-cases, a
         seeded sample of at most that many per function (the final spread is in
         pytest_collection_modifyitems)."""
-        result = yield
+        yield
         calls = metafunc._calls  # the callspecs pytest is about to make items of
         if not calls:
-            return result
+            return
         self.run.collected += len(calls)
         name = metafunc.function.__name__
         keep = []
@@ -237,7 +237,6 @@ class Classifier:
             keep = calls[:1]
             self.dropped.add(f"{name}[{keep[0].id}]")
         calls[:] = keep
-        return result
 
     def pytest_collection_modifyitems(self, session, config, items):
         self.run.collected += sum(1 for item in items if not hasattr(item, "callspec"))
