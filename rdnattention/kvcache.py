@@ -145,6 +145,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise UnsupportedError(f"cache_leftpad with {other}: a left-padded cache is read as each sequence's own "
                                    "rows, in order; pass the cache rows themselves")
         cache_leftpad = check_int32("cache_leftpad", cache_leftpad, (batch,), q.device)
+    capacity = _capacity(block_table)
     if block_table is not None:
         block_table = check_paged(k_cache, v_cache, block_table, batch, "k_cache", "v_cache")
         cache_len = block_table.shape[1] * k_cache.shape[1]
@@ -171,7 +172,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         check_same_dtype(("k_cache", k_cache), ("k", k), ("v", v))
         new = k.shape[1]
         if new > cache_len:
-            raise InvalidArgumentError(f"seq_new ({new}) must not exceed cache_len ({cache_len}): the new keys are "
+            raise InvalidArgumentError(f"seq_new ({new}) must not exceed {capacity} ({cache_len}): the new keys are "
                                        "written into the cache")
     if rotary_cos is not None or rotary_sin is not None:
         _check_tables(rotary_cos, rotary_sin, rotary_interleaved, q)
@@ -180,7 +181,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         lengths = torch.full((batch,), cache_len, dtype=torch.int32, device=q.device)
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= cache_len - new:
-            raise InvalidArgumentError(f"cache_seqlens + seq_new ({new}) must lie in [0, cache_len = {cache_len}], "
+            raise InvalidArgumentError(f"cache_seqlens + seq_new ({new}) must lie in [0, {capacity} = {cache_len}], "
                                        f"got cache_seqlens {cache_seqlens}")
         lengths = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     else:
@@ -281,6 +282,12 @@ def _traced(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block
                           score=score)
 
 
+def _capacity(block_table) -> str:
+    """What bounds cache_seqlens + seq_new, as messages name it: the cache's length, or with a paged
+    cache the pages its block table gives each sequence."""
+    return "cache_len" if block_table is None else "block_table's pages per sequence * page_size"
+
+
 def check_values(lengths: torch.Tensor, new: int, cache_len: int, cache_rows: int, cache_batch_idx, block_table,
                  pages: int, positions: int | None, rotated: int, leftpad: torch.Tensor | None = None) -> bool:
     """A call's index values, in one read where they are read (checks.Values): cache lengths with
@@ -289,8 +296,9 @@ def check_values(lengths: torch.Tensor, new: int, cache_len: int, cache_rows: in
     ``rotated`` - 1 within them. Returns whether they were read (else _run bounds them on the
     device)."""
     values = checks.Values()
+    capacity = _capacity(block_table)
     values.within("cache_seqlens", lengths, 0, cache_len - new,
-                  rule=f"cache_seqlens + seq_new ({new}) must lie in [0, cache_len = {cache_len}]")
+                  rule=f"cache_seqlens + seq_new ({new}) must lie in [0, {capacity} = {cache_len}]")
     values.within("cache_leftpad", leftpad, 0, cache_len)
     if leftpad is not None:
         values.at_most("cache_leftpad", leftpad, lengths, "cache_seqlens (keys start at cache_leftpad, before "

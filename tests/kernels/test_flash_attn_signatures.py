@@ -279,6 +279,25 @@ def test_block_table_bounds_errors_name_it(host_build):
 
 
 @pytest.mark.parametrize("append", [False, True])
+def test_paged_cache_capacity_errors_name_block_table(host_build, append):
+    """With a paged cache, cache_seqlens (+ the appended keys) are bounded by the pages the block
+    table gives each sequence, and the refusal says so (flash-attn's own test of this bound looks
+    for "block_table" in the message); nothing is written."""
+    q, _, _, k, v, _ = _setup(b=1, new=1 if append else 0)
+    pool_k, pool_v = (torch.randn(4, 16, 2, 64).half() for _ in range(2))
+    before = pool_k.clone(), pool_v.clone()
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    lengths = torch.tensor([16 if append else 17], dtype=torch.int32)
+    with pytest.raises(InvalidArgumentError, match=r"must lie in \[0, block_table's pages per sequence \* "
+                                                   r"page_size = 16\]"):
+        flash_attn_with_kvcache(q, pool_k, pool_v, k, v, cache_seqlens=lengths, block_table=table)
+    assert torch.equal(pool_k, before[0]) and torch.equal(pool_v, before[1])
+    out = flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=torch.tensor([16], dtype=torch.int32),
+                                  block_table=table)
+    assert out.shape == q.shape and not out.isnan().any()
+
+
+@pytest.mark.parametrize("append", [False, True])
 def test_cache_leftpad_compiles_whole_and_matches_eager(host_build, append):
     q, k_cache, v_cache, k, v, lengths = _setup(sq=2, new=2 if append else 0)
     leftpad = torch.tensor([3, 7, 0], dtype=torch.int32)
