@@ -152,7 +152,7 @@ def test_a_dtype_option_is_built_for_every_layout_with_the_familys_tiles_unless_
 @pytest.mark.parametrize("tiles, message", [
     ("    f16_fp32:\n      64: {br: 64, bc: 64, threads: 256, tm: 4}\n", "tiles.small.f16_fp32: not a kernel family"),
     ("    f16_bf16:\n      default: {br: 64, bc: 64, threads: 256, tm: 4}\n",
-     "a dtype option's tiles are head_dims only"),
+     "an option's tiles are head_dims only"),
     ("    f16_bf16:\n      128: {br: 64, bc: 64, threads: 256, tm: 4}\n", "is not one of f16_bf16's head_dims [64]"),
 ])
 def test_a_bad_dtype_option_or_its_tiles_are_named(tmp_path, tiles, message):
