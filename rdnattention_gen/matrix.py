@@ -81,16 +81,16 @@ class Matrix:
                      score: str | None = None) -> tuple[TileChoice, ...]:
         """The choices of (family, head_dim): the nearest table in the inheritance chain that lists
         the head_dim, else the nearest one with a ``default``. The kernels of a score option take
-        the nearest ``<family>_<score>`` entry of the head_dim first, then (those of a dtype option)
-        the nearest ``<family>_<dtype>`` one, where a table has them."""
+        the nearest ``<family>_<dtype>_<score>`` entry of the head_dim first (those of a dtype option
+        too), then the nearest ``<family>_<score>`` one; the kernels of a dtype option then the
+        nearest ``<family>_<dtype>`` one, where a table has them."""
         chain = []
         name: str | None = table
         while name is not None:
             chain.append(self.tile_tables[name])
             name = self.tile_tables[name].inherit
-        for option in (score, dtype):
-            if option is None:
-                continue
+        options = [f"{dtype}_{score}"] if dtype is not None and score is not None else []
+        for option in options + [o for o in (score, dtype) if o is not None]:
             for t in chain:
                 if head_dim in t.choices.get(f"{family}_{option}", {}):
                     return t.choices[f"{family}_{option}"][head_dim]
@@ -278,15 +278,19 @@ def _tile_table(name: str, node: object, parent: Node, kernels: dict[str, dict],
     families = set(kernels)
     choices: dict[str, dict[int | str, tuple[TileChoice, ...]]] = {}
     for fam in sorted(node, key=lambda k: node.key_lines[k]):
-        # "<family>_<option>": the tiles of the family's kernels of that dtype or score option, at the
-        # head_dims listed (the others take the family's).
+        # "<family>_<option>": the tiles of the family's kernels of that dtype or score option (or
+        # "<dtype>_<score>": of both), at the head_dims listed (the others take the family's).
         base, _, option = fam.partition("_")
-        built = {**kernels[base].get("dtypes", {}), **kernels[base].get("scores", {})} if base in families else {}
+        built = {}
+        if base in families:
+            dtypes, scores = kernels[base].get("dtypes", {}), kernels[base].get("scores", {})
+            built = {**dtypes, **scores, **{f"{d}_{s}": [h for h in dtypes[d] if h in scores[s]]
+                                            for d in dtypes for s in scores}}
         if base not in families or (option and option not in built):
             options = [f"{f}_{d}" for f in sorted(families)
                        for d in (*kernels[f].get("dtypes", {}), *kernels[f].get("scores", {}))]
             raise node.fail(fam, f"not a kernel family under kernels: ({', '.join(sorted(families))}), nor a family's "
-                                 f"dtype or score option ({', '.join(options) or 'none'})")
+                                 f"dtype or score option ({', '.join(options) or 'none'}), nor both")
         dims = built[option] if option else kernels[base]["head_dims"]
         dtype = option
         fam_node = node.child(fam)
