@@ -26,8 +26,8 @@ _CHECKOUT = _PACKAGE.parent
 ROCM_LOADS = {4: (4, 1), 5: (5, 3), 6: (6, 2)}
 # AMD code-object versions a table may record that this runtime launches (None: not an AMD code object).
 LOADABLE_CODE_OBJECT_VERSIONS = (None, 4, 5)
-TABLE_FORMAT = 5  # 3: the code object's size and SHA-256 are recorded; 4: entries name their layout option;
-# 5: and their dtype option
+TABLE_FORMAT = 6  # 3: the code object's size and SHA-256 are recorded; 4: entries name their layout option;
+# 5: and their dtype option; 6: and their score option
 
 
 def rocm_floor(version: int) -> str:
@@ -151,11 +151,14 @@ def _entry(e: dict, i: int) -> KernelEntry:
     dtype = e.get("dtype")
     if dtype is not None and type(dtype) is not str:
         raise ValueError(f"kernels[{i}].dtype = {dtype!r} is not a string or null")
+    score = e.get("score")
+    if score is not None and type(score) is not str:
+        raise ValueError(f"kernels[{i}].score = {score!r} is not a string or null")
     return KernelEntry(
         name=e["name"], family=e["family"], head_dim=e["head_dim"], gqa_group=e["gqa_group"], tier=e["tier"],
         threads=e["threads"], br=e["br"], bc=e["bc"], tm=e["tm"], lds_bytes=e["lds_bytes"],
         priority=e["priority"], when=Constraints.from_json(when), provenance=e["provenance"],
-        args_digest=e["args_digest"], layout=layout, dtype=dtype)
+        args_digest=e["args_digest"], layout=layout, dtype=dtype, score=score)
 
 
 def _check_entry(path: Path, i: int, e: KernelEntry, wave_size: object, rebuild: str) -> None:
@@ -180,6 +183,9 @@ def _check_entry(path: Path, i: int, e: KernelEntry, wave_size: object, rebuild:
     if e.dtype != facts.get("options.dtype"):
         raise IncompatibleKernelsError(f"{path}: kernels[{i}].dtype is {e.dtype!r} but kernel {e.name} was built "
                                        f"for {facts.get('options.dtype')!r}; {rebuild}")
+    if e.score != facts.get("options.score"):
+        raise IncompatibleKernelsError(f"{path}: kernels[{i}].score is {e.score!r} but kernel {e.name} was built "
+                                       f"for {facts.get('options.score')!r}; {rebuild}")
     for key, value in facts.items():
         field = key.rsplit(".", 1)[-1]
         recorded = wave_size if field == "wave_size" else getattr(e, field, value)

@@ -13,7 +13,7 @@ family (tile, GQA group, constraints: TargetTable.select)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
@@ -95,25 +95,37 @@ class Algorithm:
     layouts: Mapping[Layout, str | None]
     options: frozenset[Option]
     planner: Callable[[TargetTable, Attention], Plan]
+    # The options whose calls run the family's kernels of a score option (f16's ALiBi: alibi), where
+    # those are built for the call's head_dim, layout and dtype; the family's other kernels never
+    # take such a call.
+    scores: Mapping[Option, str] = field(default_factory=dict)
 
-    def kind(self, layout: Layout, dtype: str | None = None) -> str:
+    def score(self, options: frozenset[Option]) -> str | None:
+        """The family's score option whose kernels serve a call needing ``options``; None: the kernels
+        without one."""
+        return next((s for o, s in self.scores.items() if o in options), None)
+
+    def kind(self, layout: Layout, dtype: str | None = None, score: str | None = None) -> str:
         """The kernels that read ``layout`` (in ``dtype``: the family's dtype option, None for its
-        own), as messages say them: ``f16 len``, ``dec paged bf16``."""
-        return kind(self.family, self.layouts[layout], dtype)
+        own; with ``score``: its score option), as messages say them: ``f16 len``, ``dec paged bf16``,
+        ``f16 alibi``."""
+        return kind(self.family, self.layouts[layout], dtype, score)
 
 
 # The score transforms, applied in the score step of the fp16 kernels (fa2_policies.h); the int8
-# kernels have none, so a call asking for one is refused there naming it. ALiBi runs the split-KV
-# kernels only (their tiles of at most _splitkv.ALIBI_ROWS rows, any number of rows in chunks): its
-# per-row slopes and distances cost the row-block kernels' tightest AMD tiles registers they do not
-# have (GCN's head_dim 64 spilled, RDNA2's lost a wave), so it is compiled out of them.
+# kernels have none, so a call asking for one is refused there naming it. The row-block kernels
+# apply ALiBi only where compiled with it (score option alibi, at the head_dims variants.yaml lists):
+# its per-row slopes and distances cost the plain kernels' tightest AMD tiles registers they do not
+# have (GCN's head_dim 64 spilled, RDNA2's lost a wave), so it is compiled out of them. ALiBi calls of
+# few rows (split_kv_preferred), and those at head_dims without alibi kernels, run the split-KV
+# kernels (tiles of at most _splitkv.ALIBI_ROWS rows, any number of rows in chunks).
 SCORE_TRANSFORMS = (Option.SOFTCAP, Option.ALIBI, Option.SINKS)
-ROW_BLOCK_TRANSFORMS = (Option.SOFTCAP, Option.SINKS)
 
 FP16_ROW_BLOCKS = Algorithm(
     "fp16 row-block", Precision.FP16, split_kv=False, family=f16.NAME,
     layouts={Layout.STRIDED: None, Layout.SEQUSED: "len", Layout.PACKED: "varlen"},
-    options=frozenset({Option.ROTARY, Option.ROW_ORDER, *ROW_BLOCK_TRANSFORMS}), planner=_fp16_row_blocks)
+    options=frozenset({Option.ROTARY, Option.ROW_ORDER, *SCORE_TRANSFORMS}), planner=_fp16_row_blocks,
+    scores={Option.ALIBI: "alibi"})
 FP16_SPLIT_KV = Algorithm(
     "fp16 split-KV", Precision.FP16, split_kv=True, family=dec.NAME,
     layouts={Layout.STRIDED: None, Layout.SEQUSED: None, Layout.PACKED: None, Layout.PAGED: "paged"},
@@ -147,13 +159,15 @@ def split_kv_preferred(rows: int, seq_q: int | None) -> bool:
 
 @dataclass(frozen=True)
 class Route:
-    """What serves a call: an algorithm, its kernel family and the layout and dtype options of the
-    kernels that read the call's layout and dtype (None: the plain kernels, the family's dtype)."""
+    """What serves a call: an algorithm, its kernel family and the layout, dtype and score options of
+    the kernels that read the call's layout and dtype and apply its score transforms (None: the
+    plain kernels, the family's dtype, no score option)."""
 
     algorithm: Algorithm
     family: str
     layout: str | None = None
     dtype: str | None = None  # the family's dtype option (bf16); None: its own
+    score: str | None = None  # the family's score option (alibi); None: none
 
 
 def choose(table: TargetTable, request: Request) -> Route:
@@ -161,10 +175,11 @@ def choose(table: TargetTable, request: Request) -> Route:
 
     The algorithms of the call's precision compiled for its layout whose kernels take every option
     it needs serve it, on their kernels of the call's dtype (bf16 is a dtype option of the fp16
-    families). A kernel forced by name runs if its family is one of them. Otherwise few
-    query rows per K/V head (SPLIT_KV_MAX_ROWS) prefer the split-KV algorithm and more rows the
-    row-block one, and the first whose family is built for the head_dim runs. UnsupportedError
-    otherwise, naming what is missing."""
+    families) and of the score option its transforms need (Algorithm.scores: ALiBi's alibi). A
+    kernel forced by name runs if its family is one of them. Otherwise few query rows per K/V head
+    (split_kv_preferred) prefer the split-KV algorithm and more rows the row-block one, and the first
+    whose family is built for the head_dim (in those options) runs. UnsupportedError otherwise,
+    naming what is missing."""
     if request.precision is Precision.INT8 and not any(e.family == INT8_ROW_BLOCKS.family for e in table.kernels):
         # INT8 is built on the targets with an int8 dot; its split-KV kernels only beside the row-block ones.
         raise UnsupportedError(f"target {table.target} has no int8 kernels (it has no int8 dot instruction, or they "
@@ -183,13 +198,14 @@ def choose(table: TargetTable, request: Request) -> Route:
     split_first = split_kv_preferred(request.rows, request.seq_q)
     preferred = sorted(able, key=lambda a: a.split_kv != split_first)
     for a in preferred:
-        layout = a.layouts[request.layout]
-        if table.entries(a.family, request.head_dim, layout, request.dtype):
-            return Route(algorithm=a, family=a.family, layout=layout, dtype=request.dtype)
+        layout, score = a.layouts[request.layout], a.score(request.options)
+        if table.entries(a.family, request.head_dim, layout, request.dtype, score):
+            return Route(algorithm=a, family=a.family, layout=layout, dtype=request.dtype, score=score)
     missing = []
     for a in preferred:
-        dims = table.head_dims(a.family, a.layouts[request.layout], request.dtype)
-        what = a.kind(request.layout, request.dtype)
+        score = a.score(request.options)
+        dims = table.head_dims(a.family, a.layouts[request.layout], request.dtype, score)
+        what = a.kind(request.layout, request.dtype, score)
         missing.append(f"no {what} kernel for head_dim {request.head_dim} on {table.target}; built head_dims: "
                        f"{dims}" if not missing else f"nor a {what} kernel (built head_dims: {dims})")
     raise UnsupportedError("; ".join(missing))
@@ -198,17 +214,19 @@ def choose(table: TargetTable, request: Request) -> Route:
 def _forced(table: TargetTable, request: Request, serving: list[Algorithm]) -> Route:
     """The route of a call that names its kernel: that kernel's family and layout, where they serve the call."""
     entry = table.named(request.kernel)
-    kinds = ", ".join(dict.fromkeys(a.kind(request.layout, request.dtype) for a in serving))
+    kinds = ", ".join(dict.fromkeys(a.kind(request.layout, request.dtype, a.score(request.options))
+                                    for a in serving))
     why = "no kernel of that name is built"
     if entry is not None:
         why = (f"it is a {entry.kind} kernel; this {request.what} call with "
                f"{request.layout.value} runs the {kinds} kernels")
     for a in serving:
-        if entry is not None and (a.family, a.layouts[request.layout], request.dtype) == (entry.family, entry.layout,
-                                                                                          entry.dtype):
+        if entry is not None and ((a.family, a.layouts[request.layout], request.dtype, a.score(request.options))
+                                  == (entry.family, entry.layout, entry.dtype, entry.score)):
             lacking = request.options - a.options
             if not lacking:
-                return Route(algorithm=a, family=entry.family, layout=entry.layout, dtype=entry.dtype)
+                return Route(algorithm=a, family=entry.family, layout=entry.layout, dtype=entry.dtype,
+                             score=entry.score)
             why = f"the {entry.kind} kernels take no {', '.join(sorted(o.value for o in lacking))}"
     raise UnsupportedError(f"kernel {request.kernel!r} does not serve this call on {table.target}: {why}")
 

@@ -115,16 +115,19 @@ class KernelEntry:
     # The family's input dtype option the kernel is compiled for (a key of the family's DTYPES:
     # bf16); None: the family's own, fp16.
     dtype: str | None = None
+    # The family's score-transform option the kernel is compiled with (a key of the family's SCORES:
+    # f16's alibi); None: the kernels without one.
+    score: str | None = None
 
     @property
     def kind(self) -> str:
-        """The family, its layout and its dtype where the kernel has them, as messages say it:
-        ``dec paged``, ``f16 len bf16``."""
-        return kind(self.family, self.layout, self.dtype)
+        """The family, its layout, its dtype and its score option where the kernel has them, as
+        messages say it: ``dec paged``, ``f16 len bf16``, ``f16 varlen alibi``."""
+        return kind(self.family, self.layout, self.dtype, self.score)
 
 
-def kind(family: str, layout: str | None, dtype: str | None = None) -> str:
-    return " ".join(x for x in (family, layout, dtype) if x is not None)
+def kind(family: str, layout: str | None, dtype: str | None = None, score: str | None = None) -> str:
+    return " ".join(x for x in (family, layout, dtype, score) if x is not None)
 
 
 @dataclass(frozen=True)
@@ -142,9 +145,9 @@ class TargetTable:
     code_object_version: int | None = None  # the AMD code object ABI it is built for; None: not pinned
 
     def __post_init__(self) -> None:
-        by_key: dict[tuple[str, str | None, str | None, int], list[KernelEntry]] = {}
+        by_key: dict[tuple[str, str | None, str | None, str | None, int], list[KernelEntry]] = {}
         for e in self.kernels:
-            by_key.setdefault((e.family, e.layout, e.dtype, e.head_dim), []).append(e)
+            by_key.setdefault((e.family, e.layout, e.dtype, e.score, e.head_dim), []).append(e)
         object.__setattr__(self, "_by_key", {k: tuple(v) for k, v in by_key.items()})
 
     def shared_bytes(self, entry: KernelEntry) -> int:
@@ -153,15 +156,18 @@ class TargetTable:
         return entry.lds_bytes if self.dynamic_lds else 0
 
     def entries(self, family: str, head_dim: int, layout: str | None = None,
-                dtype: str | None = None) -> tuple[KernelEntry, ...]:
-        """Every entry of ``family`` compiled for ``layout`` and ``dtype`` (None: fp16) at
-        ``head_dim`` (alternates included): whether those kernels are built there."""
-        return self._by_key.get((family, layout, dtype, head_dim), ())
+                dtype: str | None = None, score: str | None = None) -> tuple[KernelEntry, ...]:
+        """Every entry of ``family`` compiled for ``layout``, ``dtype`` (None: fp16) and ``score``
+        (None: no score option) at ``head_dim`` (alternates included): whether those kernels are
+        built there."""
+        return self._by_key.get((family, layout, dtype, score, head_dim), ())
 
-    def head_dims(self, family: str, layout: str | None = None, dtype: str | None = None) -> list[int]:
-        """The head_dims ``family``'s kernels compiled for ``layout`` and ``dtype`` are built for."""
+    def head_dims(self, family: str, layout: str | None = None, dtype: str | None = None,
+                  score: str | None = None) -> list[int]:
+        """The head_dims ``family``'s kernels compiled for ``layout``, ``dtype`` and ``score`` are
+        built for."""
         return sorted({e.head_dim for e in self.kernels
-                       if e.family == family and e.layout == layout and e.dtype == dtype})
+                       if e.family == family and e.layout == layout and e.dtype == dtype and e.score == score})
 
     def named(self, name: str) -> KernelEntry | None:
         """The entry of kernel ``name``, or None when the table has no such kernel."""
@@ -169,15 +175,15 @@ class TargetTable:
 
     def select(self, family: str, *, head_dim: int, heads_per_kv: int, causal: bool, seq_q: int,
                kernel: str | None = None, rows: int | None = None, layout: str | None = None,
-               dtype: str | None = None) -> KernelEntry:
-        """The entry that serves a call: among those of the family compiled for ``layout`` and
-        ``dtype`` (None: fp16) at head_dim whose GQA group divides the query heads per K/V head and whose constraints admit
+               dtype: str | None = None, score: str | None = None) -> KernelEntry:
+        """The entry that serves a call: among those of the family compiled for ``layout``, ``dtype``
+        (None: fp16) and ``score`` (None: no score option) at head_dim whose GQA group divides the query heads per K/V head and whose constraints admit
         the call, the largest group, then the highest priority. ``kernel`` forces one entry by name (it must fit); entries
         of negative priority (alternates: host mirrors of GPU tiles, tuning candidates) run only so."""
-        same = self._by_key.get((family, layout, dtype, head_dim), ())
+        same = self._by_key.get((family, layout, dtype, score, head_dim), ())
         if not same:
-            raise UnsupportedError(f"no {kind(family, layout, dtype)} kernel for head_dim {head_dim} on {self.target}; "
-                                   f"built head_dims: {self.head_dims(family, layout, dtype)}")
+            raise UnsupportedError(f"no {kind(family, layout, dtype, score)} kernel for head_dim {head_dim} on "
+                                   f"{self.target}; built head_dims: {self.head_dims(family, layout, dtype, score)}")
         if rows is None:
             rows = heads_per_kv * seq_q
         fits = [e for e in same
@@ -192,7 +198,8 @@ class TargetTable:
         fits = [e for e in fits if e.priority > ALTERNATE]  # alternates serve only calls that name them
         if not fits:
             offered = "; ".join(f"{e.name} (group {e.gqa_group}, {e.when})" for e in same)
-            raise UnsupportedError(f"no {kind(family, layout, dtype)} kernel on {self.target} serves head_dim {head_dim} "
+            raise UnsupportedError(f"no {kind(family, layout, dtype, score)} kernel on {self.target} serves head_dim "
+                                   f"{head_dim} "
                                    f"with {heads_per_kv} query heads per K/V head, causal={causal}, seq_q={seq_q}; "
                                    f"built: {offered}")
         return max(fits, key=lambda e: (e.gqa_group, e.priority))

@@ -28,6 +28,7 @@ def table(target: Target, variants: list[Variant], code_object: Path, dynamic_ld
             "family": spec.family,
             "layout": spec.option("layout"),  # the family's layout option; null: the plain kernels
             "dtype": spec.option("dtype"),  # the family's dtype option; null: fp16
+            "score": spec.option("score"),  # the family's score option (alibi); null: none
             "head_dim": spec.head_dim,
             "gqa_group": spec.gqa_group,
             "tier": spec.tier,

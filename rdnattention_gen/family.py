@@ -36,7 +36,8 @@ class OracleCase:
     each sequence uses), ``seqlens_q``/``seqlens_k`` (a packed batch: batch, seq_q and seq_k are
     their count and longest), ``page_size`` (a paged cache of seq_k keys per sequence),
     ``num_splits`` (key slices); and the score transforms: ``softcap``, ``alibi`` (slopes per
-    ``heads`` or per ``batch`` and head) and ``sinks`` (True), the tensors made by the test."""
+    ``heads`` or per ``batch`` and head) and ``sinks`` (True), the tensors made by the test.
+    ``score``: the family's score option whose kernels the case runs (None: the kernels without one)."""
 
     batch: int
     heads_q: int
@@ -45,6 +46,7 @@ class OracleCase:
     seq_k: int
     options: dict = field(default_factory=dict)
     layout: str | None = None
+    score: str | None = None
 
 
 class Family:
@@ -64,6 +66,11 @@ class Family:
     # variants.yaml, for the plain kernels and every layout option built there; the same template
     # and tiles over another element policy.
     dtypes: dict[str, str] = {}
+    # The score-transform options the kernels are also compiled with (the runtime module's SCORES:
+    # option -> what those kernels apply), each at the head_dims `scores:` lists under the family in
+    # variants.yaml, for every layout and dtype built there; the same template with a compile-time
+    # switch, at the family's tiles but where a table lists `<family>_<score>` tiles.
+    scores: dict[str, str] = {}
     tiles_family: str | None = None   # take another family's tiles (the combine: dec's); None: its own
     tile_constraints: bool = True     # False: the tiles' `when:` does not apply (the kernel serves every call)
 
@@ -78,7 +85,9 @@ class Family:
         plain = self.plain_points(axes)
         points = plain + [{**p, "layout": layout} for layout, dims in axes.get("layouts", {}).items()
                           for p in plain if p["head_dim"] in dims]
-        return points + [{**p, "dtype": dtype} for dtype, dims in axes.get("dtypes", {}).items()
+        points += [{**p, "dtype": dtype} for dtype, dims in axes.get("dtypes", {}).items()
+                   for p in points if p["head_dim"] in dims]
+        return points + [{**p, "score": score} for score, dims in axes.get("scores", {}).items()
                          for p in points if p["head_dim"] in dims]
 
     def plain_points(self, axes: dict) -> list[dict]:
@@ -105,25 +114,34 @@ class Family:
     def dtype_axes(self, node: Node, head_dims: tuple[int, ...]) -> dict:
         """``dtypes: {<dtype>: [head_dims]}`` under the family (optional): each an input dtype of the
         family's besides fp16 and a subset of its head_dims."""
-        if "dtypes" not in node:
+        return self._option_axes(node, "dtypes", self.dtypes, "dtype", "dtypes besides fp16", head_dims)
+
+    def score_axes(self, node: Node, head_dims: tuple[int, ...]) -> dict:
+        """``scores: {<score>: [head_dims]}`` under the family (optional): each a score-transform
+        option of the family's and a subset of its head_dims."""
+        return self._option_axes(node, "scores", self.scores, "score option", "score options", head_dims)
+
+    def _option_axes(self, node: Node, key: str, known: dict[str, str], what: str, whats: str,
+                     head_dims: tuple[int, ...]) -> dict:
+        if key not in node:
             return {}
-        dtypes = node.child("dtypes")
+        options = node.child(key)
         out = {}
-        for key in sorted(dtypes, key=lambda k: dtypes.key_lines.get(k, 0)):
-            if key not in self.dtypes:
-                raise dtypes.fail(key, f"not a dtype of {self.name} (its dtypes besides fp16: "
-                                       f"{', '.join(sorted(self.dtypes)) or 'none'})")
-            dims = dtypes.int_list(key)
+        for name in sorted(options, key=lambda k: options.key_lines.get(k, 0)):
+            if name not in known:
+                raise options.fail(name, f"not a {what} of {self.name} (its {whats}: "
+                                         f"{', '.join(sorted(known)) or 'none'})")
+            dims = options.int_list(name)
             extra = [d for d in dims if d not in head_dims]
-            dtypes.check(key, not extra, f"head_dims {extra} are not {self.name}'s head_dims {list(head_dims)}")
-            out[key] = dims
-        dtypes.finish()
-        return {"dtypes": out} if out else {}
+            options.check(name, not extra, f"head_dims {extra} are not {self.name}'s head_dims {list(head_dims)}")
+            out[name] = dims
+        options.finish()
+        return {key: out} if out else {}
 
     @staticmethod
     def options(point: dict) -> tuple[tuple[str, object], ...]:
-        """A spec's options for ``point``: its layout and its dtype, where it has them."""
-        return tuple((key, point[key]) for key in ("layout", "dtype") if point.get(key))
+        """A spec's options for ``point``: its layout, its dtype and its score option, where it has them."""
+        return tuple((key, point[key]) for key in ("layout", "dtype", "score") if point.get(key))
 
     def tier(self, target: Target) -> str | None:
         """This family's lowering on ``target``, or None when it has no kernels there."""

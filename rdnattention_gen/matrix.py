@@ -22,7 +22,7 @@ _TARGET_RE = re.compile(r"gfx[0-9a-f]{3,4}|sm_[0-9]{2,3}|host(_[a-z0-9]+)?")
 _TABLE_RE = re.compile(r"[a-z][a-z0-9_]*")
 
 
-_ANY = object()  # an alternate for the kernels of every dtype option
+_ANY = object()  # an alternate for the kernels of every dtype and score option
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,8 @@ class TileChoice:
 class TileTable:
     name: str
     inherit: str | None
-    # family (or "<family>_<dtype>": its kernels of that dtype option, where they differ) -> head_dim
-    # (or "default") -> choices
+    # family (or "<family>_<option>": its kernels of that dtype or score option, where they differ) ->
+    # head_dim (or "default") -> choices
     choices: dict[str, dict[int | str, tuple[TileChoice, ...]]]
 
 
@@ -77,19 +77,23 @@ class Matrix:
                 return t
         raise KeyError(name)
 
-    def tile_choices(self, table: str, family: str, head_dim: int, dtype: str | None = None) -> tuple[TileChoice, ...]:
+    def tile_choices(self, table: str, family: str, head_dim: int, dtype: str | None = None,
+                     score: str | None = None) -> tuple[TileChoice, ...]:
         """The choices of (family, head_dim): the nearest table in the inheritance chain that lists
-        the head_dim, else the nearest one with a ``default``. The kernels of a dtype option take
-        the nearest ``<family>_<dtype>`` entry of the head_dim first, where a table has one."""
+        the head_dim, else the nearest one with a ``default``. The kernels of a score option take
+        the nearest ``<family>_<dtype>_<score>`` entry of the head_dim first (those of a dtype option
+        too), then the nearest ``<family>_<score>`` one; the kernels of a dtype option then the
+        nearest ``<family>_<dtype>`` one, where a table has them."""
         chain = []
         name: str | None = table
         while name is not None:
             chain.append(self.tile_tables[name])
             name = self.tile_tables[name].inherit
-        if dtype is not None:
+        options = [f"{dtype}_{score}"] if dtype is not None and score is not None else []
+        for option in options + [o for o in (score, dtype) if o is not None]:
             for t in chain:
-                if head_dim in t.choices.get(f"{family}_{dtype}", {}):
-                    return t.choices[f"{family}_{dtype}"][head_dim]
+                if head_dim in t.choices.get(f"{family}_{option}", {}):
+                    return t.choices[f"{family}_{option}"][head_dim]
         for key in (head_dim, "default"):
             for t in chain:
                 if key in t.choices.get(family, {}):
@@ -115,7 +119,7 @@ class Matrix:
                 # takes its tuned ones too, unless it has its own tuned entry for the same calls.
                 choices = [(c.tile, c.when, 1 if c.when.to_json() else 0, c.provenance, c.where)
                            for c in self.tile_choices(target.tiles, fam.tiles_family or fam_name, hd,
-                                                      point.get("dtype"))]
+                                                      point.get("dtype"), point.get("score"))]
                 tuned = [t for t in self.tuned.get(target.name, ())
                          if t.head_dim == hd and t.gqa_group in (None, group)]
                 own = {t.when for t in tuned if t.family == fam_name}
@@ -137,26 +141,28 @@ class Matrix:
 
     def _alternates(self, target: Target, entries: list[Variant]) -> list[Variant]:
         """The mirrored targets' tiles and the candidates, as alternates, where no entry has the tile."""
-        # (family, head_dim, GQA group or None for every group, dtype option (ANY: every one), tile,
-        # provenance, where)
+        # (family, head_dim, GQA group or None for every group, (dtype, score) options (ANY: every
+        # one), tile, provenance, where)
         wanted: list[tuple[str, int, int | None, object, Tile, str, str]] = []
         for name in target.mirrors:
             for v in self.variants_for(self.target(name)):
-                wanted.append((v.spec.family, v.spec.head_dim, v.spec.gqa_group, v.spec.option("dtype"), v.spec.tile,
-                               f"mirrors {name}", v.where))
+                wanted.append((v.spec.family, v.spec.head_dim, v.spec.gqa_group,
+                               (v.spec.option("dtype"), v.spec.option("score")), v.spec.tile, f"mirrors {name}", v.where))
         for fam_name, hd, tile in self.alternates.get(target.name, ()):
             wanted.append((fam_name, hd, None, _ANY, tile, "candidate", f"candidate {fam_name} head_dim {hd} {tile}"))
-        have = {(v.spec.family, v.spec.option("layout"), v.spec.option("dtype"), v.spec.head_dim, v.spec.gqa_group,
-                 v.spec.tile) for v in entries}
+        have = {(v.spec.family, v.spec.option("layout"), v.spec.option("dtype"), v.spec.option("score"),
+                 v.spec.head_dim, v.spec.gqa_group, v.spec.tile) for v in entries}
         out = []
-        for fam_name, hd, group, dtype, tile, provenance, where in wanted:
+        for fam_name, hd, group, options, tile, provenance, where in wanted:
             fam = family(fam_name)
             if fam_name not in self.kernels or fam.tier(target) is None:
                 continue
             for point in fam.points(self.kernels[fam_name]):
-                key = (fam_name, point.get("layout"), point.get("dtype"), point["head_dim"], point["gqa_group"], tile)
+                key = (fam_name, point.get("layout"), point.get("dtype"), point.get("score"), point["head_dim"],
+                       point["gqa_group"], tile)
                 if (point["head_dim"] != hd or group not in (None, point["gqa_group"]) or key in have
-                        or dtype not in (_ANY, point.get("dtype")) or not target.builds(fam_name, hd)):
+                        or options not in (_ANY, (point.get("dtype"), point.get("score")))
+                        or not target.builds(fam_name, hd)):
                     continue
                 have.add(key)
                 out.append(Variant(fam.spec(target, point, tile), Constraints(), ALTERNATE, provenance, where))
@@ -272,21 +278,28 @@ def _tile_table(name: str, node: object, parent: Node, kernels: dict[str, dict],
     families = set(kernels)
     choices: dict[str, dict[int | str, tuple[TileChoice, ...]]] = {}
     for fam in sorted(node, key=lambda k: node.key_lines[k]):
-        # "<family>_<dtype>": the tiles of the family's kernels of that dtype option, at the head_dims
-        # listed (the others take the family's).
-        base, _, dtype = fam.partition("_")
-        if base not in families or (dtype and dtype not in kernels[base].get("dtypes", {})):
-            dtypes = [f"{f}_{d}" for f in sorted(families) for d in kernels[f].get("dtypes", {})]
+        # "<family>_<option>": the tiles of the family's kernels of that dtype or score option (or
+        # "<dtype>_<score>": of both), at the head_dims listed (the others take the family's).
+        base, _, option = fam.partition("_")
+        built = {}
+        if base in families:
+            dtypes, scores = kernels[base].get("dtypes", {}), kernels[base].get("scores", {})
+            built = {**dtypes, **scores, **{f"{d}_{s}": [h for h in dtypes[d] if h in scores[s]]
+                                            for d in dtypes for s in scores}}
+        if base not in families or (option and option not in built):
+            options = [f"{f}_{d}" for f in sorted(families)
+                       for d in (*kernels[f].get("dtypes", {}), *kernels[f].get("scores", {}))]
             raise node.fail(fam, f"not a kernel family under kernels: ({', '.join(sorted(families))}), nor a family's "
-                                 f"dtype option ({', '.join(dtypes) or 'none'})")
-        dims = kernels[base]["dtypes"][dtype] if dtype else kernels[base]["head_dims"]
+                                 f"dtype or score option ({', '.join(options) or 'none'}), nor both")
+        dims = built[option] if option else kernels[base]["head_dims"]
+        dtype = option
         fam_node = node.child(fam)
         per: dict[int | str, tuple[TileChoice, ...]] = {}
         for key in sorted(fam_node, key=lambda k: fam_node.key_lines[k]):
             if key != "default" and not key.isdigit():
                 raise fam_node.fail(key, "keys are head_dims or `default`")
             if key == "default" and dtype:
-                raise fam_node.fail(key, f"a dtype option's tiles are head_dims only (the others take {base}'s)")
+                raise fam_node.fail(key, f"an option's tiles are head_dims only (the others take {base}'s)")
             if key.isdigit() and int(key) not in dims:
                 raise fam_node.fail(key, f"is not one of {fam}'s head_dims {list(dims)}")
             per[key if key == "default" else int(key)] = tile_choices(fam_node.pop(key), fam_node, key, provenance)
@@ -377,7 +390,8 @@ def check_entries(variants: list[Variant]) -> list[str]:
     for v in variants:
         if v.priority < 0:  # an alternate: chosen only by name
             continue
-        keys.setdefault((kind(v.spec.family, v.spec.option("layout"), v.spec.option("dtype")), v.spec.head_dim,
+        keys.setdefault((kind(v.spec.family, v.spec.option("layout"), v.spec.option("dtype"), v.spec.option("score")),
+                         v.spec.head_dim,
                          v.spec.gqa_group), []).append(v)
     for key, entries in sorted(keys.items()):
         for i, v in enumerate(entries):

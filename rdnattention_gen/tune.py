@@ -119,6 +119,7 @@ def restricted(matrix: Matrix, family_name: str, head_dims: list[int], groups: l
     # algorithm), so what the plain kernels measure holds for them.
     axes.pop("layouts", None)
     axes.pop("dtypes", None)  # fp16's: the bf16 kernels take the same tiles but where a table overrides them
+    axes.pop("scores", None)  # likewise the alibi kernels
     if "gqa_groups" in axes:
         unknown = sorted(set(groups) - set(axes["gqa_groups"]))
         if unknown:

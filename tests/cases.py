@@ -36,13 +36,14 @@ INT8_REL_RMS = 0.03
 INT8_LSE_TOL = 1e-3
 
 
-def host_head_dims(target: str, name: str, layout: str | None = None, dtype: str = "fp16") -> list[int]:
-    """The head_dims ``target`` builds kernels of family ``name`` compiled for ``layout`` and
-    ``dtype`` (fp16, bf16) for."""
+def host_head_dims(target: str, name: str, layout: str | None = None, dtype: str = "fp16",
+                   score: str | None = None) -> list[int]:
+    """The head_dims ``target`` builds kernels of family ``name`` compiled for ``layout``, ``dtype``
+    (fp16, bf16) and ``score`` (a score option: alibi; None: none) for."""
     m = load_matrix()
     return sorted({v.spec.head_dim for v in m.variants_for(m.target(target))
                    if v.spec.family == name and v.spec.option("layout") == layout
-                   and v.spec.option("dtype") == DTYPES[dtype]})
+                   and v.spec.option("dtype") == DTYPES[dtype] and v.spec.option("score") == score})
 
 
 def bf16_head_dims(fam: str) -> list[int]:
@@ -54,10 +55,11 @@ def bf16_head_dims(fam: str) -> list[int]:
 def sweep() -> list[tuple[str, str, int, str, str]]:
     """(host target, family, head_dim, case, dtype) for every family of the matrix, every case it
     declares and every dtype it is built for (fp16, and bf16 where variants.yaml lists it), at the
-    head_dims of the case's layout in that dtype."""
+    head_dims of the case's layout and score option in that dtype."""
     m = load_matrix()
     return [(t, name, hd, case, dtype) for dtype in DTYPES for t in HOST_TARGETS for name in m.kernels
-            for case, c in family(name).oracle_cases.items() for hd in host_head_dims(t, name, c.layout, dtype)]
+            for case, c in family(name).oracle_cases.items()
+            for hd in host_head_dims(t, name, c.layout, dtype, c.score)]
 
 
 def sweep_id(p) -> str:
@@ -67,6 +69,10 @@ def sweep_id(p) -> str:
 
 def layout_of(fam: str, case: str) -> str | None:
     return family(fam).oracle_cases[case].layout
+
+
+def score_of(fam: str, case: str) -> str | None:
+    return family(fam).oracle_cases[case].score
 
 
 def make_case(name, head_dim, fam="f16", dtype="fp16"):

@@ -48,6 +48,13 @@ def dtype_field(dtypes: dict[str, str]) -> NameField:
     return NameField("options.dtype", "_{}", "|".join(dtypes), str, optional=True)
 
 
+def score_field(scores: dict[str, str]) -> NameField:
+    """A family's compile-time score-transform option (``options.score``), spelled after its dtype
+    (``fa2_f16len_bf16_alibi_...``) and absent for the kernels without it, so that their names are
+    unchanged."""
+    return NameField("options.score", "_{}", "|".join(scores), str, optional=True)
+
+
 # The input dtypes the kernels are also compiled for, beside fp16: option value -> what they read.
 # The same kernel body and tiles over another element policy (templates/include/pairs.h): bf16 Q, K
 # and V (and output), widened to fp32 by a shift where they are multiplied (or once, when staged,
@@ -63,7 +70,13 @@ LAYOUTS = {
     "len": "per-sequence key counts (seqused_k)",
     "varlen": "packed sequences (cu_seqlens_q, cu_seqlens_k)",
 }
-NAMES = NameSchema("fa2_f16", (layout_field(LAYOUTS), dtype_field(DTYPES)) + FP16_NAME_FIELDS)
+# The score transforms the kernels are also compiled with, beside those every kernel applies (softcap
+# and sinks, read from the arguments): option value -> what they apply. ALiBi's per-row slope and
+# distances cost the plain kernels' tightest tiles registers they do not have (GCN's head_dim 64
+# spilled, RDNA2's lost a wave), so it is a compile-time switch of kernels of its own, each of every
+# layout and dtype built at its head_dims, at tiles of its own where the plain one's spill with it.
+SCORES = {"alibi": "ALiBi slopes (alibi_slopes), besides softcap and sinks"}
+NAMES = NameSchema("fa2_f16", (layout_field(LAYOUTS), dtype_field(DTYPES), score_field(SCORES)) + FP16_NAME_FIELDS)
 
 # Argument fields every fa2 family shares. Strides are in elements; the last dimension is contiguous.
 STRIDE_FIELDS = tuple((f"{t}_stride_{d}", "long long") for t in "qkvo" for d in "bhs")
@@ -220,6 +233,12 @@ def row_block_launch(table: TargetTable, entry, args_type, fields: dict) -> Laun
                   args=args_type(**fields))
 
 
+def score_of(call: Call) -> str | None:
+    """The kernels' score option that serves ``call``: alibi with ALiBi slopes, None (the kernels
+    without one) otherwise."""
+    return "alibi" if call.alibi_slopes is not None else None
+
+
 def layout_of(call: Call) -> str | None:
     """The kernels' layout option that reads ``call``: varlen for packed calls, len with cache
     lengths, None (the plain kernels) otherwise."""
@@ -234,7 +253,7 @@ def plan(table: TargetTable, call: Call) -> Plan:
     packed = call.cu_seqlens_q is not None
     entry = table.select(NAME, layout=layout_of(call), head_dim=q.shape[3], heads_per_kv=q.shape[1] // k.shape[1],
                          causal=call.causal_like, seq_q=call.seq_q if packed else q.shape[2], kernel=call.kernel,
-                         dtype=call.dtype)
+                         dtype=call.dtype, score=score_of(call))
     fields = common_fields(q, k, call.v, call.out, call.lse, call.window, call.softmax_scale, call.causal_like,
                            call.heavy_first, call.seqused_k)
     if packed:

@@ -95,11 +95,13 @@ class Dec(HeadDimAxis, Family):
         "decode_score": OracleCase(2, 8, 2, 1, 203, {"softcap": 3.0, "alibi": "batch", "sinks": True,
                                                      "num_splits": 1}),
         "window_alibi_sinks": OracleCase(1, 2, 1, 4, 120, {"window_size": (16, 3), "alibi": "heads", "sinks": True}),
-        # ALiBi runs these kernels whatever the rows (tiles of at most two rows, in chunks): a prefill.
+        # ALiBi runs these kernels whatever the rows (tiles of at most two rows, in chunks) where no
+        # row-block kernel of score option alibi is built for the head_dim, or the call asks for key
+        # slices (num_splits, as here, so that every head_dim runs them): a prefill.
         "alibi_prefill_gqa": OracleCase(2, 4, 2, 37, 110, {"is_causal": True, "alibi": "batch", "softcap": 3.0,
-                                                           "sinks": True}),
+                                                           "sinks": True, "num_splits": 2}),
         "alibi_lengths": OracleCase(2, 2, 2, 20, 90, {"window_size": (30, 0), "seqused_k": (90, 41),
-                                                      "alibi": "heads"}),
+                                                      "alibi": "heads", "num_splits": 2}),
         "paged_score": OracleCase(2, 4, 2, 3, 128, {"page_size": 64, "is_causal": True, "seqused_k": (128, 70),
                                                     "softcap": 3.0, "alibi": "batch", "sinks": True}, layout="paged"),
     }

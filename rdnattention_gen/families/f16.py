@@ -111,6 +111,7 @@ class F16(Family):
                   "shift_fma": "none"}  # a shift and fp32 FMAs: no instruction of its own to find
     layouts = runtime.LAYOUTS  # len: cache lengths (seqused_k); varlen: packed batches
     dtypes = runtime.DTYPES    # bf16
+    scores = runtime.SCORES    # alibi
     oracle_cases = {
         "plain": OracleCase(2, 2, 2, 100, 100),
         "causal": OracleCase(1, 2, 2, 150, 150, {"is_causal": True}),
@@ -137,7 +138,8 @@ class F16(Family):
         "packed_window": OracleCase(2, 2, 2, 40, 70, {"window_size": (21, 9), "seqlens_q": (12, 40),
                                                       "seqlens_k": (70, 40)}, layout="varlen"),
         # Score transforms (a softcap low enough to bend the scores; sinks), with masks, GQA and rows
-        # that see no key (a sink's LSE). ALiBi runs the dec family's kernels (route.py).
+        # that see no key (a sink's LSE). ALiBi runs the kernels of score option alibi (its cases
+        # below); of few rows, the dec family's kernels (route.py).
         "softcap_window": OracleCase(1, 4, 2, 120, 120, {"is_causal": True, "window_size": (40, -1), "softcap": 2.0}),
         "sinks_cross": OracleCase(1, 4, 2, 90, 60, {"is_causal": True, "sinks": True}),
         "lengths_score": OracleCase(2, 4, 2, 24, 90, {"is_causal": True, "seqused_k": (90, 30), "softcap": 3.0,
@@ -145,12 +147,25 @@ class F16(Family):
         "packed_score": OracleCase(3, 4, 2, 30, 60, {"window_size": (21, 9), "seqlens_q": (30, 1, 17),
                                                      "seqlens_k": (30, 60, 17), "softcap": 3.0, "sinks": True},
                                    layout="varlen"),
+        # ALiBi (slopes per head or per batch and head) with causal masks (more keys than queries: the
+        # diagonal moves), windows on both sides (distances either way), GQA, MQA, softcap and sinks,
+        # cache lengths and packed batches (each sequence's own lengths and slopes).
+        "alibi_causal_gqa": OracleCase(2, 4, 2, 70, 130, {"is_causal": True, "alibi": "batch"}, score="alibi"),
+        "alibi_window": OracleCase(1, 2, 2, 100, 100, {"window_size": (21, 9), "alibi": "heads", "softcap": 3.0,
+                                                       "sinks": True}, score="alibi"),
+        "alibi_mqa": OracleCase(1, 3, 1, 80, 60, {"alibi": "heads"}, score="alibi"),
+        "lengths_alibi": OracleCase(2, 4, 2, 24, 90, {"is_causal": True, "seqused_k": (90, 30), "alibi": "batch"},
+                                    layout="len", score="alibi"),
+        "packed_alibi": OracleCase(3, 4, 2, 30, 60, {"is_causal": True, "seqlens_q": (30, 1, 17),
+                                                     "seqlens_k": (30, 60, 17), "alibi": "batch", "sinks": True},
+                                   layout="varlen", score="alibi"),
     }
 
     def axes(self, node: Node) -> dict:
         axes = {"head_dims": node.int_list("head_dims"), "gqa_groups": node.int_list("gqa_groups")}
         axes.update(self.layout_axes(node, axes["head_dims"]))
         axes.update(self.dtype_axes(node, axes["head_dims"]))
+        axes.update(self.score_axes(node, axes["head_dims"]))
         node.finish()
         return axes
 
@@ -172,7 +187,8 @@ class F16(Family):
         return KernelSpec(family=self.name, head_dim=v["head_dim"], gqa_group=v["gqa_group"],
                           tile=Tile.from_name_fields(v),
                           wave_size=v["wave_size"], tier=v["tier"], stage=v["stage"],
-                          options=self.options({"layout": v.get("options.layout"), "dtype": v.get("options.dtype")}))
+                          options=self.options({"layout": v.get("options.layout"), "dtype": v.get("options.dtype"),
+                                               "score": v.get("options.score")}))
 
     def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
         return runtime.lds_layout(padded_head_dim(spec), spec.tile.br, spec.tile.bc, spec.stage)
@@ -200,7 +216,7 @@ class F16(Family):
         return {"pairs": pairs_type(spec), "pipeline": self.PIPELINES[spec.stage],
                 "lds_bytes": self.lds_bytes(spec), "padded_head_dim": padded_head_dim(spec),
                 "lengths": spec.option("layout") == "len", "varlen": spec.option("layout") == "varlen",
-                "bf16": spec.option("dtype") == "bf16"}
+                "bf16": spec.option("dtype") == "bf16", "alibi": spec.option("score") == "alibi"}
 
 
 # The pair types of pairs.h, by input dtype and staging precision.

@@ -149,10 +149,40 @@ def test_a_dtype_option_is_built_for_every_layout_with_the_familys_tiles_unless_
     assert {(s.option("dtype"), s.tile.br, s.tile.waves) for s in specs} == {(None, 128, 0), ("bf16", 64, 5)}
 
 
+def test_a_score_option_is_built_for_every_layout_and_dtype_with_its_own_tiles_where_listed(tmp_path):
+    text = MINIMAL.replace("    gqa_groups: [1, 2]\n", "    gqa_groups: [1, 2]\n    layouts:\n      varlen: [64]\n"
+                           "    dtypes:\n      bf16: [64]\n    scores:\n      alibi: [64]\n")
+    m = _load(tmp_path, text)
+    specs = m.specs_for(m.target("gfx1030"))
+    assert sorted((s.name, s.option("layout"), s.option("dtype")) for s in specs if s.option("score") == "alibi") == [
+        ("fa2_f16_alibi_hd64_g1_br128_bc64_nt256_tm8_w32_dot2_sf16", None, None),
+        ("fa2_f16_alibi_hd64_g2_br128_bc64_nt256_tm8_w32_dot2_sf16", None, None),
+        ("fa2_f16_bf16_alibi_hd64_g1_br128_bc64_nt256_tm8_w32_shift_fma_sbf16", None, "bf16"),
+        ("fa2_f16_bf16_alibi_hd64_g2_br128_bc64_nt256_tm8_w32_shift_fma_sbf16", None, "bf16"),
+        ("fa2_f16varlen_alibi_hd64_g1_br128_bc64_nt256_tm8_w32_dot2_sf16", "varlen", None),
+        ("fa2_f16varlen_alibi_hd64_g2_br128_bc64_nt256_tm8_w32_dot2_sf16", "varlen", None),
+        ("fa2_f16varlen_bf16_alibi_hd64_g1_br128_bc64_nt256_tm8_w32_shift_fma_sbf16", "varlen", "bf16"),
+        ("fa2_f16varlen_bf16_alibi_hd64_g2_br128_bc64_nt256_tm8_w32_shift_fma_sbf16", "varlen", "bf16")]
+    assert all(family("f16").from_name(s.name) == s for s in specs)  # the name spells the option back
+    assert len([s for s in specs if not s.option("score")]) == 8  # the others as they were
+    # f16_alibi tiles for the alibi kernels, f16_bf16_alibi for the bf16 ones first; the others keep theirs.
+    own = text + ("    f16_alibi:\n      64: {br: 64, bc: 64, threads: 256, tm: 4}\n"
+                  "    f16_bf16_alibi:\n      64: {br: 32, bc: 64, threads: 256, tm: 2}\n")
+    m = _load(tmp_path, own)
+    assert {(s.option("dtype"), s.option("score"), s.tile.br) for s in m.specs_for(m.target("gfx1030"))} == {
+        (None, None, 128), ("bf16", None, 128), (None, "alibi", 64), ("bf16", "alibi", 32)}
+    with pytest.raises(VariantsError, match=re.escape("kernels.f16.scores.softcap: not a score option of f16 (its "
+                                                      "score options: alibi)")):
+        _load(tmp_path, MINIMAL.replace("    gqa_groups: [1, 2]\n", "    gqa_groups: [1, 2]\n    scores:\n"
+                                                                    "      softcap: [64]\n"))
+    with pytest.raises(VariantsError, match=re.escape("is not one of f16_alibi's head_dims [64]")):
+        _load(tmp_path, text + "    f16_alibi:\n      128: {br: 64, bc: 64, threads: 256, tm: 4}\n")
+
+
 @pytest.mark.parametrize("tiles, message", [
     ("    f16_fp32:\n      64: {br: 64, bc: 64, threads: 256, tm: 4}\n", "tiles.small.f16_fp32: not a kernel family"),
     ("    f16_bf16:\n      default: {br: 64, bc: 64, threads: 256, tm: 4}\n",
-     "a dtype option's tiles are head_dims only"),
+     "an option's tiles are head_dims only"),
     ("    f16_bf16:\n      128: {br: 64, bc: 64, threads: 256, tm: 4}\n", "is not one of f16_bf16's head_dims [64]"),
 ])
 def test_a_bad_dtype_option_or_its_tiles_are_named(tmp_path, tiles, message):

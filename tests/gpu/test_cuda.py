@@ -11,6 +11,7 @@ from rdnattention import (attention_reference, flash_attn, flash_attn_varlen_fun
 from rdnattention.reference import rotate
 from rdnattention_gen import build, toolchain
 from rdnattention_gen.families import family
+from rdnattention_gen.matrix import load_matrix
 
 INT8_KERNELS = ("fa2_i8_", "fa2_i8dec_")  # both products through dot4: the INT8 family and its decode
 
@@ -143,13 +144,10 @@ BF16_CASES = [(fam, case, hd) for fam in ("f16", "dec", "combine") for case in f
               for hd in bf16_head_dims(fam)[::2]]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fam,case,head_dim", BF16_CASES)
-def test_gpu_bf16_every_family_matches_the_oracle(monkeypatch, fam, case, head_dim):
-    device = _gpu()
+def _entry_points_on_gpu(monkeypatch, device):
+    """run_case builds CPU tensors and calls the entry points: run them on the GPU instead."""
     import rdnattention as rdna
 
-    # run_case builds CPU tensors and calls the entry points: run them on the GPU instead.
     for name in ("flash_attn", "flash_attn_varlen_func", "flash_attn_with_kvcache"):
         real = getattr(rdna, name)
 
@@ -159,6 +157,13 @@ def test_gpu_bf16_every_family_matches_the_oracle(monkeypatch, fam, case, head_d
             return tuple(x.cpu() if isinstance(x, torch.Tensor) else x for x in out)
 
         monkeypatch.setattr("cases." + name, on_gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fam,case,head_dim", BF16_CASES)
+def test_gpu_bf16_every_family_matches_the_oracle(monkeypatch, fam, case, head_dim):
+    device = _gpu()
+    _entry_points_on_gpu(monkeypatch, device)
     out, lse, ref, ref_lse, _ = run_case(fam, case, head_dim, "bf16")
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     assert (out.double() - ref).abs().max().item() <= BF16_TOL
@@ -166,6 +171,37 @@ def test_gpu_bf16_every_family_matches_the_oracle(monkeypatch, fam, case, head_d
     assert torch.equal(torch.isfinite(lse), finite)
     if finite.any():
         assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() <= BF16_LSE_TOL
+
+
+# The f16 family's ALiBi cases (score option alibi: plain, cache lengths, packed batches; causal,
+# windows, GQA, MQA, sinks) at every head_dim its alibi kernels are built for, in fp16 and bf16.
+ALIBI_CASES = [(case, hd, dtype) for case, c in family("f16").oracle_cases.items() if c.score == "alibi"
+               for hd in load_matrix().kernels["f16"].get("scores", {}).get("alibi", ()) for dtype in ("fp16", "bf16")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,head_dim,dtype", ALIBI_CASES)
+def test_gpu_alibi_prefill_runs_the_alibi_row_block_kernels(monkeypatch, case, head_dim, dtype):
+    """An ALiBi prefill runs the row-block kernels compiled with ALiBi (not the split-KV ones) on the
+    GPU and matches the oracle."""
+    from rdnattention import replay, route
+
+    device = _gpu()
+    _entry_points_on_gpu(monkeypatch, device)
+    ran = []
+    plan = route.plan
+    monkeypatch.setattr(route, "plan", lambda table, call: ran.append(plan(table, call)) or ran[-1])
+    monkeypatch.setattr(replay, "cache", {})
+    out, lse, ref, ref_lse, _ = run_case("f16", case, head_dim, dtype)
+    kernels = {launch.kernel for p in ran for launch in p.launches}
+    assert kernels and all((k.family, k.score) == ("f16", "alibi") for k in kernels), kernels
+    tol, lse_tol = (TOL, LSE_TOL) if dtype == "fp16" else (BF16_TOL, BF16_LSE_TOL)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).abs().max().item() <= tol
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    if finite.any():
+        assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() <= lse_tol
 
 
 @pytest.mark.gpu

@@ -1,13 +1,13 @@
 """The generic oracle sweep on the host platform: every family of the matrix x every head_dim the
 host targets build for it x every case the family declares x every dtype it is built for (fp16,
 bf16: tests/cases.py), through the entry point that serves the family, against the float64 oracle,
-checking that the family (and layout and dtype) did run; then every case again (every family and
+checking that the family (and layout, dtype and score option) did run; then every case again (every family and
 layout at its smallest head_dim; the plain fp16 kernels at every head_dim in the slow suite) with the emulator's fiber order shuffled at every sync
 point, which must change nothing (a missing barrier would)."""
 
 import pytest
 import torch
-from cases import DTYPES, INT8_LSE_TOL, INT8_REL_RMS, TOLS, TORCH_DTYPES, layout_of, run_case, sweep, sweep_id
+from cases import DTYPES, INT8_LSE_TOL, INT8_REL_RMS, TOLS, TORCH_DTYPES, layout_of, run_case, score_of, sweep, sweep_id
 
 import rdnattention
 from rdnattention import replay, route
@@ -25,21 +25,24 @@ def test_every_family_and_layout_declares_cases_and_is_swept():
         assert family(name).oracle_cases, f"family {name} declares no oracle_cases"
         for layout in (None, *axes.get("layouts", {})):
             for dtype in ("fp16", *axes.get("dtypes", {})):
-                assert any(p[1] == name and layout_of(name, p[3]) == layout and p[4] == dtype for p in SWEEP), \
-                    f"no {name} case of layout {layout} in {dtype} is swept (none declared, or the host targets " \
-                    "build none)"
+                for score in (None, *axes.get("scores", {})):
+                    assert any(p[1] == name and layout_of(name, p[3]) == layout and p[4] == dtype
+                               and score_of(name, p[3]) == score for p in SWEEP), \
+                        f"no {name} case of layout {layout} and score option {score} in {dtype} is swept (none " \
+                        "declared, or the host targets build none)"
 
 
 @pytest.fixture
 def families_run(monkeypatch):
-    """The (family, layout, dtype) of the kernels each call planned (route.plan), with the replay
-    cache empty so that every call is planned."""
+    """The (family, layout, dtype, score option) of the kernels each call planned (route.plan), with
+    the replay cache empty so that every call is planned."""
     ran = []
     plan = route.plan
 
     def recording(table, call):
         p = plan(table, call)
-        ran.append({(launch.kernel.family, launch.kernel.layout, launch.kernel.dtype) for launch in p.launches})
+        ran.append({(launch.kernel.family, launch.kernel.layout, launch.kernel.dtype, launch.kernel.score)
+                    for launch in p.launches})
         return p
 
     monkeypatch.setattr(route, "plan", recording)
@@ -51,9 +54,10 @@ def families_run(monkeypatch):
 def test_matches_oracle(host_build, monkeypatch, families_run, target, fam, head_dim, case, dtype):
     monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
     out, lse, ref, ref_lse, int8 = run_case(fam, case, head_dim, dtype)
-    want = (fam, layout_of(fam, case), DTYPES[dtype])
+    want = (fam, layout_of(fam, case), DTYPES[dtype], score_of(fam, case))
     assert families_run and all(want in ran for ran in families_run), \
-        f"the call ran the kernels {families_run}, not {fam} of layout {want[1]} in {dtype}"
+        f"the call ran the kernels {families_run}, not {fam} of layout {want[1]} and score option {want[3]} " \
+        f"in {dtype}"
     assert out.dtype == TORCH_DTYPES[dtype]  # the inputs' (int8: fp16)
     assert torch.isfinite(out).all()
     finite = torch.isfinite(ref_lse)

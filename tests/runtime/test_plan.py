@@ -88,8 +88,8 @@ def test_a_foreign_argument_layout_is_refused(host_copy, monkeypatch):
 
 @pytest.mark.parametrize("text, message", [
     ("{not json", "unreadable dispatch table (JSONDecodeError"),
-    ('{"format": 3, "kernels": []}', "table format 3, this runtime reads format 5"),
-    ('{"format": 5, "kernels": [{"family": "f16"}]}', "unreadable dispatch table (ValueError: kernels[0] has no head_dim, gqa_group"),
+    ('{"format": 3, "kernels": []}', "table format 3, this runtime reads format 6"),
+    ('{"format": 6, "kernels": [{"family": "f16"}]}', "unreadable dispatch table (ValueError: kernels[0] has no head_dim, gqa_group"),
 ])
 def test_a_malformed_table_is_a_typed_error(host_copy, text, message):
     host_copy.write_text(text)

@@ -158,3 +158,60 @@ def test_bf16_tensors_at_a_head_dim_without_bf16_kernels_are_refused_untouched(h
     with pytest.raises(UnsupportedError, match="bf16 kernel for head_dim 32"):
         rdnattention.flash_attn(q, q, q)
     assert torch.equal(q, saved)
+
+
+def _alibi(family, head_dim=64, layout=None, dtype=None):
+    e = _entry(family, head_dim, layout)
+    return KernelEntry(**{**e.__dict__, "name": e.name + (dtype or "") + "_alibi", "dtype": dtype, "score": "alibi"})
+
+
+# Row-block kernels of score option alibi at head_dim 64 (plain, len and bf16, no varlen), none at 96.
+ALIBI_TABLE = TargetTable("t", "host", REPO_ROOT, False, BF16_TABLE.kernels + tuple(
+    _alibi("f16", layout=layout, dtype=dtype) for layout, dtype in ((None, None), ("len", None), (None, "bf16"))))
+
+
+@pytest.mark.parametrize("layout, rows, seq_q, dtype, family, compiled, score", [
+    # Many query rows: the row-block kernels compiled with ALiBi, of the call's layout and dtype.
+    (Layout.STRIDED, 64, 64, None, "f16", None, "alibi"),
+    (Layout.STRIDED, route.SPLIT_KV_MAX_ROWS + 1, None, None, "f16", None, "alibi"),
+    (Layout.SEQUSED, 64, 64, None, "f16", "len", "alibi"),
+    (Layout.STRIDED, 64, 64, "bf16", "f16", None, "alibi"),
+    # Few rows (split_kv_preferred): the split-KV kernels, as without ALiBi.
+    (Layout.STRIDED, 1, 1, None, "dec", None, None),
+    (Layout.STRIDED, route.SPLIT_KV_MAX_ROWS, None, None, "dec", None, None),
+    (Layout.STRIDED, 64, route.SPLIT_KV_MAX_SEQ_Q, None, "dec", None, None),  # GQA 4, 16 rows per sequence
+    # No alibi kernel of the call's layout (varlen) built: the split-KV kernels serve any rows.
+    (Layout.PACKED, 64, 64, None, "dec", None, None),
+])
+def test_alibi_calls_of_many_rows_run_the_row_block_alibi_kernels(layout, rows, seq_q, dtype, family, compiled, score):
+    r = route.choose(ALIBI_TABLE, Request(precision=Precision.FP16, layout=layout, head_dim=64, rows=rows,
+                                          options=frozenset({Option.ALIBI}), seq_q=seq_q, dtype=dtype))
+    assert (r.family, r.layout, r.dtype, r.score) == (family, compiled, dtype, score)
+    if score:
+        entry = ALIBI_TABLE.select(r.family, layout=r.layout, dtype=r.dtype, score=r.score, head_dim=64, heads_per_kv=1,
+                                   causal=False, seq_q=rows)
+        assert (entry.score, entry.dtype, entry.layout) == ("alibi", dtype, compiled)
+
+
+def test_calls_without_alibi_never_run_the_alibi_kernels():
+    for layout, rows in ((Layout.STRIDED, 64), (Layout.SEQUSED, 64), (Layout.STRIDED, 1)):
+        r = route.choose(ALIBI_TABLE, Request(precision=Precision.FP16, layout=layout, head_dim=64, rows=rows,
+                                              options=frozenset({Option.SOFTCAP, Option.SINKS})))
+        assert r.score is None
+        assert ALIBI_TABLE.select(r.family, layout=r.layout, score=r.score, head_dim=64, heads_per_kv=1, causal=False,
+                                  seq_q=rows).score is None
+    with pytest.raises(UnsupportedError, match="it is a f16 alibi kernel; this fp16 call .* runs the f16, dec kernels"):
+        _choose(rows=64, kernel="f16_64_alibi", table=ALIBI_TABLE)
+    # and an ALiBi call names an alibi kernel or a split-KV one
+    assert _choose(rows=64, options=(Option.ALIBI,), kernel="f16_64_alibi", table=ALIBI_TABLE).score == "alibi"
+    with pytest.raises(UnsupportedError, match="it is a f16 kernel; this fp16 call .* runs the f16 alibi, dec kernels"):
+        _choose(rows=64, options=(Option.ALIBI,), kernel="f16_64", table=ALIBI_TABLE)
+
+
+def test_alibi_at_a_head_dim_without_alibi_kernels_runs_split_kv_or_says_why():
+    # f16 is built at 96 without ALiBi, dec not at all: nothing applies ALiBi there
+    with pytest.raises(UnsupportedError, match=r"^no f16 alibi kernel for head_dim 96 on t; built head_dims: \[64\]; "
+                                               r"nor a dec kernel \(built head_dims: \[64\]\)$"):
+        _choose(rows=64, options=(Option.ALIBI,), head_dim=96, table=ALIBI_TABLE)
+    with_dec = TargetTable("t", "host", REPO_ROOT, False, ALIBI_TABLE.kernels + (_entry("dec", 96),))
+    assert _choose(rows=64, options=(Option.ALIBI,), head_dim=96, table=with_dec).family == "dec"

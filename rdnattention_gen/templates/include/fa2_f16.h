@@ -79,8 +79,10 @@ struct Fa2Element<P, true> {
 // query rows end at once.
 // D: the head_dim the tiles hold, HD padded with zero columns (fa2_forward.h); HD: the inputs'.
 // BF16: bf16 inputs and output (the kernels of dtype bf16; P a bf16 pairs type).
+// ALIBI: the kernels of score option alibi apply ALiBi besides softcap and sinks; without it the
+// slopes are compiled out (fa2_policies.h: ScoreTransform), so the plain kernels hold nothing for them.
 template <class P, class Pipe, int D, int HD, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, bool LENGTHS,
-          bool VARLEN = false, bool BF16 = false>
+          bool VARLEN = false, bool BF16 = false, bool ALIBI = false>
 RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a, unsigned char* lds) {
   const RowBlockSchedule<BR, G> sched(a.seq_q, a.heads_q, a.heads_kv, a.heavy_first);
   const long long b = sched.batch;
@@ -97,7 +99,7 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a, unsigned char* lds) {
   const WindowMask<Fa2Args, LENGTHS || VARLEN, VARLEN> mask{a, keys, sq};
   const RotaryTables<Fa2Args> rope{a};
   const NormalizeEpilogue<Fa2Args, BF16> epi{a, q0};
-  const ScoreTransform<Fa2Args, false, CapFma> xf{a};  // softcap and sinks; ALiBi runs the split-KV kernels
+  const ScoreTransform<Fa2Args, ALIBI, CapFma> xf{a};  // softcap and sinks; ALiBi where ALIBI
   fa2_forward<typename Fa2Element<P, BF16>::type, Pipe, D, HD, G, BR, BC, NT, TM, LDS_BYTES>(lds, sched, q, kv, mask, rope,
                                                                                         NoScales{}, xf, epi);
 }

@@ -165,6 +165,12 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     }
   };
 
+  // ALiBi (Xf::HAS_ALIBI): the slope of a row's batch and query head. Where a thread's TM rows are one
+  // head's (RPH a multiple of TM: every tile the matrix builds) it is read once, a register for the
+  // whole kernel; otherwise per row and tile.
+  constexpr bool ONE_HEAD = RPH % TM == 0;
+  const float thread_slope = Xf::HAS_ALIBI && ONE_HEAD ? xf.slope(b, head0 + row0 / RPH) : 0.f;
+
   const int k_first = key_lo / BC * BC;
   if (k_first < key_hi) load_k(k_first);
   for (int k0 = k_first; k0 < key_hi; k0 += BC) {
@@ -236,7 +242,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
       // The score transforms (a uniform branch) of the row's visible scores, a row at a time: applied
       // where the scores are made, all rows at once, they cost the tightest tiles spills.
       if (xf.enabled()) {
-        const float slope = Xf::HAS_ALIBI ? xf.slope(b, head0 + (row0 + i) / RPH) : 0.f;
+        const float slope = !Xf::HAS_ALIBI ? 0.f : ONE_HEAD ? thread_slope : xf.slope(b, head0 + (row0 + i) / RPH);
 #pragma unroll
         for (int j = 0; j < TN; ++j) {
           const int key = k0 + ((j / CK) * TCW + tx) * CK + j % CK;

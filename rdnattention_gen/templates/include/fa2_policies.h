@@ -163,9 +163,10 @@ struct CapSymmetric {
   }
 };
 
-// ALIBI: the kernel applies ALiBi (the split-KV kernels of at most FA2_DECODE_ALIBI_ROWS rows): its
-// per-row slope and distances cost the row-block kernels' tightest tiles registers they do not have
-// (GCN's head_dim 64 spilled, RDNA2's lost a wave), so the runtime sends ALiBi calls to those.
+// ALIBI: the kernel applies ALiBi (the split-KV kernels of at most FA2_DECODE_ALIBI_ROWS rows, and the
+// row-block kernels of score option alibi): its per-row slope and distances cost the plain row-block
+// kernels' tightest tiles registers they do not have (GCN's head_dim 64 spilled, RDNA2's lost a wave),
+// so they are compiled without it and the runtime sends ALiBi calls to those that have it.
 template <class Args, bool ALIBI, class Cap>
 struct ScoreTransform {
   const Args& a;
