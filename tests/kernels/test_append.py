@@ -205,3 +205,57 @@ def test_a_refused_call_launches_no_append(host_build):
     with pytest.raises(rdnattention.errors.InvalidArgumentError):
         flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor([5, 0, 46], dtype=torch.int32))
     assert all(torch.equal(a, b) for a, b in zip((q, k_cache, v_cache, k, v), saved))
+
+
+@pytest.fixture
+def unchecked(monkeypatch):
+    """RDNATTENTION_CHECK=0: index values are not read, but bounded where they are used."""
+    from rdnattention import checks
+    monkeypatch.setenv(checks.CHECK_ENV, "0")
+    monkeypatch.setattr(checks, "_mode", None)
+    yield
+    monkeypatch.setattr(checks, "_mode", None)
+
+
+@pytest.mark.parametrize("layout", ["idx", "paged"])
+def test_unread_hostile_values_are_bounded_as_the_torch_append_bounds_them(host_build, monkeypatch, unchecked, layout):
+    """Lengths past the cache both ways, rows and pages past it both ways (distinct once bounded,
+    so that no two sequences write one row), positions past the tables: the same bytes as the torch
+    operations, which clamp them the same way (tests/runtime/test_bounds.py runs such values
+    between guard pages)."""
+    q, k_cache, v_cache, k, v, table = _inputs(torch.bfloat16, paged=16 if layout == "paged" else None,
+                                               rows=None if layout == "paged" else 5)
+    cos, sin = rotary_tables(30, 32)
+    kwargs = dict(cache_seqlens=torch.tensor([2**31 - 1, -(2**31), 20], dtype=torch.int32), rotary_cos=cos,
+                  rotary_sin=sin, rotary_interleaved=False, causal=True)
+    if layout == "paged":  # pages 0-8; sequence 0 at 45.., sequence 1 at 0.., sequence 2 at 20..
+        kwargs["block_table"] = torch.tensor([[0, 1, 10**9], [-5, 3, 4], [5, 2**31 - 1, 7]], dtype=torch.int32)
+    else:
+        kwargs["cache_batch_idx"] = torch.tensor([10**9, -(2**31), 1], dtype=torch.int32)
+    (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, (q, k_cache, v_cache, k, v), **kwargs)
+    assert not torch.equal(kc, k_cache)
+    assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
+    assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_the_kernel_is_the_torch_append_byte_for_byte(monkeypatch, name, dtype):
+    """On an NVIDIA GPU (sm_90's kernels built): the append kernel against torch's operations on the
+    GPU, the first call and a replay."""
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        pytest.skip("needs an NVIDIA GPU")
+    inputs, kwargs = _case(name, dtype)
+    inputs = tuple(t.cuda() for t in inputs)
+    kwargs = {key: value.cuda() if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
+    (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, inputs, **kwargs)
+    assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
+    assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
+    replay.cache.clear()
+    counted = rdnattention.stats()["kvcache"]["append_kernel"]
+    for _ in range(2):  # planned, then replayed, on copies of the inputs
+        q, k_cache, v_cache, k, v = (t.clone() for t in inputs)
+        r_out, r_lse = _call(q, k_cache, v_cache, k, v, **kwargs)
+        assert _same_bytes(k_cache, t_kc) and _same_bytes(v_cache, t_vc) and _same_bytes(r_out, t_out)
+    assert rdnattention.stats()["kvcache"]["append_kernel"] == counted + 2 and len(replay.cache) == 1
