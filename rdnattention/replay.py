@@ -173,8 +173,8 @@ def run(plan: Plan, key: tuple | None = None, tensors: tuple = (), roles: frozen
     r = remember(key, plan, tensors, roles, extra, before)
     if r is None:
         driver = drivers.for_platform(plan.table.platform)
-        for launch in before:
-            driver.launch(plan.table.code_object, launch, plan.device)
+        for first in before:
+            driver.launch(plan.table.code_object, first, plan.device)
         plan.run()
         return
     pointers = {}
