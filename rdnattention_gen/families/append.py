@@ -30,7 +30,22 @@ class Append(HeadDimAxis, Family):
     schema = runtime.NAMES
     rules = RULES
     signatures = {"f64": "none"}  # float64 RoPE, no product instruction to find
-    oracle_cases: dict[str, OracleCase] = {}  # run by tests/kernels/test_append.py against the torch path
+    # flash_attn_with_kvcache calls that append ``append`` keys (the last of seq_k) to a cache of the
+    # others, RoPE'd (``append_rope``: interleaved or not) where the layout is a RoPE mode, at the
+    # head_dims below (the kernels take any at launch): tests/cases.py's _append checks the cache
+    # after the append against reference.rotate and the output against the oracle on it. Byte
+    # identity with the torch append: tests/kernels/test_append.py.
+    oracle_cases = {
+        "append": OracleCase(3, 4, 2, 1, 40, {"append": 1}),
+        "append_prefill": OracleCase(2, 4, 2, 5, 40, {"append": 5, "is_causal": True}),
+        "rope": OracleCase(3, 4, 2, 1, 40, {"append": 1, "append_rope": True}, layout="rope"),
+        "rope_causal": OracleCase(2, 4, 2, 3, 40, {"append": 3, "append_rope": True, "is_causal": True},
+                                  layout="rope"),
+        "ropehalf": OracleCase(3, 4, 2, 1, 40, {"append": 1, "append_rope": False}, layout="ropehalf"),
+        "ropehalf_causal": OracleCase(2, 4, 2, 3, 40, {"append": 3, "append_rope": False, "is_causal": True},
+                                      layout="ropehalf"),
+    }
+    launch_head_dims = (64, 128)  # the head_dims the oracle sweep runs (tests/cases.py; bf16 attention is built there)
     layouts = runtime.LAYOUTS
     dtypes = runtime.DTYPES
     tile_constraints = False  # one kernel per dtype and RoPE mode, serving every call

@@ -141,6 +141,19 @@ def test_the_appended_cache_is_the_oracles_rotation_and_the_output_the_oracles(h
         assert (out[b:b + 1].double() - ref.transpose(1, 2)).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize("head_dim, rotary_dim", [(40, 24), (8, 8), (256, 128)])
+def test_other_head_dims_are_launch_arguments(host_build, monkeypatch, head_dim, rotary_dim):
+    """One kernel for every head_dim: 40 and 8 (features in steps of 8), 256; RoPE on halves of part
+    of them, causal."""
+    q, k_cache, v_cache, k, v, _ = _inputs(torch.float16, d=head_dim)
+    cos, sin = rotary_tables(64, rotary_dim)
+    kwargs = dict(cache_seqlens=torch.tensor([5, 0, 45], dtype=torch.int32), rotary_cos=cos, rotary_sin=sin,
+                  rotary_interleaved=False, causal=True)
+    (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, (q, k_cache, v_cache, k, v), **kwargs)
+    assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
+    assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
+
+
 def test_rope_rounds_to_float32_then_to_fp16_as_torch_does(host_build):
     """The float64 value 1 + 2^-11 + 2^-40 (k = (1, -1), cos = 1 + 2^-11, sin = 2^-40) is 1 + 2^-11
     in float32, a tie that fp16 rounds to 1 (rounded directly it would be 1 + 2^-10)."""
