@@ -10,8 +10,11 @@ leaves every tensor it was given as it was.
 Plain caches with automatic key slices run as flash_attn calls with cache lengths (ops.py), the
 others through decode.py; route.py chooses the kernels of both: the split-KV decode kernels for
 paged caches, cache_batch_idx, explicit num_splits and calls with few query rows per K/V head, the
-fp16 row-block kernels with cache lengths (f16 of layout len) otherwise. RoPE on the new keys and
-the queries is computed in float64 (reference.rotate). Where torch traces or the tensors are
+fp16 row-block kernels with cache lengths (f16 of layout len) otherwise. The append (the new keys
+and values written, RoPE on them and on the queries in float64, rounded as torch rounds
+reference.rotate's result, the lengths bounded and the lengths after it) is one launch of the
+append family (families/append.py) before the attention's, or torch operations where the device's
+kernels have none (counted: counts()). Where torch traces or the tensors are
 subclasses, a call that appends runs the custom op ``rdnattention::flash_attn_kvcache_fwd`` (it
 mutates the caches; its implementation is the eager path, checks included), one that does not
 the custom ops of ops.py and decode.py."""
@@ -477,13 +480,13 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
         used = lengths
     if leftpad is not None and not checked:  # within [0, cache_seqlens]
         leftpad = torch.minimum(leftpad.clamp(min=0), lengths.clamp(0, cache_len))
-    launch = None
-    if kernel and batch:  # its grid checked now, before anything is written
+    launch = None  # the append's (a replay has it among its steps)
+    if kernel and batch and replayed is None:  # its grid checked now, before anything is written
         launch = append_family.launch(route.device_table(q.device), k_new=k, v_new=v, k_cache=k_cache,
-                                       v_cache=v_cache, q=q, q_out=q_in, cache_seqlens=lengths, used=used,
-                                        cache_batch_idx=cache_batch_idx, block_table=block_table, cos=cos, sin=sin,
-                                        interleaved=interleaved, local=local,
-                                        dtype="bf16" if q.dtype == torch.bfloat16 else None)
+                                      v_cache=v_cache, q=q, q_out=q_in, cache_seqlens=lengths, used=used,
+                                      cache_batch_idx=cache_batch_idx, block_table=block_table, cos=cos, sin=sin,
+                                      interleaved=interleaved, local=local,
+                                      dtype="bf16" if q.dtype == torch.bfloat16 else None)
 
     # Planned before the append: a call no kernel serves, or whose grid is beyond the launch
     # limits, is refused with the caches untouched.
@@ -529,7 +532,7 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
         for name, t in (("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
             if t is not None:
                 pointers[name] = t.data_ptr()
-        if launch is not None:
+        if kernel and batch:  # the append's own
             pointers.update(k_new=k.data_ptr(), v_new=v.data_ptr(), cache_seqlens=lengths.data_ptr())
             if cos is not None:
                 pointers.update(q_src=q.data_ptr(), rotary_cos=cos.data_ptr(), rotary_sin=sin.data_ptr())
