@@ -10,21 +10,28 @@ leaves every tensor it was given as it was.
 Plain caches with automatic key slices run as flash_attn calls with cache lengths (ops.py), the
 others through decode.py; route.py chooses the kernels of both: the split-KV decode kernels for
 paged caches, cache_batch_idx, explicit num_splits and calls with few query rows per K/V head, the
-fp16 row-block kernels with cache lengths (f16 of layout len) otherwise. RoPE on the new keys and
-the queries is computed in float64 (reference.rotate). Where torch traces or the tensors are
+fp16 row-block kernels with cache lengths (f16 of layout len) otherwise. The append (the new keys
+and values written, RoPE on them and on the queries in float64, rounded as torch rounds
+reference.rotate's result, the lengths bounded and the lengths after it) is one launch of the
+append family (families/append.py) before the attention's, or torch operations where the device's
+kernels have none (counted: counts()). Where torch traces or the tensors are
 subclasses, a call that appends runs the custom op ``rdnattention::flash_attn_kvcache_fwd`` (it
 mutates the caches; its implementation is the eager path, checks included), one that does not
 the custom ops of ops.py and decode.py."""
 
 from __future__ import annotations
 
+import threading
+import warnings
+from collections import Counter
 from typing import Optional
 
 import torch
 
-from . import checks, decode, ops, padding, replay, route
+from . import checks, decode, drivers, ops, padding, replay, route
+from .families import append as append_family
 from .checks import TOKEN_MAJOR, check_fp16, check_int32, check_paged, check_same_dtype
-from .errors import InvalidArgumentError, UnsupportedError
+from .errors import InvalidArgumentError, RdnaAttentionError, UnsupportedError
 from .options import (NO_SCORE_OPTIONS, Options, ScoreOptions, as_window, check_score_options, check_seqused,
                       validate)
 from .plan import Plan
@@ -242,7 +249,7 @@ def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqle
               score: ScoreOptions) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A call whose key was planned before (validated then: the key holds all validation read),
     run by _run on that plan; None where its memory needs the full path."""
-    window_left, window_right, softmax_scale, local, cache_len = r.extra
+    window_left, window_right, softmax_scale, local, cache_len, _ = r.extra
     new = 0 if k is None else k.shape[1]
     if cache_seqlens is None:
         lengths = torch.full((q.shape[0],), cache_len, dtype=torch.int32, device=q.device)
@@ -326,11 +333,88 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
     return t
 
 
+# Calls whose append ran as torch operations because the device's kernels have no append kernel
+# (kernels built before the family existed), by reason; each reason warns once (counts()).
+fallbacks: Counter[str] = Counter()
+_appended = 0  # calls whose append ran the kernel
+_warned: set[str] = set()
+_lock = threading.Lock()
+
+
+def counts(*, reset: bool = False) -> dict:
+    """What the appends did: ``{"append_kernel": calls that appended with the append kernel,
+    "append_torch": calls that appended with torch operations, "fallbacks": {reason: calls}}`` (a
+    copy; also ``rdnattention.stats()["kvcache"]``). With ``reset=True`` the counts start again
+    from zero, and each reason warns again."""
+    global _appended
+    with _lock:
+        out = {"append_kernel": _appended, "append_torch": sum(fallbacks.values()), "fallbacks": dict(fallbacks)}
+        if reset:
+            _appended = 0
+            fallbacks.clear()
+            _warned.clear()
+    return out
+
+
+def _append_kernel(q: torch.Tensor, cos, interleaved: bool) -> bool:
+    """Whether the append kernel of the call's dtype and RoPE mode is built for q's device (else
+    the call appends with torch operations)."""
+    if q.shape[3] > append_family.HEAD_DIM_MAX:
+        return False
+    try:
+        append_family.select(route.device_table(q.device), interleaved if cos is not None else None,
+                             "bf16" if q.dtype == torch.bfloat16 else None)
+    except RdnaAttentionError:  # no append kernel (or no kernels: planning raises that)
+        return False
+    return True
+
+
+def _count(device: torch.device, kernel: bool) -> None:
+    """Counts a call that appends, with the kernel or with torch operations; the first fallback of
+    each reason warns."""
+    global _appended
+    if kernel:
+        with _lock:
+            _appended += 1
+        return
+    reason = f"no append kernel for {route.device_table(device).target}"
+    with _lock:
+        fallbacks[reason] += 1
+        first = reason not in _warned
+        _warned.add(reason)
+    if first:
+        warnings.warn(f"rdnattention: {reason} (its kernels were built without the append family); "
+                      "flash_attn_with_kvcache appends with torch operations there (rebuild the kernels: "
+                      "rdnattention-gen build)", RuntimeWarning, stacklevel=4)
+
+
+def _torch_append(k_cache, v_cache, k_in, v, positions, cache_batch_idx, block_table, checked: bool) -> None:
+    """The append as torch operations (where no append kernel is built): the new keys (rotated)
+    and values written at ``positions`` (int64 [batch, seq_new], bounded)."""
+    batch = positions.shape[0]
+    if block_table is not None:  # page block_table[b, pos // page], row pos % page
+        page = k_cache.shape[1]
+        slots = block_table.gather(1, positions // page)
+        if not checked:
+            slots = slots.clamp_(0, k_cache.shape[0] - 1)
+        rows = positions % page
+        k_cache.index_put_((slots, rows), k_in)
+        v_cache.index_put_((slots, rows), v)
+    else:
+        rows = (cache_batch_idx if cache_batch_idx is not None else _arange(batch, positions.device))[:, None]
+        if not checked and cache_batch_idx is not None:
+            rows = rows.clamp(0, k_cache.shape[0] - 1)
+        k_cache.index_put_((rows, positions), k_in)
+        v_cache.index_put_((rows, positions), v)
+
+
 # The tensors a call reads, by name, in the order _run checks their memory; the pointer fields of
 # its launches, each filled by one tensor.
 _NAMES = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
           "block_table", "alibi_slopes", "sinks")
-ROLES = frozenset({"q", "k", "v", "o", "lse", "seqused_k", "cache_batch_idx", "block_table", "alibi_slopes", "sinks"})
+ROLES = frozenset({"q", "k", "v", "o", "lse", "seqused_k", "cache_batch_idx", "block_table", "alibi_slopes", "sinks",
+                   # the append's own (families/append.py; it shares the others with the attention)
+                   "k_new", "v_new", "q_src", "cache_seqlens", "rotary_cos", "rotary_sin"})
 
 
 def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left: int,
@@ -371,11 +455,24 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
         values.check()
 
     # What the kernels read, computed apart from the caches: the rotated queries and new keys, the
-    # lengths after the append. Values that were not read are bounded on the device first: the
-    # lengths within [0, cache_len - seq_new], the tables' positions within them, and below the
-    # cache rows and pages the append writes (the kernels bound what they read themselves).
+    # lengths after the append. Values that were not read are bounded on the device: the lengths
+    # within [0, cache_len - seq_new], the tables' positions within them, and below the cache rows
+    # and pages the append writes (the kernels bound what they read themselves). The append kernel
+    # (families/append.py) does all of it in one launch, planned here and run before the attention's;
+    # where none is built for the device, torch operations do (a counted fallback, _torch_append).
     q_in, k_in = q, k
+    kernel = None
     if k is not None:
+        kernel = _append_kernel(q, cos, interleaved) if replayed is None else replayed.extra[5]
+    if kernel:
+        used = torch.empty((batch,), dtype=torch.int32, device=q.device)  # written by the append
+        if cos is not None:
+            q_in = torch.empty_like(q)
+        if leftpad is not None:  # read by the left-padded plan before the append runs: the same values
+            if not checked:
+                lengths = lengths.clamp(0, cache_len - new)
+            used = lengths + new
+    elif k is not None:
         if not checked:
             lengths = lengths.clamp(0, cache_len - new)
         positions = lengths[:, None] + _arange(new, q.device)  # int64 [batch, seq_new]
@@ -391,6 +488,13 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
         used = lengths
     if leftpad is not None and not checked:  # within [0, cache_seqlens]
         leftpad = torch.minimum(leftpad.clamp(min=0), lengths.clamp(0, cache_len))
+    launch = None  # the append's (a replay has it among its steps)
+    if kernel and batch and replayed is None:  # its grid checked now, before anything is written
+        launch = append_family.launch(route.device_table(q.device), k_new=k, v_new=v, k_cache=k_cache,
+                                      v_cache=v_cache, q=q, q_out=q_in, cache_seqlens=lengths, used=used,
+                                      cache_batch_idx=cache_batch_idx, block_table=block_table, cos=cos, sin=sin,
+                                      interleaved=interleaved, local=local,
+                                      dtype="bf16" if q.dtype == torch.bfloat16 else None)
 
     # Planned before the append: a call no kernel serves, or whose grid is beyond the launch
     # limits, is refused with the caches untouched.
@@ -421,19 +525,9 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
                                         num_splits=num_splits, values_checked=True, score=score)
 
     if k is not None:
-        if paged:  # page block_table[b, pos // page], row pos % page
-            slots = block_table.gather(1, positions // page)
-            if not checked:
-                slots = slots.clamp_(0, k_cache.shape[0] - 1)
-            rows = positions % page
-            k_cache.index_put_((slots, rows), k_in)
-            v_cache.index_put_((slots, rows), v)
-        else:
-            rows = (cache_batch_idx if cache_batch_idx is not None else _arange(batch, q.device))[:, None]
-            if not checked and cache_batch_idx is not None:
-                rows = rows.clamp(0, k_cache.shape[0] - 1)
-            k_cache.index_put_((rows, positions), k_in)
-            v_cache.index_put_((rows, positions), v)
+        _count(q.device, bool(kernel))
+    if k is not None and not kernel:
+        _torch_append(k_cache, v_cache, k_in, v, positions, cache_batch_idx, block_table, checked)
     if replayed is not None:
         pointers = {"q": q_in.data_ptr(), "k": k_cache.data_ptr(), "v": v_cache.data_ptr(), "o": out.data_ptr(),
                     "seqused_k": used.data_ptr()}
@@ -446,9 +540,17 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
         for name, t in (("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
             if t is not None:
                 pointers[name] = t.data_ptr()
+        if kernel and batch:  # the append's own
+            pointers.update(k_new=k.data_ptr(), v_new=v.data_ptr(), cache_seqlens=lengths.data_ptr())
+            if cos is not None:
+                pointers.update(q_src=q.data_ptr(), rotary_cos=cos.data_ptr(), rotary_sin=sin.data_ptr())
         replay.launch(replayed, pointers, q.device)
     elif plan is not None:
-        replay.run(plan, key, tensors, ROLES, extra=(window_left, window_right, softmax_scale, local, cache_len))
+        replay.run(plan, key, tensors, ROLES, extra=(window_left, window_right, softmax_scale, local, cache_len,
+                                                    bool(kernel)), before=(launch,) if launch is not None else ())
+    elif launch is not None:  # the attention launches nothing: the append alone
+        table = route.device_table(q.device)
+        drivers.for_platform(table.platform).launch(table.code_object, launch, q.device)
     if leftpad is not None and return_lse:  # the packed [heads, batch * seq_q] as flash-attn's [batch, heads, seq_q]
         lse = lse.view(q.shape[2], batch, seq_q).permute(1, 0, 2).contiguous()
     return out, lse

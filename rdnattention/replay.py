@@ -25,7 +25,7 @@ import torch
 from . import checks, drivers, route, workspace
 from .drivers import module_api
 from .errors import RdnaAttentionError
-from .plan import Plan
+from .plan import Launch, Plan
 from .table import TargetTable
 
 CACHE_LIMIT = 1024
@@ -107,10 +107,12 @@ def memory_ok(tensors: tuple, reach: tuple[tuple[int, int], ...], aligned: int) 
 
 
 def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str],
-             extra: object = None) -> Replay | None:
+             extra: object = None, before: tuple[Launch, ...] = ()) -> Replay | None:
     """Keeps ``plan`` for later calls of ``key`` (``tensors``: those memory_ok checks per call, in
-    the order the entry point passes them; ``extra``: kept beside) where every pointer field of its
-    launches is one of ``roles`` or the scratch; returns the replay, or None where it is not kept."""
+    the order the entry point passes them; ``extra``: kept beside; ``before``: launches of the
+    same table that run ahead of the plan's, such as flash_attn_with_kvcache's append) where every
+    pointer field of its launches is one of ``roles`` or the scratch; returns the replay, or None
+    where it is not kept."""
     if key is None or not plan.launches:
         return None
     steps = []
@@ -118,7 +120,7 @@ def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str
     index = None
     if hasattr(driver, "function"):  # a GPU's driver: kernels launched through their handles
         index = plan.device.index if plan.device.index is not None else module_api.current_device()
-    for launch in plan.launches:
+    for launch in (*before, *plan.launches):
         args = launch.args
         fields = tuple(name for name, ctype in type(args)._fields_ if ctype is ctypes.c_void_p
                        and (getattr(args, name) or (plan.scratch_bytes and name in SCRATCH_FIELDS)))
@@ -164,15 +166,19 @@ def launch(r: Replay, pointers: dict[str, int], device: torch.device) -> None:
 
 
 def run(plan: Plan, key: tuple | None = None, tensors: tuple = (), roles: frozenset[str] = frozenset(),
-        extra: object = None) -> None:
-    """Runs a plan made for an eager call: kept under ``key`` where it can be (remember), and
-    launched on the stream's workspace; a plan that is not kept runs on its own scratch (Plan.run)."""
-    r = remember(key, plan, tensors, roles, extra)
+        extra: object = None, before: tuple[Launch, ...] = ()) -> None:
+    """Runs a plan made for an eager call, after the launches ``before`` (remember): kept under
+    ``key`` where it can be, and launched on the stream's workspace; a plan that is not kept runs
+    on its own scratch (Plan.run), after ``before``."""
+    r = remember(key, plan, tensors, roles, extra, before)
     if r is None:
+        driver = drivers.for_platform(plan.table.platform)
+        for first in before:
+            driver.launch(plan.table.code_object, first, plan.device)
         plan.run()
         return
     pointers = {}
-    for step, planned in zip(r.steps, plan.launches):  # the plan's own pointers
+    for step, planned in zip(r.steps, (*before, *plan.launches)):  # the plan's own pointers
         for field in step.fields:
             if field not in SCRATCH_FIELDS:
                 pointers[field] = getattr(planned.args, field)

@@ -9,6 +9,7 @@ import torch
 
 from rdnattention import (attention_reference, flash_attn, flash_attn_int8qk, flash_attn_varlen_func,
                           flash_attn_with_kvcache, quantize_per_channel, quantize_per_token, rotary_tables)
+from rdnattention.reference import rotate
 from rdnattention_gen.families import family
 from rdnattention_gen.matrix import load_matrix
 
@@ -58,8 +59,16 @@ def sweep() -> list[tuple[str, str, int, str, str]]:
     head_dims of the case's layout and score option in that dtype."""
     m = load_matrix()
     return [(t, name, hd, case, dtype) for dtype in DTYPES for t in HOST_TARGETS for name in m.kernels
-            for case, c in family(name).oracle_cases.items()
-            for hd in host_head_dims(t, name, c.layout, dtype, c.score)]
+            for case, c in family(name).oracle_cases.items() for hd in _head_dims(t, name, c.layout, dtype, c.score)]
+
+
+def _head_dims(target: str, name: str, layout: str | None, dtype: str, score: str | None = None) -> list[int]:
+    """The head_dims a case runs at: those the kernels are built for (in its layout, dtype and score
+    option), or, for a family whose kernels take the head_dim at launch (the append's
+    launch_head_dims), those it lists where the target builds its kernels."""
+    built = host_head_dims(target, name, layout, dtype, score)
+    launched = getattr(family(name), "launch_head_dims", None)
+    return list(launched) if launched and built else built
 
 
 def sweep_id(p) -> str:
@@ -168,10 +177,49 @@ def _kvcache(q, k, v, options):
     return out.transpose(1, 2), lse, ref, ref_lse, False
 
 
+def _append(q, k, v, options):
+    """flash_attn_with_kvcache appending the last ``append`` keys and values of k, v to a cache of
+    the others (each sequence's cache ``b`` positions shorter, garbage past its length), RoPE'd on
+    pairs or halves (``append_rope``) at their positions: the cache after the append must be
+    reference.rotate's, rounded as torch rounds it (float32, then the dtype), and the output the
+    oracle's on that cache and the queries rotated so."""
+    n, interleaved = options.pop("append"), options.pop("append_rope", None)
+    causal = options.pop("is_causal", False)
+    b, hk, sk, d = k.shape
+    seq_q = q.shape[2]
+    g = torch.Generator().manual_seed(sk * d + n)
+    kc, vc = (torch.randn(b, sk + 4, hk, d, generator=g).to(k.dtype) for _ in range(2))
+    lengths = torch.tensor([sk - n - i for i in range(b)], dtype=torch.int32)
+    for i, length in enumerate(lengths.tolist()):
+        kc[i, :length], vc[i, :length] = k[i, :, :length].transpose(0, 1), v[i, :, :length].transpose(0, 1)
+    k_new, v_new = k[:, :, sk - n:].transpose(1, 2).contiguous(), v[:, :, sk - n:].transpose(1, 2).contiguous()
+    tables = {}
+    if interleaved is not None:
+        rotary_dim = d if d <= 64 else d // 2
+        cos, sin = rotary_tables(sk + 4 + seq_q, rotary_dim)
+        tables = dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved)
+    want_k, want_v, q_in = kc.clone(), vc.clone(), q.clone()
+    for i, length in enumerate(lengths.tolist()):
+        new_k = k_new[i:i + 1].transpose(1, 2)
+        if tables:
+            new_k = rotate(new_k, cos, sin, torch.arange(n) + length, interleaved)  # in q's dtype, as torch rounds
+            qpos = torch.arange(seq_q) + length if causal else torch.full((seq_q,), length)
+            q_in[i:i + 1] = rotate(q[i:i + 1], cos, sin, qpos, interleaved)
+        want_k[i, length:length + n], want_v[i, length:length + n] = new_k[0].transpose(0, 1), v_new[i]
+    out, lse = flash_attn_with_kvcache(q.transpose(1, 2).contiguous(), kc, vc, k_new, v_new, cache_seqlens=lengths,
+                                       causal=causal, return_softmax_lse=True, **tables)
+    assert torch.equal(kc.view(torch.int16), want_k.view(torch.int16)), "the keys appended"
+    assert torch.equal(vc.view(torch.int16), want_v.view(torch.int16)), "the values appended"
+    ref, ref_lse = attention_reference(q_in, want_k.transpose(1, 2), want_v.transpose(1, 2), is_causal=causal,
+                                       seqused_k=lengths + n, return_lse=True)
+    return out.transpose(1, 2), lse, ref, ref_lse, False
+
+
 # (family, layout) -> the entry point that serves it.
 ENTRY_POINTS = {("f16", None): _flash_attn, ("f16", "len"): _flash_attn, ("f16", "varlen"): _varlen,
                 ("dec", None): _flash_attn, ("dec", "paged"): _kvcache,
-                ("i8", None): _int8, ("i8dec", None): _int8, ("combine", None): _kvcache}
+                ("i8", None): _int8, ("i8dec", None): _int8, ("combine", None): _kvcache,
+                ("append", None): _append, ("append", "rope"): _append, ("append", "ropehalf"): _append}
 
 
 def run_case(fam, name, head_dim, dtype="fp16"):

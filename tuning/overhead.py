@@ -16,7 +16,8 @@ Two figures per call:
 On the CPU the host emulator's launch is replaced by a no-op (``stubbed_launch``), split-KV calls
 are planned for a GPU of ``--units`` compute units (the H200's 132) and torch runs its ops on one
 thread, so our figures are the Python around the launches a GPU gets (validation, planning,
-argument packing, allocation, the torch operations of a cache append); torch's CPU figures run
+argument packing, allocation; the append kernel's launch is stubbed like the others, and where
+no append kernel is built, the torch operations of the append); torch's CPU figures run
 the math, so they are shown for reference only. ``--check`` sets RDNATTENTION_CHECK for the run
 (docs/api.md: which checks read values): unset, CPU tensors' values are read (free of a device
 synchronisation there) and GPU tensors' are not; ``--check 0`` makes the CPU path the GPU's."""

@@ -142,9 +142,10 @@ def sdpa_patched(*, devices: str | Iterable[str] = DEFAULT_DEVICES, device_masks
 def stats(*, reset: bool = False) -> dict:
     """What the patched function did: ``{"patched": bool, "served": calls run by the kernels,
     "fallback": calls passed to torch's function, "fallbacks": {reason: calls}, "transformers":
-    {...}}`` (a copy); "transformers" holds the same three counts of the transformers integration
-    (integrations/transformers.py: register()'s attention function), zeros where it was never
-    imported. With ``reset=True`` the counts start again from zero, and each reason logs its line
+    {...}, "kvcache": {...}}`` (a copy); "transformers" holds the same three counts of the
+    transformers integration (integrations/transformers.py: register()'s attention function), zeros
+    where it was never imported; "kvcache" the appends of flash_attn_with_kvcache (kvcache.counts:
+    run by the append kernel, or by torch operations where none is built, by reason). With ``reset=True`` the counts start again from zero, and each reason logs its line
     again."""
     global _served
     _check_bool("reset", reset)
@@ -158,6 +159,9 @@ def stats(*, reset: bool = False) -> dict:
     integration = sys.modules.get("rdnattention.integrations.transformers")
     out["transformers"] = (integration.counts(reset=reset) if integration is not None
                            else {"served": 0, "fallback": 0, "fallbacks": {}})
+    from .. import kvcache  # flash_attn_with_kvcache's appends: kernel or torch operations
+
+    out["kvcache"] = kvcache.counts(reset=reset)
     return out
 
 

@@ -7,6 +7,7 @@ gfx10 and GCN encodings and the ROCm runtime itself are not executed here. Skipp
 emulator snapshot is absent (a checkout without ../shared; RDNATTENTION_TINYGRAD names another)."""
 
 import gc
+import warnings
 
 import pytest
 import torch
@@ -203,6 +204,46 @@ def test_varlen(gpu, dispatched):
         assert _max_err(view(out[qs]), ref) <= TOL
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("rope", [None, True, False], ids=["copy", "rope", "ropehalf"])
+def test_the_append_kernel_is_the_torch_append(gpu, dispatched, monkeypatch, rope, dtype):
+    """flash_attn_with_kvcache's append kernel of each RoPE mode and dtype (the first launch of
+    the call; tests/kernels/test_append.py runs it on the host) against the torch operations it
+    replaces, byte for byte: a paged cache, causal query rotation, float64 RoPE rounded as torch
+    rounds it (float32, then the dtype)."""
+    from rdnattention import kvcache
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2, 4, 64, generator=g).to(dtype)
+    pools = [torch.randn(6, 16, 2, 64, generator=g).to(dtype) for _ in range(2)]
+    k, v = (torch.randn(2, 2, 2, 64, generator=g).to(dtype) for _ in range(2))
+    kwargs = dict(cache_seqlens=torch.tensor([30, 3], dtype=torch.int32), causal=True,
+                  block_table=torch.tensor([[4, 0, 2], [1, 5, 3]], dtype=torch.int32))
+    if rope is not None:
+        cos, sin = rotary_tables(40, 48)
+        kwargs.update(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rope)
+    results = []
+    for kernel in (True, False):
+        start = len(gpu.dispatches)
+        with monkeypatch.context() as m:
+            if not kernel:
+                m.setattr(kvcache, "_append_kernel", lambda *a: False)
+            pk, pv = (t.clone() for t in pools)
+            replay.cache.clear()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the forced fallback's warning
+                out = flash_attn_with_kvcache(q, pk, pv, k, v, **kwargs)
+        results.append((gpu.dispatches[start].kernel, out, pk, pv))
+    (first, out, pk, pv), (t_first, t_out, t_pk, t_pv) = results
+    name = ("fa2_append" + {None: "", True: "_rope", False: "_ropehalf"}[rope]
+            + ("_bf16" if dtype == torch.bfloat16 else "") + "_upto512_")
+    assert first.startswith(name) and not t_first.startswith("fa2_append"), (first, t_first)
+    assert torch.equal(pk.view(torch.int16), t_pk.view(torch.int16))
+    assert torch.equal(pv.view(torch.int16), t_pv.view(torch.int16))
+    assert torch.equal(out.view(torch.int16), t_out.view(torch.int16))
+    assert not torch.equal(pk, pools[0])
+
+
 # The emulator reads memory for lanes the exec mask turns off (it masks only their writes). The
 # combine of head_dim 8 and 16 (one and two lanes a row) merges in one group of that many lanes,
 # and the other lanes of its wave hold stale addresses past the LDS, which crash it; the hardware
@@ -213,7 +254,7 @@ UNSPLIT_ON_THE_EMULATOR = (8, 16)
 
 def _kernels() -> list[str]:
     m = load_matrix()
-    return sorted(v.spec.name for v in m.variants_for(m.target(TARGET)) if v.spec.family != "combine")
+    return sorted(v.spec.name for v in m.variants_for(m.target(TARGET)) if v.spec.family not in ("combine", "append"))
 
 
 @pytest.mark.slow  # every kernel by name; the entry-point paths above run in the fast suite

@@ -149,6 +149,28 @@ CASES = {
     written = {"pool_k", "pool_v"}
     call = lambda: flash_attn_with_kvcache(q, pool_k, pool_v, k, v, cache_seqlens=lengths, block_table=table)
 """,
+    # the append kernel with RoPE on halves over a paged pool: several new rows and query rows at
+    # positions past the tables (bf16, fp16 tables), pages and lengths past the pool both ways
+    "block-table-append-rope": """
+    q = g(torch.randn(2, 3, 4, 64, generator=gen).bfloat16())
+    pool_k, pool_v = (g(torch.randn(8, 16, 2, 64, generator=gen).bfloat16()) for _ in range(2))
+    k, v = (g(torch.randn(2, 3, 2, 64, generator=gen).bfloat16()) for _ in range(2))
+    cos, sin = (g(t.half()) for t in rdnattention.rotary_tables(5, 16))
+    table, lengths = ints(-7, 2**31 - 1, 9, 8, 10**9, 3, -(2**31), 1).view(2, 4), ints(2**31 - 1, -(2**31))
+    given = dict(q=q, k=k, v=v, pool_k=pool_k, pool_v=pool_v, table=table, lengths=lengths, cos=cos, sin=sin)
+    written = {"pool_k", "pool_v"}
+    call = lambda: flash_attn_with_kvcache(q, pool_k, pool_v, k, v, rotary_cos=cos, rotary_sin=sin,
+                                           cache_seqlens=lengths, block_table=table, rotary_interleaved=False,
+                                           causal=True)
+""",
+    "cache-batch-idx-append-rope": _CACHE + """
+    cos, sin = (g(t) for t in rdnattention.rotary_tables(3, 64))
+    idx, lengths = ints(2, -(2**31)), ints(-1, 64)
+    given = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, idx=idx, lengths=lengths, cos=cos, sin=sin)
+    written = {"k_cache", "v_cache"}
+    call = lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                           cache_seqlens=lengths, cache_batch_idx=idx)
+""",
     "block-table-slices": _POOL + """
     table, lengths = ints(8, 9, 100, -2, 7, -(2**31), 10**6, 8).view(2, 4), ints(64, 64)
     given = dict(q=q, pool_k=pool_k, pool_v=pool_v, table=table, lengths=lengths)

@@ -1,0 +1,274 @@
+"""flash_attn_with_kvcache's append kernel (families/append.py) on the host emulator: the cache
+after the append, the rotated queries and the output, byte for byte those of the torch operations
+it replaces (kvcache._torch_append, forced here), and the cache against the float64 oracle's
+rotation (reference.rotate, rounded as torch rounds float64: to float32, then to the dtype); plain
+caches, cache_batch_idx, paged caches, RoPE on pairs and on halves, causal (local) rotation, bf16,
+every RoPE table dtype, replays, and the counts of both paths."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import rdnattention
+from rdnattention import attention_reference, flash_attn_with_kvcache, kvcache, replay, rotary_tables
+from rdnattention.errors import UnsupportedError
+from rdnattention.families import append as append_family
+from rdnattention.reference import rotate
+
+
+def _inputs(dtype, b=3, sq=2, new=3, hq=4, hk=2, d=64, cache=48, seed=0, paged=None, rows=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, hq, d, generator=g).to(dtype)
+    if paged:  # a pool of pages of `paged` positions, each sequence's pages shuffled in it
+        pages = b * cache // paged
+        k_cache, v_cache = (torch.randn(pages, paged, hk, d, generator=g).to(dtype) for _ in range(2))
+        table = torch.randperm(pages, generator=g).to(torch.int32).view(b, cache // paged)
+    else:
+        k_cache, v_cache = (torch.randn(rows or b, cache, hk, d, generator=g).to(dtype) for _ in range(2))
+        table = None
+    k, v = (torch.randn(b, new, hk, d, generator=g).to(dtype) for _ in range(2))
+    return q, k_cache, v_cache, k, v, table
+
+
+def _call(q, k_cache, v_cache, k, v, **kwargs):
+    return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, return_softmax_lse=True, **kwargs)
+
+
+def _both(monkeypatch, inputs, **kwargs):
+    """The call with the append kernel and with the torch operations, each on its own copies:
+    (out, lse, k_cache, v_cache) of each."""
+    results = []
+    for kernel in (True, False):
+        with monkeypatch.context() as m:
+            if not kernel:
+                m.setattr(kvcache, "_append_kernel", lambda *a: False)
+            q, k_cache, v_cache, k, v = (t.clone() for t in inputs)
+            replay.cache.clear()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                out, lse = _call(q, k_cache, v_cache, k, v, **kwargs)
+            results.append((out, lse, k_cache, v_cache))
+    return results
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int16) if a.element_size() == 2 else a,
+                                              b.view(torch.int16) if b.element_size() == 2 else b)
+
+
+CASES = {
+    "plain": {},
+    "rope": {"rope": True},
+    "rope_half": {"rope": False},
+    "rope_causal": {"rope": True, "causal": True},
+    "rope_half_window": {"rope": False, "window_size": (4, 0)},
+    "rope_partial": {"rope": True, "rotary_dim": 32},
+    "rope_half_partial_causal": {"rope": False, "rotary_dim": 16, "causal": True},
+    "cache_batch_idx": {"idx": True},
+    "cache_batch_idx_rope": {"idx": True, "rope": False, "causal": True},
+    "paged": {"page": 16},
+    "paged_rope": {"page": 16, "rope": True, "causal": True},
+    "paged_rope_half": {"page": 8, "rope": False},
+    "int_seqlens_rope": {"rope": True, "int_length": 7},
+}
+
+
+def _case(name, dtype, table_dtype=torch.float32):
+    c = CASES[name]
+    q, k_cache, v_cache, k, v, table = _inputs(dtype, paged=c.get("page"), rows=5 if c.get("idx") else None)
+    kwargs = {"cache_seqlens": c.get("int_length", torch.tensor([5, 0, 45], dtype=torch.int32))}
+    if c.get("idx"):
+        kwargs["cache_batch_idx"] = torch.tensor([4, 0, 2], dtype=torch.int32)
+    if table is not None:
+        kwargs["block_table"] = table
+    if "rope" in c:
+        cos, sin = rotary_tables(64, c.get("rotary_dim", 64))
+        kwargs.update(rotary_cos=cos.to(table_dtype), rotary_sin=sin.to(table_dtype), rotary_interleaved=c["rope"])
+    for key in ("causal", "window_size"):
+        if key in c:
+            kwargs[key] = c[key]
+    return (q, k_cache, v_cache, k, v), kwargs
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_kernel_is_the_torch_append_byte_for_byte(host_build, monkeypatch, name, dtype):
+    inputs, kwargs = _case(name, dtype)
+    (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, inputs, **kwargs)
+    assert not torch.equal(kc, inputs[1]) or kc.numel() == 0  # something was appended
+    assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
+    assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
+
+
+@pytest.mark.parametrize("table_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["rope", "rope_half_partial_causal"])
+def test_tables_of_16_bit_dtypes(host_build, monkeypatch, name, table_dtype):
+    """RoPE tables in fp16 or bf16 (flash-attn takes q's dtype or fp32; fp16 always)."""
+    dtype = torch.bfloat16 if table_dtype == torch.bfloat16 else torch.float16
+    inputs, kwargs = _case(name, dtype, table_dtype)
+    (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, inputs, **kwargs)
+    assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
+    assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("interleaved, causal", [(True, False), (False, True)])
+def test_the_appended_cache_is_the_oracles_rotation_and_the_output_the_oracles(host_build, dtype, interleaved,
+                                                                               causal):
+    q, k_cache, v_cache, k, v, _ = _inputs(dtype)
+    before = k_cache.clone()
+    lengths = torch.tensor([5, 0, 45], dtype=torch.int32)
+    cos, sin = rotary_tables(64, 48)
+    replay.cache.clear()
+    counted = rdnattention.stats()["kvcache"]["append_kernel"]
+    out, lse = _call(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lengths, causal=causal,
+                     rotary_interleaved=interleaved)
+    assert rdnattention.stats()["kvcache"]["append_kernel"] == counted + 1
+    tol = 2e-3 if dtype == torch.float16 else 1.6e-2
+    for b, n in enumerate(lengths.tolist()):
+        kb = rotate(k[b:b + 1].transpose(1, 2).double(), cos, sin, torch.arange(3) + n, interleaved)
+        expect = before[b].clone()
+        expect[n:n + 3] = kb[0].transpose(0, 1).float().to(dtype)  # float64 -> float32 -> dtype
+        assert _same_bytes(k_cache[b], expect)
+        assert torch.equal(v_cache[b, n:n + 3], v[b])
+        qpos = torch.arange(2) + n if causal else torch.full((2,), n)
+        qb = rotate(q[b:b + 1].transpose(1, 2).double(), cos, sin, qpos, interleaved).float().to(dtype)
+        used = n + 3
+        ref = attention_reference(qb, k_cache[b:b + 1, :used].transpose(1, 2), v_cache[b:b + 1, :used].transpose(1, 2),
+                                  is_causal=causal)
+        assert (out[b:b + 1].double() - ref.transpose(1, 2)).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("head_dim, rotary_dim", [(40, 24), (8, 8), (256, 128)])
+def test_other_head_dims_are_launch_arguments(host_build, monkeypatch, head_dim, rotary_dim):
+    """One kernel for every head_dim: 40 and 8 (features in steps of 8), 256; RoPE on halves of part
+    of them, causal."""
+    q, k_cache, v_cache, k, v, _ = _inputs(torch.float16, d=head_dim)
+    cos, sin = rotary_tables(64, rotary_dim)
+    kwargs = dict(cache_seqlens=torch.tensor([5, 0, 45], dtype=torch.int32), rotary_cos=cos, rotary_sin=sin,
+                  rotary_interleaved=False, causal=True)
+    (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, (q, k_cache, v_cache, k, v), **kwargs)
+    assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
+    assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
+
+
+def test_rope_rounds_to_float32_then_to_fp16_as_torch_does(host_build):
+    """The float64 value 1 + 2^-11 + 2^-40 (k = (1, -1), cos = 1 + 2^-11, sin = 2^-40) is 1 + 2^-11
+    in float32, a tie that fp16 rounds to 1 (rounded directly it would be 1 + 2^-10)."""
+    cos = torch.full((4, 1), 1 + 2**-11, dtype=torch.float32)
+    sin = torch.full((4, 1), 2**-40, dtype=torch.float32)
+    q = torch.zeros(1, 1, 1, 8, dtype=torch.float16)
+    k_cache, v_cache = torch.zeros(1, 4, 1, 8, dtype=torch.float16), torch.zeros(1, 4, 1, 8, dtype=torch.float16)
+    k = torch.zeros(1, 1, 1, 8, dtype=torch.float16)
+    k[0, 0, 0, :2] = torch.tensor([1.0, -1.0])
+    flash_attn_with_kvcache(q, k_cache, v_cache, k, k.clone(), rotary_cos=cos, rotary_sin=sin, cache_seqlens=0)
+    assert k_cache[0, 0, 0, 0].item() == 1.0  # rounded directly: 1 + 2^-10 (numpy rounds float64 so)
+    assert float(np.float16(1 + 2**-11 + 2**-40)) == 1 + 2**-10
+    assert k_cache[0, 0, 0, 1].item() == -1.0  # -1 - 2^-11 + 2^-40: below the tie either way
+    assert torch.equal(k_cache[0, 0, 0, 2:], k[0, 0, 0, 2:])  # past rotary_dim: copied
+
+
+def test_replays_run_the_append_kernel_with_their_own_tensors(host_build, monkeypatch):
+    """A second call of one geometry replays the plan (the append its first launch, its pointers
+    rewritten): the same bytes as the torch append on those tensors."""
+    inputs, kwargs = _case("paged_rope", torch.float16)
+    replay.cache.clear()
+    first = [t.clone() for t in inputs]
+    _call(*first, **kwargs)
+    assert len(replay.cache) == 1
+    (step, *_), = [r.steps for r in replay.cache.values()]
+    assert step.name.startswith("fa2_append_rope_")
+    second_inputs = [t.clone() for t in inputs]
+    second_inputs[3].mul_(-0.5)  # other new keys, other tensors
+    kwargs2 = {**kwargs, "cache_seqlens": torch.tensor([9, 31, 2], dtype=torch.int32)}
+    got = [t.clone() for t in second_inputs]
+    counted = rdnattention.stats()["kvcache"]["append_kernel"]
+    out, lse = _call(*got, **kwargs2)
+    assert len(replay.cache) == 1 and rdnattention.stats()["kvcache"]["append_kernel"] == counted + 1
+    (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, second_inputs, **kwargs2)[1]
+    assert _same_bytes(got[1], t_kc) and _same_bytes(got[2], t_vc) and _same_bytes(out, t_out)
+
+
+def test_without_an_append_kernel_the_torch_append_runs_counted_and_warned_once(host_build, monkeypatch):
+    def missing(*args, **kwargs):
+        raise UnsupportedError("no append kernel")
+
+    monkeypatch.setattr(append_family, "select", missing)
+    rdnattention.stats(reset=True)
+    inputs, kwargs = _case("rope", torch.float16)
+    replay.cache.clear()
+    with pytest.warns(RuntimeWarning, match="no append kernel for host"):
+        _call(*[t.clone() for t in inputs], **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per reason
+        _call(*[t.clone() for t in inputs], **kwargs)  # a replay of the call
+        _call(*[t.clone() for t in inputs], **kwargs)
+    counts = rdnattention.stats(reset=True)["kvcache"]
+    assert counts["append_torch"] == 3 and counts["append_kernel"] == 0
+    assert list(counts["fallbacks"]) == ["no append kernel for host"]
+
+
+def test_a_refused_call_launches_no_append(host_build):
+    """Checked before the append: a call that is refused (cache_seqlens 46 + 3 new keys past the 48
+    positions) writes nothing."""
+    q, k_cache, v_cache, k, v, _ = _inputs(torch.float16)
+    saved = [t.clone() for t in (q, k_cache, v_cache, k, v)]
+    with pytest.raises(rdnattention.errors.InvalidArgumentError):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor([5, 0, 46], dtype=torch.int32))
+    assert all(torch.equal(a, b) for a, b in zip((q, k_cache, v_cache, k, v), saved))
+
+
+@pytest.fixture
+def unchecked(monkeypatch):
+    """RDNATTENTION_CHECK=0: index values are not read, but bounded where they are used."""
+    from rdnattention import checks
+    monkeypatch.setenv(checks.CHECK_ENV, "0")
+    monkeypatch.setattr(checks, "_mode", None)
+    yield
+    monkeypatch.setattr(checks, "_mode", None)
+
+
+@pytest.mark.parametrize("layout", ["idx", "paged"])
+def test_unread_hostile_values_are_bounded_as_the_torch_append_bounds_them(host_build, monkeypatch, unchecked, layout):
+    """Lengths past the cache both ways, rows and pages past it both ways (distinct once bounded,
+    so that no two sequences write one row), positions past the tables: the same bytes as the torch
+    operations, which clamp them the same way (tests/runtime/test_bounds.py runs such values
+    between guard pages)."""
+    q, k_cache, v_cache, k, v, table = _inputs(torch.bfloat16, paged=16 if layout == "paged" else None,
+                                               rows=None if layout == "paged" else 5)
+    cos, sin = rotary_tables(30, 32)
+    kwargs = dict(cache_seqlens=torch.tensor([2**31 - 1, -(2**31), 20], dtype=torch.int32), rotary_cos=cos,
+                  rotary_sin=sin, rotary_interleaved=False, causal=True)
+    if layout == "paged":  # pages 0-8; sequence 0 at 45.., sequence 1 at 0.., sequence 2 at 20..
+        kwargs["block_table"] = torch.tensor([[0, 1, 10**9], [-5, 3, 4], [5, 2**31 - 1, 7]], dtype=torch.int32)
+    else:
+        kwargs["cache_batch_idx"] = torch.tensor([10**9, -(2**31), 1], dtype=torch.int32)
+    (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, (q, k_cache, v_cache, k, v), **kwargs)
+    assert not torch.equal(kc, k_cache)
+    assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
+    assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_the_kernel_is_the_torch_append_byte_for_byte(monkeypatch, name, dtype):
+    """On an NVIDIA GPU (sm_90's kernels built): the append kernel against torch's operations on the
+    GPU, the first call and a replay."""
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        pytest.skip("needs an NVIDIA GPU")
+    inputs, kwargs = _case(name, dtype)
+    inputs = tuple(t.cuda() for t in inputs)
+    kwargs = {key: value.cuda() if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
+    (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, inputs, **kwargs)
+    assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
+    assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
+    replay.cache.clear()
+    counted = rdnattention.stats()["kvcache"]["append_kernel"]
+    for _ in range(2):  # planned, then replayed, on copies of the inputs
+        q, k_cache, v_cache, k, v = (t.clone() for t in inputs)
+        r_out, r_lse = _call(q, k_cache, v_cache, k, v, **kwargs)
+        assert _same_bytes(k_cache, t_kc) and _same_bytes(v_cache, t_vc) and _same_bytes(r_out, t_out)
+    assert rdnattention.stats()["kvcache"]["append_kernel"] == counted + 2 and len(replay.cache) == 1
