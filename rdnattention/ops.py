@@ -211,8 +211,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         raise InvalidArgumentError(f"the output's gradient must be {q.dtype} {tuple(q.shape)}, got {dout.dtype} "
                                    f"{tuple(dout.shape)}")
     dout = _readable(dout)
-    if dlse is not None:
-        dlse = dlse.float()
+    if dlse is not None:  # read by rows as lse (an expanded gradient has zero strides)
+        dlse = dlse.float().contiguous()
     delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     table = route.device_table(q.device)
     p = bwd.plan(table, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, delta=delta, dq=dq, dk=dk, dv=dv,

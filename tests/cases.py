@@ -56,8 +56,14 @@ def sweep() -> list[tuple[str, str, int, str, str]]:
     declares and every dtype it is built for (fp16, and bf16 where variants.yaml lists it), at the
     head_dims of the case's layout in that dtype."""
     m = load_matrix()
-    return [(t, name, hd, case, dtype) for dtype in DTYPES for t in HOST_TARGETS for name in m.kernels
+    return [(t, name, hd, case, dtype) for dtype in DTYPES for t in HOST_TARGETS for name in forward_families(m)
             for case, c in family(name).oracle_cases.items() for hd in host_head_dims(t, name, c.layout, dtype)]
+
+
+def forward_families(m) -> list[str]:
+    """The families of matrix ``m`` the forward's sweep runs: all but the backward pass's
+    (tests/kernels/test_backward.py sweeps its gradients)."""
+    return [name for name in m.kernels if not getattr(family(name), "backward", False)]
 
 
 def sweep_id(p) -> str:

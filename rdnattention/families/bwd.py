@@ -1,7 +1,8 @@
 """The FlashAttention-2 backward pass, runtime side: its argument struct and its three launches.
 
-One kernel per (head_dim, tile, dtype) runs three passes, chosen by the ``pass_`` field, each a
-launch of its own grid:
+Three passes, each a kernel of its own (the family's layout option: ``pre``, none for dK/dV,
+``dq``; one kernel of all three held too many arguments in scalar registers on RDNA2), compiled
+per (head_dim, tile, dtype) from one body, each a launch of its own grid:
   0. preprocess, a workgroup per (row block, query head, batch): delta = rowsum(dO * O) in fp32
      (less the LSE's gradient, where the call's LSE is used), into an fp32 scratch
      [batch, heads_q, seq_q];
@@ -24,9 +25,14 @@ from ..table import TargetTable
 from . import f16
 
 NAME = "bwd"
+# The passes besides dK/dV (the plain kernels): option value -> what its kernels compute.
+LAYOUTS = {"pre": "the preprocess pass, delta = rowsum(dO * O)", "dq": "the dQ pass"}
+# Each kernel's pass as its body numbers it (fa2_backward.h PASS).
+PASSES = {"pre": 0, None: 1, "dq": 2}
 # bf16 q, k, v, out, dout and gradients (f16.DTYPES): the same kernel over bf16 staging.
 DTYPES = f16.DTYPES
 NAMES = NameSchema("fa2_bwd", (
+    f16.layout_field(LAYOUTS),
     f16.dtype_field(DTYPES),
     NameField("head_dim", "_hd{}", r"\d+"),
     NameField("tile.br", "_br{}", r"\d+"),
@@ -34,12 +40,10 @@ NAMES = NameSchema("fa2_bwd", (
     NameField("tile.threads", "_nt{}", r"\d+"),
     NameField("tile.waves", "_wv{}", r"\d+", optional=True),
     NameField("wave_size", "_w{}", r"32|64"),
-    # fp16: converted to fp32 once, when staged (cvt_fma); bf16: widened by a shift (shift_fma).
-    NameField("tier", "_{}", r"cvt_fma|shift_fma", str),
+    # fp16: converted to fp32 once, when staged (cvt_fma); bf16: widened by a shift (shift_fma); the
+    # preprocess pass: fp32 sums (fp32).
+    NameField("tier", "_{}", r"cvt_fma|shift_fma|fp32", str),
 ))
-
-# The passes (the ``pass_`` field), in the order a call runs them.
-PREPROCESS, DKDV, DQ = 0, 1, 2
 
 _TENSORS = ("q", "k", "v", "o", "dout", "dq", "dk", "dv")
 ARGS = ArgStruct("Fa2BwdArgs", (
@@ -75,22 +79,25 @@ ARGS = ArgStruct("Fa2BwdArgs", (
     ("softmax_scale", "float"),
     ("softcap_log2", "float"),  # as the forward's (f16.SCORE_FIELDS); 0: no cap
     ("softcap_inv", "float"),
-    ("pass_", "int"),  # PREPROCESS, DKDV or DQ
 ))
 Fa2BwdArgs = ARGS.ctype
 
 
-def lds_layout(head_dim: int, br: int, bc: int) -> dict[str, int]:
-    """Bytes of each LDS region, fp32: the Q and dO tiles [br][head_dim + 4], the K and V tiles
-    [bc][head_dim + 4] (rows padded by 16 bytes, so that lanes reading 16 bytes of consecutive
-    rows meet no bank twice), P and dS [br][bc], and each row's LSE and delta [br]."""
+def lds_layout(head_dim: int, br: int, bc: int, threads: int, layout: str | None) -> dict[str, int]:
+    """Bytes of each LDS region, fp32. The dK/dV and dQ passes: the Q and dO tiles [br][head_dim + 4],
+    the K and V tiles [bc][head_dim + 4] (rows padded by 16 bytes, so that lanes reading 16 bytes of
+    consecutive rows meet no bank twice), P and dS [br][bc], and each row's LSE and delta [br]. The
+    preprocess pass: a partial sum per thread."""
+    if layout == "pre":
+        return {"partial_bytes": threads * 4}
     row = (head_dim + 4) * 4
     return {"q_do_bytes": 2 * br * row, "k_v_bytes": 2 * bc * row, "p_ds_bytes": 2 * br * bc * 4,
             "row_bytes": 2 * br * 4}
 
 
 def lds_bytes(facts: dict[str, object]) -> int:
-    return sum(lds_layout(facts["head_dim"], facts["tile.br"], facts["tile.bc"]).values())
+    return sum(lds_layout(facts["head_dim"], facts["tile.br"], facts["tile.bc"], facts["tile.threads"],
+                          facts.get("options.layout")).values())
 
 
 _LOG2E = 1.4426950408889634
@@ -99,7 +106,7 @@ _INT32_MAX = 2**31 - 1
 
 def served(table: TargetTable, head_dim: int, dtype: str | None) -> bool:
     """Whether ``table``'s target has backward kernels for ``head_dim`` in ``dtype`` (None: fp16)."""
-    return bool(table.entries(NAME, head_dim, None, dtype))
+    return all(table.entries(NAME, head_dim, layout, dtype) for layout in PASSES)
 
 
 def plan(table: TargetTable, *, dout, q, k, v, out, lse, dlse, delta, dq, dk, dv, window: tuple[int, int],
@@ -108,7 +115,8 @@ def plan(table: TargetTable, *, dout, q, k, v, out, lse, dlse, delta, dq, dk, dv
     the scratch delta [batch, heads_q, seq_q], dlse None where the LSE got no gradient)."""
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
-    entry = table.select(NAME, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=seq_q, dtype=dtype)
+    pre, dkdv, dq_pass = (table.select(NAME, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=seq_q,
+                                       layout=layout, dtype=dtype) for layout in PASSES)
     for name, value in (("batch", batch), ("heads_q", heads_q), ("seq_q", seq_q), ("seq_k", seq_k)):
         if value > _INT32_MAX:
             raise InvalidArgumentError(f"{name} = {value} does not fit the kernel's 32-bit field")
@@ -123,11 +131,10 @@ def plan(table: TargetTable, *, dout, q, k, v, out, lse, dlse, delta, dq, dk, dv
     for name, t in zip(_TENSORS, (q, k, v, out, dout, dq, dk, dv)):
         fields[name] = t.data_ptr()
         fields[f"{name}_stride_b"], fields[f"{name}_stride_h"], fields[f"{name}_stride_s"] = t.stride()[:3]
-    rows, keys = -(-seq_q // entry.br), -(-seq_k // entry.bc)
-    shared = table.shared_bytes(entry)
-    launches = [Launch(kernel=entry, grid=grid, block=entry.threads, shared_bytes=shared,
-                       args=Fa2BwdArgs(**fields, pass_=p))
-                for p, grid in ((PREPROCESS, (rows, heads_q, batch)), (DKDV, (keys, heads_kv, batch)),
-                                (DQ, (rows, heads_q, batch)))]
+    args = Fa2BwdArgs(**fields)
+    launches = [Launch(kernel=e, grid=grid, block=e.threads, shared_bytes=table.shared_bytes(e), args=args)
+                for e, grid in ((pre, (-(-seq_q // pre.br), heads_q, batch)),
+                                (dkdv, (-(-seq_k // dkdv.bc), heads_kv, batch)),
+                                (dq_pass, (-(-seq_q // dq_pass.br), heads_q, batch)))]
     buffers = tuple(t for t in (dout, q, k, v, out, lse, dlse, delta, dq, dk, dv) if t is not None)
     return Plan(table=table, device=q.device, launches=launches, outputs=(dq, dk, dv), buffers=buffers)

@@ -1,8 +1,8 @@
 """FlashAttention-2 backward: dQ, dK and dV from fp16 (or bf16) Q, K, V, O, dO and the forward's
 log-sum-exp, every product an fp32 FMA on values converted once when staged (fp16: cvt_fma, bf16:
-shift_fma), accumulated in fp32. One kernel runs the three passes (preprocess, dK/dV per key
-block, dQ per row block: rdnattention/families/bwd.py), so every gradient is summed in one fixed
-order: deterministic, with no atomics.
+shift_fma), accumulated in fp32. Three passes, each a kernel (the family's layout option: pre, the
+plain dK/dV kernels, dq; rdnattention/families/bwd.py), every gradient summed in one fixed order:
+deterministic, with no atomics.
 
 Kernel body: templates/include/fa2_backward.h. It is not a forward family: the oracle sweep of the
 forward (tests/kernels/test_oracle_sweep.py) leaves it to tests/kernels/test_backward.py, which
@@ -29,11 +29,13 @@ RULES = (
                       and s.head_dim % (2 * (s.tile.threads // s.tile.br)) == 0,
          lambda s, t: f"threads {s.tile.threads} must be a multiple of br {s.tile.br} and bc {s.tile.bc}, and "
                       f"head_dim {s.head_dim} of twice threads/br and threads/bc (each lane owns column pairs)"),
-    Rule("partial_sums",
-         lambda s, t: s.tile.threads <= s.tile.br * (s.head_dim + 4),
-         lambda s, t: f"threads {s.tile.threads} must fit the Q tile ({s.tile.br} x {s.head_dim + 4})"),
     LDS_RULE,
 )
+
+# A kernel's tier by (preprocess pass, dtype option): the dK/dV and dQ passes convert fp16 once when
+# staged (cvt_fma) or widen bf16 by a shift (shift_fma); the preprocess pass's products of O and dO
+# are fp32 sums whatever the lowering (fp32).
+TIERS = {(False, None): "cvt_fma", (False, "bf16"): "shift_fma", (True, None): "fp32", (True, "bf16"): "fp32"}
 
 # The pair policy (pairs.h) that widens each input dtype to fp32 when staged.
 PAIRS = {None: "F32Pairs", "bf16": "BF16F32Pairs"}
@@ -45,9 +47,11 @@ class Backward(HeadDimAxis, Family):
     args = runtime.ARGS
     schema = runtime.NAMES
     rules = RULES
-    # fp16: a convert per staged value; bf16: a shift, no instruction of its own to find.
-    signatures = {"cvt_fma": "cvt_f32_f16", "shift_fma": "none"}
+    # fp16: a convert per staged value; bf16: a shift, no instruction of its own to find; the
+    # preprocess pass: one product per value read, which the compiler may lower to a mixed FMA.
+    signatures = {"cvt_fma": "cvt_f32_f16", "shift_fma": "none", "fp32": "none"}
     dtypes = runtime.DTYPES
+    layouts = runtime.LAYOUTS  # the passes: pre and dq; the plain kernels are the dK/dV pass
     backward = True  # swept by tests/kernels/test_backward.py, not by the forward's oracle sweep
     oracle_cases = {}  # the gradient cases live in tests/kernels/test_backward.py
     tile_constraints = False  # one kernel per head_dim and dtype serves every call
@@ -55,28 +59,28 @@ class Backward(HeadDimAxis, Family):
     def tier(self, target: Target) -> str | None:
         return "cvt_fma"
 
-    def _spec(self, head_dim: int, tile: Tile, wave_size: int, dtype: str | None) -> KernelSpec:
+    def _spec(self, head_dim: int, tile: Tile, wave_size: int, layout: str | None, dtype: str | None) -> KernelSpec:
         return KernelSpec(family=self.name, head_dim=head_dim, gqa_group=1,
                           tile=Tile(br=tile.br, bc=tile.bc, threads=tile.threads, tm=1, waves=tile.waves),
-                          wave_size=wave_size, tier="shift_fma" if dtype == "bf16" else "cvt_fma", stage="f32",
-                          options=self.options({"dtype": dtype}))
+                          wave_size=wave_size, tier=TIERS[layout == "pre", dtype], stage="f32",
+                          options=self.options({"layout": layout, "dtype": dtype}))
 
     def spec(self, target: Target, point: dict, tile: Tile) -> KernelSpec:
-        return self._spec(point["head_dim"], tile, target.wave_size, point.get("dtype"))
+        return self._spec(point["head_dim"], tile, target.wave_size, point.get("layout"), point.get("dtype"))
 
     def from_name(self, name: str) -> KernelSpec | None:
         v = self.schema.parse(name)
         if v is None:
             return None
         tile = Tile(br=v["tile.br"], bc=v["tile.bc"], threads=v["tile.threads"], tm=1, waves=v.get("tile.waves", 0))
-        return self._spec(v["head_dim"], tile, v["wave_size"], v.get("options.dtype"))
+        return self._spec(v["head_dim"], tile, v["wave_size"], v.get("options.layout"), v.get("options.dtype"))
 
     def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
-        return runtime.lds_layout(spec.head_dim, spec.tile.br, spec.tile.bc)
+        return runtime.lds_layout(spec.head_dim, spec.tile.br, spec.tile.bc, spec.tile.threads, spec.option("layout"))
 
     def context(self, spec: KernelSpec) -> dict:
         return {"pairs": PAIRS[spec.option("dtype")], "lds_bytes": self.lds_bytes(spec),
-                "bf16": spec.option("dtype") == "bf16"}
+                "bf16": spec.option("dtype") == "bf16", "pass_": runtime.PASSES[spec.option("layout")]}
 
 
 FAMILY = Backward()

@@ -1,7 +1,8 @@
 // FlashAttention-2 backward pass (the bwd family): dQ, dK and dV from Q, K, V, the output O, its
 // gradient dO and the forward's log-sum-exp, recomputing the probabilities P = exp(S - LSE) tile by
-// tile instead of storing them. Three passes of one kernel, chosen by the pass_ argument
-// (rdnattention/families/bwd.py says which grid each runs on):
+// tile instead of storing them. Three passes, each a kernel of its own (PASS: the family's layout
+// option pre, none, dq; rdnattention/families/bwd.py says which grid each runs on), so that each
+// holds only its own arguments (one kernel of all three spilled SGPRs on RDNA2):
 //   preprocess  delta[row] = sum over columns of dO * O (fp32), less the LSE's gradient where it has one
 //   dkdv        per (key block, K/V head): dV = sum P^T dO, dK = scale * sum dS^T Q over every query
 //               row of every query head of the GQA group that sees the block's keys
@@ -16,6 +17,7 @@
 //   ks, vs   [BC][D + 4]   the K and V rows of a key block
 //   ps, dss  [BR][BC]      P and dS of the tile
 //   lse2, dl [BR]          each row's LSE (log2 domain) and delta
+// (the preprocess pass: NT partial sums).
 // A score (r, c) is one lane's dot products over D (16-byte reads; the rows' padding keeps the
 // lanes of a wave reading consecutive rows off each other's banks); an accumulated gradient row is
 // shared by TPK = NT / BC (dK, dV) or TPR = NT / BR (dQ) lanes, each owning column pairs
@@ -113,15 +115,14 @@ RDNA_DEVICE void fa2_bwd_scores(const Args& a, const Mask& mask, const float* qs
 }
 
 // D: the head_dim; P: the pair policy of the input dtype; BF16: bf16 rows.
-template <class P, int D, int BR, int BC, int NT, int LDS_BYTES, bool BF16>
+template <class P, int D, int BR, int BC, int NT, int LDS_BYTES, bool BF16, int PASS>
 RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
   constexpr int RS = D + 4;  // fp32 per staged row
   constexpr int TPK = NT / BC, TPR = NT / BR;
   constexpr int NK = D / (2 * TPK), NQ = D / (2 * TPR);  // column pairs per lane (dK and dV; dQ)
   static_assert(D % 8 == 0 && NT % BC == 0 && NT % BR == 0 && D % (2 * TPK) == 0 && D % (2 * TPR) == 0,
                 "thread grid");
-  static_assert(NT <= BR * RS, "the preprocess pass's partial sums fit the Q tile");
-  static_assert(LDS_BYTES == ((2 * BR + 2 * BC) * RS + 2 * BR * BC + 2 * BR) * 4, "LDS layout");
+  static_assert(LDS_BYTES == (PASS == 0 ? NT * 4 : ((2 * BR + 2 * BC) * RS + 2 * BR * BC + 2 * BR) * 4), "LDS layout");
   float* const qs = reinterpret_cast<float*>(lds);
   float* const dos = qs + BR * RS;
   float* const ks = dos + BR * RS;
@@ -136,7 +137,7 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
   const WindowMask<Fa2BwdArgs> mask{a};
   const float log2e = 1.4426950408889634f;
 
-  if (a.pass_ == 0) {  // delta = rowsum(dO * O) - dLSE, a row per TPR lanes, partial sums met in LDS
+  if constexpr (PASS == 0) {  // delta = rowsum(dO * O) - dLSE, a row per TPR lanes, partial sums met in LDS (qs)
     const int h = rdna_block_id_y(), q0 = rdna_block_id_x() * BR, r = tid / TPR, j = tid % TPR;
     const int pos = q0 + r;
     float sum = 0.f;
@@ -163,7 +164,7 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
     return;
   }
 
-  if (a.pass_ == 1) {  // dK, dV of one key block
+  if constexpr (PASS == 1) {  // dK, dV of one key block
     const int hkv = rdna_block_id_y(), k0 = rdna_block_id_x() * BC, c = tid / TPK, j = tid % TPK;
     const int group = a.heads_q / a.heads_kv;
     fa2_bwd_stage<P, D, BC, RS, NT>(ks, a.k + b * a.k_stride_b + hkv * a.k_stride_h, a.k_stride_s, k0, a.seq_k);
@@ -205,7 +206,7 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
     return;
   }
 
-  // dQ of one row block
+  // dQ of one row block (PASS 2)
   const int h = rdna_block_id_y(), q0 = rdna_block_id_x() * BR, r = tid / TPR, j = tid % TPR;
   const int hkv = h / (a.heads_q / a.heads_kv);
   fa2_bwd_stage<P, D, BR, RS, NT>(qs, a.q + b * a.q_stride_b + h * a.q_stride_h, a.q_stride_s, q0, a.seq_q);
