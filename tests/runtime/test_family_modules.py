@@ -52,6 +52,10 @@ def test_no_family_module_calls_another_familys_planner():
     assert not calls, calls
 
 
+# What follows the layout in a kernel name, by family (the row-block families' by default).
+NAME_REST = {"bwd": "_hd64_br16_bc16_nt128_w32_cvt_fma"}
+
+
 def test_layout_options_are_spelled_by_the_names():
     for name, module in FAMILIES.items():
         layouts = getattr(module, "LAYOUTS", {})
@@ -59,8 +63,9 @@ def test_layout_options_are_spelled_by_the_names():
         if not layouts:
             assert "options.layout" not in fields, name
             continue
+        rest = NAME_REST.get(name, "_hd64_g1_br4_bc16_nt128_tm4_w32_dot2_sf16")
         for layout in layouts:
-            kernel = f"{module.NAMES.prefix}{layout}_hd64_g1_br4_bc16_nt128_tm4_w32_dot2_sf16"
+            kernel = f"{module.NAMES.prefix}{layout}{rest}"
             assert module.NAMES.parse(kernel)["options.layout"] == layout, kernel
-        plain = module.NAMES.parse(f"{module.NAMES.prefix}_hd64_g1_br4_bc16_nt128_tm4_w32_dot2_sf16")
+        plain = module.NAMES.parse(f"{module.NAMES.prefix}{rest}")
         assert plain is not None and "options.layout" not in plain
