@@ -45,6 +45,7 @@ CASES = {
     "window_two_sided": (1, 2, 2, 40, 40, {"window_size": (9, 4)}),
     "few_keys": (1, 2, 1, 40, 19, {"is_causal": True}),            # rows that see no key
     "softcap_window": (1, 4, 2, 33, 33, {"is_causal": True, "window_size": (12, -1), "softcap": 2.0}),
+    "few_rows": (2, 2, 2, 5, 70, {"is_causal": True}),               # a forward of the split-KV kernels
 }
 
 
@@ -210,6 +211,16 @@ def test_options_the_backward_does_not_take_are_refused(host_build, i):
     assert q.grad is None and all(torch.equal(a, b) for a, b in zip((q, k, v), before))
     with torch.no_grad():  # forward only: served
         flash_attn(q, k, v, **options)
+
+
+def test_entries_without_a_backward_are_refused(host_build):
+    """Planning (a plan's run records nothing for autograd) and int8 (quantized inputs)."""
+    q, k, v, _ = _inputs(1, 2, 2, 20, 20, 64, torch.float16, 65)
+    q.requires_grad_()
+    with pytest.raises(UnsupportedError, match="a plan runs the forward only"):
+        rdnattention.plan_flash_attn(q, k, v)
+    with pytest.raises(UnsupportedError, match="int8 attention has no backward pass"):
+        rdnattention.flash_attn_int8qk_quantized(q, k, v)
 
 
 def test_a_head_dim_without_backward_kernels_is_refused(host_build):

@@ -210,7 +210,8 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
   const int h = rdna_block_id_y(), q0 = rdna_block_id_x() * BR, r = tid / TPR, j = tid % TPR;
   const int hkv = h / (a.heads_q / a.heads_kv);
   fa2_bwd_stage<P, D, BR, RS, NT>(qs, a.q + b * a.q_stride_b + h * a.q_stride_h, a.q_stride_s, q0, a.seq_q);
-  fa2_bwd_stage<P, D, BR, RS, NT>(dos, a.dout + b * a.dout_stride_b + h * a.dout_stride_h, a.dout_stride_s, q0, a.seq_q);
+  fa2_bwd_stage<P, D, BR, RS, NT>(dos, a.dout + b * a.dout_stride_b + h * a.dout_stride_h, a.dout_stride_s, q0,
+                                  a.seq_q);
   if (tid < BR) {
     const int pos = q0 + tid;
     const bool in = pos < a.seq_q;
