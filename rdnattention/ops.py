@@ -201,9 +201,11 @@ def _readable(t: torch.Tensor) -> torch.Tensor:
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, dlse: torch.Tensor | None, window_left: int, window_right: int,
-             softmax_scale: float, softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             softmax_scale: float, softcap: float,
+             kernels: tuple = (None, None, None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (each laid out as its input) of a forward call's output ``out`` and log-sum-exp
-    ``lse`` against their gradients ``dout`` and ``dlse`` (None: none)."""
+    ``lse`` against their gradients ``dout`` and ``dlse`` (None: none); ``kernels`` forces each
+    pass's kernel by name (bwd.plan)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0:  # no rows or no keys: nothing depends on anything
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -217,7 +219,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     table = route.device_table(q.device)
     p = bwd.plan(table, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, delta=delta, dq=dq, dk=dk, dv=dv,
                  window=(window_left, window_right), softmax_scale=softmax_scale, softcap=softcap,
-                 dtype=DTYPE_OPTIONS.get(str(q.dtype)))
+                 dtype=DTYPE_OPTIONS.get(str(q.dtype)), kernels=kernels)
     p.run()
     return dq, dk, dv
 

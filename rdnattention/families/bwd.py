@@ -110,13 +110,16 @@ def served(table: TargetTable, head_dim: int, dtype: str | None) -> bool:
 
 
 def plan(table: TargetTable, *, dout, q, k, v, out, lse, dlse, delta, dq, dk, dv, window: tuple[int, int],
-         softmax_scale: float, softcap: float, dtype: str | None) -> Plan:
+         softmax_scale: float, softcap: float, dtype: str | None,
+         kernels: tuple[str | None, str | None, str | None] = (None, None, None)) -> Plan:
     """The three launches of a backward call: tensors [batch, heads, seq, head_dim] (lse, dlse and
-    the scratch delta [batch, heads_q, seq_q], dlse None where the LSE got no gradient)."""
+    the scratch delta [batch, heads_q, seq_q], dlse None where the LSE got no gradient). ``kernels``
+    forces each pass's entry by name (pre, dK/dV, dq; None: the table's choice), alternates included."""
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
     pre, dkdv, dq_pass = (table.select(NAME, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=seq_q,
-                                       layout=layout, dtype=dtype) for layout in PASSES)
+                                       layout=layout, dtype=dtype, kernel=kernel)
+                          for layout, kernel in zip(PASSES, kernels))
     for name, value in (("batch", batch), ("heads_q", heads_q), ("seq_q", seq_q), ("seq_k", seq_k)):
         if value > _INT32_MAX:
             raise InvalidArgumentError(f"{name} = {value} does not fit the kernel's 32-bit field")

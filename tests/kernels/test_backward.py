@@ -8,13 +8,15 @@ same on an NVIDIA GPU against the oracle and against torch's math backward."""
 import pytest
 import torch
 import torch.nn.functional as F
-from cases import HOST_TARGETS, LSE_TOL, BF16_LSE_TOL
+from cases import BF16_LSE_TOL, HOST_TARGETS, LSE_TOL, mirrored_kernels
 
 import rdnattention
 from rdnattention import attention_gradients, flash_attn, flash_attn_func, flash_attn_qkvpacked_func, rotary_tables
+from rdnattention import ops
 from rdnattention.errors import UnsupportedError
 from rdnattention.families import bwd
 from rdnattention.reference import _attention64
+from rdnattention_gen.families import spec_from_name
 from rdnattention_gen.matrix import load_matrix
 
 # Each gradient against the oracle's, relative to the oracle's largest element of it. A gradient is
@@ -28,10 +30,11 @@ DTYPE_NAMES = {None: torch.float16, "bf16": torch.bfloat16}
 
 
 def _built():
-    """(host target, head_dim, dtype) of every backward kernel set the host targets build."""
+    """(host target, head_dim, dtype) of every backward kernel set the host targets build (their
+    own tiles; the alternates: test_alternate_tiles_match_oracle)."""
     m = load_matrix()
     return sorted({(t, v.spec.head_dim, v.spec.option("dtype") or "fp16") for t in HOST_TARGETS
-                   for v in m.variants_for(m.target(t)) if v.spec.family == bwd.NAME})
+                   for v in m.variants_for(m.target(t)) if v.spec.family == bwd.NAME and v.priority >= 0})
 
 
 BUILT = _built()
@@ -97,6 +100,34 @@ def test_gradients_match_oracle(host_build, monkeypatch, ran, target, head_dim, 
     # The three passes of this head_dim and dtype ran.
     assert len(ran) == 1 and [n.split("_")[1] for n in ran[0]] == ["bwdpre", "bwd", "bwddq"]
     assert all(f"_hd{head_dim}_" in n and (("_bf16_" in n) == (dtype == "bf16")) for n in ran[0])
+
+
+def _alternates():
+    """(host target, head_dim, dtype, (pre, dK/dV, dQ kernel names)) of the backward tiles the host
+    targets build as alternates (mirrors of the GPU targets' tables), run only by name."""
+    groups = {}
+    for target, name in mirrored_kernels((bwd.NAME,)):
+        spec = spec_from_name(name)
+        key = (target, spec.head_dim, spec.option("dtype") or "fp16", spec.tile)
+        groups.setdefault(key, {})[spec.option("layout")] = name
+    return [(t, hd, dt, (g["pre"], g[None], g["dq"])) for (t, hd, dt, _), g in sorted(groups.items())]
+
+
+ALTERNATES = _alternates()
+
+
+@pytest.mark.parametrize("target,head_dim,dtype,kernels", ALTERNATES, ids=[a[3][1] for a in ALTERNATES])
+def test_alternate_tiles_match_oracle(host_build, monkeypatch, target, head_dim, dtype, kernels):
+    """Each mirrored tile, forced by name, on a causal GQA call and a softcapped window."""
+    monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
+    for case in ("causal_gqa", "softcap_window"):
+        b, hq, hk, sq, sk, options = CASES[case]
+        q, k, v, dout = _inputs(b, hq, hk, sq, sk, head_dim, TORCH[dtype], head_dim)
+        out, lse = flash_attn(q, k, v, return_lse=True, **options)
+        window = (options.get("window_size", (-1, -1))[0], 0 if options.get("is_causal") else -1)
+        grads = ops.backward(dout, q, k, v, out, lse, None, *window, head_dim ** -0.5, options.get("softcap", 0.0),
+                             kernels=kernels)
+        _check(grads, attention_gradients(q, k, v, dout, **options), TORCH[dtype])
 
 
 def test_gradient_of_the_log_sum_exp(host_build):
