@@ -34,6 +34,7 @@ __all__ = [
     "stats",
     "plan_flash_attn",
     "attention_reference",
+    "attention_gradients",
     "rotary_tables",
     "set_host_shuffle",
     "RdnaAttentionError",
@@ -64,7 +65,7 @@ def _load_api() -> None:
     from .kvcache import flash_attn_with_kvcache
     from .varlen import (flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
                          varlen_attn)
-    from .reference import attention_reference
+    from .reference import attention_gradients, attention_reference
 
     globals().update({name: value for name, value in locals().items() if name in __all__})
 

@@ -97,6 +97,9 @@ def plan_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cau
     first under causal-like masks); ``kernel`` forces a dispatch entry by name."""
     q, k, v = (check_fp16(n, t, NATIVE) for n, t in (("q", q), ("k", k), ("v", v)))
     padding.refuse(q.shape[3])
+    if ops.grad_needed(q, k, v):  # a plan's run records nothing for autograd
+        raise UnsupportedError("q, k or v requires grad, and a plan runs the forward only: call flash_attn, or plan "
+                               "under torch.no_grad() or with detached tensors")
     o = validate(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
                  rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
                  return_lse=return_lse, seqused_k=seqused_k, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)

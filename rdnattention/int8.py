@@ -18,7 +18,7 @@ import torch
 
 from . import checks, replay, route
 from .checks import NATIVE, check_fp16
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, UnsupportedError
 from .options import NO_SCORE_OPTIONS, Options, check_rotary, validate
 from .plan import Plan
 from .reference import rotate
@@ -210,6 +210,9 @@ def flash_attn_int8qk_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         check_fp16(name, t, NATIVE)
         if t.dtype != torch.float16:  # the INT8 family's output is fp16: its fp16 entry takes fp16 only
             raise InvalidArgumentError(f"{name} must be float16, got {t.dtype}")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise UnsupportedError("q, k or v requires grad, and int8 attention has no backward pass (quantized "
+                               "inputs): run it under torch.no_grad() or torch.inference_mode(), or use flash_attn")
     if check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k.shape[2]):
         seq_q, seq_k = q.shape[2], k.shape[2]
         positions_q = torch.arange(seq_q, device=q.device) + (seq_k - seq_q)

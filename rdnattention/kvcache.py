@@ -208,11 +208,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                  rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_softmax_lse,
                  seqused_k=lengths, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     if torch.is_grad_enabled():
-        for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("rotary_cos", rotary_cos),
-                        ("rotary_sin", rotary_sin)):
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                        ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
             if t is not None and t.requires_grad:
-                raise UnsupportedError(f"rdnattention is forward-only and {name} requires grad: run it under "
-                                       "torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+                raise UnsupportedError(f"flash_attn_with_kvcache has no backward pass and {name} requires grad: run it "
+                                       "under torch.no_grad() or torch.inference_mode(), or pass detached tensors")
 
     local = causal or tuple(window_size) != (-1, -1)
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, cache_batch_idx, block_table,

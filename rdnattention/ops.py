@@ -17,7 +17,9 @@ from typing import Optional
 import torch
 
 from . import checks, options, replay, route
-from .errors import InvalidArgumentError
+from .call import DTYPE_OPTIONS
+from .errors import InvalidArgumentError, UnsupportedError
+from .families import bwd
 from .options import Options
 from .plan import Plan
 
@@ -124,14 +126,24 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
     return out, lse
 
 
+def grad_needed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether autograd records a call on q, k and v: grad mode is on and one of them requires grad."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token_major: bool,
             key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs a validated call: directly in eager mode, through the custom op where torch traces.
-    With ``key`` (ops.key of the same call), the plan is kept for later calls of that key."""
-    if (torch.compiler.is_compiling() or torch.jit.is_tracing()
+    """Runs a validated call: directly in eager mode, through the custom op where torch traces or
+    autograd records it (the op then returns the log-sum-exp, which its backward reads, whether or
+    not the call asked for it). With ``key`` (ops.key of the same call), the plan is kept for later
+    calls of that key."""
+    grad = grad_needed(q, k, v)
+    if grad and not torch.compiler.is_compiling():
+        check_backward_built(q)
+    if (grad or torch.compiler.is_compiling() or torch.jit.is_tracing()
             or not (type(q) is type(k) is type(v) is torch.Tensor)):
         return flash_attn_fwd(q, k, v, o.rotary_cos, o.rotary_sin, o.window_left, o.window_right, o.softmax_scale,
-                              o.rotary_interleaved, o.return_lse, token_major, o.seqused_k, o.score.softcap,
+                              o.rotary_interleaved, o.return_lse or grad, token_major, o.seqused_k, o.score.softcap,
                               o.score.alibi_slopes, o.score.sinks)
     p = plan(q, k, v, o, token_major)
     replay.run(p, key, (q, k, v, o.rotary_cos, o.rotary_sin, o.seqused_k, *o.score.tensors), ROLES)
@@ -159,3 +171,93 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary_cos
 def _(q, k, v, rotary_cos, rotary_sin, window_left, window_right, softmax_scale, rotary_interleaved, return_lse,
       token_major, seqused_k=None, softcap=0.0, alibi_slopes=None, sinks=None):
     return allocate(q, token_major, return_lse)
+
+
+# --- the backward pass ----------------------------------------------------------------------------
+# flash_attn_fwd's gradients: rdnattention::flash_attn_bwd (the bwd family's three passes,
+# families/bwd.py) from the saved q, k, v, output and log-sum-exp. Calls whose options the backward
+# kernels do not take are refused when autograd records them (options.validate), naming the option.
+
+def check_backward_built(q: torch.Tensor) -> None:
+    """UnsupportedError where q's device has no backward kernel for its head_dim and dtype."""
+    table = route.device_table(q.device)
+    dtype = DTYPE_OPTIONS.get(str(q.dtype))
+    if not bwd.served(table, q.shape[3], dtype):
+        what = f"{'bf16' if dtype else 'fp16'} head_dim {q.shape[3]}"
+        raise UnsupportedError(f"q, k or v requires grad, and {table.target} has no backward kernel for {what} "
+                               f"(built head_dims: {table.head_dims(bwd.NAME, None, dtype)}); run the call under "
+                               "torch.no_grad(), or pass detached tensors")
+
+
+def _readable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where the kernels can read its rows (last dimension contiguous, rows on 16 bytes), else a
+    contiguous copy (an output's gradient may be expanded, with zero strides)."""
+    per16 = 16 // t.element_size()
+    stride = t.stride()
+    if (stride[3] != 1 and t.shape[3] > 1) or any(s % per16 for s in stride[:3]) or t.data_ptr() % 16:
+        return t.contiguous()
+    return t
+
+
+def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, dlse: torch.Tensor | None, window_left: int, window_right: int,
+             softmax_scale: float, softcap: float,
+             kernels: tuple = (None, None, None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (each laid out as its input) of a forward call's output ``out`` and log-sum-exp
+    ``lse`` against their gradients ``dout`` and ``dlse`` (None: none); ``kernels`` forces each
+    pass's kernel by name (bwd.plan)."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.numel() == 0 or k.numel() == 0:  # no rows or no keys: nothing depends on anything
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    if dout.dtype != q.dtype or tuple(dout.shape) != tuple(q.shape):
+        raise InvalidArgumentError(f"the output's gradient must be {q.dtype} {tuple(q.shape)}, got {dout.dtype} "
+                                   f"{tuple(dout.shape)}")
+    dout = _readable(dout)
+    if dlse is not None:  # read by rows as lse (an expanded gradient has zero strides)
+        dlse = dlse.float().contiguous()
+    delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    table = route.device_table(q.device)
+    p = bwd.plan(table, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, delta=delta, dq=dq, dk=dk, dv=dv,
+                 window=(window_left, window_right), softmax_scale=softmax_scale, softcap=softcap,
+                 dtype=DTYPE_OPTIONS.get(str(q.dtype)), kernels=kernels)
+    p.run()
+    return dq, dk, dv
+
+
+@torch.library.custom_op("rdnattention::flash_attn_bwd", mutates_args=())
+def flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, dlse: Optional[torch.Tensor], window_left: int, window_right: int,
+                   softmax_scale: float, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap)
+
+
+@flash_attn_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap=0.0):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    (q, k, v, rotary_cos, _, window_left, window_right, softmax_scale, _, return_lse, _, seqused_k, softcap,
+     alibi_slopes, sinks) = inputs
+    out, lse = output
+    # What the backward kernels do not take (options.validate refuses these calls up front; the op
+    # called directly is refused here, when its gradient is asked for).
+    unserved = [name for name, present in (("rotary_cos", rotary_cos is not None), ("seqused_k", seqused_k is not None),
+                                           ("alibi_slopes", alibi_slopes is not None), ("sinks", sinks is not None),
+                                           ("return_lse=False", not return_lse)) if present]
+    ctx.unserved = unserved
+    ctx.options = (window_left, window_right, softmax_scale, softcap)
+    ctx.save_for_backward(q, k, v, out, lse)
+
+
+def _backward(ctx, dout, dlse):
+    if ctx.unserved:
+        raise UnsupportedError(f"rdnattention::flash_attn_fwd has no backward with {', '.join(ctx.unserved)}: the "
+                               "backward kernels recompute the probabilities from the log-sum-exp, without RoPE, "
+                               "cache lengths, ALiBi or sinks")
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.options)
+    return (dq, dk, dv) + (None,) * 12
+
+
+flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -200,8 +200,13 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: ob
         raise InvalidArgumentError(f"return_lse must be a bool, got {return_lse!r}")
     rope = check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, seq_k)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise UnsupportedError("rdnattention is forward-only and q, k or v requires grad: run it under "
-                               "torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+        # The backward kernels (ops.flash_attn_bwd) take the mask, the scale, GQA and the softcap.
+        for name, given in (("rotary_cos", rope), ("seqused_k", seqused_k is not None),
+                            ("alibi_slopes", alibi_slopes is not None), ("sinks", sinks is not None)):
+            if given:
+                raise UnsupportedError(f"q, k or v requires grad, and the backward pass does not take {name}: run "
+                                       "the call under torch.no_grad() or torch.inference_mode(), or pass detached "
+                                       "tensors")
     return Options(window_left=left, window_right=right, softmax_scale=softmax_scale,
                    rotary_cos=rotary_cos if rope else None, rotary_sin=rotary_sin if rope else None,
                    rotary_interleaved=bool(rotary_interleaved) if rope else False, return_lse=return_lse,

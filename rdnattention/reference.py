@@ -59,6 +59,36 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is
         out, lse = torch.cat([o for o, _ in outs]), torch.cat([x for _, x in outs])
         return (out, lse) if return_lse else out
     q64, k64, v64 = (t.detach().to("cpu", torch.float64) for t in (q, k, v))
+    return _attention64(q64, k64, v64, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
+                        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                        return_lse=return_lse, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+def attention_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
+                        dlse: torch.Tensor | None = None, **options) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]:
+    """The float64 gradients (dq, dk, dv) of attention_reference's output (with ``options``, its
+    keywords but return_lse and seqused_k) against the output's gradient ``dout`` (and ``dlse``, the
+    log-sum-exp's, where given), on the CPU: differentiated through the float64 computation, so K
+    and V heads shared by a GQA group get the sum of the group's gradients."""
+    if options.get("seqused_k") is not None or "return_lse" in options:
+        raise ValueError("attention_gradients takes neither seqused_k nor return_lse")
+    q64, k64, v64 = (t.detach().to("cpu", torch.float64).requires_grad_() for t in (q, k, v))
+    with torch.enable_grad():
+        out, lse = _attention64(q64, k64, v64, return_lse=True, **options)
+        loss = (out * dout.detach().to("cpu", torch.float64)).sum()
+        if dlse is not None:
+            seen = torch.isfinite(lse)  # a row that sees nothing has no gradient
+            loss = loss + torch.where(seen, lse, 0.0).mul(dlse.detach().to("cpu", torch.float64)).sum()
+        return torch.autograd.grad(loss, (q64, k64, v64))
+
+
+def _attention64(q64: torch.Tensor, k64: torch.Tensor, v64: torch.Tensor, *, is_causal: bool = False,
+                 window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
+                 rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
+                 rotary_interleaved: bool = False, return_lse: bool = False, softcap: float = 0.0,
+                 alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
+    """attention_reference on float64 CPU tensors, differentiable in them."""
     batch, heads_q, seq_q, head_dim = q64.shape
     heads_kv, seq_k = k64.shape[1], k64.shape[2]
     if seq_k == 0:  # no key at all: every row is zero, its log-sum-exp -inf (or the sink's)

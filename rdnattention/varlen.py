@@ -129,8 +129,8 @@ def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_siz
     scale = check_scale(scale, head_dim, n("scale"))
     score = check_score_options(softcap, alibi_slopes, sinks, batch=batch, heads_q=heads_q, device=device)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise UnsupportedError("rdnattention is forward-only and an input requires grad: run it under "
-                               "torch.no_grad() or torch.inference_mode()")
+        raise UnsupportedError("packed sequences have no backward pass here and an input requires grad: run it "
+                               "under torch.no_grad() or torch.inference_mode()")
     # The index values (offsets, pages, key counts) are checked where the call is planned
     # (decode.check_values), in eager mode and in the custom op alike.
     return decode.forward(q, k, v, window=(left, right), softmax_scale=scale, return_lse=return_lse,

@@ -58,7 +58,7 @@ def sweep() -> list[tuple[str, str, int, str, str]]:
     declares and every dtype it is built for (fp16, and bf16 where variants.yaml lists it), at the
     head_dims of the case's layout and score option in that dtype."""
     m = load_matrix()
-    return [(t, name, hd, case, dtype) for dtype in DTYPES for t in HOST_TARGETS for name in m.kernels
+    return [(t, name, hd, case, dtype) for dtype in DTYPES for t in HOST_TARGETS for name in forward_families(m)
             for case, c in family(name).oracle_cases.items() for hd in _head_dims(t, name, c.layout, dtype, c.score)]
 
 
@@ -69,6 +69,12 @@ def _head_dims(target: str, name: str, layout: str | None, dtype: str, score: st
     built = host_head_dims(target, name, layout, dtype, score)
     launched = getattr(family(name), "launch_head_dims", None)
     return list(launched) if launched and built else built
+
+
+def forward_families(m) -> list[str]:
+    """The families of matrix ``m`` the forward's sweep runs: all but the backward pass's
+    (tests/kernels/test_backward.py sweeps its gradients)."""
+    return [name for name in m.kernels if not getattr(family(name), "backward", False)]
 
 
 def sweep_id(p) -> str:

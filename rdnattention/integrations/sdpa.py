@@ -378,7 +378,7 @@ def _decide(config: _Config, query, key, value, attn_mask, dropout_p, is_causal,
     if any(t.device != device for t in tensors) or any(t.layout != torch.strided for t in tensors):
         return "arguments", "tensors on different devices, or not strided"
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return "requires grad", "inputs that require grad: the kernels are forward only"
+        return "requires grad", "inputs that require grad: the patch serves forward calls only"
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or dropout_p != 0:
         return "dropout", f"dropout_p={dropout_p!r}: the kernels have no dropout"
     if (not isinstance(is_causal, bool) or not isinstance(enable_gqa, bool)

@@ -98,7 +98,7 @@ def _unsupported(module, query, key, value, dropout: float, kwargs: dict) -> str
     if dropout and module.training:
         return f"dropout {dropout} while training: the kernels are inference only"
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return "inputs that require grad: the kernels are forward only"
+        return "inputs that require grad: this integration serves forward calls only"
     if kwargs.get("position_bias") is not None:
         return "position_bias is not supported"
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")

@@ -1,5 +1,5 @@
 """PyTorch integration on the host platform: the custom op (opcheck, torch.compile without graph
-breaks), autograd refusal, flash-attn's token-major entry point, torch's SDPA semantics, fp16 RoPE
+breaks), autograd refusal where the backward does not serve, flash-attn's token-major entry point, torch's SDPA semantics, fp16 RoPE
 tables and the layout warning."""
 
 import warnings
@@ -52,15 +52,17 @@ def test_compile_fullgraph_has_no_graph_break(host_build):
     assert explain.graph_break_count == 0 and explain.graph_count == 1
 
 
-def test_inputs_that_require_grad_are_refused(host_build):
+def test_inputs_that_require_grad_are_refused_where_the_backward_does_not_serve(host_build):
+    """RoPE in the kernel has no backward (tests/kernels/test_backward.py has the rest)."""
     q, k, v = _qkv()
+    cos, sin = rotary_tables(50, 32)
     q.requires_grad_(True)
-    with pytest.raises(UnsupportedError, match="forward-only and q, k or v requires grad"):
-        flash_attn(q, k, v)
+    with pytest.raises(UnsupportedError, match="requires grad, and the backward pass does not take rotary_cos"):
+        flash_attn(q, k, v, rotary_cos=cos, rotary_sin=sin)
     with torch.no_grad():
-        out = flash_attn(q, k, v)
+        out = flash_attn(q, k, v, rotary_cos=cos, rotary_sin=sin)
     with torch.inference_mode():
-        assert torch.equal(flash_attn(q, k, v), out)
+        assert torch.equal(flash_attn(q, k, v, rotary_cos=cos, rotary_sin=sin), out)
 
 
 def test_flash_attn_func_is_token_major(host_build):

@@ -1,0 +1,337 @@
+"""The backward pass (the bwd family, autograd through rdnattention::flash_attn_fwd): every backward
+kernel the host targets build, fp16 and bf16, against the float64 oracle's gradients
+(attention_gradients) on causal, windowed, GQA, cross-length and softcapped calls; a
+finite-difference check of the same gradients; determinism; the calls whose options the backward
+does not take, refused before anything runs; torch.compile and opcheck; and, marked gpu, the
+same on an NVIDIA GPU against the oracle and against torch's math backward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cases import BF16_LSE_TOL, HOST_TARGETS, LSE_TOL, mirrored_kernels
+
+import rdnattention
+from rdnattention import attention_gradients, flash_attn, flash_attn_func, flash_attn_qkvpacked_func, rotary_tables
+from rdnattention import ops
+from rdnattention.errors import UnsupportedError
+from rdnattention.families import bwd
+from rdnattention.reference import _attention64
+from rdnattention_gen.families import spec_from_name
+from rdnattention_gen.matrix import load_matrix
+
+# Each gradient against the oracle's, relative to the oracle's largest element of it. A gradient is
+# sums of products of the forward's quantities with dO: the probabilities, recomputed from the
+# saved LSE, carry its error (LSE_TOL, the forward's bound: e^x - 1 ~ x); O, in delta = rowsum(dO
+# O), and the stored gradient are each rounded to the dtype (unit roundoff u). Products and sums are
+# fp32: nothing beside those.
+UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+GRAD_TOL = {torch.float16: LSE_TOL + 2 * UNIT[torch.float16], torch.bfloat16: BF16_LSE_TOL + 2 * UNIT[torch.bfloat16]}
+DTYPE_NAMES = {None: torch.float16, "bf16": torch.bfloat16}
+
+
+def _built():
+    """(host target, head_dim, dtype) of every backward kernel set the host targets build (their
+    own tiles; the alternates: test_alternate_tiles_match_oracle)."""
+    m = load_matrix()
+    return sorted({(t, v.spec.head_dim, v.spec.option("dtype") or "fp16") for t in HOST_TARGETS
+                   for v in m.variants_for(m.target(t)) if v.spec.family == bwd.NAME and v.priority >= 0})
+
+
+BUILT = _built()
+TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+# (batch, heads_q, heads_kv, seq_q, seq_k, options): each cuts row and key blocks partway.
+CASES = {
+    "plain": (2, 2, 2, 37, 37, {}),
+    "causal_gqa": (1, 4, 2, 45, 45, {"is_causal": True}),
+    "mqa_cross": (1, 3, 1, 21, 50, {"is_causal": True}),          # more keys than queries, end-aligned
+    "window_two_sided": (1, 2, 2, 40, 40, {"window_size": (9, 4)}),
+    "few_keys": (1, 2, 1, 40, 19, {"is_causal": True}),            # rows that see no key
+    "softcap_window": (1, 4, 2, 33, 33, {"is_causal": True, "window_size": (12, -1), "softcap": 2.0}),
+    "few_rows": (2, 2, 2, 5, 70, {"is_causal": True}),               # a forward of the split-KV kernels
+}
+
+
+def _inputs(b, hq, hk, sq, sk, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, hq, sq, d, generator=g).to(dtype), torch.randn(b, hk, sk, d, generator=g).to(dtype),
+            torch.randn(b, hk, sk, d, generator=g).to(dtype), torch.randn(b, hq, sq, d, generator=g).to(dtype))
+
+
+def _grads(q, k, v, dout, **options):
+    """Our gradients of flash_attn's output against ``dout``."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    flash_attn(q, k, v, **options).backward(dout)
+    return q.grad, k.grad, v.grad
+
+
+def _check(grads, refs, dtype):
+    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+        assert g.dtype == dtype and g.shape == r.shape
+        assert torch.isfinite(g).all(), name
+        scale = r.abs().max().item()
+        err = (g.double().cpu() - r).abs().max().item()
+        assert err <= GRAD_TOL[dtype] * scale, f"{name}: max abs error {err:.2e}, {err / scale:.2e} of its largest"
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """The kernel names each backward call planned."""
+    names = []
+    plan = bwd.plan
+
+    def recording(table, **kw):
+        p = plan(table, **kw)
+        names.append([launch.kernel.name for launch in p.launches])
+        return p
+
+    monkeypatch.setattr(bwd, "plan", recording)
+    return names
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("target,head_dim,dtype", BUILT, ids=["-".join(map(str, p)) for p in BUILT])
+def test_gradients_match_oracle(host_build, monkeypatch, ran, target, head_dim, dtype, case):
+    monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
+    b, hq, hk, sq, sk, options = CASES[case]
+    q, k, v, dout = _inputs(b, hq, hk, sq, sk, head_dim, TORCH[dtype], head_dim + list(CASES).index(case))
+    grads = _grads(q, k, v, dout, **options)
+    _check(grads, attention_gradients(q, k, v, dout, **options), TORCH[dtype])
+    # The three passes of this head_dim and dtype ran.
+    assert len(ran) == 1 and [n.split("_")[1] for n in ran[0]] == ["bwdpre", "bwd", "bwddq"]
+    assert all(f"_hd{head_dim}_" in n and (("_bf16_" in n) == (dtype == "bf16")) for n in ran[0])
+
+
+def _alternates():
+    """(host target, head_dim, dtype, (pre, dK/dV, dQ kernel names)) of the backward tiles the host
+    targets build as alternates (mirrors of the GPU targets' tables), run only by name."""
+    groups = {}
+    for target, name in mirrored_kernels((bwd.NAME,)):
+        spec = spec_from_name(name)
+        key = (target, spec.head_dim, spec.option("dtype") or "fp16", spec.tile)
+        groups.setdefault(key, {})[spec.option("layout")] = name
+    return [(t, hd, dt, (g["pre"], g[None], g["dq"])) for (t, hd, dt, _), g in sorted(groups.items())]
+
+
+ALTERNATES = _alternates()
+
+
+@pytest.mark.parametrize("target,head_dim,dtype,kernels", ALTERNATES, ids=[a[3][1] for a in ALTERNATES])
+def test_alternate_tiles_match_oracle(host_build, monkeypatch, target, head_dim, dtype, kernels):
+    """Each mirrored tile, forced by name, on a causal GQA call and a softcapped window."""
+    monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
+    for case in ("causal_gqa", "softcap_window"):
+        b, hq, hk, sq, sk, options = CASES[case]
+        q, k, v, dout = _inputs(b, hq, hk, sq, sk, head_dim, TORCH[dtype], head_dim)
+        out, lse = flash_attn(q, k, v, return_lse=True, **options)
+        window = (options.get("window_size", (-1, -1))[0], 0 if options.get("is_causal") else -1)
+        grads = ops.backward(dout, q, k, v, out, lse, None, *window, head_dim ** -0.5, options.get("softcap", 0.0),
+                             kernels=kernels)
+        _check(grads, attention_gradients(q, k, v, dout, **options), TORCH[dtype])
+
+
+def test_gradient_of_the_log_sum_exp(host_build):
+    """A loss that uses the LSE too: its gradient joins delta (dS = P (dP - delta + dLSE)); then
+    plain sums of both, whose gradients autograd passes expanded."""
+    q, k, v, dout = _inputs(1, 4, 2, 30, 41, 64, torch.float16, 5)
+    dlse = torch.randn(1, 4, 30, generator=torch.Generator().manual_seed(6))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = flash_attn(qg, kg, vg, is_causal=True, return_lse=True)
+    torch.autograd.backward((out, lse), (dout, dlse))
+    _check((qg.grad, kg.grad, vg.grad), attention_gradients(q, k, v, dout, dlse=dlse, is_causal=True), torch.float16)
+    # Sums of both: gradients of ones, expanded (zero strides), read as the rows they stand for.
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = flash_attn(qg, kg, vg, is_causal=True, return_lse=True)
+    (out.float().sum() + lse.sum()).backward()
+    ones = torch.ones_like(dout), torch.ones_like(dlse)
+    _check((qg.grad, kg.grad, vg.grad), attention_gradients(q, k, v, ones[0], dlse=ones[1], is_causal=True),
+           torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_directional_derivatives_match_finite_differences(host_build, dtype):
+    """gradcheck's test, on our gradients: <grad, d> against the central difference of the float64
+    oracle's loss sum(out * dO) along a random direction d, per input, on a small shape."""
+    q, k, v, dout = _inputs(1, 4, 2, 19, 23, 64, dtype, 11)
+    options = {"is_causal": True, "window_size": (10, -1), "softcap": 3.0}
+    grads = _grads(q, k, v, dout, **options)
+    x64 = [t.double() for t in (q, k, v)]
+    g = torch.Generator().manual_seed(12)
+    eps = 1e-4
+    for i, grad in enumerate(grads):
+        d = torch.randn(x64[i].shape, generator=g, dtype=torch.float64)
+
+        def loss(step):
+            x = list(x64)
+            x[i] = x[i] + step * d
+            return (_attention64(*x, **options) * dout.double()).sum().item()
+        numeric = (loss(eps) - loss(-eps)) / (2 * eps)
+        analytic = (grad.double() * d).sum().item()
+        # Each element within GRAD_TOL of the largest gradient element (test_gradients_match_oracle).
+        ref = attention_gradients(q, k, v, dout, **options)[i]
+        assert abs(analytic - numeric) <= GRAD_TOL[dtype] * ref.abs().max().item() * d.abs().sum().item()
+
+
+def test_the_oracle_passes_gradcheck():
+    """The oracle's gradients (autograd through its float64 computation, masks and softcap included)
+    against torch.autograd.gradcheck's finite differences."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, s, 8, generator=g, dtype=torch.float64, requires_grad=True)
+               for h, s in ((4, 7), (2, 9), (2, 9)))
+    for options in ({"is_causal": True}, {"window_size": (3, 1), "softcap": 1.5}):
+        assert torch.autograd.gradcheck(lambda q, k, v: _attention64(q, k, v, **options), (q, k, v))
+
+
+def test_backward_is_deterministic(host_build):
+    """Bitwise the same gradients run to run and with the emulator's threads in another order at every
+    barrier (no atomics; a missing barrier would show)."""
+    q, k, v, dout = _inputs(1, 4, 2, 70, 70, 64, torch.float16, 21)
+    first = _grads(q, k, v, dout, is_causal=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, _grads(q, k, v, dout, is_causal=True)))
+    rdnattention.set_host_shuffle(7)
+    try:
+        shuffled = _grads(q, k, v, dout, is_causal=True)
+    finally:
+        rdnattention.set_host_shuffle(None)
+    assert all(torch.equal(a, b) for a, b in zip(first, shuffled))
+
+
+def test_flash_attn_func_and_packed_entries_take_grad(host_build):
+    """The token-major entry points: gradients in the inputs' layout, the packed one's into its
+    packed tensor, equal to flash_attn's."""
+    q, k, v, dout = _inputs(1, 2, 2, 30, 30, 64, torch.float16, 31)
+    want = _grads(q, k, v, dout, is_causal=True)
+    qt, kt, vt = (t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    flash_attn_func(qt, kt, vt, causal=True).backward(dout.transpose(1, 2))
+    for g, w in zip((qt.grad, kt.grad, vt.grad), want):
+        assert torch.equal(g.transpose(1, 2), w)
+    qkv = torch.stack([t.transpose(1, 2) for t in (q, k, v)], dim=2).requires_grad_()  # [b, s, 3, h, d]
+    flash_attn_qkvpacked_func(qkv, causal=True).backward(dout.transpose(1, 2))
+    for i, w in enumerate(want):
+        assert torch.equal(qkv.grad[:, :, i].transpose(1, 2), w)
+
+
+def test_head_dim_padded_by_flash_attn_func_takes_grad(host_build):
+    """flash_attn_func pads a head_dim that is not a multiple of 8 (60 -> 64): the gradient flows
+    back through the padding to the inputs' 60 columns."""
+    q, k, v, dout = _inputs(1, 2, 2, 20, 20, 60, torch.float16, 41)
+    qt, kt, vt = (t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    flash_attn_func(qt, kt, vt, causal=True).backward(dout.transpose(1, 2))
+    _check(tuple(t.grad.transpose(1, 2) for t in (qt, kt, vt)), attention_gradients(q, k, v, dout, is_causal=True),
+           torch.float16)
+
+
+def _refusals():
+    cos, sin = rotary_tables(40, 32)
+    return [
+        ({"rotary_cos": cos, "rotary_sin": sin}, "does not take rotary_cos"),
+        ({"seqused_k": torch.tensor([30], dtype=torch.int32)}, "does not take seqused_k"),
+        ({"alibi_slopes": torch.rand(4)}, "does not take alibi_slopes"),
+        ({"sinks": torch.rand(4)}, "does not take sinks"),
+    ]
+
+
+@pytest.mark.parametrize("i", range(4), ids=["rotary", "seqused_k", "alibi", "sinks"])
+def test_options_the_backward_does_not_take_are_refused(host_build, i):
+    options, message = _refusals()[i]
+    q, k, v, _ = _inputs(1, 4, 2, 40, 40, 64, torch.float16, 51)
+    before = [t.clone() for t in (q, k, v)]
+    q.requires_grad_()
+    with pytest.raises(UnsupportedError, match=message):
+        flash_attn(q, k, v, **options)
+    assert q.grad is None and all(torch.equal(a, b) for a, b in zip((q, k, v), before))
+    with torch.no_grad():  # forward only: served
+        flash_attn(q, k, v, **options)
+
+
+def test_entries_without_a_backward_are_refused(host_build):
+    """Planning (a plan's run records nothing for autograd) and int8 (quantized inputs)."""
+    q, k, v, _ = _inputs(1, 2, 2, 20, 20, 64, torch.float16, 65)
+    q.requires_grad_()
+    with pytest.raises(UnsupportedError, match="a plan runs the forward only"):
+        rdnattention.plan_flash_attn(q, k, v)
+    with pytest.raises(UnsupportedError, match="int8 attention has no backward pass"):
+        rdnattention.flash_attn_int8qk_quantized(q, k, v)
+
+
+def test_a_head_dim_without_backward_kernels_is_refused(host_build):
+    q, k, v, _ = _inputs(1, 2, 2, 20, 20, 32, torch.float16, 61)
+    with pytest.raises(UnsupportedError, match="no backward kernel for fp16 head_dim 32"):
+        flash_attn(q.requires_grad_(), k, v)
+
+
+def test_direct_op_call_without_lse_has_no_backward(host_build):
+    q, k, v, dout = _inputs(1, 2, 2, 20, 20, 64, torch.float16, 71)
+    q.requires_grad_()
+    out, _ = torch.ops.rdnattention.flash_attn_fwd(q, k, v, None, None, -1, 0, 0.125, False, False, False)
+    with pytest.raises(UnsupportedError, match="no backward with return_lse=False"):
+        out.backward(dout)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compile_traces_forward_and_backward(host_build, backend):
+    q, k, v, dout = _inputs(1, 4, 2, 30, 30, 64, torch.float16, 81)
+
+    def layer(q, k, v):
+        a = flash_attn(q, k, v, is_causal=True)
+        b = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window_size=(8, 8))
+        return a * 2 + b.transpose(1, 2)
+
+    def grads(fn):
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        fn(*x).backward(dout)
+        return [t.grad for t in x]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    assert all(torch.equal(a, b) for a, b in zip(grads(compiled), grads(layer)))
+
+
+def test_opcheck(host_build):
+    q, k, v, dout = _inputs(1, 4, 2, 30, 40, 64, torch.float16, 91)
+    out, lse = torch.ops.rdnattention.flash_attn_fwd(q, k, v, None, None, 10, 0, 0.125, False, True, False)
+    torch.library.opcheck(torch.ops.rdnattention.flash_attn_bwd.default,
+                          (dout, q, k, v, out, lse, None, 10, 0, 0.125, 0.0))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    for token_major in (False, True):
+        torch.library.opcheck(torch.ops.rdnattention.flash_attn_fwd.default,
+                              (qg, kg, vg, None, None, -1, 0, 0.125, False, True, token_major))
+
+
+# --- on an NVIDIA GPU (sm_90's kernels)
+
+def _cuda():
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        pytest.skip("needs an NVIDIA GPU")
+    return torch.device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_gradients_match_oracle(case, head_dim, dtype):
+    device = _cuda()
+    b, hq, hk, sq, sk, options = CASES[case]
+    q, k, v, dout = (t.to(device) for t in _inputs(b, hq, hk, sq, sk, head_dim, TORCH[dtype], head_dim))
+    _check(_grads(q, k, v, dout, **options), attention_gradients(q, k, v, dout, **options), TORCH[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_cuda_gradients_match_torchs_math_backward(dtype):
+    """Against torch's SDPA math backward in the inputs' dtype on the GPU, each measured by its
+    error against the float64 oracle: ours no larger than the math path's (up to the stored
+    gradient's rounding)."""
+    device = _cuda()
+    dt = TORCH[dtype]
+    q, k, v, dout = (t.to(device) for t in _inputs(2, 8, 8, 300, 300, 128, dt, 101))
+    ours = _grads(q, k, v, dout, is_causal=True)
+    x = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        F.scaled_dot_product_attention(*x, is_causal=True).backward(dout)
+    refs = attention_gradients(q, k, v, dout, is_causal=True)
+    for g, m, r in zip(ours, (t.grad for t in x), refs):
+        ours_err = (g.double().cpu() - r).abs().max().item()
+        math_err = (m.double().cpu() - r).abs().max().item()
+        assert ours_err <= math_err + UNIT[dt] * r.abs().max().item()
