@@ -114,18 +114,19 @@ class Algorithm:
 
 # The score transforms, applied in the score step of the fp16 kernels (fa2_policies.h); the int8
 # kernels have none, so a call asking for one is refused there naming it. The row-block kernels
-# apply ALiBi only where compiled with it (score option alibi, at the head_dims variants.yaml lists):
-# its per-row slopes and distances cost the plain kernels' tightest AMD tiles registers they do not
-# have (GCN's head_dim 64 spilled, RDNA2's lost a wave), so it is compiled out of them. ALiBi calls of
-# few rows (split_kv_preferred), and those at head_dims without alibi kernels, run the split-KV
-# kernels (tiles of at most _splitkv.ALIBI_ROWS rows, any number of rows in chunks).
+# apply them only where compiled with them (score options xf: softcap and sinks; alibi: ALiBi besides
+# them; at the head_dims variants.yaml lists): carried by every kernel, they cost the tightest AMD
+# tiles registers they do not have (spills on RDNA1 and GCN, a wave on RDNA2), so the plain kernels
+# have none. Calls with them of few rows (split_kv_preferred), and those at head_dims without such
+# kernels, run the split-KV kernels, which read them from the arguments (ALiBi in tiles of at most
+# _splitkv.ALIBI_ROWS rows, any number of rows in chunks).
 SCORE_TRANSFORMS = (Option.SOFTCAP, Option.ALIBI, Option.SINKS)
 
 FP16_ROW_BLOCKS = Algorithm(
     "fp16 row-block", Precision.FP16, split_kv=False, family=f16.NAME,
     layouts={Layout.STRIDED: None, Layout.SEQUSED: "len", Layout.PACKED: "varlen"},
     options=frozenset({Option.ROTARY, Option.ROW_ORDER, *SCORE_TRANSFORMS}), planner=_fp16_row_blocks,
-    scores={Option.ALIBI: "alibi"})
+    scores={Option.ALIBI: "alibi", Option.SOFTCAP: "xf", Option.SINKS: "xf"})  # the first the call needs
 FP16_SPLIT_KV = Algorithm(
     "fp16 split-KV", Precision.FP16, split_kv=True, family=dec.NAME,
     layouts={Layout.STRIDED: None, Layout.SEQUSED: None, Layout.PACKED: None, Layout.PAGED: "paged"},

@@ -70,12 +70,14 @@ LAYOUTS = {
     "len": "per-sequence key counts (seqused_k)",
     "varlen": "packed sequences (cu_seqlens_q, cu_seqlens_k)",
 }
-# The score transforms the kernels are also compiled with, beside those every kernel applies (softcap
-# and sinks, read from the arguments): option value -> what they apply. ALiBi's per-row slope and
-# distances cost the plain kernels' tightest tiles registers they do not have (GCN's head_dim 64
-# spilled, RDNA2's lost a wave), so it is a compile-time switch of kernels of its own, each of every
-# layout and dtype built at its head_dims, at tiles of its own where the plain one's spill with it.
-SCORES = {"alibi": "ALiBi slopes (alibi_slopes), besides softcap and sinks"}
+# The score transforms the kernels are compiled with: option value -> what they apply. The plain
+# kernels apply none, so their registers and code are those of a kernel without transforms: carried
+# at run time, the softcap's and sinks' branches spilled the tightest tiles of RDNA1 and GCN (and
+# ALiBi's per-row slope cost RDNA2 a wave). xf: a logit softcap and attention sinks, read from the
+# arguments (either may be absent); alibi: ALiBi slopes besides them. Each is built at the head_dims
+# variants.yaml lists (the models that use them); other calls with them run the split-KV kernels.
+SCORES = {"xf": "a logit softcap (softcap) or attention sinks (sinks)",
+          "alibi": "ALiBi slopes (alibi_slopes), besides softcap and sinks"}
 NAMES = NameSchema("fa2_f16", (layout_field(LAYOUTS), dtype_field(DTYPES), score_field(SCORES)) + FP16_NAME_FIELDS)
 
 # Argument fields every fa2 family shares. Strides are in elements; the last dimension is contiguous.

@@ -111,7 +111,7 @@ class F16(Family):
                   "shift_fma": "none"}  # a shift and fp32 FMAs: no instruction of its own to find
     layouts = runtime.LAYOUTS  # len: cache lengths (seqused_k); varlen: packed batches
     dtypes = runtime.DTYPES    # bf16
-    scores = runtime.SCORES    # alibi
+    scores = runtime.SCORES    # xf (softcap, sinks), alibi
     oracle_cases = {
         "plain": OracleCase(2, 2, 2, 100, 100),
         "causal": OracleCase(1, 2, 2, 150, 150, {"is_causal": True}),
@@ -138,15 +138,16 @@ class F16(Family):
         "packed_window": OracleCase(2, 2, 2, 40, 70, {"window_size": (21, 9), "seqlens_q": (12, 40),
                                                       "seqlens_k": (70, 40)}, layout="varlen"),
         # Score transforms (a softcap low enough to bend the scores; sinks), with masks, GQA and rows
-        # that see no key (a sink's LSE). ALiBi runs the kernels of score option alibi (its cases
-        # below); of few rows, the dec family's kernels (route.py).
-        "softcap_window": OracleCase(1, 4, 2, 120, 120, {"is_causal": True, "window_size": (40, -1), "softcap": 2.0}),
-        "sinks_cross": OracleCase(1, 4, 2, 90, 60, {"is_causal": True, "sinks": True}),
+        # that see no key (a sink's LSE): the kernels of score option xf. ALiBi runs those of score
+        # option alibi (its cases below); of few rows, the dec family's kernels (route.py).
+        "softcap_window": OracleCase(1, 4, 2, 120, 120, {"is_causal": True, "window_size": (40, -1), "softcap": 2.0},
+                                     score="xf"),
+        "sinks_cross": OracleCase(1, 4, 2, 90, 60, {"is_causal": True, "sinks": True}, score="xf"),
         "lengths_score": OracleCase(2, 4, 2, 24, 90, {"is_causal": True, "seqused_k": (90, 30), "softcap": 3.0,
-                                                      "sinks": True}, layout="len"),
+                                                      "sinks": True}, layout="len", score="xf"),
         "packed_score": OracleCase(3, 4, 2, 30, 60, {"window_size": (21, 9), "seqlens_q": (30, 1, 17),
                                                      "seqlens_k": (30, 60, 17), "softcap": 3.0, "sinks": True},
-                                   layout="varlen"),
+                                   layout="varlen", score="xf"),
         # ALiBi (slopes per head or per batch and head) with causal masks (more keys than queries: the
         # diagonal moves), windows on both sides (distances either way), GQA, MQA, softcap and sinks,
         # cache lengths and packed batches (each sequence's own lengths and slopes).
@@ -216,7 +217,11 @@ class F16(Family):
         return {"pairs": pairs_type(spec), "pipeline": self.PIPELINES[spec.stage],
                 "lds_bytes": self.lds_bytes(spec), "padded_head_dim": padded_head_dim(spec),
                 "lengths": spec.option("layout") == "len", "varlen": spec.option("layout") == "varlen",
-                "bf16": spec.option("dtype") == "bf16", "alibi": spec.option("score") == "alibi"}
+                "bf16": spec.option("dtype") == "bf16", "score": SCORE_CODES[spec.option("score")]}
+
+
+# fa2_f16_forward's SCORE argument by score option (fa2_f16.h): none, softcap and sinks, and ALiBi too.
+SCORE_CODES = {None: 0, "xf": 1, "alibi": 2}
 
 
 # The pair types of pairs.h, by input dtype and staging precision.

@@ -72,6 +72,10 @@ struct Fa2Element<P, true> {
   typedef ForwardBF16<P> type;
 };
 
+// The score transform of score option SCORE (below).
+template <int SCORE> struct Fa2F16Score { using type = ScoreTransform<Fa2Args, SCORE == 2, CapFma>; };
+template <> struct Fa2F16Score<0> { using type = NoScoreTransform<Fa2Args>; };
+
 // LENGTHS: the kernels of layout len: batch b uses its first seqused_k[b] keys.
 // VARLEN: the kernels of layout varlen (packed batches): batch b's query rows start at
 // cu_seqlens_q[b] and its keys at cu_seqlens_k[b], as many as the next offsets say (keys: or
@@ -79,10 +83,11 @@ struct Fa2Element<P, true> {
 // query rows end at once.
 // D: the head_dim the tiles hold, HD padded with zero columns (fa2_forward.h); HD: the inputs'.
 // BF16: bf16 inputs and output (the kernels of dtype bf16; P a bf16 pairs type).
-// ALIBI: the kernels of score option alibi apply ALiBi besides softcap and sinks; without it the
-// slopes are compiled out (fa2_policies.h: ScoreTransform), so the plain kernels hold nothing for them.
+// SCORE: the score transforms compiled in (families/f16.py: SCORES): 0, none (the plain kernels: no
+// register or branch for them); 1, a logit softcap and sinks (score option xf); 2, ALiBi besides them
+// (score option alibi). fa2_policies.h: ScoreTransform, NoScoreTransform.
 template <class P, class Pipe, int D, int HD, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, bool LENGTHS,
-          bool VARLEN = false, bool BF16 = false, bool ALIBI = false>
+          bool VARLEN = false, bool BF16 = false, int SCORE = 0>
 RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a, unsigned char* lds) {
   const RowBlockSchedule<BR, G> sched(a.seq_q, a.heads_q, a.heads_kv, a.heavy_first);
   const long long b = sched.batch;
@@ -99,7 +104,7 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a, unsigned char* lds) {
   const WindowMask<Fa2Args, LENGTHS || VARLEN, VARLEN> mask{a, keys, sq};
   const RotaryTables<Fa2Args> rope{a};
   const NormalizeEpilogue<Fa2Args, BF16> epi{a, q0};
-  const ScoreTransform<Fa2Args, ALIBI, CapFma> xf{a};  // softcap and sinks; ALiBi where ALIBI
+  const typename Fa2F16Score<SCORE>::type xf{a};
   fa2_forward<typename Fa2Element<P, BF16>::type, Pipe, D, HD, G, BR, BC, NT, TM, LDS_BYTES>(lds, sched, q, kv, mask, rope,
                                                                                         NoScales{}, xf, epi);
 }
