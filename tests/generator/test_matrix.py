@@ -172,7 +172,7 @@ def test_a_score_option_is_built_for_every_layout_and_dtype_with_its_own_tiles_w
     assert {(s.option("dtype"), s.option("score"), s.tile.br) for s in m.specs_for(m.target("gfx1030"))} == {
         (None, None, 128), ("bf16", None, 128), (None, "alibi", 64), ("bf16", "alibi", 32)}
     with pytest.raises(VariantsError, match=re.escape("kernels.f16.scores.softcap: not a score option of f16 (its "
-                                                      "score options: alibi)")):
+                                                      "score options: alibi, xf)")):
         _load(tmp_path, MINIMAL.replace("    gqa_groups: [1, 2]\n", "    gqa_groups: [1, 2]\n    scores:\n"
                                                                     "      softcap: [64]\n"))
     with pytest.raises(VariantsError, match=re.escape("is not one of f16_alibi's head_dims [64]")):
