@@ -236,9 +236,11 @@ def row_block_launch(table: TargetTable, entry, args_type, fields: dict) -> Laun
 
 
 def score_of(call: Call) -> str | None:
-    """The kernels' score option that serves ``call``: alibi with ALiBi slopes, None (the kernels
-    without one) otherwise."""
-    return "alibi" if call.alibi_slopes is not None else None
+    """The kernels' score option that serves ``call`` (route.FP16_ROW_BLOCKS.scores says the same):
+    alibi with ALiBi slopes, xf with a softcap or sinks, None (the kernels without one) otherwise."""
+    if call.alibi_slopes is not None:
+        return "alibi"
+    return "xf" if call.softcap or call.sinks is not None else None
 
 
 def layout_of(call: Call) -> str | None:
