@@ -174,6 +174,7 @@ def _gpt_oss(**kw):  # one learned sink logit per query head, head_dim 64, a win
 TRANSFORM_MODELS = {"gemma2 softcap": (_gemma2, Option.SOFTCAP), "gpt-oss sinks": (_gpt_oss, Option.SINKS)}
 
 
+@pytest.mark.slow  # Gemma 2's head_dim 256 on the host emulator: 466 s; gpt-oss: 116 s
 @pytest.mark.parametrize("name", list(TRANSFORM_MODELS))
 def test_softcap_and_sinks_models_are_their_eager_attention(device, name):
     """A left-padded forward pass of Gemma 2 / gpt-oss with attention through register() is the
