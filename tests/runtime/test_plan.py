@@ -17,7 +17,7 @@ from rdnattention import attention_reference, dispatch, flash_attn, plan_flash_a
 from rdnattention.abi import ArgStruct
 from rdnattention.table import Constraints, KernelEntry, TargetTable
 from rdnattention.errors import IncompatibleKernelsError, InvalidArgumentError, StaleKernelsError, UnsupportedError
-from rdnattention.families import append, combine, dec, f16, i8, i8dec
+from rdnattention.families import append, bwd, combine, dec, f16, i8, i8dec
 from rdnattention.plan import Launch
 
 
@@ -47,7 +47,7 @@ def test_dispatch_table_records_format_and_digest(host_build):
     assert data["format"] == dispatch.TABLE_FORMAT and data["dynamic_lds"] is False
     assert {e["args_digest"] for e in data["kernels"]} == {f16.ARGS.digest, i8.ARGS.digest, dec.ARGS.digest,
                                                            combine.ARGS.digest, i8dec.ARGS.digest,
-                                                           append.ARGS.digest}
+                                                           append.ARGS.digest, bwd.ARGS.digest}
     assert all(e["provenance"] == "variants.yaml" for e in data["kernels"] if e["priority"] >= 0)
     # host's alternates: the tiles of the AMD tables it mirrors
     assert {e["provenance"] for e in data["kernels"] if e["priority"] < 0} == {"mirrors gfx1030", "mirrors gfx906"}
@@ -163,7 +163,8 @@ def test_plan_options(host_build):
     assert plan_flash_attn(q, k, v).launches[0].args.heavy_first == 0
     assert plan_flash_attn(q, k, v, is_causal=True, heavy_first=False).launches[0].args.heavy_first == 0
     group1 = next(e.name for e in dispatch.table_for("host").kernels
-                  if e.family == "f16" and e.head_dim == 64 and e.gqa_group == 1 and e.dtype is None)
+                  if e.family == "f16" and e.head_dim == 64 and e.gqa_group == 1 and e.dtype is None
+                  and e.score is None)
     plan = plan_flash_attn(q, k, v, is_causal=True, kernel=group1)
     assert plan.launches[0].kernel.name == group1 and plan.launches[0].grid[1] == 4
     plan.run()
