@@ -11,21 +11,24 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: tor
            interleaved: bool) -> torch.Tensor:
     """RoPE on the first 2*cos.shape[1] features of x [..., seq, dim] at the given positions: [seq],
     or [batch, seq] for x [batch, heads, seq, dim] (each sequence at its own positions). Computed in
-    float64, returned in x's dtype."""
+    float64, returned in x's dtype; for 16-bit x, rounded to float32 and from there to x's dtype on
+    every device (torch converts float64 to fp16 in one rounding on CUDA, through float32 on the CPU),
+    as the append kernels round."""
     half = cos.shape[1]
     c = cos[positions].to(torch.float64)
     s = sin[positions].to(torch.float64)
     if positions.dim() == 2:
         c, s = c[:, None], s[:, None]
+    narrow = (lambda t: t.float()) if x.element_size() <= 2 else (lambda t: t)
     out = x.clone()
     if interleaved:
         x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
-        out[..., 0:2 * half:2] = x1 * c - x2 * s
-        out[..., 1:2 * half:2] = x2 * c + x1 * s
+        out[..., 0:2 * half:2] = narrow(x1 * c - x2 * s)
+        out[..., 1:2 * half:2] = narrow(x2 * c + x1 * s)
     else:
         x1, x2 = x[..., :half], x[..., half:2 * half]
-        out[..., :half] = x1 * c - x2 * s
-        out[..., half:2 * half] = x2 * c + x1 * s
+        out[..., :half] = narrow(x1 * c - x2 * s)
+        out[..., half:2 * half] = narrow(x2 * c + x1 * s)
     return out
 
 

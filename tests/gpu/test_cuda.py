@@ -7,7 +7,8 @@ import torch
 from cases import BF16_LSE_TOL, BF16_TOL, HEAD_DIMS, LSE_TOL, TOL, VARIANTS, bf16_head_dims, make_case, run_case
 
 from rdnattention import (attention_reference, flash_attn, flash_attn_varlen_func, flash_attn_with_kvcache,
-                          varlen_attn)
+                          route, varlen_attn)
+from rdnattention.errors import UnsupportedError
 from rdnattention.reference import rotate
 from rdnattention_gen import build, toolchain
 from rdnattention_gen.families import family
@@ -106,6 +107,16 @@ def test_gpu_matches_oracle_and_torch(head_dim, variant):
     q, k, v, options = make_case(variant, head_dim)
     gpu_options = {key: (val.to(device) if isinstance(val, torch.Tensor) else val) for key, val in options.items()}
     qd, kd, vd = q.to(device), k.to(device), v.to(device)
+    score = family("f16").oracle_cases[variant].score
+    table = route.device_table(device)
+    if score and head_dim not in table.head_dims("f16", score=score) + table.head_dims("dec"):
+        # A score transform where neither its row-block kernels nor the split-KV kernels are built
+        # (head_dim above 256): refused, naming the head_dim, with the inputs untouched.
+        before = [t.clone() for t in (qd, kd, vd)]
+        with pytest.raises(UnsupportedError, match=f"head_dim {head_dim}"):
+            flash_attn(qd, kd, vd, return_lse=True, **gpu_options)
+        assert all(torch.equal(a, b) for a, b in zip(before, (qd, kd, vd)))
+        return
     out, lse = flash_attn(qd, kd, vd, return_lse=True, **gpu_options)
     torch.cuda.synchronize()
     ref, ref_lse = attention_reference(q, k, v, return_lse=True, **options)

@@ -166,6 +166,21 @@ def test_the_int8_kernels_refuse_the_transforms_by_name(host_build, option, name
         route.choose(table, request)
 
 
+@pytest.mark.parametrize("name, value", [("softcap", 30.0), ("alibi_slopes", torch.rand(HQ)), ("sinks", torch.randn(HQ))])
+def test_a_transform_beyond_the_built_head_dims_is_refused_by_head_dim(host_build, name, value):
+    """Above head_dim 256 neither the score-option kernels nor the split-KV kernels are built: the
+    call is refused naming the head_dim, before anything runs."""
+    table = route.device_table(torch.device("cpu"))
+    d = 288
+    assert d in table.head_dims("f16") and d not in table.head_dims("dec")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, HQ if i == 0 else HK, 40, d, generator=g).half() for i in range(3))
+    before = [t.clone() for t in (q, k, v)]
+    with pytest.raises(UnsupportedError, match=f"head_dim {d}"):
+        rdnattention.flash_attn(q, k, v, is_causal=True, **{name: value})
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
+
+
 def test_the_custom_op_takes_the_transforms(host_build):
     q, k, v = _qkv()
     op = torch.ops.rdnattention.flash_attn_fwd.default

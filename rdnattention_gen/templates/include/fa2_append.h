@@ -12,7 +12,7 @@
 // RoPE, exactly as torch rounds reference.rotate's float64 rotation: the products of 16-bit inputs
 // and 32-bit (or 16-bit) table values are exact in float64, so each output is one float64 sum
 // (the same whether or not the compiler contracts it into an FMA), then rounded to float32 and
-// from there to the input dtype, as torch converts float64 into fp16 and bf16. Features past
+// from there to the input dtype, as reference.rotate rounds on every device. Features past
 // rotary_dim are copied bit for bit.
 #pragma once
 
