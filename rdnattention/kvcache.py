@@ -11,7 +11,7 @@ Plain caches with automatic key slices run as flash_attn calls with cache length
 others through decode.py; route.py chooses the kernels of both: the split-KV decode kernels for
 paged caches, cache_batch_idx, explicit num_splits and calls with few query rows per K/V head, the
 fp16 row-block kernels with cache lengths (f16 of layout len) otherwise. The append (the new keys
-and values written, RoPE on them and on the queries in float64, rounded (float32, then the dtype) as
+and values written, RoPE on them and on the queries in float64, rounded once to the dtype as
 reference.rotate rounds, the lengths bounded and the lengths after it) is one launch of the
 append family (families/append.py) before the attention's, or torch operations where the device's
 kernels have none (counted: counts()). Where torch traces or the tensors are

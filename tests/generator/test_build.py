@@ -91,6 +91,7 @@ def tier2_audit(matrix, build_dir):
     return build.build(matrix, [matrix.target(n) for n in TIER2], build_dir, log=lambda *_: None)
 
 
+@pytest.mark.slow  # builds the tier-2 targets (about 3 minutes on 2 cores)
 def test_every_head_dim_is_built_for_every_target(matrix, default_audit, tier2_audit):
     head_dims = set(matrix.kernels["f16"]["head_dims"])
     assert head_dims == set(range(8, 257, 8)) | set(range(288, 513, 32))
@@ -193,6 +194,7 @@ def test_audit_covers_the_host_platform(matrix, host_build, build_dir):
         assert r["lds_bytes"] == specs[r["target"], r["name"]].lds_bytes and r["vgprs"] is None, r
 
 
+@pytest.mark.slow  # builds the cuda targets (about 2.5 minutes on 2 cores)
 def test_audit_table_prints_cuda_rows(matrix, build_dir):
     try:
         toolchain.find_ptxas("sm_90")

@@ -3,9 +3,11 @@
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO_ROOT
 
 
+@pytest.mark.slow  # builds every GPU target (about 7 minutes on 2 cores)
 def test_hardware_md_is_up_to_date(build_dir):
     out = subprocess.run([sys.executable, "-m", "rdnattention_gen.cli", "docs", "--check",
                           "--build-dir", str(build_dir)], capture_output=True, text=True, cwd=REPO_ROOT)

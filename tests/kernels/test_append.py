@@ -15,7 +15,7 @@ import rdnattention
 from rdnattention import attention_reference, flash_attn_with_kvcache, kvcache, replay, rotary_tables
 from rdnattention.errors import UnsupportedError
 from rdnattention.families import append as append_family
-from rdnattention.reference import rotate
+from rdnattention.reference import rotate, to_odd_float
 
 
 def _inputs(dtype, b=3, sq=2, new=3, hq=4, hk=2, d=64, cache=48, seed=0, paged=None, rows=None):
@@ -130,11 +130,11 @@ def test_the_appended_cache_is_the_oracles_rotation_and_the_output_the_oracles(h
     for b, n in enumerate(lengths.tolist()):
         kb = rotate(k[b:b + 1].transpose(1, 2).double(), cos, sin, torch.arange(3) + n, interleaved)
         expect = before[b].clone()
-        expect[n:n + 3] = kb[0].transpose(0, 1).float().to(dtype)  # float64 -> float32 -> dtype
+        expect[n:n + 3] = to_odd_float(kb[0].transpose(0, 1)).to(dtype)  # float64 -> dtype, one rounding
         assert _same_bytes(k_cache[b], expect)
         assert torch.equal(v_cache[b, n:n + 3], v[b])
         qpos = torch.arange(2) + n if causal else torch.full((2,), n)
-        qb = rotate(q[b:b + 1].transpose(1, 2).double(), cos, sin, qpos, interleaved).float().to(dtype)
+        qb = to_odd_float(rotate(q[b:b + 1].transpose(1, 2).double(), cos, sin, qpos, interleaved)).to(dtype)
         used = n + 3
         ref = attention_reference(qb, k_cache[b:b + 1, :used].transpose(1, 2), v_cache[b:b + 1, :used].transpose(1, 2),
                                   is_causal=causal)

@@ -11,8 +11,8 @@
 //
 // RoPE, exactly as torch rounds reference.rotate's float64 rotation: the products of 16-bit inputs
 // and 32-bit (or 16-bit) table values are exact in float64, so each output is one float64 sum
-// (the same whether or not the compiler contracts it into an FMA), then rounded to float32 and
-// from there to the input dtype, as reference.rotate rounds on every device. Features past
+// (the same whether or not the compiler contracts it into an FMA), then rounded once, to nearest
+// even, to the input dtype, as reference.rotate rounds on every device. Features past
 // rotary_dim are copied bit for bit.
 #pragma once
 
@@ -27,10 +27,22 @@ RDNA_DEVICE double fa2_append_widen(unsigned short bits) {
     return (double)__builtin_bit_cast(half_t, bits);
 }
 
-// A float64 value rounded to float32, then to the input dtype.
+// A float64 value as float32 rounded to odd (truncated, its last bit set where that dropped
+// anything). Rounding that float32 to fp16 or bf16 gives the float64 value's own rounding to nearest
+// even (float32 keeps 13 and 16 bits beyond theirs): one rounding, on every platform, whatever a
+// compiler makes of two conversions in a row.
+RDNA_DEVICE float fa2_append_to_odd(double x) {
+  const float f = (float)x;
+  unsigned u = __builtin_bit_cast(unsigned, f);
+  if ((x > 0.0 && (double)f > x) || (x < 0.0 && (double)f < x)) u -= 1u;  // rounded away from zero: one step back
+  if ((double)__builtin_bit_cast(float, u) != x) u |= 1u;
+  return __builtin_bit_cast(float, u);
+}
+
+// A float64 value rounded once, to nearest even, to the input dtype.
 template <bool BF16>
 RDNA_DEVICE unsigned short fa2_append_narrow(double x) {
-  const float f = (float)x;
+  const float f = fa2_append_to_odd(x);
   if constexpr (BF16)
     return (unsigned short)rdna_bf16_bits(f);
   else
