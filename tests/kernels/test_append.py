@@ -154,9 +154,11 @@ def test_other_head_dims_are_launch_arguments(host_build, monkeypatch, head_dim,
     assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
 
 
-def test_rope_rounds_to_float32_then_to_fp16_as_torch_does(host_build):
-    """The float64 value 1 + 2^-11 + 2^-40 (k = (1, -1), cos = 1 + 2^-11, sin = 2^-40) is 1 + 2^-11
-    in float32, a tie that fp16 rounds to 1 (rounded directly it would be 1 + 2^-10)."""
+def test_rope_rounds_once_to_fp16(host_build):
+    """The float64 value 1 + 2^-11 + 2^-40 (k = (1, -1), cos = 1 + 2^-11, sin = 2^-40) is just above
+    the tie between 1 and 1 + 2^-10: rounded once, as the kernel and reference.rotate round on every
+    device, it is 1 + 2^-10 (through float32 first, it would be the tie 1 + 2^-11, which fp16 rounds
+    to 1)."""
     cos = torch.full((4, 1), 1 + 2**-11, dtype=torch.float32)
     sin = torch.full((4, 1), 2**-40, dtype=torch.float32)
     q = torch.zeros(1, 1, 1, 8, dtype=torch.float16)
@@ -164,8 +166,9 @@ def test_rope_rounds_to_float32_then_to_fp16_as_torch_does(host_build):
     k = torch.zeros(1, 1, 1, 8, dtype=torch.float16)
     k[0, 0, 0, :2] = torch.tensor([1.0, -1.0])
     flash_attn_with_kvcache(q, k_cache, v_cache, k, k.clone(), rotary_cos=cos, rotary_sin=sin, cache_seqlens=0)
-    assert k_cache[0, 0, 0, 0].item() == 1.0  # rounded directly: 1 + 2^-10 (numpy rounds float64 so)
-    assert float(np.float16(1 + 2**-11 + 2**-40)) == 1 + 2**-10
+    assert float(np.float16(1 + 2**-11 + 2**-40)) == 1 + 2**-10  # numpy rounds float64 to fp16 once
+    assert k_cache[0, 0, 0, 0].item() == 1 + 2**-10
+    assert torch.tensor(1 + 2**-11 + 2**-40, dtype=torch.float64).float().half().item() == 1.0  # twice: not so
     assert k_cache[0, 0, 0, 1].item() == -1.0  # -1 - 2^-11 + 2^-40: below the tie either way
     assert torch.equal(k_cache[0, 0, 0, 2:], k[0, 0, 0, 2:])  # past rotary_dim: copied
 

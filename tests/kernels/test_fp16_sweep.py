@@ -23,17 +23,27 @@ def test_mirrored_gpu_tiles_match_oracle(host_build, monkeypatch, target, name):
     layout = spec.option("layout")
     dtype = spec.option("dtype") or "fp16"  # a bf16 kernel's tile runs on bf16 inputs
     cases = ["plain", "causal", "window_two_sided", "gqa"] if layout is None else ["causal", "gqa"]
+    score = spec.option("score")
     for variant in cases:
         q, k, v, options = make_case(variant, spec.head_dim, dtype=dtype)
         if (q.shape[1] // k.shape[1]) % spec.gqa_group:
             continue
+        # A score option's kernels serve only calls with its transforms: ALiBi slopes per head; a
+        # softcap and sinks per head.
+        g = torch.Generator().manual_seed(spec.head_dim)
+        if score == "alibi":
+            options["alibi_slopes"] = torch.rand(q.shape[1], generator=g)
+        elif score == "xf":
+            options.update(softcap=4.0, sinks=torch.randn(q.shape[1], generator=g))
         if layout == "varlen":  # the batch packed into one sequence pair: cu_seqlens [0, n]
             cu_q = torch.tensor([0, q.shape[2]], dtype=torch.int32)
             cu_k = torch.tensor([0, k.shape[2]], dtype=torch.int32)
             out = torch.zeros_like(q)
             call = f16.Call(q=q, k=k, v=v, out=out, lse=None, window=(-1, 0) if options.get("is_causal") else (-1, -1),
                             softmax_scale=q.shape[-1] ** -0.5, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                            batch=1, seq_q=q.shape[2], seq_k=k.shape[2], kernel=name)
+                            batch=1, seq_q=q.shape[2], seq_k=k.shape[2], kernel=name,
+                            softcap=options.get("softcap", 0.0), alibi_slopes=options.get("alibi_slopes"),
+                            sinks=options.get("sinks"))
             plan = f16.plan(device_table(q.device), call)
             ref = attention_reference(q, k, v, **options)
         else:
