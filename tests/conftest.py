@@ -80,3 +80,27 @@ def monkeypatch_module():
 def default_audit(matrix):
     """Audit rows of the default targets, built incrementally."""
     return build.build(matrix, matrix.select("default"), BUILD_DIR, log=lambda *_: None)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """The devices the client tests run on: the host emulator (its kernels built) and, marked gpu,
+    an NVIDIA GPU."""
+    import torch
+    if request.param == "cuda":
+        if not torch.cuda.is_available() or torch.version.hip is not None:
+            pytest.skip("needs an NVIDIA GPU")
+    else:
+        request.getfixturevalue("host_build")
+    return torch.device(request.param)
+
+
+@pytest.fixture
+def sdpa_restored():
+    """After the test, torch's SDPA is unpatched and the very object the test started with."""
+    import torch.nn.functional as F
+    import rdnattention
+    original = F.scaled_dot_product_attention
+    yield
+    rdnattention.unpatch_sdpa()
+    assert F.scaled_dot_product_attention is original

@@ -304,7 +304,10 @@ def test_ctrl_c_interrupts_a_long_emulator_call(host_build):
     import signal
     import time
     code = textwrap.dedent("""
-        import sys, time, torch
+        import signal, sys, time, torch
+        # Ctrl-C raises KeyboardInterrupt here even where the test runner ignores SIGINT (an ignored
+        # signal is inherited by child processes).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from rdnattention import flash_attn
         q = torch.randn(1, 8, 4096, 128).half()
         flash_attn(q[:, :, :64], q[:, :, :64], q[:, :, :64])  # loads the library

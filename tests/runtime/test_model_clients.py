@@ -26,20 +26,8 @@ NEW_TOKENS = 4
 
 
 @pytest.fixture(autouse=True)
-def _never_left_patched():
+def _never_left_patched(sdpa_restored):  # conftest: unpatched after every test
     yield
-    rdnattention.unpatch_sdpa()
-    assert F.scaled_dot_product_attention is ORIGINAL
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    if request.param == "cuda":
-        if not torch.cuda.is_available() or torch.version.hip is not None:
-            pytest.skip("needs an NVIDIA GPU")
-    else:
-        request.getfixturevalue("host_build")
-    return torch.device(request.param)
 
 
 def _qwen2(**kw):

@@ -24,10 +24,8 @@ TOL = dict(atol=3e-3, rtol=3e-3)
 
 
 @pytest.fixture(autouse=True)
-def _never_left_patched():
+def _never_left_patched(sdpa_restored):  # conftest: unpatched after every test
     yield
-    rdnattention.unpatch_sdpa()
-    assert F.scaled_dot_product_attention is ORIGINAL
 
 
 @pytest.fixture

@@ -38,19 +38,10 @@ def _generate(model, impl, ids, mask, **kw):
                               output_logits=True, return_dict_in_generate=True, **kw)
 
 
-def _devices():
-    return ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture(params=_devices())
-def device(request):
-    if request.param == "cuda":
-        if not torch.cuda.is_available() or torch.version.hip is not None:
-            pytest.skip("needs an NVIDIA GPU")
-    else:
-        request.getfixturevalue("host_build")
+@pytest.fixture
+def device(device):  # conftest's devices, with the attention function registered
     rt.register()
-    return torch.device(request.param)
+    return device
 
 
 @pytest.mark.parametrize("cache", [None, "static"])
