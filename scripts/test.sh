@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs the test suite with the interpreter scripts/setup.sh installed into, without the tests marked
 # slow (whole-pipeline runs: scripts/test_slow.sh, which CI runs too). Arguments go to pytest; a
-# later -m replaces the default selection (bash scripts/test.sh -m "" runs everything).
+# later -m replaces the default selection (bash scripts/test.sh -m "" runs everything). The 15 slowest
+# tests are listed at the end, to keep the default run short.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] && PYTHON=.venv/bin/python
-exec "$PYTHON" -m pytest -q -m "not slow" "$@"
+exec "$PYTHON" -m pytest -q --durations=15 -m "not slow" "$@"
