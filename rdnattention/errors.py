@@ -5,8 +5,9 @@ class RdnaAttentionError(Exception):
     """Base class of all rdnattention errors."""
 
 
-class InvalidArgumentError(RdnaAttentionError, ValueError):
-    """An argument has the wrong shape, dtype, device, layout or value."""
+class InvalidArgumentError(RdnaAttentionError, ValueError, RuntimeError):
+    """An argument has the wrong shape, dtype, device, layout or value. Also a RuntimeError, the
+    type flash-attn's and torch's C++ argument checks raise, so code written against them catches it."""
 
 
 class UnsupportedError(RdnaAttentionError, NotImplementedError):
