@@ -264,6 +264,10 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
     query rows per K/V head as their tile takes (fp16 ones split into three key slices, so the
     combine of their head_dim runs too)."""
     spec = spec_from_name(name)
+    if spec.family == "bwd":
+        pytest.skip("the backward's three passes run together, from a forward's output and LSE; they are checked "
+                    "against the oracle's gradients on the host emulator (tests/kernels/test_backward.py) and on "
+                    "an NVIDIA GPU, not yet on the RDNA3 ISA emulator")
     start = len(gpu.dispatches)
     table = route.device_table(torch.device("cpu"))
     layout = spec.option("layout")
@@ -274,7 +278,11 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
     bf16 = spec.option("dtype") == "bf16"  # a bf16 kernel on bf16 inputs, within BF16_TOL
     q, k, v = _inputs(1, 2 if rows == 1 else 4, 2, max(1, rows // 2), keys, spec.head_dim, seed=spec.head_dim,
                       dtype=torch.bfloat16 if bf16 else torch.float16)
-    ref = attention_reference(q, k, v, is_causal=True)
+    # A score option's kernels serve only calls with its transforms: ALiBi slopes, or a softcap and sinks.
+    g = torch.Generator().manual_seed(spec.head_dim)
+    score = {"alibi": {"alibi_slopes": torch.rand(q.shape[1], generator=g)},
+             "xf": {"softcap": 4.0, "sinks": torch.randn(q.shape[1], generator=g)}}.get(spec.option("score"), {})
+    ref = attention_reference(q, k, v, is_causal=True, **score)
     if spec.family in ("i8", "i8dec"):
         (qi, qs), (ki, ks), (vi, vs) = quantize_per_token(q), quantize_per_token(k), quantize_per_channel(v)
         plan = plan_flash_attn_int8qk(qi, ki, vi, qs, ks, vs, is_causal=True, kernel=name)
@@ -283,7 +291,7 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
         cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32) for n in (q.shape[2], k.shape[2]))
         plan = f16.plan(table, f16.Call(q=q, k=k, v=v, out=torch.zeros_like(q), lse=None, window=(-1, 0),
                                          softmax_scale=spec.head_dim ** -0.5, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                         batch=1, seq_q=q.shape[2], seq_k=k.shape[2], kernel=name))
+                                         batch=1, seq_q=q.shape[2], seq_k=k.shape[2], kernel=name, **score))
     elif decode:
         call = dict(q=q, k=k, v=v, out=torch.empty_like(q), lse=torch.empty(q.shape[:3]), window=(-1, 0),
                     softmax_scale=spec.head_dim ** -0.5, batch=1, seq_q=q.shape[2], seq_k=k.shape[2],
@@ -298,7 +306,7 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
         plan = dec.plan(table, dec.Call(**call), kernel=name)
     else:
         seqused = torch.tensor([77], dtype=torch.int32) if layout == "len" else None
-        plan = plan_flash_attn(q, k, v, is_causal=True, kernel=name, seqused_k=seqused)
+        plan = plan_flash_attn(q, k, v, is_causal=True, kernel=name, seqused_k=seqused, **score)
     plan.run()
     ran = [d.kernel for d in gpu.dispatches[start:]]
     assert ran[0] == name
