@@ -126,7 +126,7 @@ FP16_ROW_BLOCKS = Algorithm(
     "fp16 row-block", Precision.FP16, split_kv=False, family=f16.NAME,
     layouts={Layout.STRIDED: None, Layout.SEQUSED: "len", Layout.PACKED: "varlen"},
     options=frozenset({Option.ROTARY, Option.ROW_ORDER, *SCORE_TRANSFORMS}), planner=_fp16_row_blocks,
-    scores={Option.ALIBI: "alibi", Option.SOFTCAP: "xf", Option.SINKS: "xf"})  # the first the call needs
+    scores=f16.SCORE_OPTIONS)  # the first the call needs
 FP16_SPLIT_KV = Algorithm(
     "fp16 split-KV", Precision.FP16, split_kv=True, family=dec.NAME,
     layouts={Layout.STRIDED: None, Layout.SEQUSED: None, Layout.PACKED: None, Layout.PAGED: "paged"},

@@ -6,7 +6,7 @@ the G query heads that share a K/V head."""
 from __future__ import annotations
 
 from ..abi import ArgStruct
-from ..call import Attention
+from ..call import Attention, Option
 from ..errors import InvalidArgumentError
 from ..names import NameField, NameSchema
 from ..plan import Launch, Plan
@@ -235,12 +235,17 @@ def row_block_launch(table: TargetTable, entry, args_type, fields: dict) -> Laun
                   args=args_type(**fields))
 
 
+# The score option whose kernels apply each transform; a call needing several runs the first's
+# (route.FP16_ROW_BLOCKS.scores is this table).
+SCORE_OPTIONS = {Option.ALIBI: "alibi", Option.SOFTCAP: "xf", Option.SINKS: "xf"}
+
+
 def score_of(call: Call) -> str | None:
-    """The kernels' score option that serves ``call`` (route.FP16_ROW_BLOCKS.scores says the same):
-    alibi with ALiBi slopes, xf with a softcap or sinks, None (the kernels without one) otherwise."""
-    if call.alibi_slopes is not None:
-        return "alibi"
-    return "xf" if call.softcap or call.sinks is not None else None
+    """The kernels' score option that serves ``call`` (SCORE_OPTIONS): alibi with ALiBi slopes, xf
+    with a softcap or sinks, None (the kernels without one) otherwise."""
+    needs = {Option.ALIBI: call.alibi_slopes is not None, Option.SOFTCAP: call.softcap != 0.0,
+             Option.SINKS: call.sinks is not None}
+    return next((score for option, score in SCORE_OPTIONS.items() if needs[option]), None)
 
 
 def layout_of(call: Call) -> str | None:
