@@ -3,13 +3,14 @@ names mapped to rdnattention's entry points, and the helpers flash-attn's test f
 (``bert_padding.pad_input``/``unpad_input``, ``layers.rotary.apply_rotary_emb``), written here in
 plain torch from their documented semantics.
 
-rdnattention is forward-only: an entry point called with inputs that require grad raises
-UnsupportedError. So that the forward checks of a test that also asks for gradients still run, an
-entry point called with grad-requiring inputs (and grad mode on) runs its forward under
-``torch.autograd.Function`` (grad mode off inside), and the backward of that function does not
-compute gradients: it returns NaN placeholders (PlaceholderGrad), counts the request in ``STATE``
-and registers the placeholders there, so the harness can tell a failed assertion about a placeholder gradient
-(backward not served) from one about the forward output."""
+Gradients are rdnattention's own wherever it has them (``flash_attn_func`` and its packed forms,
+through autograd). Where a call with grad-requiring inputs is refused (packed sequences and
+``flash_attn_with_kvcache`` have no backward pass; a head_dim or dtype without a backward kernel),
+the shim records the refusal and runs the forward alone under ``torch.autograd.Function`` (grad
+mode off inside), whose backward returns NaN placeholders (PlaceholderGrad), so the forward checks
+of a test that also asks for gradients still run. The harness then tells a failed statement about
+a placeholder gradient (backward not served, with the refusal as its reason) from one about the
+forward output. A forward the kernels refuse as well is refused as it is."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import functools
 import torch
 
 import rdnattention
+from rdnattention.errors import UnsupportedError
 
 USE_TRITON_ROCM = False
 
@@ -36,7 +38,8 @@ class State:
 
     def reset(self) -> None:
         self.forward_calls = 0     # entry-point calls through the shim
-        self.backward_calls = 0    # backward requests on an output of one
+        self.backward_calls = 0    # backward requests on an output of a forward-only call
+        self.refusals: list[str] = []  # why each forward-only call's backward is not served
         self.placeholders: list[torch.Tensor] = []  # kept alive so their storages are not reused in the case
         self._storages: set[int] = set()
 
@@ -87,8 +90,9 @@ def _grad_inputs(args, kwargs) -> list[torch.Tensor]:
 
 
 def _serve(fn):
-    """``fn`` as the shim's name: called as it is, or (grad-requiring inputs, grad mode on) through
-    _ForwardOnly."""
+    """``fn`` as the shim's name: called as it is, rdnattention's backward included; where a call with
+    grad-requiring inputs (grad mode on) is refused, its forward alone through _ForwardOnly, the
+    refusal recorded in STATE."""
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -96,7 +100,12 @@ def _serve(fn):
         inputs = _grad_inputs(args, kwargs)
         if not (torch.is_grad_enabled() and inputs):
             return fn(*args, **kwargs)
-        result = _ForwardOnly.apply(lambda: fn(*args, **kwargs), *inputs)
+        try:
+            return fn(*args, **kwargs)
+        except UnsupportedError as e:  # a refused call changed nothing: run its forward alone
+            refusal = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        result = _ForwardOnly.apply(lambda: fn(*args, **kwargs), *inputs)  # a refused forward raises here
+        STATE.refusals.append(refusal)
         return result[0] if isinstance(result, tuple) and len(result) == 1 else result
 
     return call

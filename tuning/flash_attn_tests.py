@@ -14,11 +14,14 @@ one bucket:
 * passed;
 * refused: an rdnattention UnsupportedError (dropout, a head_dim no kernel serves, ...), grouped by
   its message;
-* forward passed, backward not served: rdnattention is forward-only. An entry point called with
-  inputs that require grad runs its forward with grad mode off, and the backward returns NaN
-  placeholder gradients (flash_attn_shim.py); a case lands here when the assertion that failed is
-  about a placeholder gradient, so every assertion before it (the forward ones) passed; its reason
-  says how many did (pytest's assertion-pass hook), none meaning a backward-only test;
+* forward passed, backward not served: the call's gradients are rdnattention's own where it has
+  them; where a call with grad-requiring inputs is refused (no backward pass for packed sequences
+  or the KV cache, no backward kernel for the head_dim or dtype) but its forward is served, the
+  shim runs the forward alone and its backward returns NaN placeholder gradients
+  (flash_attn_shim.py). A case lands here when the statement that failed (an assertion, or any
+  error such as a tolerance computed from a gradient) is about a placeholder gradient, so every
+  assertion before it (the forward ones) passed; its reason is the refusal and how many
+  assertions passed (pytest's assertion-pass hook), none meaning a backward-only test;
 * failed: any other assertion or exception, with the case id: a bug to look at;
 * skipped by the test (its own pytest.skip), and not applicable (it imports flash-attn internals
   the shim does not serve, e.g. the raw C++ extension).
@@ -297,10 +300,11 @@ class Classifier:
                 return Outcome("refused", _first_line(str(e)))
         if isinstance(exc, ImportError) and "flash_attn" in str(exc):  # the shim's path dropped from the message
             return Outcome("not_applicable", re.sub(r"\s*\([^()]*\)\s*$", "", _first_line(str(exc))))
-        if isinstance(exc, AssertionError) and self.state.backward_calls and self._about_placeholder(excinfo):
+        if self.state.backward_calls and self._about_placeholder(excinfo):
             n = self.asserts_passed
-            return Outcome("forward_only", f"assertions passed before the first about a gradient: {n}"
-                           if n else "no assertion before the first about a gradient (a backward-only test)")
+            why = self.state.refusals[0] if self.state.refusals else "backward not served"
+            return Outcome("forward_only", f"{why} -- " + (f"assertions passed before the first about a gradient: {n}"
+                           if n else "no assertion before the first about a gradient (a backward-only test)"))
         where = self._where(excinfo)
         return Outcome("failed", f"{type(exc).__name__}: {_first_line(str(exc))}" + (f" [{where}]" if where else ""))
 
