@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,8 +47,13 @@ def _ninja_file(matrix: Matrix, targets: list[Target], build_dir: Path, tc: tool
     return buf.getvalue()
 
 
-def run_ninja(build_dir: Path, outputs: list[str], jobs: int | None) -> bool:
-    """Runs ninja with its progress lines passed through; returns whether anything was compiled."""
+NINJA_STATUS = re.compile(r"^\[(\d+)/(\d+)\]")
+
+
+def run_ninja(build_dir: Path, outputs: list[str], jobs: int | None, progress=None) -> bool:
+    """Runs ninja with its progress lines passed through; returns whether anything was compiled.
+    ``progress``: a tqdm bar that ninja's ``[done/total]`` lines also advance (a terminal that the
+    passed-through lines do not reach: ``pip wheel .`` shows a build's output only with -v)."""
     cmd = [str(Path(ninja.BIN_DIR) / "ninja"), "-C", str(build_dir)]
     if jobs:
         cmd += ["-j", str(jobs)]
@@ -59,15 +65,20 @@ def run_ninja(build_dir: Path, outputs: list[str], jobs: int | None) -> bool:
         if not line.startswith("ninja: Entering directory"):
             sys.stdout.write(line)
             sys.stdout.flush()
+        m = NINJA_STATUS.match(line)
+        if m and progress is not None:
+            progress.total = int(m.group(2))
+            progress.update(int(m.group(1)) - progress.n)
     if proc.wait() != 0:
         raise BuildError(f"ninja failed (exit {proc.returncode}); the compiler output is above")
     return not idle
 
 
 def build(matrix: Matrix, targets: list[Target], build_dir: Path, jobs: int | None = None,
-          log=print, enforce: bool = True) -> list[audit.KernelAudit]:
+          log=print, enforce: bool = True, progress=None) -> list[audit.KernelAudit]:
     """Generate, compile, audit, write the dispatch tables. Returns the audit rows of every target.
-    ``enforce=False`` (tuning candidates) reports the audit without failing on its rules."""
+    ``enforce=False`` (tuning candidates) reports the audit without failing on its rules;
+    ``progress`` (a tqdm bar) counts the compile steps (run_ninja)."""
     build_dir = build_dir.resolve()
     tc = toolchain.find()
     targets = _buildable(targets, log)
@@ -77,7 +88,7 @@ def build(matrix: Matrix, targets: list[Target], build_dir: Path, jobs: int | No
         write_if_changed(build_dir / target.name / "toolchain.txt", tc.identity + "\n")
     write_if_changed(build_dir / "build.ninja", _ninja_file(matrix, targets, build_dir, tc))
     outputs = [str(code_object_path(t, build_dir)) for t in targets]
-    if not run_ninja(build_dir, outputs, jobs):
+    if not run_ninja(build_dir, outputs, jobs, progress):
         log("build: up to date, nothing compiled")
     rows = []
     for target in targets:

@@ -212,3 +212,26 @@ def test_audit_table_prints_cuda_rows(matrix, build_dir):
     lines = [line.split() for line in out.stdout.splitlines()[2:]]
     assert len(lines) == len(matrix.specs_for(matrix.target("sm_90")))
     assert all(cells[0] == "sm_90" and int(cells[2]) > 0 and int(cells[7]) >= 1 for cells in lines)
+
+
+class _Bar:
+    """What run_ninja needs of a tqdm bar."""
+
+    def __init__(self):
+        self.n, self.total, self.steps = 0, 0, []
+
+    def update(self, k):
+        self.n += k
+        self.steps.append(self.n)
+
+
+def test_ninja_progress_advances_a_bar(tmp_path, capsys):
+    """`pip wheel .` hides the build's output without -v, so setup.py hands run_ninja a bar on the
+    terminal: ninja's [done/total] lines advance it to the end, and the lines are still passed through."""
+    (tmp_path / "build.ninja").write_text(
+        "rule touch\n  command = touch $out\n" + "".join(f"build o{i}: touch\n" for i in range(3)))
+    bar = _Bar()
+    assert build.run_ninja(tmp_path, [f"o{i}" for i in range(3)], jobs=1, progress=bar)
+    assert (bar.n, bar.total) == (3, 3) and bar.steps == [1, 2, 3]
+    assert "[3/3]" in capsys.readouterr().out
+    assert not build.run_ninja(tmp_path, ["o0"], jobs=1, progress=_Bar())  # nothing to do: no step
