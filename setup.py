@@ -58,7 +58,11 @@ def _terminal_progress(what: str):
 
     with tty:
         tty.write(f"rdnattention: {what} (pip shows the compiler's output with -v)\n")
-        with tqdm(total=0, desc="rdnattention: compiling", unit="step", file=tty, dynamic_ncols=True) as bar:
+        try:
+            columns = os.get_terminal_size(tty.fileno()).columns
+        except OSError:
+            columns = 0
+        with tqdm(total=0, desc="rdnattention: compiling", unit="step", file=tty, ncols=columns or 80) as bar:
             yield bar
 
 

@@ -251,8 +251,8 @@ def _check_fp32(name: str, t: object, shapes: tuple[tuple[int, ...], ...], what:
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise InvalidArgumentError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
     if torch.is_grad_enabled() and t.requires_grad:
-        raise UnsupportedError(f"rdnattention is forward-only and {name} requires grad: run it under "
-                               "torch.no_grad() or torch.inference_mode(), or pass a detached tensor")
+        raise UnsupportedError(f"{name} requires grad, and the backward pass gives no gradient for it: run it "
+                               "under torch.no_grad() or torch.inference_mode(), or pass a detached tensor")
     return t
 
 

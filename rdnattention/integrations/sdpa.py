@@ -23,7 +23,11 @@ masks, causal masks (either alignment), sliding windows, key padding (per-sequen
 one call with ``seqused_k`` where a kernel of that layout is built, else one call per sequence) and
 their combinations. Reading a mask needs its values: a CPU mask is read directly; a GPU mask costs
 one device synchronisation, once per mask tensor while it is unmodified (``device_masks=False``
-sends those calls to torch instead). Calls captured into a CUDA graph run torch's function."""
+sends those calls to torch instead). Calls captured into a CUDA graph run torch's function.
+
+Inputs that require grad are served where the target has backward kernels for the head_dim and
+dtype (rdnattention's backward, through autograd: ops.flash_attn_fwd); elsewhere, and for a mask
+that requires grad, torch's function runs (reason ``requires grad``)."""
 
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ import torch
 import torch.utils._python_dispatch
 
 from .. import ops, route
+from ..families import bwd
 from ..call import DTYPE_OPTIONS, Layout, Precision, Request
 from ..checks import FLOAT_DTYPES as SERVED_DTYPES  # float16, bfloat16
 from ..errors import InvalidArgumentError, KernelsNotBuiltError, UnsupportedError
@@ -377,8 +382,9 @@ def _decide(config: _Config, query, key, value, attn_mask, dropout_p, is_causal,
                                       "a mask cannot be read")
     if any(t.device != device for t in tensors) or any(t.layout != torch.strided for t in tensors):
         return "arguments", "tensors on different devices, or not strided"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return "requires grad", "inputs that require grad: the patch serves forward calls only"
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if grad and mask is not None and mask.requires_grad:
+        return "requires grad", "an attn_mask that requires grad: the kernels give no gradient for a mask"
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or dropout_p != 0:
         return "dropout", f"dropout_p={dropout_p!r}: the kernels have no dropout"
     if (not isinstance(is_causal, bool) or not isinstance(enable_gqa, bool)
@@ -434,6 +440,9 @@ def _decide(config: _Config, query, key, value, attn_mask, dropout_p, is_causal,
                                  seq_q=seq_q, dtype=dtype))
     if why:
         return f"head_dim {head_dim}", why
+    if grad and not bwd.served(table, head_dim, dtype):
+        return "requires grad", (f"inputs that require grad, and {table.target} has no backward kernel for "
+                                 f"{'bf16' if dtype else 'fp16'} head_dim {head_dim}")
     if mask is None:  # torch's is_causal is top-left: query i sees keys 0..i
         bands = [(0, seq_k, -seq_q, 0 if is_causal else seq_k)]
     else:
@@ -447,8 +456,9 @@ def _decide(config: _Config, query, key, value, attn_mask, dropout_p, is_causal,
         run.slices = slices[:1]
     elif all(s.k0 == live[0].k0 and s.window == live[0].window and s.rows == seq_q for s in live):
         # One call with per-sequence key counts where kernels of that layout are built, else one
-        # call per sequence on the plain kernels.
-        run.seqused = not _choose(table, Request(precision=Precision.FP16, layout=Layout.SEQUSED, head_dim=head_dim,
+        # call per sequence on the plain kernels (also when gradients are asked for: the backward
+        # takes no per-sequence key counts).
+        run.seqused = not grad and not _choose(table, Request(precision=Precision.FP16, layout=Layout.SEQUSED, head_dim=head_dim,
                                                  rows=rows, seq_q=seq_q, dtype=dtype))
     return run
 

@@ -15,7 +15,7 @@ a mask runs `scaled_dot_product_attention` with torch's semantics. Both go throu
 ``rdnattention::padded_attention_fwd``, so compiled models call it whole. Anything else falls back
 to transformers' sdpa attention, with one warning per reason and every call counted in
 ``fallbacks``: a dtype other than float16 and bfloat16 (or mixed dtypes), a head_dim with no built
-kernel, dropout while training, gradients, attention outputs or position biases, tensors or masks the kernels do not
+kernel, dropout while training, attention outputs or position biases, tensors or masks the kernels do not
 take, any other mask (biases, sliding windows, document masks), and calls captured into a CUDA
 graph (reading the mask needs the device: transformers' compiled StaticCache generation captures
 its decode steps; eager generation with a StaticCache runs the kernels). Reading the mask costs
@@ -23,7 +23,11 @@ one device synchronisation per call. Rows of padding queries are zero. A logit s
 ``softcap``) and attention sinks (gpt-oss's ``s_aux``, one logit per query head) run in the kernels
 (rdnattention's ``softcap`` and ``sinks``); where such a call falls back, it runs the attention
 written out in torch (softmax of the capped scores, the sinks in the denominator), which sdpa
-cannot express."""
+cannot express.
+
+Inputs that require grad (training, LoRA fine-tuning) run rdnattention's backward through
+autograd where it serves them (:func:`_trainable`: whole sequences, causal or full, sliding windows
+and softcaps, a head_dim and dtype with backward kernels); padded batches and sinks fall back."""
 
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ from typing import Optional
 import torch
 
 from .. import api, checks, options, route
+from ..call import DTYPE_OPTIONS
+from ..families import bwd
 from ..errors import InvalidArgumentError, KernelsNotBuiltError, UnsupportedError
 
 NAME = "rdnattention"
@@ -91,14 +97,26 @@ def _fallback(reason: str, module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def _autocast(query, key, value):
+    """The tensors as autocast gives them to sdpa, which transformers' sdpa attention calls (an fp32
+    query after RoPE under fp16 autocast, say): cast to the autocast dtype where autocast is on
+    for their device and casts them."""
+    kind = query.device.type
+    if not torch.is_autocast_enabled(kind):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(kind)
+    if dtype not in checks.FLOAT_DTYPES or any(t.dtype not in (torch.float32, *checks.FLOAT_DTYPES)
+                                               for t in (query, key, value)):
+        return query, key, value
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
 def _unsupported(module, query, key, value, dropout: float, kwargs: dict) -> str | None:
     if query.dtype not in checks.FLOAT_DTYPES or not query.dtype == key.dtype == value.dtype:
         return (f"dtype {query.dtype}: the kernels take float16 or bfloat16" if query.dtype == key.dtype == value.dtype
                 else f"dtypes {query.dtype}, {key.dtype}, {value.dtype}: the kernels take one dtype")
     if dropout and module.training:
         return f"dropout {dropout} while training: the kernels are inference only"
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return "inputs that require grad: this integration serves forward calls only"
     if kwargs.get("position_bias") is not None:
         return "position_bias is not supported"
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
@@ -205,6 +223,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                       **kwargs):
     """transformers' attention interface: query [batch, heads, seq_q, head_dim], key and value
     [batch, heads_kv, seq_k, head_dim]; returns ([batch, seq_q, heads, head_dim], None)."""
+    query, key, value = _autocast(query, key, value)
     reason = _unsupported(module, query, key, value, dropout, kwargs)
     if reason:
         return _fallback(reason, module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -226,12 +245,53 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                              "int)", module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                              is_causal=is_causal, **kwargs)
         left = sliding_window - 1
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        reason, out = _trainable(query, key, value, attention_mask, causal, scale, left, kwargs)
+        if reason:
+            return _fallback(reason, module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                             is_causal=is_causal, **kwargs)
+        _count_served()
+        return out, None
     if attention_mask is None:
         attention_mask = query.new_empty(0, dtype=torch.bool)  # none: torch's SDPA semantics
     softcap, sinks = float(kwargs.get("softcap") or 0.0), kwargs.get("s_aux")
     if sinks is not None:  # a parameter in the model's dtype: the kernels read fp32 logits
         sinks = sinks.detach().to(torch.float32)
     return padded_attention_fwd(query, key, value, attention_mask, causal, scale, left, softcap, sinks), None
+
+
+def _trainable(query, key, value, mask, causal: bool, scale: float, left: int, kwargs: dict):
+    """A call whose inputs require grad (training, fine-tuning): ``(None, out)`` where rdnattention's
+    backward serves it, through autograd (:func:`rdnattention.flash_attn`), else ``(reason, None)``.
+    Served: whole sequences (no mask, or a mask that is causal or full over every position: batches
+    of equal length, as training packs them), causal with queries at the end of the keys or full, a
+    sliding window, a softcap; with a head_dim and dtype the device has backward kernels for.
+    Padded batches (reading their mask costs a synchronisation, and the backward takes no
+    per-sequence lengths) and attention sinks run transformers' sdpa attention."""
+    if kwargs.get("s_aux") is not None:
+        return "inputs that require grad with attention sinks: the backward pass does not take sinks", None
+    try:
+        table = route.device_table(query.device)
+    except (KernelsNotBuiltError, UnsupportedError) as e:
+        return f"no kernels for {query.device.type}: {e}", None
+    dtype = DTYPE_OPTIONS.get(str(query.dtype))  # the kernels' dtype option (bf16); None: fp16
+    if not bwd.served(table, query.shape[3], dtype):
+        return (f"inputs that require grad, and {table.target} has no backward kernel for "
+                f"{'bf16' if dtype else 'fp16'} head_dim {query.shape[3]}"), None
+    seq_q, seq_k = query.shape[2], key.shape[2]
+    if mask is not None:
+        if not checks.can_read(mask):
+            return "inputs that require grad, and reading the attention mask needs the device", None
+        runs = _runs(_broadcast(mask, query, key), causal, left)
+        whole = runs is not None and all(bool((r == x).all()) for r, x in zip(runs, (0, seq_q, 0, seq_k)))
+        if not whole:
+            return ("inputs that require grad with a padded batch (the backward pass takes no per-sequence "
+                    "lengths)"), None
+    elif causal and seq_q != seq_k and seq_q > 1:  # sdpa's is_causal without a mask is top-left
+        return "inputs that require grad, is_causal and no mask with fewer queries than keys", None
+    out = api.flash_attn(query, key, value, is_causal=causal and seq_q > 1, window_size=(left, 0 if causal else -1),
+                         softmax_scale=scale, softcap=float(kwargs.get("softcap") or 0.0))
+    return None, out.transpose(1, 2)
 
 
 def _math(query, key, value, mask, causal: bool, scale: float, softcap: float, sinks) -> torch.Tensor:

@@ -214,8 +214,34 @@ def test_what_the_kernels_do_not_serve_runs_torchs_function_counted_and_logged_o
     assert len(caplog.records) == 1 and reason in caplog.records[0].getMessage()
 
 
-def test_gradients_run_torchs_function(patched):
-    q, k, v = (t.requires_grad_() for t in _qkv())
+def _grads(fn, q, k, v, g, **kw):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, **kw)
+    out.backward(g)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("mask", [None, "causal", "key lengths"])
+def test_gradients_run_rdnattentions_backward_where_it_has_one(patched, mask):
+    """Inputs that require grad run the kernels, forward and backward, where the target has backward
+    kernels for the head_dim (64 on the host): gradients equal torch's float32 ones within fp16
+    rounding, and a mask that is a band (here key padding: one call per sequence) serves too."""
+    q, k, v = _qkv(sq=24, sk=24, d=64)
+    kw = {"is_causal": True} if mask == "causal" else {}
+    if mask == "key lengths":
+        lengths = torch.tensor([24, 17])
+        kw = {"attn_mask": (torch.arange(24)[None, :] < lengths[:, None])[:, None, None, :]}
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).half()
+    ours = _grads(F.scaled_dot_product_attention, q, k, v, g, **kw)
+    ref = _grads(_reference, q, k, v, g.float(), **kw)
+    for a, b in zip(ours, ref):
+        assert a.dtype == torch.float16
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+    _served(1)
+
+
+def test_gradients_without_a_backward_kernel_run_torchs_function(patched):
+    q, k, v = (t.requires_grad_() for t in _qkv())  # head_dim 32: no backward kernel on the host
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     out.float().sum().backward()
     assert q.grad is not None

@@ -290,3 +290,76 @@ def test_sliding_window_layers_fall_back_to_the_transforms_written_out(device, k
             ours = model(ids, attention_mask=mask).logits
     valid = mask.bool()
     torch.testing.assert_close(ours[valid], ref[valid], **TOL)
+
+
+class _LoRA(torch.nn.Module):
+    """A frozen linear layer plus a trainable low-rank update (LoRA): base(x) + x A^T B^T, B zero at first."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base = base
+        self.a = torch.nn.Parameter(torch.randn(rank, base.in_features, device=base.weight.device) * 0.05)
+        self.b = torch.nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device))
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.a.t().to(x.dtype)) @ self.b.t().to(x.dtype)
+
+
+def _lora_losses(device, impl, steps=20, batch=2, seq=32):
+    """Losses of ``steps`` LoRA fine-tuning steps of a tiny random Llama (GQA 4/2, head_dim 64) under
+    fp16 autocast: q_proj and v_proj adapted, everything else frozen, AdamW, the same batch each step."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(cfg).to(device)
+    model.requires_grad_(False)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = _LoRA(layer.self_attn.q_proj)
+        layer.self_attn.v_proj = _LoRA(layer.self_attn.v_proj)
+    _use(model, impl)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    losses = []
+    for _ in range(steps):  # one batch, learnt by heart: the loss falls
+        with torch.autocast(device.type, dtype=torch.float16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_lora_fine_tuning_under_fp16_autocast_runs_the_backward_and_matches_sdpa(device):
+    """issue 27's loop: 20 LoRA steps with attn_implementation="rdnattention" give sdpa's losses
+    within fp16 tolerance, every attention call (forward and backward) run by the kernels."""
+    rt.counts(reset=True)
+    ours = _lora_losses(device, "rdnattention")
+    c = rt.counts()
+    assert (c["served"], c["fallback"]) == (20 * 2, 0), c  # 20 steps x 2 layers
+    ref = _lora_losses(device, "sdpa")
+    assert ours[-1] < ours[0] - 0.5, ours  # it trains
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), atol=5e-3, rtol=0)
+
+
+def test_training_on_a_padded_batch_falls_back_with_its_reason(device):
+    """The backward takes no per-sequence lengths: a padded batch that requires grad runs sdpa,
+    counted and warned once, with gradients equal to sdpa's."""
+    model = _model(device, dtype=torch.float16).train()
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6]], device=device)
+    mask = (ids != 0).long()
+    grads = {}
+    for impl in ("rdnattention", "sdpa"):
+        _use(model, impl)
+        model.zero_grad()
+        rt.counts(reset=True)
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        grads[impl] = model.model.layers[0].self_attn.q_proj.weight.grad.clone()
+        if impl == "rdnattention":
+            c = rt.counts()
+            assert c["served"] == 0 and list(c["fallbacks"]) == [
+                "inputs that require grad with a padded batch (the backward pass takes no per-sequence lengths)"], c
+    assert torch.equal(grads["rdnattention"], grads["sdpa"])
