@@ -48,80 +48,126 @@ RDNA_DEVICE void fa2_bwd_stage(float* tile, const half_t* base, long long stride
   }
 }
 
-// The dot product of two fp32 rows of D values in LDS, 16 bytes at a time.
-template <int D>
-RDNA_DEVICE float fa2_bwd_dot(const float* a, const float* b) {
-  float acc = 0.f;
-#pragma unroll 4
+// Four gradient values of one row, scaled, stored as two 16-bit pairs (8 bytes).
+template <bool BF16>
+RDNA_DEVICE void fa2_bwd_store4(half_t* out, const float* g, float scale) {
+  unsigned w[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+    w[e] = BF16 ? rdna_pack_bf16x2(g[2 * e] * scale, g[2 * e + 1] * scale)
+                : rdna_pack_half2(g[2 * e] * scale, g[2 * e + 1] * scale);
+  __builtin_memcpy(__builtin_assume_aligned(out, 8), w, sizeof(w));
+}
+
+// acc[k][4 i + e] += sum over red < RED of w[red][o0 + k] x[red][4 (cg + CG i) + e]: a TK x 4 NCH
+// register tile of a gradient (rows o0 .. o0 + TK - 1 of the OUTS rows the weights w [RED][OUTS]
+// give; columns in 16-byte chunks cg + CG i of the fp32 rows x [RED][RS]). Per step, one read of
+// the TK weights and NCH 16-byte reads of x feed 4 TK NCH FMAs; the lanes of a wave read
+// consecutive chunks of one row of x (cg is the lane's fastest index) and share the weights.
+template <int RED, int OUTS, int RS, int TK, int NCH, int CG>
+RDNA_DEVICE void fa2_bwd_gemm(float (&acc)[TK][4 * NCH], const float* w, const float* x, int o0, int cg) {
+  constexpr int WA = 4 * (TK % 4 == 0 ? 4 : TK % 2 == 0 ? 2 : 1);  // bytes of alignment of a weight run
+#pragma unroll 2
+  for (int red = 0; red < RED; ++red) {
+    float wv[TK], xv[NCH][4];
+    __builtin_memcpy(wv, __builtin_assume_aligned(w + red * OUTS + o0, WA), sizeof(wv));
+#pragma unroll
+    for (int i = 0; i < NCH; ++i)
+      __builtin_memcpy(xv[i], __builtin_assume_aligned(x + red * RS + 4 * (cg + CG * i), 16), sizeof(xv[i]));
+#pragma unroll
+    for (int k = 0; k < TK; ++k)
+#pragma unroll
+      for (int i = 0; i < NCH; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[k][4 * i + e] = rdna_fma(wv[k], xv[i][e], acc[k][4 * i + e]);
+  }
+}
+
+// s[i][j] = a row (r0 + GA i) . b row (c0 + GB j) over D, for TM rows of a and TN rows of b (fp32
+// rows of stride RS in LDS): each step's 16-byte reads of TM + TN rows feed 4 TM TN FMAs.
+template <int D, int RS, int TM, int TN, int GA, int GB>
+RDNA_DEVICE void fa2_bwd_outer(float (&s)[TM][TN], const float* a, const float* b, int r0, int c0) {
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) s[i][j] = 0.f;
+#pragma unroll 2
   for (int d = 0; d < D; d += 4) {
-    float x[4], y[4];
-    __builtin_memcpy(x, __builtin_assume_aligned(a + d, 16), sizeof(x));
-    __builtin_memcpy(y, __builtin_assume_aligned(b + d, 16), sizeof(y));
-    acc = rdna_fma(x[0], y[0], acc);
-    acc = rdna_fma(x[1], y[1], acc);
-    acc = rdna_fma(x[2], y[2], acc);
-    acc = rdna_fma(x[3], y[3], acc);
-  }
-  return acc;
-}
-
-// One gradient row slice: N column pairs 2 (j + STEP i), scaled, stored as 16-bit pairs.
-template <int N, int STEP, bool BF16>
-RDNA_DEVICE void fa2_bwd_store(half_t* row, int j, const float (&g)[N][2], float scale) {
+    float x[TM][4], y[TN][4];
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const unsigned w = BF16 ? rdna_pack_bf16x2(g[i][0] * scale, g[i][1] * scale)
-                            : rdna_pack_half2(g[i][0] * scale, g[i][1] * scale);
-    __builtin_memcpy(__builtin_assume_aligned(row + 2 * (j + STEP * i), 4), &w, sizeof(w));
-  }
-}
-
-// acc[i] += w * tile row's column pairs 2 (j + STEP i).
-template <int N, int STEP>
-RDNA_DEVICE void fa2_bwd_axpy(float (&acc)[N][2], float w, const float* row, int j) {
+    for (int i = 0; i < TM; ++i)
+      __builtin_memcpy(x[i], __builtin_assume_aligned(a + (r0 + GA * i) * RS + d, 16), sizeof(x[i]));
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    float x[2];
-    __builtin_memcpy(x, __builtin_assume_aligned(row + 2 * (j + STEP * i), 8), sizeof(x));
-    acc[i][0] = rdna_fma(w, x[0], acc[i][0]);
-    acc[i][1] = rdna_fma(w, x[1], acc[i][1]);
+    for (int j = 0; j < TN; ++j)
+      __builtin_memcpy(y[j], __builtin_assume_aligned(b + (c0 + GB * j) * RS + d, 16), sizeof(y[j]));
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TN; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[i][j] = rdna_fma(x[i][e], y[j][e], s[i][j]);
   }
 }
 
 // P and dS of the tile of rows [q0, q0 + BR) and keys [k0, k0 + BC) (staged in qs/dos, ks/vs, with
-// the rows' LSE and delta) into ps and dss.
-template <int D, int BR, int BC, int RS, int NT, class Args, class Mask>
+// the rows' LSE and delta), each thread a TM x TN register tile of rows r0 + (BR / TM) i and keys
+// c0 + (BC / TN) j. DQ (the dQ pass): dS only, into dss as [BC][BR], the lanes of a wave running
+// along the rows; else P and dS into ps and dss as [BR][BC], the lanes running along the keys (so
+// the phase after reads a row of weights per step, and the stores of a wave are consecutive).
+template <int D, int BR, int BC, int RS, int NT, int TM, int TN, bool DQ, class Args, class Mask>
 RDNA_DEVICE void fa2_bwd_scores(const Args& a, const Mask& mask, const float* qs, const float* dos, const float* ks,
                                 const float* vs, const float* lse2, const float* dl, float* ps, float* dss, int q0,
                                 int k0) {
-  for (int e = rdna_thread_id(); e < BR * BC; e += NT) {
-    const int r = e / BC, c = e % BC, pos = q0 + r, key = k0 + c;
-    float p = 0.f, ds = 0.f;
-    if (mask.visible(key, pos, mask.diag(pos))) {
-      float s = mask.scale(fa2_bwd_dot<D>(qs + r * RS, ks + c * RS));
-      float cap = 1.f;  // d(capped score) / d(score)
-      if (a.softcap_log2 != 0.f) {
-        s = CapFma{}(s, a.softcap_log2, a.softcap_inv);
-        const float t = s * a.softcap_inv;  // tanh(score / softcap)
-        cap = rdna_fma(-t, t, 1.f);
+  constexpr int GR = BR / TM, GC = BC / TN;
+  static_assert(GR * GC == NT, "score thread grid");
+  const int tid = rdna_thread_id();
+  const int r0 = DQ ? tid % GR : tid / GC, c0 = DQ ? tid / GR : tid % GC;
+  float s[TM][TN], dp[TM][TN];
+  fa2_bwd_outer<D, RS, TM, TN, GR, GC>(s, qs, ks, r0, c0);
+  fa2_bwd_outer<D, RS, TM, TN, GR, GC>(dp, dos, vs, r0, c0);
+  // A tile whose rows all exist and see every key skips the per-score tests (one uniform branch).
+  const bool whole = q0 + BR <= a.seq_q && mask.template whole<BC>(k0, q0, q0 + BR - 1);
+#pragma unroll
+  for (int i = 0; i < TM; ++i) {
+    const int r = r0 + GR * i, pos = q0 + r, diag = mask.diag(pos);
+    const float l = lse2[r], dd = dl[r];
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+      const int c = c0 + GC * j;
+      float p = 0.f, ds = 0.f;
+      if (whole || mask.visible(k0 + c, pos, diag)) {
+        float x = mask.scale(s[i][j]);
+        float cap = 1.f;  // d(capped score) / d(score)
+        if (a.softcap_log2 != 0.f) {
+          x = CapFma{}(x, a.softcap_log2, a.softcap_inv);
+          const float t = x * a.softcap_inv;  // tanh(score / softcap)
+          cap = rdna_fma(-t, t, 1.f);
+        }
+        p = rdna_exp2(x - l);
+        ds = p * (dp[i][j] - dd) * cap;
       }
-      p = rdna_exp2(s - lse2[r]);
-      const float dp = fa2_bwd_dot<D>(dos + r * RS, vs + c * RS);
-      ds = p * (dp - dl[r]) * cap;
+      if constexpr (DQ) {
+        dss[c * BR + r] = ds;
+      } else {
+        ps[r * BC + c] = p;
+        dss[r * BC + c] = ds;
+      }
     }
-    ps[e] = p;
-    dss[e] = ds;
   }
 }
 
-// D: the head_dim; P: the pair policy of the input dtype; BF16: bf16 rows.
-template <class P, int D, int BR, int BC, int NT, int LDS_BYTES, bool BF16, int PASS>
+// D: the head_dim; P: the pair policy of the input dtype; BF16: bf16 rows. TM x TN: each thread's
+// tile of scores; CG: the lanes across a gradient row (16-byte column chunks cg + CG i), the other
+// NT / CG lanes each owning TK consecutive rows of it (keys in the dK/dV pass, query rows in dQ's).
+// The generator chooses them (rdnattention_gen/families/bwd.py micro_tiles).
+template <class P, int D, int BR, int BC, int NT, int LDS_BYTES, bool BF16, int PASS, int TM, int TN, int CG>
 RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
   constexpr int RS = D + 4;  // fp32 per staged row
-  constexpr int TPK = NT / BC, TPR = NT / BR;
-  constexpr int NK = D / (2 * TPK), NQ = D / (2 * TPR);  // column pairs per lane (dK and dV; dQ)
-  static_assert(D % 8 == 0 && NT % BC == 0 && NT % BR == 0 && D % (2 * TPK) == 0 && D % (2 * TPR) == 0,
-                "thread grid");
+  constexpr int TPR = NT / BR;  // the preprocess pass's lanes per row
+  constexpr int OUTS = PASS == 1 ? BC : BR, TK = PASS == 0 ? 1 : OUTS * CG / NT, NCH = PASS == 0 ? 1 : D / (4 * CG);
+  static_assert(D % 8 == 0 && NT % BR == 0 && BR % 4 == 0 && BC % 4 == 0, "thread grid");
+  static_assert(PASS == 0 || (NT % CG == 0 && (D / 4) % CG == 0 && TK * (NT / CG) == OUTS && TM * TN * NT == BR * BC),
+                "register tiles");
   static_assert(LDS_BYTES == (PASS == 0 ? NT * 4 : ((2 * BR + 2 * BC) * RS + 2 * BR * BC + 2 * BR) * 4), "LDS layout");
   float* const qs = reinterpret_cast<float*>(lds);
   float* const dos = qs + BR * RS;
@@ -164,14 +210,15 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
     return;
   }
 
+  // The gradient tile this thread accumulates: rows o0 .. o0 + TK - 1, column chunks cg + CG i.
+  const int o0 = TK * (tid / CG), cg = tid % CG;
+
   if constexpr (PASS == 1) {  // dK, dV of one key block
-    const int hkv = rdna_block_id_y(), k0 = rdna_block_id_x() * BC, c = tid / TPK, j = tid % TPK;
+    const int hkv = rdna_block_id_y(), k0 = rdna_block_id_x() * BC;
     const int group = a.heads_q / a.heads_kv;
+    float acc[2][TK][4 * NCH] = {};  // dK, dV
     fa2_bwd_stage<P, D, BC, RS, NT>(ks, a.k + b * a.k_stride_b + hkv * a.k_stride_h, a.k_stride_s, k0, a.seq_k);
     fa2_bwd_stage<P, D, BC, RS, NT>(vs, a.v + b * a.v_stride_b + hkv * a.v_stride_h, a.v_stride_s, k0, a.seq_k);
-    float dk[NK][2], dv[NK][2];
-#pragma unroll
-    for (int i = 0; i < NK; ++i) dk[i][0] = dk[i][1] = dv[i][0] = dv[i][1] = 0.f;
     // The query rows that see any key of the block: key >= diag - left and key <= diag + right.
     const int off = mask.offset(), last_key = rdna_min(k0 + BC, a.seq_k) - 1;
     const int q_lo = a.window_right < 0 ? 0 : rdna_max(0, k0 - off - a.window_right);
@@ -189,49 +236,57 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
           dl[tid] = in ? a.delta[(b * a.heads_q + h) * a.seq_q + pos] : 0.f;
         }
         rdna_block_sync();
-        fa2_bwd_scores<D, BR, BC, RS, NT>(a, mask, qs, dos, ks, vs, lse2, dl, ps, dss, q0, k0);
+        fa2_bwd_scores<D, BR, BC, RS, NT, TM, TN, false>(a, mask, qs, dos, ks, vs, lse2, dl, ps, dss, q0, k0);
         rdna_block_sync();
-        for (int r = 0; r < BR; ++r) {
-          fa2_bwd_axpy<NK, TPK>(dv, ps[r * BC + c], dos + r * RS, j);
-          fa2_bwd_axpy<NK, TPK>(dk, dss[r * BC + c], qs + r * RS, j);
-        }
+        fa2_bwd_gemm<BR, BC, RS, TK, NCH, CG>(acc[1], ps, dos, o0, cg);   // dV += P^T dO
+        fa2_bwd_gemm<BR, BC, RS, TK, NCH, CG>(acc[0], dss, qs, o0, cg);   // dK += dS^T Q
       }
     }
-    if (k0 + c < a.seq_k) {
-      const long long kr = b * a.dk_stride_b + hkv * a.dk_stride_h + (long long)(k0 + c) * a.dk_stride_s;
-      const long long vr = b * a.dv_stride_b + hkv * a.dv_stride_h + (long long)(k0 + c) * a.dv_stride_s;
-      fa2_bwd_store<NK, TPK, BF16>(a.dk + kr, j, dk, a.softmax_scale);
-      fa2_bwd_store<NK, TPK, BF16>(a.dv + vr, j, dv, 1.f);
+#pragma unroll
+    for (int k = 0; k < TK; ++k) {
+      if (k0 + o0 + k < a.seq_k) {
+        half_t* const dk = a.dk + b * a.dk_stride_b + hkv * a.dk_stride_h + (long long)(k0 + o0 + k) * a.dk_stride_s;
+        half_t* const dv = a.dv + b * a.dv_stride_b + hkv * a.dv_stride_h + (long long)(k0 + o0 + k) * a.dv_stride_s;
+#pragma unroll
+        for (int i = 0; i < NCH; ++i) {
+          fa2_bwd_store4<BF16>(dk + 4 * (cg + CG * i), acc[0][k] + 4 * i, a.softmax_scale);
+          fa2_bwd_store4<BF16>(dv + 4 * (cg + CG * i), acc[1][k] + 4 * i, 1.f);
+        }
+      }
     }
     return;
   }
 
-  // dQ of one row block (PASS 2)
-  const int h = rdna_block_id_y(), q0 = rdna_block_id_x() * BR, r = tid / TPR, j = tid % TPR;
-  const int hkv = h / (a.heads_q / a.heads_kv);
-  fa2_bwd_stage<P, D, BR, RS, NT>(qs, a.q + b * a.q_stride_b + h * a.q_stride_h, a.q_stride_s, q0, a.seq_q);
-  fa2_bwd_stage<P, D, BR, RS, NT>(dos, a.dout + b * a.dout_stride_b + h * a.dout_stride_h, a.dout_stride_s, q0,
-                                  a.seq_q);
-  if (tid < BR) {
-    const int pos = q0 + tid;
-    const bool in = pos < a.seq_q;
-    lse2[tid] = in ? a.lse[b * a.lse_stride_b + h * a.lse_stride_h + pos] * log2e : 0.f;
-    dl[tid] = in ? a.delta[(b * a.heads_q + h) * a.seq_q + pos] : 0.f;
-  }
-  float dq[NQ][2];
+  if constexpr (PASS == 2) {  // dQ of one row block
+    const int h = rdna_block_id_y(), q0 = rdna_block_id_x() * BR;
+    const int hkv = h / (a.heads_q / a.heads_kv);
+    float acc[1][TK][4 * NCH] = {};  // dQ
+    fa2_bwd_stage<P, D, BR, RS, NT>(qs, a.q + b * a.q_stride_b + h * a.q_stride_h, a.q_stride_s, q0, a.seq_q);
+    fa2_bwd_stage<P, D, BR, RS, NT>(dos, a.dout + b * a.dout_stride_b + h * a.dout_stride_h, a.dout_stride_s, q0,
+                                    a.seq_q);
+    if (tid < BR) {
+      const int pos = q0 + tid;
+      const bool in = pos < a.seq_q;
+      lse2[tid] = in ? a.lse[b * a.lse_stride_b + h * a.lse_stride_h + pos] * log2e : 0.f;
+      dl[tid] = in ? a.delta[(b * a.heads_q + h) * a.seq_q + pos] : 0.f;
+    }
+    const int key_lo = mask.key_lo(q0), key_hi = mask.key_hi(rdna_min(a.seq_q, q0 + BR) - 1);
+    for (int k0 = key_lo / BC * BC; k0 < key_hi; k0 += BC) {
+      rdna_block_sync();  // the previous tile's reads are done (and the rows' staging, the first time)
+      fa2_bwd_stage<P, D, BC, RS, NT>(ks, a.k + b * a.k_stride_b + hkv * a.k_stride_h, a.k_stride_s, k0, a.seq_k);
+      fa2_bwd_stage<P, D, BC, RS, NT>(vs, a.v + b * a.v_stride_b + hkv * a.v_stride_h, a.v_stride_s, k0, a.seq_k);
+      rdna_block_sync();
+      fa2_bwd_scores<D, BR, BC, RS, NT, TM, TN, true>(a, mask, qs, dos, ks, vs, lse2, dl, ps, dss, q0, k0);
+      rdna_block_sync();
+      fa2_bwd_gemm<BC, BR, RS, TK, NCH, CG>(acc[0], dss, ks, o0, cg);  // dQ += dS K
+    }
 #pragma unroll
-  for (int i = 0; i < NQ; ++i) dq[i][0] = dq[i][1] = 0.f;
-  const int key_lo = mask.key_lo(q0), key_hi = mask.key_hi(rdna_min(a.seq_q, q0 + BR) - 1);
-  for (int k0 = key_lo / BC * BC; k0 < key_hi; k0 += BC) {
-    rdna_block_sync();  // the previous tile's reads are done (and the rows' staging, the first time)
-    fa2_bwd_stage<P, D, BC, RS, NT>(ks, a.k + b * a.k_stride_b + hkv * a.k_stride_h, a.k_stride_s, k0, a.seq_k);
-    fa2_bwd_stage<P, D, BC, RS, NT>(vs, a.v + b * a.v_stride_b + hkv * a.v_stride_h, a.v_stride_s, k0, a.seq_k);
-    rdna_block_sync();
-    fa2_bwd_scores<D, BR, BC, RS, NT>(a, mask, qs, dos, ks, vs, lse2, dl, ps, dss, q0, k0);
-    rdna_block_sync();
-    for (int c = 0; c < BC; ++c) fa2_bwd_axpy<NQ, TPR>(dq, dss[r * BC + c], ks + c * RS, j);
+    for (int k = 0; k < TK; ++k) {
+      if (q0 + o0 + k < a.seq_q) {
+        half_t* const dq = a.dq + b * a.dq_stride_b + h * a.dq_stride_h + (long long)(q0 + o0 + k) * a.dq_stride_s;
+#pragma unroll
+        for (int i = 0; i < NCH; ++i) fa2_bwd_store4<BF16>(dq + 4 * (cg + CG * i), acc[0][k] + 4 * i, a.softmax_scale);
+      }
+    }
   }
-  if (q0 + r < a.seq_q)
-    fa2_bwd_store<NQ, TPR, BF16>(a.dq + b * a.dq_stride_b + h * a.dq_stride_h + (long long)(q0 + r) * a.dq_stride_s,
-                                 j, dq, a.softmax_scale);
 }
