@@ -15,37 +15,69 @@
 // (pairs.h: F32Pairs for fp16, BF16F32Pairs for bf16), so every product is an fp32 FMA:
 //   qs, dos  [BR][D + 4]   the Q and dO rows of a row block
 //   ks, vs   [BC][D + 4]   the K and V rows of a key block
-//   ps, dss  [BR][BC]      P and dS of the tile
+//   ps, dss  [BR][BC]      P and dS of the tile (the dQ pass: dS only, as [BC][BR])
 //   lse2, dl [BR]          each row's LSE (log2 domain) and delta
-// (the preprocess pass: NT partial sums).
-// A score (r, c) is one lane's dot products over D (16-byte reads; the rows' padding keeps the
-// lanes of a wave reading consecutive rows off each other's banks); an accumulated gradient row is
-// shared by TPK = NT / BC (dK, dV) or TPR = NT / BR (dQ) lanes, each owning column pairs
-// 2 (j + TPK i), so that the lanes of a row read consecutive pairs and store 32-bit words.
+// (the preprocess pass: NT partial sums). The next step's rows are loaded into registers while the
+// gradients of this one accumulate, and stored to LDS after.
+// Each step has two phases, each a register tile per thread in the forward kernels' manner (every
+// value read from LDS used by several FMAs; 16-byte reads; rows padded by 16 bytes so that lanes
+// reading consecutive rows meet no bank twice):
+//   scores     a TM x TN tile of S = Q K^T and dP = dO V^T, outer products over D, then P and dS;
+//   gradients  a TK x 4 NCH tile of dV += P^T dO and dK += dS^T Q (dQ += dS K): per row of the
+//              reduction, TK weights (P or dS) and NCH 16-byte chunks of the operand's row.
 #pragma once
 
 #include "tiles.h"
 #include "pairs.h"
 #include "fa2_policies.h"
 
-// The rows [first, first + R) of one head (rows at or past `limit`: zeros) into an fp32 tile of
-// row stride RS, 16 bytes (8 values) per item, each pair widened by P::from_word.
-template <class P, int D, int R, int RS, int NT>
-RDNA_DEVICE void fa2_bwd_stage(float* tile, const half_t* base, long long stride_s, int first, int limit) {
-  constexpr int CH = D / 8;
-  const u32x4 zero = {0u, 0u, 0u, 0u};
-  for (int i = rdna_thread_id(); i < R * CH; i += NT) {
-    const int r = i / CH, c = i % CH, pos = first + r;
-    const u32x4 w = pos < limit ? rdna_load16(base + (long long)pos * stride_s + 8 * c) : zero;
-    float x[8];
+// The rows [first, first + R) of one head (rows at or past `limit`: zeros), 16 bytes (8 values) per
+// item, held in registers from the global loads to the LDS stores: every load of a tile is issued
+// before the first store, and the next tile's loads overlap the work on this one.
+template <int D, int R, int NT>
+struct Fa2BwdRows {
+  static constexpr int CH = D / 8, N = (R * CH + NT - 1) / NT;
+  u32x4 w[N];
+
+  RDNA_METHOD void load(const half_t* base, long long stride_s, int first, int limit) {
+    const u32x4 zero = {0u, 0u, 0u, 0u};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const typename P::pack_t p = P::from_word(w[e]);
-      x[2 * e] = p.x;
-      x[2 * e + 1] = p.y;
+    for (int n = 0; n < N; ++n) {
+      const int i = rdna_thread_id() + n * NT, pos = first + i / CH;
+      w[n] = i < R * CH && pos < limit ? rdna_load16(base + (long long)pos * stride_s + 8 * (i % CH)) : zero;
     }
-    __builtin_memcpy(__builtin_assume_aligned(tile + r * RS + 8 * c, 16), x, sizeof(x));
   }
+  // Into an fp32 tile of row stride RS, each pair widened by P::from_word.
+  template <class P, int RS>
+  RDNA_METHOD void store(float* tile) const {
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const int i = rdna_thread_id() + n * NT;
+      if (i < R * CH) {
+        float x[8];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const typename P::pack_t p = P::from_word(w[n][e]);
+          x[2 * e] = p.x;
+          x[2 * e + 1] = p.y;
+        }
+        __builtin_memcpy(__builtin_assume_aligned(tile + i / CH * RS + 8 * (i % CH), 16), x, sizeof(x));
+      }
+    }
+  }
+};
+
+// The Q and dO rows [q0, q0 + BR) of query head h into registers, with each row's LSE (log2 domain)
+// and delta (lane r: row q0 + r; zeros past the rows).
+template <int D, int BR, int NT>
+RDNA_DEVICE void fa2_bwd_fetch_rows(const Fa2BwdArgs& a, long long b, int h, int q0, Fa2BwdRows<D, BR, NT>& qr,
+                                    Fa2BwdRows<D, BR, NT>& dr, float& lse2, float& dl) {
+  qr.load(a.q + b * a.q_stride_b + h * a.q_stride_h, a.q_stride_s, q0, a.seq_q);
+  dr.load(a.dout + b * a.dout_stride_b + h * a.dout_stride_h, a.dout_stride_s, q0, a.seq_q);
+  const int tid = rdna_thread_id(), pos = q0 + tid;
+  const bool in = tid < BR && pos < a.seq_q;
+  lse2 = in ? a.lse[b * a.lse_stride_b + h * a.lse_stride_h + pos] * 1.4426950408889634f : 0.f;
+  dl = in ? a.delta[(b * a.heads_q + h) * a.seq_q + pos] : 0.f;
 }
 
 // Four gradient values of one row, scaled, stored as two 16-bit pairs (8 bytes).
@@ -120,8 +152,12 @@ RDNA_DEVICE void fa2_bwd_scores(const Args& a, const Mask& mask, const float* qs
                                 int k0) {
   constexpr int GR = BR / TM, GC = BC / TN;
   static_assert(GR * GC == NT, "score thread grid");
-  const int tid = rdna_thread_id();
-  const int r0 = DQ ? tid % GR : tid / GC, c0 = DQ ? tid / GR : tid % GC;
+  // The lanes of a wave cover FX consecutive register tiles along the fast index (keys; rows for
+  // DQ) times the slow index's next ones, so that a step's reads meet few distinct rows of each
+  // operand (8 x 4 for 32 lanes, not 16 x 2).
+  constexpr int GF = DQ ? GR : GC, GS = DQ ? GC : GR, FX = GF % 8 == 0 ? 8 : GF % 4 == 0 ? 4 : GF % 2 == 0 ? 2 : 1;
+  const int tid = rdna_thread_id(), fast = tid % FX + FX * (tid / FX / GS), slow = tid / FX % GS;
+  const int r0 = DQ ? fast : slow, c0 = DQ ? slow : fast;
   float s[TM][TN], dp[TM][TN];
   fa2_bwd_outer<D, RS, TM, TN, GR, GC>(s, qs, ks, r0, c0);
   fa2_bwd_outer<D, RS, TM, TN, GR, GC>(dp, dos, vs, r0, c0);
@@ -181,7 +217,6 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
   const int tid = rdna_thread_id();
   const long long b = rdna_block_id_z();
   const WindowMask<Fa2BwdArgs> mask{a};
-  const float log2e = 1.4426950408889634f;
 
   if constexpr (PASS == 0) {  // delta = rowsum(dO * O) - dLSE, a row per TPR lanes, partial sums met in LDS (qs)
     const int h = rdna_block_id_y(), q0 = rdna_block_id_x() * BR, r = tid / TPR, j = tid % TPR;
@@ -214,33 +249,43 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
   const int o0 = TK * (tid / CG), cg = tid % CG;
 
   if constexpr (PASS == 1) {  // dK, dV of one key block
-    const int hkv = rdna_block_id_y(), k0 = rdna_block_id_x() * BC;
+    // Workgroups in order of key block, then head (the grid's x and y, relabelled): under a causal
+    // mask the first key blocks see the most rows, so the longest workgroups start first.
+    const int nkb = (a.seq_k + BC - 1) / BC, lin = rdna_block_id_x() + nkb * rdna_block_id_y();
+    const int hkv = lin % a.heads_kv, k0 = lin / a.heads_kv * BC;
     const int group = a.heads_q / a.heads_kv;
     float acc[2][TK][4 * NCH] = {};  // dK, dV
-    fa2_bwd_stage<P, D, BC, RS, NT>(ks, a.k + b * a.k_stride_b + hkv * a.k_stride_h, a.k_stride_s, k0, a.seq_k);
-    fa2_bwd_stage<P, D, BC, RS, NT>(vs, a.v + b * a.v_stride_b + hkv * a.v_stride_h, a.v_stride_s, k0, a.seq_k);
-    // The query rows that see any key of the block: key >= diag - left and key <= diag + right.
+    // The query rows that see any key of the block: key >= diag - left and key <= diag + right;
+    // the steps walk their row blocks for each query head of the group.
     const int off = mask.offset(), last_key = rdna_min(k0 + BC, a.seq_k) - 1;
     const int q_lo = a.window_right < 0 ? 0 : rdna_max(0, k0 - off - a.window_right);
     const int q_hi = a.window_left < 0 ? a.seq_q : rdna_min(a.seq_q, last_key - off + a.window_left + 1);
-    for (int h = hkv * group; h < (hkv + 1) * group; ++h) {
-      for (int q0 = q_lo / BR * BR; q0 < q_hi; q0 += BR) {
-        rdna_block_sync();  // the previous tile's reads are done
-        fa2_bwd_stage<P, D, BR, RS, NT>(qs, a.q + b * a.q_stride_b + h * a.q_stride_h, a.q_stride_s, q0, a.seq_q);
-        fa2_bwd_stage<P, D, BR, RS, NT>(dos, a.dout + b * a.dout_stride_b + h * a.dout_stride_h, a.dout_stride_s, q0,
-                                        a.seq_q);
-        if (tid < BR) {
-          const int pos = q0 + tid;
-          const bool in = pos < a.seq_q;
-          lse2[tid] = in ? a.lse[b * a.lse_stride_b + h * a.lse_stride_h + pos] * log2e : 0.f;
-          dl[tid] = in ? a.delta[(b * a.heads_q + h) * a.seq_q + pos] : 0.f;
-        }
-        rdna_block_sync();
-        fa2_bwd_scores<D, BR, BC, RS, NT, TM, TN, false>(a, mask, qs, dos, ks, vs, lse2, dl, ps, dss, q0, k0);
-        rdna_block_sync();
-        fa2_bwd_gemm<BR, BC, RS, TK, NCH, CG>(acc[1], ps, dos, o0, cg);   // dV += P^T dO
-        fa2_bwd_gemm<BR, BC, RS, TK, NCH, CG>(acc[0], dss, qs, o0, cg);   // dK += dS^T Q
+    const int q_first = q_lo / BR * BR, nq = q_hi > q_first ? (q_hi - q_first + BR - 1) / BR : 0;
+    const int steps = group * nq;
+    Fa2BwdRows<D, BC, NT> kr, vr;
+    kr.load(a.k + b * a.k_stride_b + hkv * a.k_stride_h, a.k_stride_s, k0, a.seq_k);
+    vr.load(a.v + b * a.v_stride_b + hkv * a.v_stride_h, a.v_stride_s, k0, a.seq_k);
+    Fa2BwdRows<D, BR, NT> qr, dr;
+    float nl = 0.f, nd = 0.f;
+    if (steps > 0) fa2_bwd_fetch_rows(a, b, hkv * group, q_first, qr, dr, nl, nd);
+    kr.template store<P, RS>(ks);
+    vr.template store<P, RS>(vs);
+    for (int t = 0; t < steps; ++t) {
+      const int q0 = q_first + BR * (t % nq);
+      rdna_block_sync();  // the previous step's reads are done
+      qr.template store<P, RS>(qs);
+      dr.template store<P, RS>(dos);
+      if (tid < BR) {
+        lse2[tid] = nl;
+        dl[tid] = nd;
       }
+      rdna_block_sync();
+      fa2_bwd_scores<D, BR, BC, RS, NT, TM, TN, false>(a, mask, qs, dos, ks, vs, lse2, dl, ps, dss, q0, k0);
+      rdna_block_sync();
+      if (t + 1 < steps)
+        fa2_bwd_fetch_rows(a, b, hkv * group + (t + 1) / nq, q_first + BR * ((t + 1) % nq), qr, dr, nl, nd);
+      fa2_bwd_gemm<BR, BC, RS, TK, NCH, CG>(acc[1], ps, dos, o0, cg);   // dV += P^T dO
+      fa2_bwd_gemm<BR, BC, RS, TK, NCH, CG>(acc[0], dss, qs, o0, cg);   // dK += dS^T Q
     }
 #pragma unroll
     for (int k = 0; k < TK; ++k) {
@@ -258,26 +303,41 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
   }
 
   if constexpr (PASS == 2) {  // dQ of one row block
-    const int h = rdna_block_id_y(), q0 = rdna_block_id_x() * BR;
+    // Workgroups from the last row block to the first (the grid's x and y, relabelled): under a causal
+    // mask the last rows see the most keys, so the longest workgroups start first.
+    const int nqb = (a.seq_q + BR - 1) / BR, lin = rdna_block_id_x() + nqb * rdna_block_id_y();
+    const int h = lin % a.heads_q, q0 = (nqb - 1 - lin / a.heads_q) * BR;
     const int hkv = h / (a.heads_q / a.heads_kv);
     float acc[1][TK][4 * NCH] = {};  // dQ
-    fa2_bwd_stage<P, D, BR, RS, NT>(qs, a.q + b * a.q_stride_b + h * a.q_stride_h, a.q_stride_s, q0, a.seq_q);
-    fa2_bwd_stage<P, D, BR, RS, NT>(dos, a.dout + b * a.dout_stride_b + h * a.dout_stride_h, a.dout_stride_s, q0,
-                                    a.seq_q);
-    if (tid < BR) {
-      const int pos = q0 + tid;
-      const bool in = pos < a.seq_q;
-      lse2[tid] = in ? a.lse[b * a.lse_stride_b + h * a.lse_stride_h + pos] * log2e : 0.f;
-      dl[tid] = in ? a.delta[(b * a.heads_q + h) * a.seq_q + pos] : 0.f;
-    }
     const int key_lo = mask.key_lo(q0), key_hi = mask.key_hi(rdna_min(a.seq_q, q0 + BR) - 1);
-    for (int k0 = key_lo / BC * BC; k0 < key_hi; k0 += BC) {
-      rdna_block_sync();  // the previous tile's reads are done (and the rows' staging, the first time)
-      fa2_bwd_stage<P, D, BC, RS, NT>(ks, a.k + b * a.k_stride_b + hkv * a.k_stride_h, a.k_stride_s, k0, a.seq_k);
-      fa2_bwd_stage<P, D, BC, RS, NT>(vs, a.v + b * a.v_stride_b + hkv * a.v_stride_h, a.v_stride_s, k0, a.seq_k);
+    const int k_first = key_lo / BC * BC;
+    const half_t* const kh = a.k + b * a.k_stride_b + hkv * a.k_stride_h;
+    const half_t* const vh = a.v + b * a.v_stride_b + hkv * a.v_stride_h;
+    Fa2BwdRows<D, BR, NT> qr, dr;
+    float nl, nd;
+    fa2_bwd_fetch_rows(a, b, h, q0, qr, dr, nl, nd);
+    Fa2BwdRows<D, BC, NT> kr, vr;
+    if (k_first < key_hi) {
+      kr.load(kh, a.k_stride_s, k_first, a.seq_k);
+      vr.load(vh, a.v_stride_s, k_first, a.seq_k);
+    }
+    qr.template store<P, RS>(qs);
+    dr.template store<P, RS>(dos);
+    if (tid < BR) {
+      lse2[tid] = nl;
+      dl[tid] = nd;
+    }
+    for (int k0 = k_first; k0 < key_hi; k0 += BC) {
+      rdna_block_sync();  // the previous step's reads are done (and the rows' staging, the first time)
+      kr.template store<P, RS>(ks);
+      vr.template store<P, RS>(vs);
       rdna_block_sync();
       fa2_bwd_scores<D, BR, BC, RS, NT, TM, TN, true>(a, mask, qs, dos, ks, vs, lse2, dl, ps, dss, q0, k0);
       rdna_block_sync();
+      if (k0 + BC < key_hi) {
+        kr.load(kh, a.k_stride_s, k0 + BC, a.seq_k);
+        vr.load(vh, a.v_stride_s, k0 + BC, a.seq_k);
+      }
       fa2_bwd_gemm<BC, BR, RS, TK, NCH, CG>(acc[0], dss, ks, o0, cg);  // dQ += dS K
     }
 #pragma unroll
