@@ -17,18 +17,51 @@ from ..spec import KernelSpec, Tile
 from ..target import Target
 from .f16 import LDS_RULE, REGISTER_BUDGET, WHOLE_WAVES
 
+
+def micro_tiles(head_dim: int, br: int, bc: int, threads: int, layout: str | None) -> tuple[int, int, int] | None:
+    """Each thread's register tiles in a pass (fa2_backward.h): (TM, TN, CG), TM x TN scores of a
+    (br / TM) x (bc / TN) thread grid, and CG lanes across a gradient row of head_dim / 4 16-byte
+    chunks, the threads / CG others each owning TK consecutive gradient rows (of bc keys in the dK/dV
+    pass, of br query rows in dQ's). The preprocess pass has none: (1, 1, 1). None: the tile has no
+    such grid. Chosen for the fewest LDS reads per FMA (the squarest score tile; the gradient tile
+    of most FMAs per read, then the most lanes across a row)."""
+    if layout == "pre":
+        return (1, 1, 1)
+    if br * bc % threads or br % 4 or bc % 4:
+        return None
+    area = br * bc // threads
+    scores = [(tm + area // tm, tm) for tm in range(1, area + 1)
+              if area % tm == 0 and br % tm == 0 and bc % (area // tm) == 0]
+    outs, chunks = (br if layout == "dq" else bc), head_dim // 4
+    grads = []
+    for cg in range(1, chunks + 1):
+        if chunks % cg or threads % cg or outs % (threads // cg):
+            continue
+        tk, nch = outs // (threads // cg), chunks // cg
+        grads.append((4 * tk * nch / (-(-tk // 4) + nch), cg))
+    if not scores or not grads or head_dim % 4:
+        return None
+    tm = min(scores)[1]
+    return (tm, area // tm, max(grads)[1])
+
+
 RULES = (
     Rule("head_dim_range",
          lambda s, t: 16 <= s.head_dim <= 256 and s.head_dim % 8 == 0,
          lambda s, t: f"head_dim {s.head_dim} must be a multiple of 8 in 16..256"),
     REGISTER_BUDGET,
     WHOLE_WAVES,
-    Rule("lanes_per_row",
-         lambda s, t: s.tile.threads % s.tile.bc == 0 and s.tile.threads % s.tile.br == 0
-                      and s.head_dim % (2 * (s.tile.threads // s.tile.bc)) == 0
-                      and s.head_dim % (2 * (s.tile.threads // s.tile.br)) == 0,
-         lambda s, t: f"threads {s.tile.threads} must be a multiple of br {s.tile.br} and bc {s.tile.bc}, and "
-                      f"head_dim {s.head_dim} of twice threads/br and threads/bc (each lane owns column pairs)"),
+    Rule("rows_per_workgroup",
+         lambda s, t: s.tile.threads % s.tile.br == 0,
+         lambda s, t: f"threads {s.tile.threads} must be a multiple of br {s.tile.br} (the preprocess pass's "
+                      f"lanes per row)"),
+    Rule("register_tiles",
+         lambda s, t: micro_tiles(s.head_dim, s.tile.br, s.tile.bc, s.tile.threads, s.option("layout")) is not None,
+         lambda s, t: f"br {s.tile.br} x bc {s.tile.bc} over {s.tile.threads} threads has no register tiles: br and "
+                      f"bc must be multiples of 4, br * bc a multiple of threads with a TM x TN score tile per thread "
+                      f"(TM dividing br, TN dividing bc), and some CG dividing threads and head_dim / 4 = "
+                      f"{s.head_dim / 4:g} whose threads / CG row groups divide the gradient's "
+                      f"{s.tile.br if s.option('layout') == 'dq' else s.tile.bc} rows"),
     LDS_RULE,
 )
 
@@ -79,8 +112,10 @@ class Backward(HeadDimAxis, Family):
         return runtime.lds_layout(spec.head_dim, spec.tile.br, spec.tile.bc, spec.tile.threads, spec.option("layout"))
 
     def context(self, spec: KernelSpec) -> dict:
+        tm, tn, cg = micro_tiles(spec.head_dim, spec.tile.br, spec.tile.bc, spec.tile.threads, spec.option("layout"))
         return {"pairs": PAIRS[spec.option("dtype")], "lds_bytes": self.lds_bytes(spec),
-                "bf16": spec.option("dtype") == "bf16", "pass_": runtime.PASSES[spec.option("layout")]}
+                "bf16": spec.option("dtype") == "bf16", "pass_": runtime.PASSES[spec.option("layout")],
+                "tm": tm, "tn": tn, "cg": cg}
 
 
 FAMILY = Backward()

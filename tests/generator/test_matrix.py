@@ -422,3 +422,29 @@ def test_the_host_targets_run_each_padded_path(matrix):
         assert any(v.spec.family == "dec" and key_lanes(v.spec.head_dim, 8) * 8 > v.spec.head_dim
                    for v in variants), name
         assert any(v.spec.head_dim % 32 for v in variants if v.spec.family == "f16" and v.spec.option("layout"))
+
+
+def test_a_backward_tile_without_register_tiles_is_refused(tmp_path):
+    """The bwd family's threads must split each pass's tiles into whole register tiles
+    (families/bwd.py micro_tiles): at head_dim 80 (20 16-byte chunks a row) 16 x 16 over 128 threads
+    has none, so the matrix names the rule, the values and where the tile came from."""
+    text = MINIMAL.replace("kernels:\n", "kernels:\n  bwd:\n    head_dims: [80]\n").replace(
+        TILE, TILE + "    bwd:\n      default: {br: 16, bc: 16, threads: 128, tm: 1}\n")
+    with pytest.raises(VariantsError) as err:
+        _load(tmp_path, text)
+    assert str(err.value) == (
+        "variants.yaml:32: tiles.small.bwd.default: kernel fa2_bwd_hd80_br16_bc16_nt128_w32_cvt_fma for gfx1030: "
+        "br 16 x bc 16 over 128 threads has no register tiles: br and bc must be multiples of 4, br * bc a multiple "
+        "of threads with a TM x TN score tile per thread (TM dividing br, TN dividing bc), and some CG dividing "
+        "threads and head_dim / 4 = 20 whose threads / CG row groups divide the gradient's 16 rows")
+
+
+@pytest.mark.parametrize("layout", [None, "dq"])
+def test_backward_register_tiles_of_the_shipped_matrix(matrix, layout):
+    """Every shipped backward tile has register tiles in each pass (the 64 x 64 tile: 4 x 4 scores a
+    thread, and a gradient tile of 8 rows x one 16-byte chunk at head_dim 128)."""
+    from rdnattention_gen.families.bwd import micro_tiles
+    tiles = {(v.spec.head_dim, v.spec.tile.br, v.spec.tile.bc, v.spec.tile.threads)
+             for t in matrix.targets for v in matrix.variants_for(t) if v.spec.family == "bwd"}
+    assert tiles and all(micro_tiles(*t, layout) is not None for t in tiles)
+    assert micro_tiles(128, 64, 64, 256, layout) == (4, 4, 32)
