@@ -178,15 +178,22 @@ def _(q, k, v, rotary_cos, rotary_sin, window_left, window_right, softmax_scale,
 # families/bwd.py) from the saved q, k, v, output and log-sum-exp. Calls whose options the backward
 # kernels do not take are refused when autograd records them (options.validate), naming the option.
 
+def backward_missing(table, q: torch.Tensor) -> str | None:
+    """Why ``table``'s target cannot run the backward of a call on q (no backward kernel for its
+    head_dim and dtype), or None: the one check the entry points and the integrations share."""
+    dtype = DTYPE_OPTIONS.get(str(q.dtype))
+    if bwd.served(table, q.shape[-1], dtype):
+        return None
+    return (f"{table.target} has no backward kernel for {'bf16' if dtype else 'fp16'} head_dim {q.shape[-1]} "
+            f"(built head_dims: {table.head_dims(bwd.NAME, None, dtype)})")
+
+
 def check_backward_built(q: torch.Tensor) -> None:
     """UnsupportedError where q's device has no backward kernel for its head_dim and dtype."""
-    table = route.device_table(q.device)
-    dtype = DTYPE_OPTIONS.get(str(q.dtype))
-    if not bwd.served(table, q.shape[3], dtype):
-        what = f"{'bf16' if dtype else 'fp16'} head_dim {q.shape[3]}"
-        raise UnsupportedError(f"q, k or v requires grad, and {table.target} has no backward kernel for {what} "
-                               f"(built head_dims: {table.head_dims(bwd.NAME, None, dtype)}); run the call under "
-                               "torch.no_grad(), or pass detached tensors")
+    why = backward_missing(route.device_table(q.device), q)
+    if why:
+        raise UnsupportedError(f"q, k or v requires grad, and {why}; run the call under torch.no_grad(), or pass "
+                               "detached tensors")
 
 
 def _readable(t: torch.Tensor) -> torch.Tensor:

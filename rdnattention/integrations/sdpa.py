@@ -46,7 +46,6 @@ import torch
 import torch.utils._python_dispatch
 
 from .. import ops, route
-from ..families import bwd
 from ..call import DTYPE_OPTIONS, Layout, Precision, Request
 from ..checks import FLOAT_DTYPES as SERVED_DTYPES  # float16, bfloat16
 from ..errors import InvalidArgumentError, KernelsNotBuiltError, UnsupportedError
@@ -440,9 +439,9 @@ def _decide(config: _Config, query, key, value, attn_mask, dropout_p, is_causal,
                                  seq_q=seq_q, dtype=dtype))
     if why:
         return f"head_dim {head_dim}", why
-    if grad and not bwd.served(table, head_dim, dtype):
-        return "requires grad", (f"inputs that require grad, and {table.target} has no backward kernel for "
-                                 f"{'bf16' if dtype else 'fp16'} head_dim {head_dim}")
+    missing = ops.backward_missing(table, q) if grad else None
+    if missing:
+        return "requires grad", f"inputs that require grad, and {missing}"
     if mask is None:  # torch's is_causal is top-left: query i sees keys 0..i
         bands = [(0, seq_k, -seq_q, 0 if is_causal else seq_k)]
     else:

@@ -39,9 +39,7 @@ from typing import Optional
 
 import torch
 
-from .. import api, checks, options, route
-from ..call import DTYPE_OPTIONS
-from ..families import bwd
+from .. import api, checks, ops, options, route
 from ..errors import InvalidArgumentError, KernelsNotBuiltError, UnsupportedError
 
 NAME = "rdnattention"
@@ -99,16 +97,12 @@ def _fallback(reason: str, module, query, key, value, attention_mask, **kwargs):
 
 def _autocast(query, key, value):
     """The tensors as autocast gives them to sdpa, which transformers' sdpa attention calls (an fp32
-    query after RoPE under fp16 autocast, say): cast to the autocast dtype where autocast is on
-    for their device and casts them."""
-    kind = query.device.type
-    if not torch.is_autocast_enabled(kind):
-        return query, key, value
-    dtype = torch.get_autocast_dtype(kind)
-    if dtype not in checks.FLOAT_DTYPES or any(t.dtype not in (torch.float32, *checks.FLOAT_DTYPES)
-                                               for t in (query, key, value)):
-        return query, key, value
-    return query.to(dtype), key.to(dtype), value.to(dtype)
+    query after RoPE under fp16 autocast, say): the SDPA patch's rule (sdpa._autocast); where it
+    does not cast them, as they are."""
+    from .sdpa import _autocast as sdpa_autocast
+
+    q, k, v, _, why = sdpa_autocast(query, key, value, None)
+    return (query, key, value) if why else (q, k, v)
 
 
 def _unsupported(module, query, key, value, dropout: float, kwargs: dict) -> str | None:
@@ -274,16 +268,16 @@ def _trainable(query, key, value, mask, causal: bool, scale: float, left: int, k
         table = route.device_table(query.device)
     except (KernelsNotBuiltError, UnsupportedError) as e:
         return f"no kernels for {query.device.type}: {e}", None
-    dtype = DTYPE_OPTIONS.get(str(query.dtype))  # the kernels' dtype option (bf16); None: fp16
-    if not bwd.served(table, query.shape[3], dtype):
-        return (f"inputs that require grad, and {table.target} has no backward kernel for "
-                f"{'bf16' if dtype else 'fp16'} head_dim {query.shape[3]}"), None
+    missing = ops.backward_missing(table, query)
+    if missing:
+        return f"inputs that require grad, and {missing}", None
     seq_q, seq_k = query.shape[2], key.shape[2]
     if mask is not None:
         if not checks.can_read(mask):
             return "inputs that require grad, and reading the attention mask needs the device", None
         runs = _runs(_broadcast(mask, query, key), causal, left)
-        whole = runs is not None and all(bool((r == x).all()) for r, x in zip(runs, (0, seq_q, 0, seq_k)))
+        whole = runs is not None and bool((torch.stack(runs) == torch.tensor(
+            [[0], [seq_q], [0], [seq_k]], dtype=torch.int32, device=mask.device)).all())  # one read, not four
         if not whole:
             return ("inputs that require grad with a padded batch (the backward pass takes no per-sequence "
                     "lengths)"), None
