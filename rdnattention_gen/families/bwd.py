@@ -24,22 +24,33 @@ def micro_tiles(head_dim: int, br: int, bc: int, threads: int, layout: str | Non
     chunks, the threads / CG others each owning TK consecutive gradient rows (of bc keys in the dK/dV
     pass, of br query rows in dQ's). The preprocess pass has none: (1, 1, 1). None: the tile has no
     such grid. Chosen for the fewest LDS reads per FMA (the squarest score tile; the gradient tile
-    of most FMAs per read, then the most lanes across a row)."""
+    of most FMAs per read, then the most lanes across a row).
+
+    A tile of fewer scores than threads gives one score to each of the first br * bc lanes, and
+    one whose gradient rows cannot be shared out evenly gives a row (TK = 1) to each of the first
+    rows x CG lanes, for the largest CG there is: the other lanes wait at the phase's barrier. A
+    workgroup of four waves, some idle in a phase, still keeps every SIMD of a GCN CU busy in the
+    others where the 64 KiB of LDS holds one workgroup (a tile of whole phases for all four waves
+    does not fit there at head_dim 80 or 256)."""
     if layout == "pre":
         return (1, 1, 1)
-    if br * bc % threads or br % 4 or bc % 4:
+    if br % 4 or bc % 4 or head_dim % 4 or (br * bc >= threads and br * bc % threads):
         return None
-    area = br * bc // threads
+    area = max(br * bc // threads, 1)
     scores = [(tm + area // tm, tm) for tm in range(1, area + 1)
               if area % tm == 0 and br % tm == 0 and bc % (area // tm) == 0]
     outs, chunks = (br if layout == "dq" else bc), head_dim // 4
-    grads = []
+    grads, idle = [], []
     for cg in range(1, chunks + 1):
-        if chunks % cg or threads % cg or outs % (threads // cg):
+        if chunks % cg or threads % cg:
             continue
-        tk, nch = outs // (threads // cg), chunks // cg
-        grads.append((4 * tk * nch / (-(-tk // 4) + nch), cg))
-    if not scores or not grads or head_dim % 4:
+        if outs % (threads // cg) == 0:
+            tk, nch = outs // (threads // cg), chunks // cg
+            grads.append((4 * tk * nch / (-(-tk // 4) + nch), cg))
+        elif threads // cg > outs:
+            idle.append((cg, cg))
+    grads = grads or idle
+    if not scores or not grads:
         return None
     tm = min(scores)[1]
     return (tm, area // tm, max(grads)[1])
@@ -58,10 +69,10 @@ RULES = (
     Rule("register_tiles",
          lambda s, t: micro_tiles(s.head_dim, s.tile.br, s.tile.bc, s.tile.threads, s.option("layout")) is not None,
          lambda s, t: f"br {s.tile.br} x bc {s.tile.bc} over {s.tile.threads} threads has no register tiles: br and "
-                      f"bc must be multiples of 4, br * bc a multiple of threads with a TM x TN score tile per thread "
-                      f"(TM dividing br, TN dividing bc), and some CG dividing threads and head_dim / 4 = "
-                      f"{s.head_dim / 4:g} whose threads / CG row groups divide the gradient's "
-                      f"{s.tile.br if s.option('layout') == 'dq' else s.tile.bc} rows"),
+                      f"bc must be multiples of 4, br * bc a multiple of threads (or fewer) with a TM x TN score "
+                      f"tile per thread (TM dividing br, TN dividing bc), and some CG dividing threads and "
+                      f"head_dim / 4 = {s.head_dim / 4:g} whose threads / CG row groups divide the gradient's "
+                      f"{s.tile.br if s.option('layout') == 'dq' else s.tile.bc} rows (or outnumber them)"),
     LDS_RULE,
 )
 

@@ -425,18 +425,31 @@ def test_the_host_targets_run_each_padded_path(matrix):
 
 
 def test_a_backward_tile_without_register_tiles_is_refused(tmp_path):
-    """The bwd family's threads must split each pass's tiles into whole register tiles
-    (families/bwd.py micro_tiles): at head_dim 80 (20 16-byte chunks a row) 16 x 16 over 128 threads
-    has none, so the matrix names the rule, the values and where the tile came from."""
+    """The bwd family's threads must split each pass's tiles into whole register tiles, or give
+    some lanes none (families/bwd.py micro_tiles): at head_dim 80 (20 16-byte chunks a row) 64
+    threads make row groups of 64, 32 or 16 lanes' worth, which neither divide nor outnumber the
+    dK/dV pass's 72 key rows, so the matrix names the rule, the values and where the tile came from."""
     text = MINIMAL.replace("kernels:\n", "kernels:\n  bwd:\n    head_dims: [80]\n").replace(
-        TILE, TILE + "    bwd:\n      default: {br: 16, bc: 16, threads: 128, tm: 1}\n")
+        TILE, TILE + "    bwd:\n      default: {br: 8, bc: 72, threads: 64, tm: 1}\n")
     with pytest.raises(VariantsError) as err:
         _load(tmp_path, text)
     assert str(err.value) == (
-        "variants.yaml:32: tiles.small.bwd.default: kernel fa2_bwd_hd80_br16_bc16_nt128_w32_cvt_fma for gfx1030: "
-        "br 16 x bc 16 over 128 threads has no register tiles: br and bc must be multiples of 4, br * bc a multiple "
-        "of threads with a TM x TN score tile per thread (TM dividing br, TN dividing bc), and some CG dividing "
-        "threads and head_dim / 4 = 20 whose threads / CG row groups divide the gradient's 16 rows")
+        "variants.yaml:32: tiles.small.bwd.default: kernel fa2_bwd_hd80_br8_bc72_nt64_w32_cvt_fma for gfx1030: "
+        "br 8 x bc 72 over 64 threads has no register tiles: br and bc must be multiples of 4, br * bc a multiple "
+        "of threads (or fewer) with a TM x TN score tile per thread (TM dividing br, TN dividing bc), and some CG "
+        "dividing threads and head_dim / 4 = 20 whose threads / CG row groups divide the gradient's 72 rows (or "
+        "outnumber them)")
+
+
+def test_backward_tiles_that_leave_lanes_idle_are_accepted():
+    """A tile of fewer scores than threads, or of fewer gradient rows than row groups, gives the
+    first lanes one each (GCN's 256-thread tiles at head_dims 80 and 256); exact tiles keep theirs."""
+    from rdnattention_gen.families.bwd import micro_tiles
+    assert micro_tiles(80, 32, 32, 256, None) == (2, 2, 4)  # 32 key rows x 4 lanes of 256
+    assert micro_tiles(80, 32, 32, 256, "dq") == (2, 2, 4)
+    assert micro_tiles(256, 8, 16, 256, None) == (1, 1, 64)  # 128 scores over 256 lanes
+    assert micro_tiles(128, 64, 64, 256, None) == (4, 4, 32)  # sm_90: 8 rows x 32 lanes, exact
+    assert micro_tiles(80, 8, 72, 64, None) is None
 
 
 @pytest.mark.parametrize("layout", [None, "dq"])

@@ -151,7 +151,9 @@ RDNA_DEVICE void fa2_bwd_scores(const Args& a, const Mask& mask, const float* qs
                                 const float* vs, const float* lse2, const float* dl, float* ps, float* dss, int q0,
                                 int k0) {
   constexpr int GR = BR / TM, GC = BC / TN;
-  static_assert(GR * GC == NT, "score thread grid");
+  // A tile of fewer scores than threads: a score for each of the first BR x BC lanes.
+  static_assert(GR * GC == NT || (GR * GC < NT && TM == 1 && TN == 1), "score thread grid");
+  if (GR * GC < NT && rdna_thread_id() >= GR * GC) return;
   // The lanes of a wave cover FX consecutive register tiles along the fast index (keys; rows for
   // DQ) times the slow index's next ones, so that a step's reads meet few distinct rows of each
   // operand (8 x 4 for 32 lanes, not 16 x 2).
@@ -200,9 +202,14 @@ template <class P, int D, int BR, int BC, int NT, int LDS_BYTES, bool BF16, int 
 RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
   constexpr int RS = D + 4;  // fp32 per staged row
   constexpr int TPR = NT / BR;  // the preprocess pass's lanes per row
-  constexpr int OUTS = PASS == 1 ? BC : BR, TK = PASS == 0 ? 1 : OUTS * CG / NT, NCH = PASS == 0 ? 1 : D / (4 * CG);
+  constexpr int OUTS = PASS == 1 ? BC : BR, NCH = PASS == 0 ? 1 : D / (4 * CG);
+  constexpr int TK = PASS == 0 || OUTS * CG < NT ? 1 : OUTS * CG / NT;
   static_assert(D % 8 == 0 && NT % BR == 0 && BR % 4 == 0 && BC % 4 == 0, "thread grid");
-  static_assert(PASS == 0 || (NT % CG == 0 && (D / 4) % CG == 0 && TK * (NT / CG) == OUTS && TM * TN * NT == BR * BC),
+  // More row groups than gradient rows: a row for each of the first OUTS x CG lanes (OWNS), the
+  // others idle in the gradient phase; fewer scores than threads: a score for each of the first.
+  static_assert(PASS == 0 || (NT % CG == 0 && (D / 4) % CG == 0 &&
+                              (TK * (NT / CG) == OUTS || (TK == 1 && NT / CG > OUTS)) &&
+                              (TM * TN * NT == BR * BC || (TM * TN == 1 && BR * BC < NT))),
                 "register tiles");
   static_assert(LDS_BYTES == (PASS == 0 ? NT * 4 : ((2 * BR + 2 * BC) * RS + 2 * BR * BC + 2 * BR) * 4), "LDS layout");
   float* const qs = reinterpret_cast<float*>(lds);
@@ -247,6 +254,7 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
 
   // The gradient tile this thread accumulates: rows o0 .. o0 + TK - 1, column chunks cg + CG i.
   const int o0 = TK * (tid / CG), cg = tid % CG;
+  const bool owns = TK * (NT / CG) == OUTS || o0 < OUTS;
 
   if constexpr (PASS == 1) {  // dK, dV of one key block
     // Workgroups in order of key block, then head (the grid's x and y, relabelled): under a causal
@@ -284,12 +292,14 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
       rdna_block_sync();
       if (t + 1 < steps)
         fa2_bwd_fetch_rows(a, b, hkv * group + (t + 1) / nq, q_first + BR * ((t + 1) % nq), qr, dr, nl, nd);
-      fa2_bwd_gemm<BR, BC, RS, TK, NCH, CG>(acc[1], ps, dos, o0, cg);   // dV += P^T dO
-      fa2_bwd_gemm<BR, BC, RS, TK, NCH, CG>(acc[0], dss, qs, o0, cg);   // dK += dS^T Q
+      if (owns) {
+        fa2_bwd_gemm<BR, BC, RS, TK, NCH, CG>(acc[1], ps, dos, o0, cg);   // dV += P^T dO
+        fa2_bwd_gemm<BR, BC, RS, TK, NCH, CG>(acc[0], dss, qs, o0, cg);   // dK += dS^T Q
+      }
     }
 #pragma unroll
     for (int k = 0; k < TK; ++k) {
-      if (k0 + o0 + k < a.seq_k) {
+      if (owns && k0 + o0 + k < a.seq_k) {
         half_t* const dk = a.dk + b * a.dk_stride_b + hkv * a.dk_stride_h + (long long)(k0 + o0 + k) * a.dk_stride_s;
         half_t* const dv = a.dv + b * a.dv_stride_b + hkv * a.dv_stride_h + (long long)(k0 + o0 + k) * a.dv_stride_s;
 #pragma unroll
@@ -338,11 +348,11 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
         kr.load(kh, a.k_stride_s, k0 + BC, a.seq_k);
         vr.load(vh, a.v_stride_s, k0 + BC, a.seq_k);
       }
-      fa2_bwd_gemm<BC, BR, RS, TK, NCH, CG>(acc[0], dss, ks, o0, cg);  // dQ += dS K
+      if (owns) fa2_bwd_gemm<BC, BR, RS, TK, NCH, CG>(acc[0], dss, ks, o0, cg);  // dQ += dS K
     }
 #pragma unroll
     for (int k = 0; k < TK; ++k) {
-      if (q0 + o0 + k < a.seq_q) {
+      if (owns && q0 + o0 + k < a.seq_q) {
         half_t* const dq = a.dq + b * a.dq_stride_b + h * a.dq_stride_h + (long long)(q0 + o0 + k) * a.dq_stride_s;
 #pragma unroll
         for (int i = 0; i < NCH; ++i) fa2_bwd_store4<BF16>(dq + 4 * (cg + CG * i), acc[0][k] + 4 * i, a.softmax_scale);
