@@ -13,12 +13,13 @@ import pytest
 import torch
 
 import amd_emulator
-from rdnattention import (attention_reference, flash_attn, flash_attn_int8qk, flash_attn_varlen_func,
+from cases import BF16_LSE_TOL, LSE_TOL
+from rdnattention import (attention_gradients, attention_reference, flash_attn, flash_attn_int8qk, flash_attn_varlen_func,
                           flash_attn_with_kvcache, plan_flash_attn, plan_flash_attn_int8qk, quantize_per_channel,
                           quantize_per_token, rotary_tables)
-from rdnattention import drivers, replay, route
+from rdnattention import drivers, ops, replay, route
 from rdnattention.drivers import hip, module_api
-from rdnattention.families import dec, f16
+from rdnattention.families import bwd, dec, f16
 from rdnattention_gen import build, toolchain
 from rdnattention_gen.matrix import load_matrix
 from rdnattention_gen.families import spec_from_name
@@ -27,6 +28,8 @@ TARGET = "gfx1100"
 TOL = 2e-3          # as on the host platform: fp16 rounding of the output and of the probabilities
 BF16_TOL = 8 * TOL  # bf16's unit roundoff, 8x fp16's (tests/cases.py)
 INT8_REL_RMS = 0.03  # tests/kernels/test_int8.py: P's 7-bit quantization against the dequantized oracle
+# The backward's bound per dtype, relative to each gradient's largest element (tests/kernels/test_backward.py).
+GRAD_TOL = {torch.float16: LSE_TOL + 2 * 2.0**-11, torch.bfloat16: BF16_LSE_TOL + 2 * 2.0**-8}
 
 SNAPSHOT = amd_emulator.snapshot()
 pytestmark = [
@@ -204,6 +207,26 @@ def test_varlen(gpu, dispatched):
         assert _max_err(view(out[qs]), ref) <= TOL
 
 
+def _grad_err(grads, refs):
+    """Each gradient's largest error, relative to the oracle's largest element of it."""
+    return [((g.double() - r).abs().max() / r.abs().max()).item() for g, r in zip(grads, refs)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_backward_through_autograd(gpu, dispatched, dtype):
+    """A causal GQA call that requires grad: the forward, then the backward's three passes, each a
+    gfx1100 kernel, against the float64 oracle's gradients (tests/kernels/test_backward.py's bound)."""
+    start = len(gpu.dispatches)
+    q, k, v = _inputs(1, 4, 2, 45, 45, 64, seed=8, dtype=dtype)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    flash_attn(*leaves, is_causal=True).backward(dout)
+    suffix = "_bf16" if dtype == torch.bfloat16 else ""
+    assert _families(gpu, start) == [f + suffix for f in ("fa2_bwd", "fa2_bwddq", "fa2_bwdpre", "fa2_f16")]
+    refs = attention_gradients(q, k, v, dout, is_causal=True)
+    assert max(_grad_err([t.grad for t in leaves], refs)) <= GRAD_TOL[dtype]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("rope", [None, True, False], ids=["copy", "rope", "ropehalf"])
 def test_the_append_kernel_is_the_torch_append(gpu, dispatched, monkeypatch, rope, dtype):
@@ -253,8 +276,35 @@ UNSPLIT_ON_THE_EMULATOR = (8, 16)
 
 
 def _kernels() -> list[str]:
+    """Every gfx1100 kernel but the combine and append ones (run after the decode kernels and by
+    the append test) and the backward's preprocess and dQ passes (run with their dK/dV kernel)."""
     m = load_matrix()
-    return sorted(v.spec.name for v in m.variants_for(m.target(TARGET)) if v.spec.family not in ("combine", "append"))
+    return sorted(v.spec.name for v in m.variants_for(m.target(TARGET)) if v.spec.family not in ("combine", "append")
+                  and not (v.spec.family == bwd.NAME and v.spec.option("layout")))
+
+
+def _backward_set(gpu, name):
+    """The dK/dV kernel ``name`` with the preprocess and dQ kernels of its tile and dtype, forced by
+    name, on a causal GQA call and a softcapped window (the forward: the oracle's, rounded as ours
+    stores it), against the oracle's gradients."""
+    spec = spec_from_name(name)
+    dtype = torch.bfloat16 if spec.option("dtype") == "bf16" else torch.float16
+    m = load_matrix()
+    passes = {v.spec.option("layout"): v.spec.name for v in m.variants_for(m.target(TARGET))
+              if v.spec.family == bwd.NAME and (v.spec.head_dim, v.spec.tile, v.spec.option("dtype"))
+              == (spec.head_dim, spec.tile, spec.option("dtype"))}
+    kernels = (passes["pre"], name, passes["dq"])
+    for case, (hq, sq, options) in enumerate(((4, 45, {"is_causal": True}),
+                                             (2, 33, {"is_causal": True, "window_size": (12, -1), "softcap": 2.0}))):
+        q, k, v = _inputs(1, hq, 2, sq, sq, spec.head_dim, seed=spec.head_dim + case, dtype=dtype)
+        dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(case)).to(dtype)
+        out, lse = attention_reference(q, k, v, return_lse=True, **options)
+        start = len(gpu.dispatches)
+        window = (options.get("window_size", (-1, -1))[0], 0)
+        grads = ops.backward(dout, q, k, v, out.to(dtype), lse.float(), None, *window, spec.head_dim ** -0.5,
+                             options.get("softcap", 0.0), kernels=kernels)
+        assert [d.kernel for d in gpu.dispatches[start:]] == list(kernels)
+        assert max(_grad_err(grads, attention_gradients(q, k, v, dout, **options))) <= GRAD_TOL[dtype]
 
 
 @pytest.mark.slow  # every kernel by name; the entry-point paths above run in the fast suite
@@ -264,10 +314,8 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
     query rows per K/V head as their tile takes (fp16 ones split into three key slices, so the
     combine of their head_dim runs too)."""
     spec = spec_from_name(name)
-    if spec.family == "bwd":
-        pytest.skip("the backward's three passes run together, from a forward's output and LSE; they are checked "
-                    "against the oracle's gradients on the host emulator (tests/kernels/test_backward.py) and on "
-                    "an NVIDIA GPU, not yet on the RDNA3 ISA emulator")
+    if spec.family == bwd.NAME:  # with its preprocess and dQ passes
+        return _backward_set(gpu, name)
     start = len(gpu.dispatches)
     table = route.device_table(torch.device("cpu"))
     layout = spec.option("layout")
