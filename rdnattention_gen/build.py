@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; one builder per build directory there
+    fcntl = None
 
 import ninja
 
@@ -71,6 +77,24 @@ def build(matrix: Matrix, targets: list[Target], build_dir: Path, jobs: int | No
     build_dir = build_dir.resolve()
     tc = toolchain.find()
     targets = _buildable(targets, log)
+    with _one_builder(build_dir):
+        return _build_locked(matrix, targets, build_dir, tc, jobs, log, enforce)
+
+
+@contextlib.contextmanager
+def _one_builder(build_dir: Path):
+    """Holds the build directory's lock: build.ninja names only the targets of the run that wrote
+    it, so a second builder (another test worker, another shell) writing its own between our write
+    and our ninja would make ninja refuse our outputs as unknown."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / ".lock", "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _build_locked(matrix: Matrix, targets: list[Target], build_dir: Path, tc: toolchain.Toolchain,
+                  jobs: int | None, log, enforce: bool) -> list[audit.KernelAudit]:
     written, total = generate(matrix, targets, build_dir / "gen")
     log(f"generate: {total} files for {len(targets)} target(s), {written} changed")
     for target in targets:

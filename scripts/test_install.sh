@@ -24,7 +24,7 @@ echo "== clean environment in $WORK"
 VPY="$WORK/venv/bin/python"
 "$VPY" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 MAIN=$(ls "$OUT"/rdnattention-*-py3-none-any.whl)
-"$VPY" -m pip install -q "$MAIN[gen]" "$OUT"/rdnattention_kernels_gcn4-*.whl pytest hypothesis numpy
+"$VPY" -m pip install -q "$MAIN[gen]" "$OUT"/rdnattention_kernels_gcn4-*.whl pytest pytest-xdist hypothesis numpy
 cp -r tests "$WORK/tests"
 cd "$WORK"
 export XDG_DATA_HOME="$WORK/data"  # the per-user kernel directory of this test only
@@ -52,4 +52,5 @@ echo "== rdnattention-gen build --user --targets host"
 "$WORK/venv/bin/rdnattention" info > info.txt
 head -8 info.txt
 echo "== host-emulator tests against the install"
-RDNATTENTION_TEST_INSTALLED=1 "$VPY" -m pytest -q -p no:cacheprovider tests/kernels/test_host_kernel.py tests/runtime/test_torch.py
+RDNATTENTION_TEST_INSTALLED=1 "$VPY" -m pytest -q -p no:cacheprovider -n auto --dist loadfile \
+  tests/kernels/test_host_kernel.py tests/runtime/test_torch.py
