@@ -5,6 +5,8 @@ the family is also built for (bf16) at the head_dims of those kernels, so a new 
 dtype, head_dim or case is swept without editing the tests. How a case becomes a call of the entry point
 that serves its family: ENTRY_POINTS, by family and layout."""
 
+import functools
+
 import torch
 
 from rdnattention import (attention_reference, flash_attn, flash_attn_int8qk, flash_attn_varlen_func,
@@ -15,7 +17,10 @@ from rdnattention_gen.matrix import load_matrix
 
 HOST_TARGETS = ("host", "host_f32")  # host: the fp16-staging GPU targets' kernels; host_f32: sm_90's
 FAMILY = family("f16")
-HEAD_DIMS = list(load_matrix().kernels["f16"]["head_dims"])
+# Parsed once: the helpers below are asked hundreds of times while the sweeps are collected, and a
+# parse of variants.yaml takes most of a second of CPU (in every pytest worker).
+MATRIX = load_matrix()
+HEAD_DIMS = list(MATRIX.kernels["f16"]["head_dims"])
 VARIANTS = [name for name, case in FAMILY.oracle_cases.items() if case.layout is None]  # flash_attn's plain calls
 TOL = 2e-3      # output: fp16 rounding of the result, of the probabilities and (RoPE) of rotated Q/K
 LSE_TOL = 2e-3  # log-sum-exp, fp32
@@ -41,23 +46,28 @@ def host_head_dims(target: str, name: str, layout: str | None = None, dtype: str
                    score: str | None = None) -> list[int]:
     """The head_dims ``target`` builds kernels of family ``name`` compiled for ``layout``, ``dtype``
     (fp16, bf16) and ``score`` (a score option: alibi; None: none) for."""
-    m = load_matrix()
-    return sorted({v.spec.head_dim for v in m.variants_for(m.target(target))
+    return sorted({v.spec.head_dim for v in _variants(target)
                    if v.spec.family == name and v.spec.option("layout") == layout
                    and v.spec.option("dtype") == DTYPES[dtype] and v.spec.option("score") == score})
+
+
+@functools.cache
+def _variants(target: str) -> tuple:
+    """The dispatch entries of ``target``, worked out once (a tenth of a second each time)."""
+    return tuple(MATRIX.variants_for(MATRIX.target(target)))
 
 
 def bf16_head_dims(fam: str) -> list[int]:
     """The head_dims variants.yaml builds family ``fam``'s bf16 kernels for (every GPU target builds
     them all; the host targets a subset: host_head_dims)."""
-    return list(load_matrix().kernels[fam].get("dtypes", {}).get("bf16", ()))
+    return list(MATRIX.kernels[fam].get("dtypes", {}).get("bf16", ()))
 
 
 def sweep() -> list[tuple[str, str, int, str, str]]:
     """(host target, family, head_dim, case, dtype) for every family of the matrix, every case it
     declares and every dtype it is built for (fp16, and bf16 where variants.yaml lists it), at the
     head_dims of the case's layout and score option in that dtype."""
-    m = load_matrix()
+    m = MATRIX
     return [(t, name, hd, case, dtype) for dtype in DTYPES for t in HOST_TARGETS for name in forward_families(m)
             for case, c in family(name).oracle_cases.items() for hd in _head_dims(t, name, c.layout, dtype, c.score)]
 
@@ -238,6 +248,5 @@ def run_case(fam, name, head_dim, dtype="fp16"):
 def mirrored_kernels(families: tuple[str, ...]) -> list[tuple[str, str]]:
     """(host target, kernel) for every alternate of ``families`` the host targets build as mirrors
     of GPU targets' tiles (host: the AMD tables; host_f32: sm_90's tuned tiles)."""
-    m = load_matrix()
-    return sorted((t, v.spec.name) for t in HOST_TARGETS for v in m.variants_for(m.target(t))
+    return sorted((t, v.spec.name) for t in HOST_TARGETS for v in _variants(t)
                   if v.priority < 0 and v.spec.family in families)

@@ -4,7 +4,8 @@ import math
 
 import pytest
 import torch
-from cases import BF16_LSE_TOL, BF16_TOL, HEAD_DIMS, LSE_TOL, TOL, VARIANTS, bf16_head_dims, make_case, run_case
+from cases import (BF16_LSE_TOL, BF16_TOL, HEAD_DIMS, LSE_TOL, MATRIX, TOL, VARIANTS, bf16_head_dims, make_case,
+                   run_case)
 
 from rdnattention import (attention_reference, flash_attn, flash_attn_varlen_func, flash_attn_with_kvcache,
                           route, varlen_attn)
@@ -12,7 +13,6 @@ from rdnattention.errors import UnsupportedError
 from rdnattention.reference import rotate
 from rdnattention_gen import build, toolchain
 from rdnattention_gen.families import family
-from rdnattention_gen.matrix import load_matrix
 
 INT8_KERNELS = ("fa2_i8_", "fa2_i8dec_")  # both products through dot4: the INT8 family and its decode
 
@@ -188,7 +188,7 @@ def test_gpu_bf16_every_family_matches_the_oracle(monkeypatch, fam, case, head_d
 # The f16 family's ALiBi cases (score option alibi: plain, cache lengths, packed batches; causal,
 # windows, GQA, MQA, sinks) at every head_dim its alibi kernels are built for, in fp16 and bf16.
 ALIBI_CASES = [(case, hd, dtype) for case, c in family("f16").oracle_cases.items() if c.score == "alibi"
-               for hd in load_matrix().kernels["f16"].get("scores", {}).get("alibi", ()) for dtype in ("fp16", "bf16")]
+               for hd in MATRIX.kernels["f16"].get("scores", {}).get("alibi", ()) for dtype in ("fp16", "bf16")]
 
 
 @pytest.mark.gpu
