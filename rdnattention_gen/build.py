@@ -117,7 +117,8 @@ def _build_locked(matrix: Matrix, targets: list[Target], build_dir: Path, tc: to
     # target built at once (CI), run one after another they leave the other cores idle.
     stale = [t for t in targets if _cached_audit(matrix, t, build_dir) is None]
     if audit_processes > 1 and len(stale) > 1:
-        with ProcessPoolExecutor(min(audit_processes, len(stale)), mp_context=multiprocessing.get_context("fork")) as pool:
+        fork = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(min(audit_processes, len(stale)), mp_context=fork) as pool:
             list(pool.map(_fresh_audit, [matrix] * len(stale), stale, [build_dir] * len(stale), [tc] * len(stale)))
     rows = []
     for target in targets:
