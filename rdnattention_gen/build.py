@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import multiprocessing
 import re
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; one builder per build directory there
+    fcntl = None
 
 import ninja
 
@@ -75,13 +83,33 @@ def run_ninja(build_dir: Path, outputs: list[str], jobs: int | None, progress=No
 
 
 def build(matrix: Matrix, targets: list[Target], build_dir: Path, jobs: int | None = None,
-          log=print, enforce: bool = True, progress=None) -> list[audit.KernelAudit]:
+          log=print, enforce: bool = True, progress=None, audit_processes: int = 1) -> list[audit.KernelAudit]:
     """Generate, compile, audit, write the dispatch tables. Returns the audit rows of every target.
     ``enforce=False`` (tuning candidates) reports the audit without failing on its rules;
-    ``progress`` (a tqdm bar) counts the compile steps (run_ninja)."""
+    ``progress`` (a tqdm bar) counts the compile steps (run_ninja). ``audit_processes`` > 1 audits
+    the targets whose audit is not cached in that many forked processes (the command line's choice;
+    a library caller may hold threads that a fork would copy)."""
     build_dir = build_dir.resolve()
     tc = toolchain.find()
     targets = _buildable(targets, log)
+    with _one_builder(build_dir):
+        return _build_locked(matrix, targets, build_dir, tc, jobs, log, enforce, progress, audit_processes)
+
+
+@contextlib.contextmanager
+def _one_builder(build_dir: Path):
+    """Holds the build directory's lock: build.ninja names only the targets of the run that wrote
+    it, so a second builder (another test worker, another shell) writing its own between our write
+    and our ninja would make ninja refuse our outputs as unknown."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / ".lock", "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _build_locked(matrix: Matrix, targets: list[Target], build_dir: Path, tc: toolchain.Toolchain,
+                  jobs: int | None, log, enforce: bool, progress, audit_processes: int) -> list[audit.KernelAudit]:
     written, total = generate(matrix, targets, build_dir / "gen")
     log(f"generate: {total} files for {len(targets)} target(s), {written} changed")
     for target in targets:
@@ -90,13 +118,21 @@ def build(matrix: Matrix, targets: list[Target], build_dir: Path, jobs: int | No
     outputs = [str(code_object_path(t, build_dir)) for t in targets]
     if not run_ninja(build_dir, outputs, jobs, progress):
         log("build: up to date, nothing compiled")
-    rows = []
     for target in targets:
         plat = platform(target.platform)
         isa_targets = sorted(t.name for t in matrix.targets if t.isa == target.isa)
         table = dispatch.table(target, matrix.variants_for(target), code_object_path(target, build_dir),
                                plat.dynamic_lds, tc.identity, isa_targets)
         write_if_changed(build_dir / target.name / "dispatch.json", dispatch.dumps(table))
+    # An AMD target's audit is seconds of Python reading its disassembly, on one core: with every
+    # target built at once (CI), run one after another they leave the other cores idle.
+    stale = [t for t in targets if _cached_audit(matrix, t, build_dir) is None]
+    if audit_processes > 1 and len(stale) > 1:
+        fork = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(min(audit_processes, len(stale)), mp_context=fork) as pool:
+            list(pool.map(_fresh_audit, [matrix] * len(stale), stale, [build_dir] * len(stale), [tc] * len(stale)))
+    rows = []
+    for target in targets:
         rows += audit_target(matrix, target, build_dir, tc, enforce=enforce)
     return rows
 
@@ -120,19 +156,37 @@ def audit_target(matrix: Matrix, target: Target, build_dir: Path,
     path = code_object_path(target, build_dir)
     if not path.is_file():
         raise BuildError(f"{path} does not exist; run: rdnattention-gen build --targets {target.name}")
-    specs = matrix.specs_for(target)
-    cache = build_dir / target.name / "audit.json"
-    plat = platform(target.platform)
-    stamp = f"{path.stat().st_mtime_ns}:{path.stat().st_size}:{plat.name}-audit-{plat.audit_version}"
-    rows = None
-    if cache.is_file():
-        cached = json.loads(cache.read_text())
-        if cached.get("code_object_stamp") == stamp and [r["name"] for r in cached["kernels"]] == [s.name for s in specs]:
-            rows = [audit.KernelAudit(**r) for r in cached["kernels"]]
+    rows = _cached_audit(matrix, target, build_dir)
     if rows is None:
-        rows = plat.audit(tc, target, specs, build_dir)
-        write_if_changed(cache, json.dumps({"code_object_stamp": stamp, "kernels": [r.to_json() for r in rows]},
-                                           indent=2, sort_keys=True) + "\n")
+        rows = _fresh_audit(matrix, target, build_dir, tc)
     if enforce:
-        audit.check(target, specs, rows)
+        audit.check(target, matrix.specs_for(target), rows)
+    return rows
+
+
+def _stamp(target: Target, build_dir: Path) -> str:
+    path = code_object_path(target, build_dir)
+    plat = platform(target.platform)
+    return f"{path.stat().st_mtime_ns}:{path.stat().st_size}:{plat.name}-audit-{plat.audit_version}"
+
+
+def _cached_audit(matrix: Matrix, target: Target, build_dir: Path) -> list[audit.KernelAudit] | None:
+    """The rows audit.json holds for this very code object and kernel list, or None."""
+    cache = build_dir / target.name / "audit.json"
+    if not cache.is_file() or not code_object_path(target, build_dir).is_file():
+        return None
+    cached = json.loads(cache.read_text())
+    if (cached.get("code_object_stamp") != _stamp(target, build_dir)
+            or [r["name"] for r in cached["kernels"]] != [s.name for s in matrix.specs_for(target)]):
+        return None
+    return [audit.KernelAudit(**r) for r in cached["kernels"]]
+
+
+def _fresh_audit(matrix: Matrix, target: Target, build_dir: Path, tc: toolchain.Toolchain) -> list[audit.KernelAudit]:
+    """Audits the code object and caches the rows beside it, in audit.json."""
+    stamp = _stamp(target, build_dir)
+    rows = platform(target.platform).audit(tc, target, matrix.specs_for(target), build_dir)
+    write_if_changed(build_dir / target.name / "audit.json",
+                     json.dumps({"code_object_stamp": stamp, "kernels": [r.to_json() for r in rows]},
+                                indent=2, sort_keys=True) + "\n")
     return rows

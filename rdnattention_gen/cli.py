@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -48,7 +49,8 @@ def cmd_build(matrix: Matrix, args: argparse.Namespace) -> int:
             raise build.BuildError(f"cannot create the per-user kernel directory {args.build_dir} ({e.strerror}); "
                                    "set XDG_DATA_HOME to a directory, or build with --build-dir") from None
         print(f"build: into the per-user kernel directory {args.build_dir}")
-    rows = build.build(matrix, _targets(matrix, args.targets), args.build_dir, jobs=args.jobs)
+    rows = build.build(matrix, _targets(matrix, args.targets), args.build_dir, jobs=args.jobs,
+                       audit_processes=args.jobs or os.cpu_count() or 1)
     if rows:
         print(kernel_audit.table(rows))
         print(f"audit: {len(rows)} kernels, no spills, no scratch, LDS within budget, tier instructions present, "
@@ -114,7 +116,7 @@ def cmd_package(matrix: Matrix, args: argparse.Namespace) -> int:
 
 def cmd_docs(matrix: Matrix, args: argparse.Namespace) -> int:
     targets = [t for t in _targets(matrix, args.targets) if t.platform != "host"]
-    rows = build.build(matrix, targets, args.build_dir, jobs=args.jobs)
+    rows = build.build(matrix, targets, args.build_dir, jobs=args.jobs, audit_processes=args.jobs or os.cpu_count() or 1)
     text = docs.hardware_md(matrix, rows, toolchain.find().identity)
     if args.check:
         current = args.out.read_text() if args.out.is_file() else ""
