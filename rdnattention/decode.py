@@ -200,10 +200,10 @@ def allocate(q: torch.Tensor, return_lse: bool, packed: bool,
     the LSE (when not asked for: an empty tensor, or None where ``empty_lse`` is false)."""
     out = (torch.zeros_like if packed else torch.empty_like)(q, memory_format=torch.contiguous_format)
     if not return_lse:
-        return out, torch.empty((0,), dtype=torch.float32, device=q.device) if empty_lse else None
+        return out, q.new_empty((0,), dtype=torch.float32) if empty_lse else None
     if packed:
-        return out, torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-    return out, torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+        return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
 def forward(q, k, v, **kw) -> tuple[torch.Tensor, torch.Tensor]:

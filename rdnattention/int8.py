@@ -112,10 +112,10 @@ def _allocate(q: torch.Tensor, return_lse: bool, empty_lse: bool = True) -> tupl
     """The fp16 output and the LSE (when not asked for: an empty tensor, or None where ``empty_lse``
     is false)."""
     batch, heads_q, seq_q, head_dim = q.shape
-    out = torch.empty((batch, heads_q, seq_q, head_dim), dtype=torch.float16, device=q.device)
+    out = q.new_empty((batch, heads_q, seq_q, head_dim), dtype=torch.float16)
     if not (return_lse or empty_lse):
         return out, None
-    lse = torch.empty((batch, heads_q, seq_q) if return_lse else (0,), dtype=torch.float32, device=q.device)
+    lse = q.new_empty((batch, heads_q, seq_q) if return_lse else (0,), dtype=torch.float32)
     return out, lse
 
 

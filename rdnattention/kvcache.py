@@ -465,7 +465,7 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
     if k is not None:
         kernel = _append_kernel(q, cos, interleaved) if replayed is None else replayed.extra[5]
     if kernel:
-        used = torch.empty((batch,), dtype=torch.int32, device=q.device)  # written by the append
+        used = q.new_empty((batch,), dtype=torch.int32)  # written by the append
         if cos is not None:
             q_in = torch.empty_like(q)
         if leftpad is not None:  # read by the left-padded plan before the append runs: the same values

@@ -30,13 +30,13 @@ def allocate(q: torch.Tensor, token_major: bool, return_lse: bool,
     log-sum-exp (when not asked for: an empty tensor, or None where ``empty_lse`` is false)."""
     batch, heads, seq, dim = q.shape
     if token_major:
-        out = torch.empty((batch, seq, heads, dim), dtype=q.dtype, device=q.device).transpose(1, 2)
+        out = q.new_empty((batch, seq, heads, dim)).transpose(1, 2)
     else:
-        out = torch.empty((batch, heads, seq, dim), dtype=q.dtype, device=q.device)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [batch, heads, seq, dim]
     if not (return_lse or empty_lse):
         return out, None
     lse_shape = (batch, heads, seq) if return_lse else (0,)
-    return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    return out, q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token_major: bool,
@@ -108,8 +108,8 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
     values.check()
     if token_major:
         batch, seq, heads, _ = q.shape
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty((batch, heads, seq), dtype=torch.float32, device=q.device) if return_lse else None
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = q.new_empty((batch, heads, seq), dtype=torch.float32) if return_lse else None
     else:
         out, lse = allocate(q, False, return_lse, empty_lse=False)
     pointers = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": out.data_ptr()}
