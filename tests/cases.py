@@ -40,6 +40,13 @@ TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # (relative RMS error of the output, as tests/kernels/test_int8.py); the LSE comes from the unquantized P.
 INT8_REL_RMS = 0.03
 INT8_LSE_TOL = 1e-3
+# The backward: each gradient against the oracle's, relative to the oracle's largest element of it.
+# A gradient is sums of products of the forward's quantities with dO: the probabilities, recomputed
+# from the saved LSE, carry its error (the forward's LSE bound: e^x - 1 ~ x); O, in delta = rowsum(dO
+# O), and the stored gradient are each rounded to the dtype (unit roundoff UNIT). Products and sums
+# are fp32: nothing beside those.
+UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+GRAD_TOL = {torch.float16: LSE_TOL + 2 * UNIT[torch.float16], torch.bfloat16: BF16_LSE_TOL + 2 * UNIT[torch.bfloat16]}
 
 
 def host_head_dims(target: str, name: str, layout: str | None = None, dtype: str = "fp16",

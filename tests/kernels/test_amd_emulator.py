@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import amd_emulator
-from cases import BF16_LSE_TOL, LSE_TOL
+from cases import GRAD_TOL, MATRIX
 from rdnattention import (attention_gradients, attention_reference, flash_attn, flash_attn_int8qk, flash_attn_varlen_func,
                           flash_attn_with_kvcache, plan_flash_attn, plan_flash_attn_int8qk, quantize_per_channel,
                           quantize_per_token, rotary_tables)
@@ -21,15 +21,12 @@ from rdnattention import drivers, ops, replay, route
 from rdnattention.drivers import hip, module_api
 from rdnattention.families import bwd, dec, f16
 from rdnattention_gen import build, toolchain
-from rdnattention_gen.matrix import load_matrix
 from rdnattention_gen.families import spec_from_name
 
 TARGET = "gfx1100"
 TOL = 2e-3          # as on the host platform: fp16 rounding of the output and of the probabilities
 BF16_TOL = 8 * TOL  # bf16's unit roundoff, 8x fp16's (tests/cases.py)
 INT8_REL_RMS = 0.03  # tests/kernels/test_int8.py: P's 7-bit quantization against the dequantized oracle
-# The backward's bound per dtype, relative to each gradient's largest element (tests/kernels/test_backward.py).
-GRAD_TOL = {torch.float16: LSE_TOL + 2 * 2.0**-11, torch.bfloat16: BF16_LSE_TOL + 2 * 2.0**-8}
 
 SNAPSHOT = amd_emulator.snapshot()
 pytestmark = [
@@ -278,8 +275,7 @@ UNSPLIT_ON_THE_EMULATOR = (8, 16)
 def _kernels() -> list[str]:
     """Every gfx1100 kernel but the combine and append ones (run after the decode kernels and by
     the append test) and the backward's preprocess and dQ passes (run with their dK/dV kernel)."""
-    m = load_matrix()
-    return sorted(v.spec.name for v in m.variants_for(m.target(TARGET)) if v.spec.family not in ("combine", "append")
+    return sorted(v.spec.name for v in MATRIX.variants_for(MATRIX.target(TARGET)) if v.spec.family not in ("combine", "append")
                   and not (v.spec.family == bwd.NAME and v.spec.option("layout")))
 
 
@@ -289,8 +285,7 @@ def _backward_set(gpu, name):
     stores it), against the oracle's gradients."""
     spec = spec_from_name(name)
     dtype = torch.bfloat16 if spec.option("dtype") == "bf16" else torch.float16
-    m = load_matrix()
-    passes = {v.spec.option("layout"): v.spec.name for v in m.variants_for(m.target(TARGET))
+    passes = {v.spec.option("layout"): v.spec.name for v in MATRIX.variants_for(MATRIX.target(TARGET))
               if v.spec.family == bwd.NAME and (v.spec.head_dim, v.spec.tile, v.spec.option("dtype"))
               == (spec.head_dim, spec.tile, spec.option("dtype"))}
     kernels = (passes["pre"], name, passes["dq"])

@@ -8,7 +8,7 @@ same on an NVIDIA GPU against the oracle and against torch's math backward."""
 import pytest
 import torch
 import torch.nn.functional as F
-from cases import BF16_LSE_TOL, HOST_TARGETS, LSE_TOL, mirrored_kernels
+from cases import GRAD_TOL, HOST_TARGETS, UNIT, mirrored_kernels
 
 import rdnattention
 from rdnattention import (attention_gradients, attention_reference, flash_attn, flash_attn_func,
@@ -20,13 +20,6 @@ from rdnattention.reference import _attention64
 from rdnattention_gen.families import spec_from_name
 from rdnattention_gen.matrix import load_matrix
 
-# Each gradient against the oracle's, relative to the oracle's largest element of it. A gradient is
-# sums of products of the forward's quantities with dO: the probabilities, recomputed from the
-# saved LSE, carry its error (LSE_TOL, the forward's bound: e^x - 1 ~ x); O, in delta = rowsum(dO
-# O), and the stored gradient are each rounded to the dtype (unit roundoff u). Products and sums are
-# fp32: nothing beside those.
-UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
-GRAD_TOL = {torch.float16: LSE_TOL + 2 * UNIT[torch.float16], torch.bfloat16: BF16_LSE_TOL + 2 * UNIT[torch.bfloat16]}
 DTYPE_NAMES = {None: torch.float16, "bf16": torch.bfloat16}
 
 
