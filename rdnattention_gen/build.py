@@ -46,13 +46,47 @@ def _ninja_file(matrix: Matrix, targets: list[Target], build_dir: Path, tc: tool
     for name in sorted({t.platform for t in targets}):
         PLATFORMS[name].ninja_rules(w)
     includes = [str(p) for p in sorted(INCLUDE_DIR.glob("*.h"))]
+    groups = _shared_compiles(targets, build_dir / "gen")
+    if any(len(g) > 1 for g in groups.values()):
+        w.variable("python", command_path(sys.executable))
     for target in targets:
         gen = build_dir / "gen" / target.name
         specs = matrix.specs_for(target)
         headers = sorted(str(p) for p in gen.iterdir() if p.suffix in (".h", ".cpp") and p.name != "kernels.cpp")
+        group = groups[target.name]
+        shared = {"source": group[0], "shared": tuple(t.name for t in group)} if len(group) > 1 else {}
         platform(target.platform).ninja_build(w, target, specs, gen, build_dir / target.name,
-                                              str(build_dir / target.name / "toolchain.txt"), headers + includes)
+                                              str(build_dir / target.name / "toolchain.txt"), headers + includes,
+                                              **shared)
     return buf.getvalue()
+
+
+def _shared_compiles(targets: list[Target], gen_root: Path) -> dict[str, list[Target]]:
+    """The targets each target's code object shares one compile with, the compiled one first: those
+    of a platform that shares compiles (amdgcn: assemble.py) that declare one instruction set
+    (variants.yaml's ``isa``) and whose generated sources are byte for byte the same but for their
+    names. The compiled one is the target named by ``isa`` where it is built, else the first."""
+    groups: dict[str, list[Target]] = {t.name: [t] for t in targets}
+    by_isa: dict[tuple[str, str], list[Target]] = {}
+    for t in targets:
+        if platform(t.platform).shares_compiles:
+            by_isa.setdefault((t.platform, t.isa), []).append(t)
+    for (_, isa), members in by_isa.items():
+        members.sort(key=lambda t: (t.name != isa, t.name))
+        while members:
+            first, rest = members[0], members[1:]
+            sources = _sources(gen_root / first.name, first.name, first.name)
+            same = [first] + [t for t in rest if _sources(gen_root / t.name, t.name, first.name) == sources]
+            for t in same:
+                groups[t.name] = same
+            members = [t for t in rest if t not in same]
+    return groups
+
+
+def _sources(gen: Path, name: str, as_name: str) -> dict[str, bytes]:
+    """A target's generated sources, its name written as ``as_name``."""
+    return {p.name: p.read_bytes().replace(name.encode(), as_name.encode()) for p in sorted(gen.iterdir())
+            if p.is_file()}
 
 
 NINJA_STATUS = re.compile(r"^\[(\d+)/(\d+)\]")

@@ -52,11 +52,18 @@ class Platform:
     def ninja_rules(self, w: ninja.Writer) -> None:
         raise NotImplementedError
 
+    # Whether targets of one instruction set may share one compile (build.py's _shared_compiles):
+    # ninja_build then gets the target compiled (``source``) and the targets sharing it.
+    shares_compiles = False
+
     def ninja_build(self, w: ninja.Writer, target: Target, specs: list[KernelSpec], gen_dir: Path,
-                    out_dir: Path, stamp: str, headers: list[str]) -> None:
+                    out_dir: Path, stamp: str, headers: list[str], source: Target | None = None,
+                    shared: tuple[str, ...] = ()) -> None:
         """Build statements for one target: ``gen_dir/kernels.cpp`` (which includes every kernel)
         to ``out_dir/<code_object>``. A rebuild follows ``stamp`` (the toolchain identity) and the
-        generated ``headers``, where the compiler writes no depfile."""
+        generated ``headers``, where the compiler writes no depfile. ``source``: where the platform
+        shares compiles, the target whose compile this one's code object comes from (itself for the
+        one compiled; None where it compiles alone); ``shared``: the names of the targets sharing it."""
         raise NotImplementedError
 
     def audit(self, tc: Toolchain, target: Target, specs: list[KernelSpec], build_dir: Path) -> list[KernelAudit]:

@@ -44,7 +44,7 @@ class Target:
     status: str
     stage: str  # LDS staging precision: f16 pairs, or f32 pairs converted once at staging
     tiles: str  # the tile table its kernels take their tiles from
-    isa: str    # targets with the same isa share an instruction set, not code objects (default: its own name)
+    isa: str    # targets with the same isa share an instruction set and a compile, not code objects (default: its own name)
     # Host targets: GPU targets whose every tile this one builds too (as alternates), so that the
     # oracle sweep runs each of their kernels' tile configurations on the CPU.
     mirrors: tuple[str, ...] = ()

@@ -67,17 +67,36 @@ class Amdgcn(Platform):
         if fields["hw_tier"] == 2 and fields["int8_dot"] != "none":
             raise node.fail("hw_tier", "tier 2 targets have no int8 dot instruction (int8_dot: none)")
 
+    # Targets of one instruction set with the same sources compile once, to assembly, and assemble
+    # their code objects from it (assemble.py): gfx1030-gfx1036 are one compile, not seven.
+    shares_compiles = True
+
     def ninja_rules(self, w: ninja.Writer) -> None:
         # Device-only HIP compiles write no depfile, so every header is listed as an input instead.
-        w.rule("amdgcn", description="HIP $target ($kernels kernels)",
-               command="$clang -x hip --offload-device-only -nogpuinc -nogpulib --no-gpu-bundle-output "
-                       f"--offload-arch=$target -mcode-object-version={self.code_object_version} {DEVICE_FLAGS} "
-                       "-I$inc_dir $in -o $out")
+        compile_ = ("$clang -x hip --offload-device-only -nogpuinc -nogpulib --no-gpu-bundle-output "
+                    f"--offload-arch=$target -mcode-object-version={self.code_object_version} {DEVICE_FLAGS} "
+                    "-I$inc_dir $in -o $out")
+        w.rule("amdgcn", description="HIP $target ($kernels kernels)", command=compile_)
+        w.rule("amdgcn_asm", description="HIP $target ($kernels kernels, to assembly for $shared)",
+               command=compile_.replace(" $in -o", " -S $in -o"))
+        w.rule("amdgcn_assemble", description="assemble $target (from $source's compile)",
+               command="$python -m rdnattention_gen.assemble --clang $clang --source $source --target $target "
+                       f"--code-object-version {self.code_object_version} $in $out")
 
     def ninja_build(self, w: ninja.Writer, target: Target, specs: list[KernelSpec], gen_dir: Path,
-                    out_dir: Path, stamp: str, headers: list[str]) -> None:
-        w.build(str(out_dir / self.code_object), "amdgcn", str(gen_dir / "kernels.cpp"), implicit=[stamp] + headers,
-                variables={"target": target.name, "kernels": str(len(specs))})
+                    out_dir: Path, stamp: str, headers: list[str], source: Target | None = None,
+                    shared: tuple[str, ...] = ()) -> None:
+        out = str(out_dir / self.code_object)
+        if source is None:
+            w.build(out, "amdgcn", str(gen_dir / "kernels.cpp"), implicit=[stamp] + headers,
+                    variables={"target": target.name, "kernels": str(len(specs))})
+            return
+        assembly = str(out_dir.parent / source.name / "kernels.s")
+        if source is target:
+            w.build(assembly, "amdgcn_asm", str(gen_dir / "kernels.cpp"), implicit=[stamp] + headers,
+                    variables={"target": target.name, "kernels": str(len(specs)), "shared": ", ".join(shared)})
+        w.build(out, "amdgcn_assemble", assembly, implicit=[stamp, str(Path(__file__).parents[1] / "assemble.py")],
+                variables={"target": target.name, "source": source.name})
 
     def audit(self, tc: Toolchain, target: Target, specs: list[KernelSpec], build_dir: Path) -> list[KernelAudit]:
         code_object = self.code_object_path(target, build_dir)
