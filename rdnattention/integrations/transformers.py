@@ -11,8 +11,10 @@ StaticCache), causal within them with the queries at the end of the keys, or ful
 broadcasts to [batch, heads, seq_q, seq_k] (batch 1, one head, fewer dimensions) is broadcast
 first, as sdpa does; one that does not raises InvalidArgumentError, as sdpa raises. Such calls run
 rdnattention's kernels (the split-KV kernels with per-sequence offsets and lengths); a call without
-a mask runs `scaled_dot_product_attention` with torch's semantics. Both go through the custom op
-``rdnattention::padded_attention_fwd``, so compiled models call it whole. Anything else falls back
+a mask runs ``flash_attn_func`` on token-major views with torch's semantics (its output is the
+layout transformers wants, nothing copied). Both go through the custom op
+``rdnattention::padded_attention_fwd`` where torch compiles or traces, so compiled models call it
+whole; eager calls run its implementation directly. Anything else falls back
 to transformers' sdpa attention, with one warning per reason and every call counted in
 ``fallbacks``: a dtype other than float16 and bfloat16 (or mixed dtypes), a head_dim with no built
 kernel, dropout while training, attention outputs or position biases, tensors or masks the kernels do not
@@ -251,7 +253,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     softcap, sinks = float(kwargs.get("softcap") or 0.0), kwargs.get("s_aux")
     if sinks is not None:  # a parameter in the model's dtype: the kernels read fp32 logits
         sinks = sinks.detach().to(torch.float32)
-    return padded_attention_fwd(query, key, value, attention_mask, causal, scale, left, softcap, sinks), None
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or not type(query) is type(key) is type(value) is type(attention_mask) is torch.Tensor):
+        return padded_attention_fwd(query, key, value, attention_mask, causal, scale, left, softcap, sinks), None
+    # Eager: the op's implementation called directly, without the dispatcher's cost (as ops.forward)
+    return _padded_attention(query, key, value, attention_mask, causal, scale, left, softcap, sinks), None
 
 
 def _trainable(query, key, value, mask, causal: bool, scale: float, left: int, kwargs: dict):
@@ -348,7 +354,13 @@ def padded_attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     (fp32 [heads_q] or None) as rdnattention's. A custom op, so that compiled models (transformers
     compiles StaticCache generation) call it whole: reading the mask needs the device, which a CUDA
     graph being captured cannot give; such calls run torch's SDPA with the mask (_math with a
-    softcap or sinks), with a warning."""
+    softcap or sinks), with a warning. Eager calls run its implementation, _padded_attention."""
+    return _padded_attention(query, key, value, mask, causal, scale, left, softcap, sinks)
+
+
+def _padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                      causal: bool, scale: float, left: int = -1, softcap: float = 0.0,
+                      sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     transforms = (left, softcap, sinks)
     reason = _tensors_unsupported(query, key, value)
     if reason is None and mask.numel():
@@ -364,14 +376,9 @@ def padded_attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Te
             _count_served()
             return out
         if mask.numel() == 0:
-            if softcap or sinks is not None:
-                out = _unmasked(query, key, value, causal and query.shape[2] > 1, scale, softcap, sinks)
-                _count_served()
-                return out
-            out = api.scaled_dot_product_attention(query, key, value, is_causal=causal and query.shape[2] > 1,
-                                                   scale=scale, enable_gqa=key.shape[1] != query.shape[1])
+            out = _unmasked(query, key, value, causal and query.shape[2] > 1, scale, softcap, sinks)
             _count_served()
-            return out.transpose(1, 2).contiguous()
+            return out
         if not checks.can_read(mask):
             _fell_back("a CUDA graph is being captured, and reading the attention mask needs the device")
             return _sdpa(query, key, value, mask, causal, scale, *transforms)
@@ -394,16 +401,17 @@ def _(query, key, value, mask, causal, scale, left=-1, softcap=0.0, sinks=None):
 
 
 def _unmasked(query, key, value, causal: bool, scale: float, softcap: float, sinks) -> torch.Tensor:
-    """A call without a mask, with a softcap or sinks, with sdpa's semantics (causal top-left, as
-    api.scaled_dot_product_attention maps it onto flash_attn's windows)."""
+    """A call without a mask with sdpa's semantics (causal top-left, as api.scaled_dot_product_attention
+    maps it onto flash-attn's windows), as [batch, seq_q, heads, head_dim]: flash_attn_func on the
+    token-major views of query, key and value writes that layout itself, so nothing is copied after."""
     seq_q, seq_k = query.shape[2], key.shape[2]
     window = (-1, -1)
     if causal and seq_k > seq_q:  # no query sees a key at or past seq_q
         key, value, window = key[:, :, :seq_q], value[:, :, :seq_q], (-1, 0)
     elif causal:
         window = (-1, seq_q - seq_k)
-    out = api.flash_attn(query, key, value, window_size=window, softmax_scale=scale, softcap=softcap, sinks=sinks)
-    return out.transpose(1, 2).contiguous()
+    return api.flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scale,
+                               window_size=window, softcap=softcap, sinks=sinks)
 
 
 def _padded(query, key, value, runs, causal: bool, scale: float, left: int = -1, softcap: float = 0.0,
