@@ -96,9 +96,18 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
     """The outputs of a call whose key was planned before, replayed, in the caller's layout (q, k,
     v as the key saw them: token-major ones [batch, seq, heads, head_dim]); None where it was not,
     or where its memory needs the full path (which raises the error)."""
-    r = replay.cache.get(key) if key is not None else None
-    if r is None or not replay.memory_ok((q, k, v, rotary_cos, rotary_sin, seqused_k, alibi_slopes, sinks), r.reach,
-                                         3):
+    if key is None:
+        return None
+    r = replay.cache.get(key)
+    follow = r is None  # a call that differs from a kept one in the keys' length alone: its replay follows it
+    if follow:
+        r = replay.by_length.get(replay.length_free(key, (1, 2), 1 if token_major else 2))
+        if r is None:
+            return None
+        reach = (r.reach[0], (checks.reach(k), r.reach[1][1]), (checks.reach(v), r.reach[2][1]), *r.reach[3:])
+    else:
+        reach = r.reach
+    if not replay.memory_ok((q, k, v, rotary_cos, rotary_sin, seqused_k, alibi_slopes, sinks), reach, 3):
         return None
     values = checks.Values()
     if seqused_k is not None:
@@ -122,7 +131,14 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
         if rotary_cos.dtype != torch.float32:  # q's dtype: the kernel reads fp32 tables
             rotary_cos, rotary_sin = rotary_cos.float(), rotary_sin.float()
         pointers["rotary_cos"], pointers["rotary_sin"] = rotary_cos.data_ptr(), rotary_sin.data_ptr()
-    replay.launch(r, pointers, q.device)
+    if not follow:
+        replay.launch(r, pointers, q.device)
+    else:
+        ks, vs = k.stride(), v.stride()
+        seq_k, order = (k.shape[1], (0, 2, 1)) if token_major else (k.shape[2], (0, 1, 2))
+        if not replay.launch_length(r, pointers, q.device, seq_k, tuple(ks[i] for i in order),
+                                    tuple(vs[i] for i in order)):
+            return None  # planned in full: nothing was launched, the outputs are dropped
     return out, lse
 
 
@@ -146,7 +162,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token
                               o.rotary_interleaved, o.return_lse or grad, token_major, o.seqused_k, o.score.softcap,
                               o.score.alibi_slopes, o.score.sinks)
     p = plan(q, k, v, o, token_major)
-    replay.run(p, key, (q, k, v, o.rotary_cos, o.rotary_sin, o.seqused_k, *o.score.tensors), ROLES)
+    replay.run(p, key, (q, k, v, o.rotary_cos, o.rotary_sin, o.seqused_k, *o.score.tensors), ROLES,
+               free=replay.length_free(key, (1, 2), 1 if token_major else 2))
     return p.outputs
 
 

@@ -69,6 +69,9 @@ class Plan:
     # the launches' part_o and part_lse point into it. 0: none.
     scratch_bytes: int = 0
     scratch_lse: int = 0
+    # How the launches change with the keys' length alone (a split-KV plan over plain K/V rows:
+    # _splitkv.Lengths), so that a replay may follow it; None where they change otherwise.
+    lengths: object = None
 
     def returning(self, out: torch.Tensor, lse: torch.Tensor, *, empty: bool) -> Plan:
         """This plan, returning ``(out, lse)`` (lse an empty tensor where it was not asked for: a custom

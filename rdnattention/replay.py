@@ -26,6 +26,7 @@ from . import checks, drivers, route, workspace
 from .drivers import module_api
 from .errors import RdnaAttentionError
 from .plan import Launch, Plan
+from .plan import _check_grid as check_grid
 from .table import TargetTable
 
 CACHE_LIMIT = 1024
@@ -58,10 +59,15 @@ class Replay:
     scratch_lse: int
     reach: tuple[tuple[int, int], ...]  # (bytes spanned, element size) of each checked tensor (memory_ok)
     extra: object = None  # what the entry point keeps beside: what validation made of the options
+    lengths: object = None  # how its launches follow the keys' length (Plan.lengths), or None
 
 
 # Calls already validated and planned, by key().
 cache: dict[tuple, Replay] = {}
+# Replays that follow the keys' length, by length_free(key): a decode step on a cache that grows by
+# a key per step (transformers' DynamicCache in generate()) is a new key at every step, and would
+# otherwise be validated and planned at every step.
+by_length: dict[tuple, Replay] = {}
 
 
 def tracing() -> bool:
@@ -91,6 +97,24 @@ def key(kind: str, device: torch.device, tensors: tuple, options: tuple) -> tupl
     return tuple(parts)
 
 
+def length_free(key: tuple | None, positions: tuple[int, ...], seq_dim: int) -> tuple | None:
+    """``key`` (of key()) without the length along ``seq_dim`` of the tensors at ``positions`` (among
+    its tensors) and the strides that follow it: of those it keeps what validation reads (the other
+    dimensions, whether the length is 0, the last stride, the others modulo 16 bytes), so that every
+    call of one length-free key passes validation and plans to the same kernels alike."""
+    if key is None:
+        return None
+    parts = list(key)
+    for i in positions:
+        if parts[2 + i] is None:
+            return None
+        shape, stride, dtype, device = parts[2 + i]
+        per16 = 16 // dtype.itemsize
+        parts[2 + i] = (shape[:seq_dim] + shape[seq_dim + 1:], shape[seq_dim] > 0, stride[-1],
+                        tuple(s % per16 for s in stride[:-1]), dtype, device)
+    return tuple(parts)
+
+
 def memory_ok(tensors: tuple, reach: tuple[tuple[int, int], ...], aligned: int) -> bool:
     """Every tensor has memory behind it (a non-null pointer, a storage covering the bytes its
     shape and strides reach, no lazy negation) and the first ``aligned`` of them start on 16
@@ -107,12 +131,13 @@ def memory_ok(tensors: tuple, reach: tuple[tuple[int, int], ...], aligned: int) 
 
 
 def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str],
-             extra: object = None, before: tuple[Launch, ...] = ()) -> Replay | None:
+             extra: object = None, before: tuple[Launch, ...] = (), free: tuple | None = None) -> Replay | None:
     """Keeps ``plan`` for later calls of ``key`` (``tensors``: those memory_ok checks per call, in
     the order the entry point passes them; ``extra``: kept beside; ``before``: launches of the
     same table that run ahead of the plan's, such as flash_attn_with_kvcache's append) where every
     pointer field of its launches is one of ``roles`` or the scratch; returns the replay, or None
-    where it is not kept."""
+    where it is not kept. A plan that follows the keys' length (Plan.lengths) with nothing before it
+    is kept under ``free`` (length_free(key)) too."""
     if key is None or not plan.launches:
         return None
     steps = []
@@ -132,13 +157,18 @@ def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str
         steps.append(Step(name=launch.kernel.name, grid=launch.grid, block=launch.block,
                           shared_bytes=launch.shared_bytes, args=type(args).from_buffer_copy(args), fields=fields,
                           function=function, index=index or 0))
+    lengths = plan.lengths if free is not None and not before else None
     r = Replay(table=plan.table, driver=driver, steps=tuple(steps),
                scratch_bytes=plan.scratch_bytes, scratch_lse=plan.scratch_lse,
                reach=tuple((checks.reach(t), t.element_size()) if t is not None and t.numel() else (0, 0)
-                           for t in tensors), extra=extra)
+                           for t in tensors), extra=extra, lengths=lengths)
     if len(cache) >= CACHE_LIMIT:
         cache.clear()
     cache[key] = r
+    if lengths is not None:
+        if len(by_length) >= CACHE_LIMIT:
+            by_length.clear()
+        by_length[free] = r
     return r
 
 
@@ -165,12 +195,54 @@ def launch(r: Replay, pointers: dict[str, int], device: torch.device) -> None:
     del scratch
 
 
+def launch_length(r: Replay, pointers: dict[str, int], device: torch.device, seq_k: int,
+                  k_strides: tuple[int, int, int], v_strides: tuple[int, int, int]) -> bool:
+    """Runs ``r`` (a replay that follows the keys' length, by_length) for ``seq_k`` keys of K/V
+    strides ``k_strides`` and ``v_strides`` (batch, head, row; the kernels' view): the key slices,
+    and with them the first launch's grid and the scratch, as the planner chooses them
+    (_splitkv.Lengths); its seq_k, splits and K/V stride fields rewritten. False, launching
+    nothing, where the plan would differ otherwise (one slice where ``r`` has several, or the other
+    way round) or seq_k does not fit the kernels' 32-bit field: the full path plans such a call."""
+    lengths = r.lengths
+    if seq_k >= 2**31:
+        return False
+    splits = lengths.splits(seq_k)
+    if (splits > 1) != (r.scratch_bytes > 0):
+        return False
+    grid = (lengths.chunks * splits, r.steps[0].grid[1], r.steps[0].grid[2])
+    check_grid(r.steps[0].name, grid, r.steps[0].block)
+    scratch_bytes, scratch_lse = lengths.scratch(splits)
+    scratch = None
+    if scratch_bytes:
+        scratch = workspace.scratch(device, scratch_bytes)  # held until the launches are enqueued
+        base = scratch.data_ptr()
+        pointers["part_o"], pointers["part_lse"] = base, base + scratch_lse
+    driver = r.driver
+    for i, step in enumerate(r.steps):
+        args = type(step.args).from_buffer_copy(step.args)
+        for field in step.fields:
+            setattr(args, field, pointers[field])
+        args.splits = splits
+        if i == 0:  # the split-KV launch (the combine after it reads neither keys nor K/V strides)
+            args.seq_k = seq_k
+            args.k_stride_b, args.k_stride_h, args.k_stride_s = k_strides
+            args.v_stride_b, args.v_stride_h, args.v_stride_s = v_strides
+        if step.function is None:
+            driver.launch_kernel(r.table.code_object, step.name, grid if i == 0 else step.grid, step.block, args,
+                                 device, step.shared_bytes)
+        else:
+            driver.launch_function(step.function, step.name, step.index, grid if i == 0 else step.grid, step.block,
+                                   args, step.shared_bytes)
+    del scratch
+    return True
+
+
 def run(plan: Plan, key: tuple | None = None, tensors: tuple = (), roles: frozenset[str] = frozenset(),
-        extra: object = None, before: tuple[Launch, ...] = ()) -> None:
+        extra: object = None, before: tuple[Launch, ...] = (), free: tuple | None = None) -> None:
     """Runs a plan made for an eager call, after the launches ``before`` (remember): kept under
-    ``key`` where it can be, and launched on the stream's workspace; a plan that is not kept runs
-    on its own scratch (Plan.run), after ``before``."""
-    r = remember(key, plan, tensors, roles, extra, before)
+    ``key`` (and ``free``, where it follows the keys' length) where it can be, and launched on the
+    stream's workspace; a plan that is not kept runs on its own scratch (Plan.run), after ``before``."""
+    r = remember(key, plan, tensors, roles, extra, before, free)
     if r is None:
         driver = drivers.for_platform(plan.table.platform)
         for first in before:

@@ -157,6 +157,42 @@ def _int8(rows: int, keys: int, quantized: bool = False):
     return build
 
 
+class _Module:
+    """What transformers' attention functions read of the attention module."""
+    is_causal = True
+    training = False
+    num_key_value_groups = H // HKV
+
+
+GROWN = 8192  # distinct cache lengths a growing case cycles through: more than one figure's calls
+
+
+def _transformers(keys: int, growing: bool):
+    """transformers' attention function (``attn_implementation="rdnattention"``) beside its own sdpa
+    attention, one decode step of a Llama layer (no mask, GQA H / HKV): on a cache of ``keys`` keys,
+    or (``growing``) one that holds one key more at every call, as DynamicCache's does during
+    generate(), each call a new length."""
+    def build(device):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        import rdnattention.integrations.transformers as rt
+        q = _randn(1, H, 1, D, device=device)
+        most = keys + (GROWN if growing else 0)
+        kb, vb = (_randn(HKV * most * D, device=device) for _ in range(2))
+        lengths = [keys + i for i in range(GROWN)] if growing else [keys]
+        at = [0]
+
+        def call(fn):
+            def run():  # contiguous K/V of the length (views of one buffer), as DynamicCache's cat leaves them
+                n = lengths[at[0] % len(lengths)]
+                at[0] += 1
+                k, v = kb[:HKV * n * D].view(1, HKV, n, D), vb[:HKV * n * D].view(1, HKV, n, D)
+                return fn(_Module(), q, k, v, None, scaling=D ** -0.5)
+            return run
+        return call(rt.attention_forward), call(sdpa_attention_forward)
+    return build
+
+
 CASES = (
     Case("prefill", f"flash_attn q [1,{H},{PREFILL},{D}] k/v [1,{HKV},{PREFILL},{D}] causal",
          _flash_attn(PREFILL, HKV, PREFILL, causal=True)),
@@ -194,6 +230,10 @@ CASES = (
          _sdpa_entry(PREFILL, PREFILL, True)),
     Case("sdpa.decode", f"scaled_dot_product_attention q [1,{H},1,{D}] k/v [1,{HKV},{KEYS},{D}] enable_gqa",
          _sdpa_entry(1, KEYS, False)),
+    Case("transformers.decode", f"transformers' attention function, q [1,{H},1,{D}] k/v [1,{HKV},2048,{D}] "
+                                "(beside its sdpa_attention_forward)", _transformers(2048, growing=False)),
+    Case("transformers.decode.growing", "the same, the cache one key longer at every call (DynamicCache in "
+                                        "generate())", _transformers(2048, growing=True)),
 )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgumentError, UnsupportedError
@@ -61,6 +62,38 @@ def slices(seq_k: int, keys_per_step: int, splits: int) -> int:
     return max(1, -(-seq_k // per)) if seq_k else 1
 
 
+@dataclass(frozen=True)
+class Lengths:
+    """What of a split-KV plan changes with the keys' length alone, where nothing else does (K/V
+    rows addressed by their strides: no cache lengths, packed offsets, pages or cache rows): the key
+    slices, hence the first launch's grid and the scratch; the fields seq_k, splits and the K/V
+    strides. A replay of such a plan follows calls whose keys differ only in length and strides
+    (replay.relength)."""
+
+    chunks: int         # row chunks: the first launch's grid.x is chunks x slices
+    keys_per_step: int  # the tile's bc
+    workgroups: int     # chunks x K/V heads x batch
+    units: int
+    per_unit: int
+    num_splits: int     # slices asked for (0: chosen)
+    rows: int           # batch x query heads x query rows: the partials per slice
+    head_dim: int
+
+    def splits(self, seq_k: int) -> int:
+        if self.num_splits:
+            return slices(seq_k, self.keys_per_step, self.num_splits)
+        return splits_for(self.workgroups, seq_k, self.keys_per_step, self.units, self.per_unit)
+
+    def scratch(self, splits: int) -> tuple[int, int]:
+        """(scratch bytes, where the partial LSEs start) of ``splits`` slices, as plan allocates."""
+        from .. import workspace  # imports torch: the generator reads this module without it
+
+        if splits <= 1:
+            return 0, 0
+        lse = workspace.align(splits * self.rows * self.head_dim * 4)
+        return lse + workspace.align(splits * self.rows * 4), lse
+
+
 # The most query rows a tile may hold to apply ALiBi (fa2_decode.h: FA2_DECODE_ALIBI_ROWS, the same):
 # its per-row slope takes a register that tiles of more rows do not have to spare (they spilled), so
 # ALiBi calls run tiles of at most this many rows (select), in more row chunks.
@@ -102,11 +135,10 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
     entry = select(table, family, head_dim, group * call.seq_q, kernel, layout,
                    most_rows=ALIBI_ROWS if call.alibi_slopes is not None else None, dtype=dtype)
     chunks = -(-group * call.seq_q // entry.br)
-    if call.num_splits:
-        splits = slices(call.seq_k, entry.bc, call.num_splits)
-    else:
-        splits = splits_for(chunks * heads_kv * call.batch, call.seq_k, entry.bc, units(q.device),
-                            resident(table, entry, q.device))
+    lengths = Lengths(chunks=chunks, keys_per_step=entry.bc, workgroups=chunks * heads_kv * call.batch,
+                      units=units(q.device), per_unit=0 if call.num_splits else resident(table, entry, q.device),
+                      num_splits=call.num_splits or 0, rows=call.batch * heads_q * call.seq_q, head_dim=head_dim)
+    splits = lengths.splits(call.seq_k)
     fields = f16.common_fields(q, k, v, call.out, call.lse, call.window, call.softmax_scale, False, None,
                                call.seqused_k)
     del fields["heavy_first"]
@@ -150,5 +182,8 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
                                 call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q,
                                 call.alibi_slopes, call.sinks, *buffers)
                     if t is not None)
+    plain = all(getattr(call, name, None) is None for name in ("seqused_k", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
+                                                                "cache_batch_idx", "block_table"))
     return Plan(table=table, device=q.device, launches=launches, outputs=(call.out, call.lse), buffers=buffers,
-                scratch_bytes=scratch_bytes, scratch_lse=scratch_lse)
+                scratch_bytes=scratch_bytes, scratch_lse=scratch_lse,
+                lengths=lengths if plain and call.seq_k > 0 else None)

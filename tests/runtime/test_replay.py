@@ -275,3 +275,82 @@ def test_the_device_table_follows_the_environment_and_a_cleared_table_cache(host
     reloaded = route.device_table(cpu)
     assert reloaded is not host and reloaded.target == "host"
     assert drivers.target_token(cpu)[0] is drivers.host
+
+
+# --- replays that follow the keys' length ---------------------------------------------------------
+
+def _growing(seed, lengths, token_major=False, offset=0):
+    """Contiguous K/V of each length in ``lengths``, as a cache that grows by concatenation holds
+    them (transformers' DynamicCache), views of one buffer each; ``offset`` elements into it."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 8, 1, 64, generator=g).half()
+    most = max(lengths)
+    kb, vb = (torch.randn(offset + 2 * most * 64, generator=g).half() for _ in range(2))
+    shape = (lambda n: (1, n, 2, 64)) if token_major else (lambda n: (1, 2, n, 64))
+    kv = [(kb[offset:offset + 2 * n * 64].view(shape(n)), vb[offset:offset + 2 * n * 64].view(shape(n)))
+          for n in lengths]
+    return (q.transpose(1, 2) if token_major else q), kv
+
+
+def _fresh(call):
+    """``call()`` planned from scratch: no kept replay."""
+    kept = replay.cache, replay.by_length
+    replay.cache, replay.by_length = {}, {}
+    try:
+        return call()
+    finally:
+        replay.cache, replay.by_length = kept
+
+
+@pytest.mark.parametrize("entry", ["flash_attn", "flash_attn_func"])
+def test_a_cache_growing_by_a_key_per_call_replays_without_planning(host_build, monkeypatch, entry):
+    """A decode step on a cache one key longer than the last (a new key for the replay cache at every
+    step) follows the kept replay: no validation or planning, the key slices chosen for its length,
+    and the result the full path gives."""
+    monkeypatch.setattr(replay, "cache", {})
+    monkeypatch.setattr(replay, "by_length", {})
+    token_major = entry == "flash_attn_func"
+    fn = rdnattention.flash_attn_func if token_major else rdnattention.flash_attn
+    lengths = list(range(1990, 2000)) + [3000, 2100]
+    q, kv = _growing(0, lengths, token_major)
+    first = fn(q, *kv[0])
+    assert len(replay.by_length) == 1
+    assert replay.by_length[next(iter(replay.by_length))].scratch_bytes  # several slices and their combine
+    planned = []
+    plan = route.plan
+    monkeypatch.setattr(route, "plan", lambda *a, **kw: planned.append(a) or plan(*a, **kw))
+    results = [first] + [fn(q, k, v) for k, v in kv[1:]]
+    assert not planned  # every length followed
+    for (k, v), got in zip(kv, results):
+        assert torch.equal(got, _fresh(lambda: fn(q, k, v)))
+
+
+def test_a_length_that_changes_the_launches_is_planned_again(host_build, monkeypatch):
+    """One key slice (no combine, no scratch) at a short cache, several at a long one: a replay kept
+    for one is not followed for the other; the call is planned, and kept in turn."""
+    monkeypatch.setattr(replay, "cache", {})
+    monkeypatch.setattr(replay, "by_length", {})
+    lengths = [16, 2000, 17, 2001, 18]  # at most two steps of 16 keys: one slice
+    q, kv = _growing(1, lengths)
+    planned = []
+    plan = route.plan
+    monkeypatch.setattr(route, "plan", lambda *a, **kw: planned.append(a[1].seq_k) or plan(*a, **kw))
+    results = [rdnattention.flash_attn(q, k, v) for k, v in kv]
+    assert planned == lengths
+    for (k, v), got in zip(kv, results):
+        assert torch.equal(got, _fresh(lambda: rdnattention.flash_attn(q, k, v)))
+
+
+def test_a_followed_length_still_refuses_what_the_full_path_refuses(host_build, monkeypatch):
+    """K/V rows off their 16-byte boundary at a new length: the call leaves the replay and is refused
+    as a first call of that geometry is, its tensors untouched."""
+    monkeypatch.setattr(replay, "cache", {})
+    monkeypatch.setattr(replay, "by_length", {})
+    q, kv = _growing(2, [1990, 1991])
+    rdnattention.flash_attn(q, *kv[0])
+    _, bad = _growing(2, [1991], offset=1)  # one fp16 element in: rows start off 16 bytes
+    k, v = bad[0]
+    before = [t.clone() for t in (q, k, v)]
+    with pytest.raises(InvalidArgumentError, match="16-byte"):
+        rdnattention.flash_attn(q, k, v)
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
