@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence (default 128)")
     p.add_argument("--new", type=int, default=128, help="generated tokens per sequence (default 128)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--profile", action="store_true",
+                   help="instead of the table: cProfile of one generate() of sdpa and of rdnattention at the first "
+                        "batch size, the functions that differ most in time per generated token")
     p.add_argument("--device", default="cuda", help="cuda (default); cpu runs the host kernels (a smoke test of "
                                                      "this script, no figure to compare)")
     args = p.parse_args(argv)
@@ -103,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
 
         runs = {"sdpa": sdpa, "ours": ours, "patched": patched}
         outputs = {name: fn() for name, fn in runs.items()}  # warm-up: plans, kernels, allocator
+        if args.profile:
+            _profile({"sdpa": sdpa, "rdnattention": ours}, batch * args.new, sync)
+            return 0
         served = {}
         for name in ("ours", "patched"):
             rt.fallbacks.clear()
@@ -133,6 +139,34 @@ def main(argv: list[str] | None = None) -> int:
                     f"{_leading_equal(outputs[name][:, args.prompt:], outputs['sdpa'][:, args.prompt:])} of {args.new}"]
         print("| " + " | ".join(row) + " |", flush=True)
     return 0
+
+
+def _profile(runs: dict, tokens: int, sync) -> None:
+    """cProfile of each of ``runs`` (one generate() each): per function, its own time per generated
+    token in each, the functions whose times differ most first (where the time goes that one spends
+    and the other does not)."""
+    import cProfile
+    import pstats
+
+    own: dict[str, dict[str, float]] = {}
+    for name, fn in runs.items():
+        prof = cProfile.Profile()
+        sync()
+        prof.enable()
+        fn()
+        sync()
+        prof.disable()
+        stats = pstats.Stats(prof).stats
+        total = sum(tt for _, _, tt, _, _ in stats.values())
+        print(f"{name}: {total / tokens * 1e3:.3f} ms of profiled time per generated token")
+        for (file, line, func), (_, calls, tt, _, _) in stats.items():
+            where = f"{file.rsplit('site-packages/', 1)[-1]}:{line}({func})"
+            own.setdefault(where, {})[name] = tt / tokens * 1e6
+    names = list(runs)
+    rows = sorted(own.items(), key=lambda kv: -abs(kv[1].get(names[1], 0) - kv[1].get(names[0], 0)))
+    print(f"\n| function | {names[0]} us per token | {names[1]} us per token |\n|---|---|---|")
+    for where, t in rows[:40]:
+        print(f"| {where} | {t.get(names[0], 0):.1f} | {t.get(names[1], 0):.1f} |")
 
 
 def _patched_served(before: dict, after: dict) -> str:
