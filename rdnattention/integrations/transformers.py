@@ -248,13 +248,25 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                              is_causal=is_causal, **kwargs)
         _count_served()
         return out, None
-    if attention_mask is None:
-        attention_mask = query.new_empty(0, dtype=torch.bool)  # none: torch's SDPA semantics
     softcap, sinks = float(kwargs.get("softcap") or 0.0), kwargs.get("s_aux")
     if sinks is not None:  # a parameter in the model's dtype: the kernels read fp32 logits
         sinks = sinks.detach().to(torch.float32)
-    if (torch.compiler.is_compiling() or torch.jit.is_tracing()
-            or not type(query) is type(key) is type(value) is type(attention_mask) is torch.Tensor):
+    eager = not (torch.compiler.is_compiling() or torch.jit.is_tracing()) and (
+        type(query) is type(key) is type(value) is torch.Tensor)
+    if eager and attention_mask is None and left < 0:
+        # Eager, no mask, no window (a decode step, a prompt without padding): the kernels straight away
+        # (what _padded_attention does with such a call, without the dispatcher and the empty mask)
+        try:
+            out = _unmasked(query, key, value, causal and query.shape[2] > 1, scale, softcap, sinks)
+        except (UnsupportedError, KernelsNotBuiltError) as e:
+            _fell_back(str(e))
+            return _sdpa(query, key, value, query.new_empty(0, dtype=torch.bool), causal, scale, left, softcap,
+                         sinks), None
+        _count_served()
+        return out, None
+    if attention_mask is None:
+        attention_mask = query.new_empty(0, dtype=torch.bool)  # none: torch's SDPA semantics
+    if not eager or type(attention_mask) is not torch.Tensor:
         return padded_attention_fwd(query, key, value, attention_mask, causal, scale, left, softcap, sinks), None
     # Eager: the op's implementation called directly, without the dispatcher's cost (as ops.forward)
     return _padded_attention(query, key, value, attention_mask, causal, scale, left, softcap, sinks), None
