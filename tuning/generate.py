@@ -148,6 +148,11 @@ def _profile(runs: dict, tokens: int, sync) -> None:
     import cProfile
     import pstats
 
+    from pathlib import Path
+
+    import rdnattention
+
+    root = str(Path(rdnattention.__file__).parents[1]) + "/"  # the checkout's files by their paths in it
     own: dict[str, dict[str, float]] = {}
     for name, fn in runs.items():
         prof = cProfile.Profile()
@@ -160,7 +165,7 @@ def _profile(runs: dict, tokens: int, sync) -> None:
         total = sum(tt for _, _, tt, _, _ in stats.values())
         print(f"{name}: {total / tokens * 1e3:.3f} ms of profiled time per generated token")
         for (file, line, func), (_, calls, tt, _, _) in stats.items():
-            where = f"{file.rsplit('site-packages/', 1)[-1]}:{line}({func})"
+            where = f"{file.rsplit('site-packages/', 1)[-1].removeprefix(root)}:{line}({func})"
             own.setdefault(where, {})[name] = tt / tokens * 1e6
     names = list(runs)
     rows = sorted(own.items(), key=lambda kv: -abs(kv[1].get(names[1], 0) - kv[1].get(names[0], 0)))
