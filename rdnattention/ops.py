@@ -91,6 +91,17 @@ def key(q, k, v, *, is_causal, window_size, softmax_scale, return_lse, token_maj
                        rotary_interleaved, type(softcap), softcap))
 
 
+def length_free(key: tuple | None, token_major: bool) -> tuple | None:
+    """The key (of :func:`key`) of the calls whose plan follows this one's keys' length
+    (replay.length_free: K and V at their places among the tensors, their length along the
+    sequence dimension of the layout given), or None where validation reads that length: RoPE
+    tables (their positions must cover the keys) and a window with a finite left extent (clamped to
+    the keys' length: options.validate)."""
+    if key is None or key[1][1][0] >= 0 or key[5] is not None or key[6] is not None:
+        return None
+    return replay.length_free(key, (1, 2), 1 if token_major else 2)
+
+
 def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool, rotary_cos=None, rotary_sin=None,
              seqused_k=None, alibi_slopes=None, sinks=None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The outputs of a call whose key was planned before, replayed, in the caller's layout (q, k,
@@ -101,7 +112,7 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
     r = replay.cache.get(key)
     follow = r is None  # a call that differs from a kept one in the keys' length alone: its replay follows it
     if follow:
-        r = replay.by_length.get(replay.length_free(key, (1, 2), 1 if token_major else 2))
+        r = replay.by_length.get(length_free(key, token_major))
         if r is None:
             return None
         reach = (r.reach[0], (checks.reach(k), r.reach[1][1]), (checks.reach(v), r.reach[2][1]), *r.reach[3:])
@@ -163,7 +174,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token
                               o.score.alibi_slopes, o.score.sinks)
     p = plan(q, k, v, o, token_major)
     replay.run(p, key, (q, k, v, o.rotary_cos, o.rotary_sin, o.seqused_k, *o.score.tensors), ROLES,
-               free=replay.length_free(key, (1, 2), 1 if token_major else 2))
+               free=length_free(key, token_major))
     return p.outputs
 
 

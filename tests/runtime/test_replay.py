@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import rdnattention
-from rdnattention import dispatch, drivers, plan_flash_attn, replay, route, workspace
+from rdnattention import dispatch, drivers, plan_flash_attn, reference, replay, route, workspace
 from rdnattention.errors import InvalidArgumentError
+
+from cases import TOL
 
 
 def _cache_inputs(seed, paged=False, rows=1):
@@ -354,3 +356,30 @@ def test_a_followed_length_still_refuses_what_the_full_path_refuses(host_build, 
     with pytest.raises(InvalidArgumentError, match="16-byte"):
         rdnattention.flash_attn(q, k, v)
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
+
+
+def test_a_sliding_window_cache_that_outgrows_its_window_is_planned_for_its_length(host_build, monkeypatch):
+    """A window of 100 keys on a cache of 60 (every key in it: validation clamps the window away)
+    then of 1990: the second call is not the first's plan followed, which would drop its window."""
+    monkeypatch.setattr(replay, "cache", {})
+    monkeypatch.setattr(replay, "by_length", {})
+    q, kv = _growing(3, [60, 1990, 1991])
+    results = [rdnattention.flash_attn(q, k, v, window_size=(100, 0)) for k, v in kv]
+    assert not replay.by_length
+    for (k, v), got in zip(kv, results):
+        want = reference.attention_reference(q, k, v, window_size=(100, 0))
+        torch.testing.assert_close(got.double(), want, atol=TOL, rtol=0)
+
+
+def test_rope_calls_are_planned_for_their_length(host_build, monkeypatch):
+    """RoPE tables must cover the keys: a cache that grows past them is refused at the length where it
+    does, not read past the tables' end by a followed plan."""
+    monkeypatch.setattr(replay, "cache", {})
+    monkeypatch.setattr(replay, "by_length", {})
+    q, kv = _growing(4, [1990, 1991, 2001])
+    cos, sin = rdnattention.rotary_tables(2000, 64)
+    for k, v in kv[:2]:
+        rdnattention.flash_attn(q, k, v, rotary_cos=cos, rotary_sin=sin)
+    assert not replay.by_length
+    with pytest.raises(InvalidArgumentError, match="rotary tables have 2000 positions"):
+        rdnattention.flash_attn(q, *kv[2], rotary_cos=cos, rotary_sin=sin)
