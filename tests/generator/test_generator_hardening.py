@@ -14,6 +14,7 @@ from pathlib import Path
 
 import ninja
 import pytest
+import small_matrix
 from conftest import REPO_ROOT
 
 from rdnattention_gen import DEFAULT_VARIANTS, toolchain
@@ -60,7 +61,9 @@ def test_hostile_checkout_and_build_dir_build_and_run_nothing_else(hostile_check
     cwd = root.parent / "cwd"
     cwd.mkdir()
     build_dir = root / "build"
-    args = ["build", "--targets", "host,gfx1030", "--build-dir", str(build_dir)]
+    variants, tuned = small_matrix.write(root / "matrix")  # a few head_dims: the paths are the test
+    args = ["build", "--targets", "host,gfx1030", "--build-dir", str(build_dir), "--variants", str(variants),
+            "--tuned", str(tuned)]
     out = _cli(args, cwd, env)
     assert out.returncode == 0, out.stdout + out.stderr
     hsaco = build_dir / "gfx1030" / "kernels.hsaco"
@@ -144,7 +147,9 @@ def test_every_platforms_rules_keep_hostile_paths_whole(hostile_checkout):
 def test_a_depfile_holds_space_dollar_and_hash(tmp_path):
     """Paths ninja's depfile reader takes keep the depfile; a second build finds nothing to do."""
     build_dir = tmp_path / "d$ir #1 (x)" / "build"
-    args = ["build", "--targets", "host", "--build-dir", str(build_dir)]
+    variants, tuned = small_matrix.write(tmp_path / "matrix")  # a few head_dims: the depfile is the test
+    args = ["build", "--targets", "host", "--build-dir", str(build_dir), "--variants", str(variants), "--tuned",
+            str(tuned)]
     out = _cli(args, REPO_ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "depfile = \n" not in (build_dir / "build.ninja").read_text()
