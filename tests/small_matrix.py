@@ -15,9 +15,10 @@ from rdnattention_gen import DEFAULT_VARIANTS
 KEEP = (64, 512)  # head_dim 64 of every family; 512, the append family's one
 
 
-def write(directory: Path, keep: tuple[int, ...] = KEEP) -> tuple[Path, Path]:
-    """Writes the cut-down matrix and an empty tuned directory into ``directory``; returns their paths."""
-    data = yaml.safe_load(DEFAULT_VARIANTS.read_text())
+def write(directory: Path, keep: tuple[int, ...] = KEEP, text: str | None = None) -> tuple[Path, Path]:
+    """Writes the cut-down matrix (of ``text``, variants.yaml's by default) and an empty tuned
+    directory into ``directory``; returns their paths."""
+    data = yaml.safe_load(DEFAULT_VARIANTS.read_text() if text is None else text)
     kept = {}
     for fam, spec in data["kernels"].items():
         spec["head_dims"] = [h for h in spec["head_dims"] if h in keep]

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import small_matrix
 from conftest import REPO_ROOT
 
 from rdnattention_gen import DEFAULT_VARIANTS, audit, build, toolchain
@@ -162,14 +163,14 @@ def test_new_target_needs_only_a_yaml_entry(tmp_path):
     text = DEFAULT_VARIANTS.read_text()
     entry = ("  gfx1013:\n    <<: *rdna1\n    parts: test entry\n    fdot2: false\n    int8_dot: none\n"
              "    hw_tier: 2\n    default: false\n")
-    variants = tmp_path / "variants.yaml"
-    variants.write_text(text.replace("  gfx1012:\n", entry + "  gfx1012:\n", 1))
-    out = subprocess.run(CLI + ["build", "--variants", str(variants), "--targets", "gfx1013",
+    # The copy is cut down to head_dim 64 (tests/small_matrix.py): the entry is the test, not the kernels.
+    variants, tuned = small_matrix.write(tmp_path, text=text.replace("  gfx1012:\n", entry + "  gfx1012:\n", 1))
+    out = subprocess.run(CLI + ["build", "--variants", str(variants), "--tuned", str(tuned), "--targets", "gfx1013",
                                 "--build-dir", str(tmp_path / "build")], capture_output=True, text=True, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     assert (tmp_path / "build" / "gfx1013" / "kernels.hsaco").is_file()
-    assert "gfx1013  fa2_f16_hd128_g2_br128_bc16_nt256_tm2_wv6_w32_fma_mix_sf16" in out.stdout  # the rdna table
-    probe = subprocess.run(CLI + ["probe", "--variants", str(variants), "--targets", "gfx1013"],
+    assert "gfx1013  fa2_f16_hd64_g2_br128_bc32_nt256_tm2_wv6_w32_fma_mix_sf16" in out.stdout  # the rdna table
+    probe = subprocess.run(CLI + ["probe", "--variants", str(variants), "--tuned", str(tuned), "--targets", "gfx1013"],
                            capture_output=True, text=True, cwd=REPO_ROOT)
     assert probe.returncode == 0, probe.stdout + probe.stderr
 
