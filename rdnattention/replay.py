@@ -172,27 +172,40 @@ def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str
     return r
 
 
-def launch(r: Replay, pointers: dict[str, int], device: torch.device) -> None:
+def launch(r: Replay, pointers: dict[str, int], device: torch.device, scratch: tuple[int, int] | None = None,
+           grid: tuple[int, int, int] | None = None, values: dict[str, int] | None = None,
+           first: dict[str, int] | None = None) -> None:
     """Runs ``r``'s launches with ``pointers`` (by field), on the scratch of ``device``'s current
     stream: on a GPU through the kernel handles kept with the steps, on the host emulator through
-    its launch_kernel."""
-    scratch = None
-    if r.scratch_bytes:
-        scratch = workspace.scratch(device, r.scratch_bytes)  # held until the launches are enqueued
-        base = scratch.data_ptr()
-        pointers["part_o"], pointers["part_lse"] = base, base + r.scratch_lse
+    its launch_kernel. A call that follows the keys' length (launch_length) gives its own
+    ``scratch`` (bytes, where the partial LSEs start), the first launch's ``grid``, the ``values``
+    of fields every launch's struct has and the fields of the ``first`` launch's."""
+    nbytes, lse_at = scratch if scratch is not None else (r.scratch_bytes, r.scratch_lse)
+    buffer = None
+    if nbytes:
+        buffer = workspace.scratch(device, nbytes)  # held until the launches are enqueued
+        base = buffer.data_ptr()
+        pointers["part_o"], pointers["part_lse"] = base, base + lse_at
     driver = r.driver
-    for step in r.steps:
+    for i, step in enumerate(r.steps):
         args = type(step.args).from_buffer_copy(step.args)
         for field in step.fields:
             setattr(args, field, pointers[field])
+        step_grid = step.grid
+        if values:
+            for field, value in values.items():
+                setattr(args, field, value)
+            if i == 0:
+                for field, value in first.items():
+                    setattr(args, field, value)
+                step_grid = grid
         if step.function is None:
-            driver.launch_kernel(r.table.code_object, step.name, step.grid, step.block, args, device,
+            driver.launch_kernel(r.table.code_object, step.name, step_grid, step.block, args, device,
                                  step.shared_bytes)
         else:
-            driver.launch_function(step.function, step.name, step.index, step.grid, step.block, args,
+            driver.launch_function(step.function, step.name, step.index, step_grid, step.block, args,
                                    step.shared_bytes)
-    del scratch
+    del buffer
 
 
 def launch_length(r: Replay, pointers: dict[str, int], device: torch.device, seq_k: int,
@@ -209,31 +222,14 @@ def launch_length(r: Replay, pointers: dict[str, int], device: torch.device, seq
     splits = lengths.splits(seq_k)
     if (splits > 1) != (r.scratch_bytes > 0):
         return False
-    grid = (lengths.chunks * splits, r.steps[0].grid[1], r.steps[0].grid[2])
-    check_grid(r.steps[0].name, grid, r.steps[0].block)
-    scratch_bytes, scratch_lse = lengths.scratch(splits)
-    scratch = None
-    if scratch_bytes:
-        scratch = workspace.scratch(device, scratch_bytes)  # held until the launches are enqueued
-        base = scratch.data_ptr()
-        pointers["part_o"], pointers["part_lse"] = base, base + scratch_lse
-    driver = r.driver
-    for i, step in enumerate(r.steps):
-        args = type(step.args).from_buffer_copy(step.args)
-        for field in step.fields:
-            setattr(args, field, pointers[field])
-        args.splits = splits
-        if i == 0:  # the split-KV launch (the combine after it reads neither keys nor K/V strides)
-            args.seq_k = seq_k
-            args.k_stride_b, args.k_stride_h, args.k_stride_s = k_strides
-            args.v_stride_b, args.v_stride_h, args.v_stride_s = v_strides
-        if step.function is None:
-            driver.launch_kernel(r.table.code_object, step.name, grid if i == 0 else step.grid, step.block, args,
-                                 device, step.shared_bytes)
-        else:
-            driver.launch_function(step.function, step.name, step.index, grid if i == 0 else step.grid, step.block,
-                                   args, step.shared_bytes)
-    del scratch
+    first = r.steps[0]
+    grid = (lengths.chunks * splits, first.grid[1], first.grid[2])
+    check_grid(first.name, grid, first.block)
+    # the split-KV launch's keys and K/V strides (the combine after it reads neither); both read splits
+    (kb, kh, ks), (vb, vh, vs) = k_strides, v_strides
+    launch(r, pointers, device, lengths.scratch(splits), grid, {"splits": splits},
+           {"seq_k": seq_k, "k_stride_b": kb, "k_stride_h": kh, "k_stride_s": ks, "v_stride_b": vb, "v_stride_h": vh,
+            "v_stride_s": vs})
     return True
 
 

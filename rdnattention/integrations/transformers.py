@@ -251,25 +251,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     softcap, sinks = float(kwargs.get("softcap") or 0.0), kwargs.get("s_aux")
     if sinks is not None:  # a parameter in the model's dtype: the kernels read fp32 logits
         sinks = sinks.detach().to(torch.float32)
-    eager = not (torch.compiler.is_compiling() or torch.jit.is_tracing()) and (
-        type(query) is type(key) is type(value) is torch.Tensor)
-    if eager and attention_mask is None and left < 0:
-        # Eager, no mask, no window (a decode step, a prompt without padding): the kernels straight away
-        # (what _padded_attention does with such a call, without the dispatcher and the empty mask)
-        try:
-            out = _unmasked(query, key, value, causal and query.shape[2] > 1, scale, softcap, sinks)
-        except (UnsupportedError, KernelsNotBuiltError) as e:
-            _fell_back(str(e))
-            return _sdpa(query, key, value, query.new_empty(0, dtype=torch.bool), causal, scale, left, softcap,
-                         sinks), None
-        _count_served()
-        return out, None
+    if (not (torch.compiler.is_compiling() or torch.jit.is_tracing())
+            and type(query) is type(key) is type(value) is torch.Tensor
+            and (attention_mask is None or type(attention_mask) is torch.Tensor)):
+        # Eager: the op's implementation called directly, without the dispatcher's cost (as ops.forward),
+        # no empty mask made for a call without one, and the tensors and mask checked above once
+        return _padded_attention(query, key, value, attention_mask, causal, scale, left, softcap, sinks,
+                                 checked=True), None
     if attention_mask is None:
         attention_mask = query.new_empty(0, dtype=torch.bool)  # none: torch's SDPA semantics
-    if not eager or type(attention_mask) is not torch.Tensor:
-        return padded_attention_fwd(query, key, value, attention_mask, causal, scale, left, softcap, sinks), None
-    # Eager: the op's implementation called directly, without the dispatcher's cost (as ops.forward)
-    return _padded_attention(query, key, value, attention_mask, causal, scale, left, softcap, sinks), None
+    return padded_attention_fwd(query, key, value, attention_mask, causal, scale, left, softcap, sinks), None
 
 
 def _trainable(query, key, value, mask, causal: bool, scale: float, left: int, kwargs: dict):
@@ -357,6 +348,9 @@ def _fell_back(reason: str) -> None:
                       RuntimeWarning, stacklevel=4)
 
 
+_NO_MASK = torch.empty(0, dtype=torch.bool)  # no mask (sdpa's semantics), where only its emptiness is read
+
+
 @torch.library.custom_op("rdnattention::padded_attention_fwd", mutates_args=())
 def padded_attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                          causal: bool, scale: float, left: int = -1, softcap: float = 0.0,
@@ -370,25 +364,32 @@ def padded_attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return _padded_attention(query, key, value, mask, causal, scale, left, softcap, sinks)
 
 
-def _padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+def _padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                       causal: bool, scale: float, left: int = -1, softcap: float = 0.0,
-                      sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      sinks: Optional[torch.Tensor] = None, checked: bool = False) -> torch.Tensor:
+    """padded_attention_fwd's implementation; ``mask`` None or empty: none; ``checked``: the
+    tensors and the mask have passed _tensors_unsupported and _check_mask (attention_forward)."""
     transforms = (left, softcap, sinks)
-    reason = _tensors_unsupported(query, key, value)
-    if reason is None and mask.numel():
-        reason = _check_mask(mask, query, key)
+    unmasked = mask is None or not mask.numel()
+    if mask is None:
+        mask = _NO_MASK
+    reason = None
+    if not checked:
+        reason = _tensors_unsupported(query, key, value)
+        if reason is None and not unmasked:
+            reason = _check_mask(mask, query, key)
     if reason:  # attention_forward sends these calls to sdpa; a direct call of the op runs torch's SDPA
         _fell_back(reason)
         return _sdpa(query, key, value, mask, causal, scale, *transforms)
     try:
-        if mask.numel() == 0 and left >= 0:  # a sliding window over whole sequences: no mask to read
+        if unmasked and left < 0:
+            out = _unmasked(query, key, value, causal and query.shape[2] > 1, scale, softcap, sinks)
+            _count_served()
+            return out
+        if unmasked:  # a sliding window over whole sequences: no mask to read
             batch, seq_q, seq_k = query.shape[0], query.shape[2], key.shape[2]
             runs = tuple(torch.full((batch,), x, dtype=torch.int32, device=query.device) for x in (0, seq_q, 0, seq_k))
             out = _padded(query, key, value, runs, causal, scale, left, softcap, sinks)
-            _count_served()
-            return out
-        if mask.numel() == 0:
-            out = _unmasked(query, key, value, causal and query.shape[2] > 1, scale, softcap, sinks)
             _count_served()
             return out
         if not checks.can_read(mask):
