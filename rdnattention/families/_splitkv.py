@@ -85,7 +85,9 @@ class Lengths:
         return splits_for(self.workgroups, seq_k, self.keys_per_step, self.units, self.per_unit)
 
     def scratch(self, splits: int) -> tuple[int, int]:
-        """(scratch bytes, where the partial LSEs start) of ``splits`` slices, as plan allocates."""
+        """(scratch bytes, where the partial LSEs start) of ``splits`` slices: their partial outputs
+        (fp32 [splits, batch, heads_q, seq_q, head_dim]), then their LSEs (fp32 [splits, batch,
+        heads_q, seq_q]); none for one slice."""
         from .. import workspace  # imports torch: the generator reads this module without it
 
         if splits <= 1:
@@ -125,8 +127,6 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
     """The launches of a split-KV call (a dec.Call) on ``family``'s kernels compiled for ``layout``:
     their struct ``args_type``, ``extra`` fields beyond the shared ones and the tensors ``buffers``
     they read."""
-    from .. import workspace  # imports torch: the generator reads this module without it
-
     q, k, v = call.q, call.k, call.v
     heads_q, head_dim = q.shape[1], q.shape[3]
     heads_kv = k.shape[1]
@@ -171,13 +171,9 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
     # plan runs (Plan.run, or a stream's workspace), never for a grid beyond the limits.
     launches = [Launch(kernel=entry, grid=(chunks * splits, heads_kv, call.batch), block=entry.threads,
                        shared_bytes=table.shared_bytes(entry), args=args_type(**fields))]
-    scratch_bytes = scratch_lse = 0
-    if splits > 1:  # the slices write the partials (fp32 [splits, batch, heads_q, seq_q, head_dim] and
-        # [splits, batch, heads_q, seq_q]), the combine reads them
+    if splits > 1:  # the slices write the partials (Lengths.scratch), the combine reads them
         launches.append(combine.launch(table, call, head_dim, splits, dtype))
-        rows = splits * call.batch * heads_q * call.seq_q
-        scratch_lse = workspace.align(rows * head_dim * 4)
-        scratch_bytes = scratch_lse + workspace.align(rows * 4)
+    scratch_bytes, scratch_lse = lengths.scratch(splits)
     buffers = tuple(t for t in (q, k, v, call.out, call.lse, call.seqused_k, call.cache_batch_idx, call.block_table,
                                 call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q,
                                 call.alibi_slopes, call.sinks, *buffers)
