@@ -21,15 +21,29 @@ def hardware_md(matrix: Matrix, rows: list[KernelAudit], compiler: str) -> str:
     for tier in Tier:
         names = [f"`{t.name}`" for t in matrix.targets if t.tier == tier]
         tiers.append((tier.value, amdgcn[fp16[tier.value]], ", ".join(names) or "none"))
+    # Targets of one instruction set whose rows are their set's first target's (what assembling from
+    # one compile gives, build.py) are listed in that target's rows.
+    per_target: dict[str, list[dict]] = {}
+    for r in rows:
+        per_target.setdefault(r.target, []).append({k: v for k, v in r.to_json().items() if k != "target"})
+    listed_with: dict[str, list[str]] = {}
+    for name, own in per_target.items():
+        isa = matrix.target(name).isa
+        if isa != name and per_target.get(isa) == own:
+            listed_with.setdefault(isa, []).append(name)
+    folded = {name for names in listed_with.values() for name in names}
     table = []
     for r in rows:
+        if r.target in folded:
+            continue
         target = matrix.target(r.target)
         plat = platform(target.platform)
         spec = spec_from_name(r.name)
         field = family(spec.family).signatures[spec.tier]
         sig = f"{getattr(r, field)} × `{plat.instructions[field]}`" if field in plat.instructions else "-"
         share = f"{r.peak_share:.0%}" if r.peak_share is not None else "-"
-        table.append({**r.to_json(), "signature": sig, "share": share})
+        label = ", ".join(f"`{n}`" for n in [r.target, *listed_with.get(r.target, ())])
+        table.append({**r.to_json(), "label": label, "signature": sig, "share": share})
     tile_tables, tile_rows = [], []
     for name, t in matrix.tile_tables.items():
         users = ", ".join(f"`{x.name}`" for x in matrix.targets if x.tiles == name) or "(inherited only)"
