@@ -19,6 +19,7 @@ C_TYPES: dict[str, type] = {
     "float*": ctypes.c_void_p,
     "const int*": ctypes.c_void_p,
     "int*": ctypes.c_void_p,
+    "unsigned*": ctypes.c_void_p,
     "const signed char*": ctypes.c_void_p,
     "long long": ctypes.c_longlong,
     "int": ctypes.c_int,

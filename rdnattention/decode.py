@@ -19,7 +19,7 @@ from .errors import InvalidArgumentError
 from .options import NO_SCORE_OPTIONS, ScoreOptions
 from .plan import Plan
 
-# The pointer fields of a call's launches (dec and f16 varlen structs, the combine's), each filled
+# The pointer fields of a call's launches (dec and f16 varlen structs), each filled
 # by one tensor.
 ROLES = frozenset({"q", "k", "v", "o", "lse", "seqused_k", "block_table", "cache_batch_idx", "cu_seqlens_q",
                    "cu_seqlens_k", "alibi_slopes", "sinks"})

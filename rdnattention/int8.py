@@ -119,7 +119,7 @@ def _allocate(q: torch.Tensor, return_lse: bool, empty_lse: bool = True) -> tupl
     return out, lse
 
 
-# The pointer fields of a call's launches (i8 and i8dec structs, the combine's), each filled by one tensor.
+# The pointer fields of a call's launches (i8 and i8dec structs), each filled by one tensor.
 ROLES = frozenset({"q", "k", "v", "o", "lse", "q_scale", "k_scale", "v_scale"})
 
 

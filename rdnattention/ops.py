@@ -110,22 +110,26 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
     if key is None:
         return None
     r = replay.cache.get(key)
-    follow = r is None  # a call that differs from a kept one in the keys' length alone: its replay follows it
-    if follow:
+    if r is None:  # a call that differs from a kept one in the keys' length alone follows its replay
         r = replay.by_length.get(length_free(key, token_major))
         if r is None:
             return None
+        ks, vs = k.stride(), v.stride()
+        seq_k, order = (k.shape[1], (0, 2, 1)) if token_major else (k.shape[2], (0, 1, 2))
         reach = (r.reach[0], (checks.reach(k), r.reach[1][1]), (checks.reach(v), r.reach[2][1]), *r.reach[3:])
-    else:
-        reach = r.reach
-    if not replay.memory_ok((q, k, v, rotary_cos, rotary_sin, seqused_k, alibi_slopes, sinks), reach, 3):
+        r = replay.relength(r, seq_k, tuple(ks[i] for i in order), tuple(vs[i] for i in order), reach)
+        if r is None:
+            return None  # planned in full
+        replay.keep(key, r)  # the next call of this length (the next layer's) replays it as it is
+    if not replay.memory_ok((q, k, v, rotary_cos, rotary_sin, seqused_k, alibi_slopes, sinks), r.reach, 3):
         return None
-    values = checks.Values()
-    if seqused_k is not None:
-        values.within("seqused_k", seqused_k, 0, k.shape[2], "seq_k")
-    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        values.finite(name, t)  # where read (checks.reads), as the full path
-    values.check()
+    if seqused_k is not None or alibi_slopes is not None or sinks is not None:
+        values = checks.Values()
+        if seqused_k is not None:
+            values.within("seqused_k", seqused_k, 0, k.shape[2], "seq_k")
+        for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+            values.finite(name, t)  # where read (checks.reads), as the full path
+        values.check()
     if token_major:
         batch, seq, heads, _ = q.shape
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -142,14 +146,7 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
         if rotary_cos.dtype != torch.float32:  # q's dtype: the kernel reads fp32 tables
             rotary_cos, rotary_sin = rotary_cos.float(), rotary_sin.float()
         pointers["rotary_cos"], pointers["rotary_sin"] = rotary_cos.data_ptr(), rotary_sin.data_ptr()
-    if not follow:
-        replay.launch(r, pointers, q.device)
-    else:
-        ks, vs = k.stride(), v.stride()
-        seq_k, order = (k.shape[1], (0, 2, 1)) if token_major else (k.shape[2], (0, 1, 2))
-        if not replay.launch_length(r, pointers, q.device, seq_k, tuple(ks[i] for i in order),
-                                    tuple(vs[i] for i in order)):
-            return None  # planned in full: nothing was launched, the outputs are dropped
+    replay.launch(r, pointers, q.device)
     return out, lse
 
 

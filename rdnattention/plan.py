@@ -1,8 +1,9 @@
 """Plans: a validated call becomes a list of launches (kernel, grid, block, shared memory,
 arguments), planned by the kernel family route.py chooses, then run on the device's driver. A
-family that needs two kernels and a scratch buffer between them (split-KV) returns two launches
-and the scratch's size: a plan run by :meth:`Plan.run` allocates its own at its first run and
-keeps it; an eager call replays the plan (replay.py) on its stream's workspace (workspace.py)."""
+family whose launch needs scratch memory (split-KV: the slices' partials, and the counters by
+which the last slice of a row chunk knows it is last) says how much: a plan run by
+:meth:`Plan.run` allocates its own at its first run and keeps it; an eager call replays the plan
+(replay.py) on its stream's workspace (workspace.py)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,9 @@ class Plan:
     # the launches' part_o and part_lse point into it. 0: none.
     scratch_bytes: int = 0
     scratch_lse: int = 0
+    # Split-KV counters (uint32, zero before a launch and after it) the launches' ``counters`` points
+    # at: how many. 0: none.
+    counters: int = 0
     # How the launches change with the keys' length alone (a split-KV plan over plain K/V rows:
     # _splitkv.Lengths), so that a replay may follow it; None where they change otherwise.
     lengths: object = None
@@ -88,16 +92,19 @@ class Plan:
         """Runs the launches (again and again, for timing), on the plan's own scratch."""
         from . import drivers
 
-        if self.scratch_bytes and self.launches and not self.launches[0].args.part_o:
+        if self.scratch_bytes and self.launches and not self.launches[-1].args.part_o:
             from . import workspace
             scratch = workspace.allocate(self.scratch_bytes, self.device)
-            self.buffers = (*self.buffers, scratch)
-            self.bind_scratch(scratch.data_ptr())
+            counters = workspace.allocate_counters(self.counters, self.device)
+            self.buffers = (*self.buffers, scratch, counters)
+            self.bind_scratch(scratch.data_ptr(), counters.data_ptr())
         driver = drivers.for_platform(self.table.platform)
         for launch in self.launches:
             driver.launch(self.table.code_object, launch, self.device)
 
-    def bind_scratch(self, address: int) -> None:
-        """Points the launches' part_o and part_lse at the scratch starting at ``address``."""
+    def bind_scratch(self, address: int, counters: int) -> None:
+        """Points the launches' part_o and part_lse at the scratch starting at ``address``, and their
+        counters at ``counters``."""
         for launch in self.launches:
             launch.args.part_o, launch.args.part_lse = address, address + self.scratch_lse
+            launch.args.counters = counters

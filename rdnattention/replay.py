@@ -10,13 +10,14 @@ down the full path, which raises the error), and the index values where they are
 (checks.reads); then it allocates its outputs and launches. Each launch's argument struct is a
 copy of the planned one with its pointer fields rewritten: the entry point supplies each tensor
 by the field it fills (q, k, v, o, lse, seqused_k, ...; :func:`remember` keeps a plan only where
-every pointer field is one the entry point supplies), and a split-KV call's part_o and part_lse
-point into its stream's workspace (workspace.py). Kernel handles are the drivers' (loaded once
+every pointer field is one the entry point supplies), and a split-KV call's part_o, part_lse
+and counters point into its stream's workspace (workspace.py). Kernel handles are the drivers' (loaded once
 per code object and device)."""
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -30,7 +31,7 @@ from .plan import _check_grid as check_grid
 from .table import TargetTable
 
 CACHE_LIMIT = 1024
-SCRATCH_FIELDS = ("part_o", "part_lse")
+SCRATCH_FIELDS = ("part_o", "part_lse", "counters")
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,6 +58,7 @@ class Replay:
     steps: tuple[Step, ...]
     scratch_bytes: int  # split-KV scratch of one call; 0: none
     scratch_lse: int
+    counters: int  # split-KV counters of one call (workspace.scratch)
     reach: tuple[tuple[int, int], ...]  # (bytes spanned, element size) of each checked tensor (memory_ok)
     extra: object = None  # what the entry point keeps beside: what validation made of the options
     lengths: object = None  # how its launches follow the keys' length (Plan.lengths), or None
@@ -66,7 +68,8 @@ class Replay:
 cache: dict[tuple, Replay] = {}
 # Replays that follow the keys' length, by length_free(key): a decode step on a cache that grows by
 # a key per step (transformers' DynamicCache in generate()) is a new key at every step, and would
-# otherwise be validated and planned at every step.
+# otherwise be validated and planned at every step. The replay it derives for a new length
+# (relength) is kept under that call's own key, so that the other layers of the step replay it as it is.
 by_length: dict[tuple, Replay] = {}
 
 
@@ -159,12 +162,10 @@ def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str
                           function=function, index=index or 0))
     lengths = plan.lengths if free is not None and not before else None
     r = Replay(table=plan.table, driver=driver, steps=tuple(steps),
-               scratch_bytes=plan.scratch_bytes, scratch_lse=plan.scratch_lse,
+               scratch_bytes=plan.scratch_bytes, scratch_lse=plan.scratch_lse, counters=plan.counters,
                reach=tuple((checks.reach(t), t.element_size()) if t is not None and t.numel() else (0, 0)
                            for t in tensors), extra=extra, lengths=lengths)
-    if len(cache) >= CACHE_LIMIT:
-        cache.clear()
-    cache[key] = r
+    keep(key, r)
     if lengths is not None:
         if len(by_length) >= CACHE_LIMIT:
             by_length.clear()
@@ -172,65 +173,60 @@ def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str
     return r
 
 
-def launch(r: Replay, pointers: dict[str, int], device: torch.device, scratch: tuple[int, int] | None = None,
-           grid: tuple[int, int, int] | None = None, values: dict[str, int] | None = None,
-           first: dict[str, int] | None = None) -> None:
-    """Runs ``r``'s launches with ``pointers`` (by field), on the scratch of ``device``'s current
-    stream: on a GPU through the kernel handles kept with the steps, on the host emulator through
-    its launch_kernel. A call that follows the keys' length (launch_length) gives its own
-    ``scratch`` (bytes, where the partial LSEs start), the first launch's ``grid``, the ``values``
-    of fields every launch's struct has and the fields of the ``first`` launch's."""
-    nbytes, lse_at = scratch if scratch is not None else (r.scratch_bytes, r.scratch_lse)
-    buffer = None
-    if nbytes:
-        buffer = workspace.scratch(device, nbytes)  # held until the launches are enqueued
+def launch(r: Replay, pointers: dict[str, int], device: torch.device) -> None:
+    """Runs ``r``'s launches with ``pointers`` (by field), on the scratch and counters of ``device``'s
+    current stream: on a GPU through the kernel handles kept with the steps, on the host emulator
+    through its launch_kernel."""
+    buffer = count = None
+    if r.scratch_bytes:
+        buffer, count = workspace.scratch(device, r.scratch_bytes, r.counters)  # held until the launches are enqueued
         base = buffer.data_ptr()
-        pointers["part_o"], pointers["part_lse"] = base, base + lse_at
+        pointers["part_o"], pointers["part_lse"], pointers["counters"] = base, base + r.scratch_lse, count.data_ptr()
     driver = r.driver
-    for i, step in enumerate(r.steps):
+    for step in r.steps:
         args = type(step.args).from_buffer_copy(step.args)
         for field in step.fields:
             setattr(args, field, pointers[field])
-        step_grid = step.grid
-        if values:
-            for field, value in values.items():
-                setattr(args, field, value)
-            if i == 0:
-                for field, value in first.items():
-                    setattr(args, field, value)
-                step_grid = grid
         if step.function is None:
-            driver.launch_kernel(r.table.code_object, step.name, step_grid, step.block, args, device,
+            driver.launch_kernel(r.table.code_object, step.name, step.grid, step.block, args, device,
                                  step.shared_bytes)
         else:
-            driver.launch_function(step.function, step.name, step.index, step_grid, step.block, args,
+            driver.launch_function(step.function, step.name, step.index, step.grid, step.block, args,
                                    step.shared_bytes)
-    del buffer
+    del buffer, count
 
 
-def launch_length(r: Replay, pointers: dict[str, int], device: torch.device, seq_k: int,
-                  k_strides: tuple[int, int, int], v_strides: tuple[int, int, int]) -> bool:
-    """Runs ``r`` (a replay that follows the keys' length, by_length) for ``seq_k`` keys of K/V
-    strides ``k_strides`` and ``v_strides`` (batch, head, row; the kernels' view): the key slices,
-    and with them the first launch's grid and the scratch, as the planner chooses them
-    (_splitkv.Lengths); its seq_k, splits and K/V stride fields rewritten. False, launching
-    nothing, where the plan would differ otherwise (one slice where ``r`` has several, or the other
-    way round) or seq_k does not fit the kernels' 32-bit field: the full path plans such a call."""
+def relength(r: Replay, seq_k: int, k_strides: tuple[int, int, int], v_strides: tuple[int, int, int],
+             reach: tuple[tuple[int, int], ...]) -> Replay | None:
+    """``r`` (a replay that follows the keys' length, by_length) for ``seq_k`` keys of K/V strides
+    ``k_strides`` and ``v_strides`` (batch, head, row; the kernels' view) and memory ``reach``: the
+    key slices, and with them the launch's grid and the scratch, as the planner chooses them
+    (_splitkv.Lengths), its seq_k, splits and K/V stride fields rewritten. None where the plan
+    would differ otherwise (one slice where ``r`` has several, or the other way round) or seq_k
+    does not fit the kernels' 32-bit field: the full path plans such a call."""
     lengths = r.lengths
     if seq_k >= 2**31:
-        return False
+        return None
     splits = lengths.splits(seq_k)
     if (splits > 1) != (r.scratch_bytes > 0):
-        return False
-    first = r.steps[0]
-    grid = (lengths.chunks * splits, first.grid[1], first.grid[2])
-    check_grid(first.name, grid, first.block)
-    # the split-KV launch's keys and K/V strides (the combine after it reads neither); both read splits
-    (kb, kh, ks), (vb, vh, vs) = k_strides, v_strides
-    launch(r, pointers, device, lengths.scratch(splits), grid, {"splits": splits},
-           {"seq_k": seq_k, "k_stride_b": kb, "k_stride_h": kh, "k_stride_s": ks, "v_stride_b": vb, "v_stride_h": vh,
-            "v_stride_s": vs})
-    return True
+        return None
+    (step,) = r.steps  # a split-KV plan: one launch
+    grid = (lengths.chunks * splits, step.grid[1], step.grid[2])
+    check_grid(step.name, grid, step.block)
+    args = type(step.args).from_buffer_copy(step.args)
+    (args.k_stride_b, args.k_stride_h, args.k_stride_s), (args.v_stride_b, args.v_stride_h, args.v_stride_s) = \
+        k_strides, v_strides
+    args.seq_k, args.splits = seq_k, splits
+    scratch_bytes, scratch_lse = lengths.scratch(splits)
+    return dataclasses.replace(r, steps=(dataclasses.replace(step, grid=grid, args=args),), scratch_bytes=scratch_bytes,
+                               scratch_lse=scratch_lse, reach=reach, lengths=None)
+
+
+def keep(key: tuple, r: Replay) -> None:
+    """Keeps ``r`` for later calls of ``key``."""
+    if len(cache) >= CACHE_LIMIT:
+        cache.clear()
+    cache[key] = r
 
 
 def run(plan: Plan, key: tuple | None = None, tensors: tuple = (), roles: frozenset[str] = frozenset(),

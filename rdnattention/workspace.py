@@ -1,17 +1,21 @@
 """Scratch memory of the split-KV launches (each key slice's partial output and log-sum-exp, which
-the combine kernel merges): one workspace per device and stream, reused call after call, grown
-when a call needs more.
+the last slice of a row chunk merges) and their counters (uint32, one per row chunk, K/V head and
+batch, by which that last slice knows it is last): one workspace and one counter buffer per device
+and stream, reused call after call, grown when a call needs more. The counters are zero when
+allocated, and every launch leaves the ones it counted in at zero (the last slice resets its
+own), so each launch finds them zero whatever ran before on the stream.
 
 The rule that makes reuse safe: a workspace belongs to one stream of one device and is used only
 by launches on that stream. Launches on one stream run in order, so a call's slices write the
-partials after the previous call's combine has read them; a call on another stream uses that
+partials after the previous call's merge has read them; a call on another stream uses that
 stream's workspace. Growing one frees the old buffer to torch's caching allocator, which hands it
 only to later work on the stream it was allocated on (it is allocated with that stream current),
 so the launches still reading it finish first. While a CUDA or HIP graph is being captured, the
-workspace is not used: the call's scratch is allocated from the graph's memory pool (a fresh
-tensor, as any intermediate of a captured op), so a replay, on whatever stream, shares no memory
-with eager calls or other graphs. On the host emulator, whose launches return when done, a
-workspace belongs to one thread (calls from several threads run at once).
+workspace is not used: the call's scratch and counters are allocated from the graph's memory
+pool (fresh tensors, as any intermediate of a captured op; the counters zeroed by the graph), so a
+replay, on whatever stream, shares no memory with eager calls or other graphs. On the host
+emulator, whose launches return when done, a workspace belongs to one thread (calls from several
+threads run at once).
 
 A workspace reused while a launch on another stream still reads it would be a race: never pass
 one stream's workspace to launches on another (``scratch`` always takes the current stream's).
@@ -27,8 +31,8 @@ from .drivers.module_api import current_device, current_stream_handle
 
 _ALIGN = 256  # bytes: each region of a workspace starts on a multiple
 
-_gpu: dict[tuple[int, int], torch.Tensor] = {}  # (device index, stream handle) -> buffer
-_host = threading.local()  # .buffer: this thread's buffer on the host emulator
+_gpu: dict[tuple[int, int], list] = {}  # (device index, stream handle) -> [scratch, counters]
+_host = threading.local()  # .buffers: this thread's [scratch, counters] on the host emulator
 
 
 def align(nbytes: int) -> int:
@@ -41,27 +45,45 @@ def allocate(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def scratch(device: torch.device, nbytes: int) -> torch.Tensor:
-    """A buffer of at least ``nbytes`` bytes for the launches of one call on ``device``'s current
-    stream: that stream's workspace, or, while a graph is being captured, a fresh one the caller
-    holds until its launches are enqueued."""
+def allocate_counters(count: int, device: torch.device) -> torch.Tensor:
+    """``count`` split-KV counters on ``device``, zero, on its current stream."""
+    return torch.zeros(count, dtype=torch.int32, device=device)
+
+
+def scratch(device: torch.device, nbytes: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A buffer of at least ``nbytes`` bytes and at least ``count`` counters (zero) for the launches
+    of one call on ``device``'s current stream: that stream's workspace and counters (every launch
+    leaves them zero), or, while a graph is being captured, fresh ones the caller holds until its
+    launches are enqueued."""
     if device.type == "cpu":
-        buffer = getattr(_host, "buffer", None)
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = _host.buffer = allocate(nbytes, device)
-        return buffer
-    if torch.cuda.is_current_stream_capturing():
-        return allocate(nbytes, device)
-    index = current_device() if device.index is None else device.index
-    key = (index, current_stream_handle(index))
-    buffer = _gpu.get(key)
-    if buffer is None or buffer.numel() < nbytes:
-        with torch.cuda.device(index):
-            buffer = _gpu[key] = allocate(nbytes, torch.device("cuda", index))
-    return buffer
+        held = getattr(_host, "buffers", None)
+        if held is None:
+            held = _host.buffers = [None, None]
+    elif torch.cuda.is_current_stream_capturing():
+        return allocate(nbytes, device), allocate_counters(count, device)
+    else:
+        index = current_device() if device.index is None else device.index
+        key = (index, current_stream_handle(index))
+        held = _gpu.get(key)
+        if held is None:
+            held = _gpu[key] = [None, None]
+        if (held[0] is None or held[0].numel() < nbytes) or (held[1] is None or held[1].numel() < count):
+            with torch.cuda.device(index):
+                return _grow(held, nbytes, count, torch.device("cuda", index))
+    return _grow(held, nbytes, count, device)
+
+
+def _grow(held: list, nbytes: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``held`` (a stream's or thread's [scratch, counters]), each replaced where it is smaller than asked."""
+    if held[0] is None or held[0].numel() < nbytes:
+        held[0] = allocate(nbytes, device)
+    if held[1] is None or held[1].numel() < count:
+        held[1] = allocate_counters(count, device)
+    return held[0], held[1]
 
 
 def release() -> None:
-    """Frees every workspace (each stream's on every device, this thread's on the host)."""
+    """Frees every workspace and counter buffer (each stream's on every device, this thread's on the
+    host)."""
     _gpu.clear()
-    _host.buffer = None
+    _host.buffers = None

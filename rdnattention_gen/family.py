@@ -71,7 +71,6 @@ class Family:
     # variants.yaml, for every layout and dtype built there; the same template with a compile-time
     # switch, at the family's tiles but where a table lists `<family>_<score>` tiles.
     scores: dict[str, str] = {}
-    tiles_family: str | None = None   # take another family's tiles (the combine: dec's); None: its own
     tile_constraints: bool = True     # False: the tiles' `when:` does not apply (the kernel serves every call)
 
     # --- the matrix

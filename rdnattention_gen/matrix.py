@@ -115,20 +115,18 @@ class Matrix:
                     continue
                 # (tile, when, priority, provenance, where): the tile table's choices (priority 0,
                 # with `when` 1), then the tuned ones (2, with `when` 3), for every layout the
-                # family's kernels are compiled for. A family that takes another's tiles (combine)
-                # takes its tuned ones too, unless it has its own tuned entry for the same calls.
+                # family's kernels are compiled for.
                 choices = [(c.tile, c.when, 1 if c.when.to_json() else 0, c.provenance, c.where)
-                           for c in self.tile_choices(target.tiles, fam.tiles_family or fam_name, hd,
+                           for c in self.tile_choices(target.tiles, fam_name, hd,
                                                       point.get("dtype"), point.get("score"))]
                 tuned = [t for t in self.tuned.get(target.name, ())
                          if t.head_dim == hd and t.gqa_group in (None, group)]
-                own = {t.when for t in tuned if t.family == fam_name}
                 choices += [(t.tile, t.when, 3 if t.when.to_json() else 2, t.provenance, t.where) for t in tuned
-                            if t.family == fam_name or (t.family == fam.tiles_family and t.when not in own)]
+                            if t.family == fam_name]
                 entries = []
                 for tile, when, priority, provenance, where in choices:
                     spec = fam.spec(target, point, tile)
-                    if not fam.tile_constraints:  # one entry per kernel, serving every call (the combine)
+                    if not fam.tile_constraints:  # one entry per kernel, serving every call (bwd, append)
                         if not any(e.spec == spec for e in entries):
                             entries.append(Variant(spec, Constraints(), 0, provenance, where))
                         continue

@@ -111,8 +111,7 @@ def parse_ints(option: str, text: str) -> list[int]:
 
 def restricted(matrix: Matrix, family_name: str, head_dims: list[int], groups: list[int]) -> Matrix:
     """The matrix with only ``family_name`` at ``head_dims`` and ``groups`` (what tuning builds);
-    group 1 always, as every dispatch table's fallback. A family whose calls need another kernel
-    (decode: the combine) keeps it at those head_dims."""
+    group 1 always, as every dispatch table's fallback."""
     axes = dict(matrix.kernels[family_name])
     axes["head_dims"] = [h for h in axes["head_dims"] if h in head_dims]
     # The plain kernels only: the family's layout options take the same tiles (one tile table per
@@ -125,13 +124,7 @@ def restricted(matrix: Matrix, family_name: str, head_dims: list[int], groups: l
         if unknown:
             raise TuneError(f"{family_name} has no GQA group {unknown}; its groups: {list(axes['gqa_groups'])}")
         axes["gqa_groups"] = [g for g in axes["gqa_groups"] if g in groups or g == 1]
-    kernels = {family_name: axes}
-    harness = HARNESSES.get(family_name)
-    for name in harness.companions if harness else ():
-        if name in matrix.kernels:
-            kernels[name] = {**matrix.kernels[name],
-                             "head_dims": [h for h in matrix.kernels[name]["head_dims"] if h in head_dims]}
-    return dataclasses.replace(matrix, kernels=kernels)
+    return dataclasses.replace(matrix, kernels={family_name: axes})
 
 
 def prepare(matrix: Matrix, target: Target, family_name: str, head_dims: list[int], groups: list[int],
@@ -152,7 +145,7 @@ def prepare(matrix: Matrix, target: Target, family_name: str, head_dims: list[in
     log(f"tune: {len(cands)} {family_name} tile(s) for {target.name}, head_dim {head_dims}, "
         f"group {groups}; building into {build_dir}")
     rows = build.build(m, [target], build_dir, jobs=jobs, log=log, enforce=False)
-    return [c for c in collect(m, target, rows) if c.spec.family == family_name]  # not its companions
+    return [c for c in collect(m, target, rows) if c.spec.family == family_name]
 
 
 def collect(matrix: Matrix, target: Target, rows: list[audit.KernelAudit]) -> list[Candidate]:
@@ -305,7 +298,6 @@ class _F16Harness:
 
     tolerance, metric = 2e-3, "max abs error"
     unit, figure_key = "TFLOP/s", "tflops"
-    companions: tuple[str, ...] = ()  # families its plans launch besides the tuned one
     graph_calls = 0  # > 0: time a GPU's calls from a graph of this many (calls shorter than their launch)
 
     def shapes(self, spec: KernelSpec, seq: int) -> list[Shape]:
@@ -389,7 +381,6 @@ class _DecHarness(_F16Harness):
     K and V read, timed from graph replays; each row count is a key of its own (`when: {rows: [r, r]}`)."""
 
     unit, figure_key = "GB/s", "gbps"
-    companions = ("combine",)  # several key slices merge in the combine kernel
     graph_calls = 20
     ROWS = (1, 2, 4, 8)
 

@@ -14,8 +14,9 @@ addresses are the kernels' global addresses.
 
 What differs from the silicon: the emulator executes one workgroup after another and one wave at
 a time between barriers (no concurrency between workgroups), models no caches, and flushes fp32
-denormals. It does not decode ``buffer_gl0_inv`` (the L0 invalidate of a workgroup acquire fence),
-so the mapped copy has it replaced by two ``s_nop 0``; the built file is never changed. RDNA3 (gfx11,
+denormals. It does not decode ``buffer_gl0_inv`` and ``buffer_gl1_inv`` (the cache invalidates of
+acquire fences: a workgroup's, and the device-wide one the split-KV slices' merge takes), so the
+mapped copy has them replaced by two ``s_nop 0`` each; the built file is never changed. RDNA3 (gfx11,
 wave32) only: gfx10 and GCN encodings are not executed here.
 
 RDNATTENTION_TINYGRAD names the snapshot; by default ``<checkout>/../shared/third_party/tinygrad``."""
@@ -56,7 +57,7 @@ _LDS_GRANULE = 512                  # compute_pgm_rsrc2.LDS_SIZE unit on gfx10+ 
 _RSRC2_LDS_SHIFT, _RSRC2_LDS_MASK = 15, 0x1FF
 _PAGE = 4096
 _S_NOP_0 = struct.pack("<I", 0xBF800000)
-_GL0_INV = re.compile(r"^\s+buffer_gl0_inv\s*// ([0-9A-F]+): ((?:[0-9A-F]{8} ?)+)")
+_CACHE_INV = re.compile(r"^\s+buffer_gl[01]_inv\s*// ([0-9A-F]+): ((?:[0-9A-F]{8} ?)+)")
 _VOID_P_P = ctypes.POINTER(ctypes.c_void_p)
 
 
@@ -85,7 +86,7 @@ class Module:
     base: int
     image_pointer: int                   # what hipModuleLoadData was given, and the bytes it held
     image_sha256: str
-    neutralised: int                     # buffer_gl0_inv instructions replaced in the mapped copy
+    neutralised: int                     # buffer_gl0_inv and buffer_gl1_inv instructions replaced in the mapped copy
     kernels: dict[str, Kernel] = field(default_factory=dict)
 
 
@@ -135,7 +136,10 @@ class EmulatedHip:
         self.hipModuleGetFunction = self._entry(c.c_int, [_VOID_P_P, c.c_void_p, c.c_char_p], self._get_function)
         self.hipModuleLaunchKernel = self._entry(
             c.c_int, [c.c_void_p] + [c.c_uint] * 7 + [c.c_void_p, _VOID_P_P, _VOID_P_P], self._launch)
-        self.hipGetErrorString = c.CFUNCTYPE(c.c_void_p, c.c_int)(self._error_string)
+        # const char* hipGetErrorString(hipError_t), as the driver binds it (restype c_char_p): the
+        # callback returns its string's address, and the bound function reads the string there.
+        self._error_string_callback = c.CFUNCTYPE(c.c_void_p, c.c_int)(self._error_string)
+        self.hipGetErrorString = c.cast(self._error_string_callback, c.CFUNCTYPE(c.c_char_p, c.c_int))
         self.hipModuleOccupancyMaxActiveBlocksPerMultiprocessor = self._entry(
             c.c_int, [c.POINTER(c.c_int), c.c_void_p, c.c_int, c.c_size_t], self._occupancy)
 
@@ -177,22 +181,22 @@ class EmulatedHip:
         base = -(-ctypes.addressof(mapped) // _PAGE) * _PAGE
         for s in co.segments:
             ctypes.memmove(base + s.vaddr, s.data, len(s.data))
-        neutralised = self._neutralise_gl0_inv(data, base)
+        neutralised = self._neutralise_cache_invalidates(data, base)
         module = Module(co, mapped, base, image, hashlib.sha256(data).hexdigest(), neutralised)
         handle = self._handle()
         self.modules[handle] = module
         module_out[0] = handle
         return HIP_SUCCESS
 
-    def _neutralise_gl0_inv(self, image: bytes, base: int) -> int:
-        """Replaces every buffer_gl0_inv of the mapped copy by s_nop 0 words of the same length
-        (the emulator has no caches to invalidate, and no decoder for the instruction)."""
+    def _neutralise_cache_invalidates(self, image: bytes, base: int) -> int:
+        """Replaces every buffer_gl0_inv and buffer_gl1_inv of the mapped copy by s_nop 0 words of the
+        same length (the emulator has no caches to invalidate, and no decoder for the instructions)."""
         with _temporary_file(image) as path:
             listing = subprocess.run([self._objdump, "-d", str(path)], capture_output=True, text=True,
                                      check=True).stdout
         count = 0
         for line in listing.splitlines():
-            m = _GL0_INV.match(line)
+            m = _CACHE_INV.match(line)
             if m:
                 words = len(m[2].split())
                 ctypes.memmove(base + int(m[1], 16), _S_NOP_0 * words, 4 * words)

@@ -241,7 +241,7 @@ def _append(q, k, v, options):
 # (family, layout) -> the entry point that serves it.
 ENTRY_POINTS = {("f16", None): _flash_attn, ("f16", "len"): _flash_attn, ("f16", "varlen"): _varlen,
                 ("dec", None): _flash_attn, ("dec", "paged"): _kvcache,
-                ("i8", None): _int8, ("i8dec", None): _int8, ("combine", None): _kvcache,
+                ("i8", None): _int8, ("i8dec", None): _int8,
                 ("append", None): _append, ("append", "rope"): _append, ("append", "ropehalf"): _append}
 
 

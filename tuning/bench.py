@@ -196,7 +196,7 @@ BF16_SAME_SPEED = 0.05  # bf16 time within 5% of fp16's
 def bf16_section(device, rounds: int = 5) -> str:
     """bf16 against fp16 on the same values (bf16: the fp16 inputs rounded), each shape's two plans
     timed in turn ``rounds`` times: prefill rows back to back (stream_ms), decode rows (DECODE, the
-    bf16 dec kernels and their combine) replayed from CUDA graphs (graph_ms)."""
+    bf16 dec kernels, their slices merged in the same launch) replayed from CUDA graphs (graph_ms)."""
     from rdnattention.families import dec
 
     lines = [f"GPU: {torch.cuda.get_device_name(device)}; torch {torch.__version__}; bf16 and fp16 kernels on the "

@@ -4,7 +4,7 @@
     ncu --clock-control none -k regex:fa2_dec python -m tuning.profile_one --decode 1
 
 BATCH HEADS SEQ DIM [causal]: fp16 q, k, v of that shape through flash_attn. With --decode N: the
-decode shape of bench.DECODE row N (split-KV kernels and their combine)."""
+decode shape of bench.DECODE row N (split-KV kernels, their slices merged in the same launch)."""
 
 from __future__ import annotations
 

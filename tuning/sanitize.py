@@ -19,7 +19,7 @@ CASES = {
     "window": (1, 2, 2, 140, 140, 64, {"window_size": (21, 9)}),
     "gqa": (1, 4, 2, 97, 97, 128, {"is_causal": True}),
     "decode": (2, 4, 2, 1, 203, 128, {}),
-    "decode_gqa4": (1, 8, 2, 1, 3000, 128, {}),  # the 4-row kernel, many slices per combine group
+    "decode_gqa4": (1, 8, 2, 1, 3000, 128, {}),  # the 4-row kernel, many slices merged per row chunk
     "rope": (1, 4, 2, 90, 90, 64, {"is_causal": True, "rope": True}),
     "tail": (1, 2, 2, 77, 77, 96, {}),
     "wide": (1, 2, 1, 33, 45, 512, {"is_causal": True}),
@@ -27,7 +27,7 @@ CASES = {
 
 
 def cache_cases(device) -> int:
-    """The split-KV paths: a paged-cache decode step with slices and its combine, and a packed batch."""
+    """The split-KV paths: a paged-cache decode step in slices (merged in the same launch), and a packed batch."""
     from rdnattention import flash_attn_with_kvcache, varlen_attn
 
     failures = 0

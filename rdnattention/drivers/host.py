@@ -97,7 +97,7 @@ def launch_kernel(code_object: Path, name: str, grid: tuple[int, int, int], thre
 
 # Workgroups per worker thread that plans sized by occupancy (split-KV decode slices) count on:
 # the emulator runs one workgroup per worker at a time, but a GPU-like count keeps the same
-# slicing (and the combine step) in play as on a GPU.
+# slicing (and the merge of the slices) in play as on a GPU.
 RESIDENT_WORKGROUPS = 4
 
 

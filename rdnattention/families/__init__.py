@@ -1,7 +1,7 @@
 """Kernel families, runtime side: each module declares a family's name (``NAME``), how its kernel
 names spell their facts (``NAMES``), its argument struct (``ARGS``) and the LDS a kernel uses
 (``lds_bytes``); the generator reads these, and dispatch.py checks every table against them. A family
-is one algorithm's kernels (f16, dec, i8, i8dec, combine) and plans their launches; a family whose
+is one algorithm's kernels (f16, dec, i8, i8dec, append, bwd) and plans their launches; a family whose
 kernels are also compiled for other ways of finding the keys (f16: cache lengths, packed batches;
 dec: paged caches) lists them as ``LAYOUTS``, and its kernel names spell the option. Which family
 and layout serve a call is route.py's choice. Modules are found by discovery, so adding a family

@@ -1,13 +1,14 @@
 """Split-KV planning (flash-decoding), shared by the families whose kernels run it: dec (its
 plain and paged kernels) over fp16 rows, i8dec over int8 rows. Each family brings its argument
-struct and extra fields; the grid, the key slices and the combine are the same. A helper of this
+struct and extra fields; the grid, the key slices and their merge are the same. A helper of this
 package, not a family (discovery skips modules whose name starts with an underscore).
 
-Launch 1: a workgroup per (row chunk x key slice, K/V head, batch) reads its slice of the keys once
-for all the query rows of its chunk (the query heads of a GQA group times the query positions, up
-to ``br`` of them). With one slice it writes the output; with several, a normalised fp32 partial
-output and log2-domain LSE per slice into scratch, and launch 2 (the combine family, the split-KV
-kernels' second kernel) merges them."""
+One launch: a workgroup per (row chunk x key slice, K/V head, batch) reads its slice of the keys
+once for all the query rows of its chunk (the query heads of a GQA group times the query
+positions, up to ``br`` of them). With one slice it writes the output; with several, a normalised
+fp32 partial output and log2-domain LSE per slice into scratch, and counts itself done in a
+counter per (row chunk, K/V head, batch); the last slice to count merges the partials into the
+output and resets the counter to zero (so counters start every launch at zero: workspace.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 from ..errors import InvalidArgumentError, UnsupportedError
 from ..plan import Launch, Plan
 from ..table import KernelEntry, TargetTable
-from . import combine, f16
+from . import f16
 
 if TYPE_CHECKING:  # the generator imports the families, and with them this module, without torch
     import ctypes
@@ -167,12 +168,10 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
             raise InvalidArgumentError(f"{key} = {fields[key]} does not fit the kernel's 32-bit field")
     fields.update(f16.score_fields(call))  # softcap, ALiBi, sinks: where the call has them
     fields.update(extra or {})
-    # The launches, and with them their grids, are checked here; the scratch is allocated where the
-    # plan runs (Plan.run, or a stream's workspace), never for a grid beyond the limits.
+    # The launch, and with it its grid, is checked here; the scratch and the counters are allocated
+    # where the plan runs (Plan.run, or a stream's workspace), never for a grid beyond the limits.
     launches = [Launch(kernel=entry, grid=(chunks * splits, heads_kv, call.batch), block=entry.threads,
                        shared_bytes=table.shared_bytes(entry), args=args_type(**fields))]
-    if splits > 1:  # the slices write the partials (Lengths.scratch), the combine reads them
-        launches.append(combine.launch(table, call, head_dim, splits, dtype))
     scratch_bytes, scratch_lse = lengths.scratch(splits)
     buffers = tuple(t for t in (q, k, v, call.out, call.lse, call.seqused_k, call.cache_batch_idx, call.block_table,
                                 call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q,
@@ -181,5 +180,5 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
     plain = all(getattr(call, name, None) is None for name in ("seqused_k", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
                                                                 "cache_batch_idx", "block_table"))
     return Plan(table=table, device=q.device, launches=launches, outputs=(call.out, call.lse), buffers=buffers,
-                scratch_bytes=scratch_bytes, scratch_lse=scratch_lse,
+                scratch_bytes=scratch_bytes, scratch_lse=scratch_lse, counters=lengths.workgroups if splits > 1 else 0,
                 lengths=lengths if plain and call.seq_k > 0 else None)

@@ -2,9 +2,9 @@
 
 Its kernels read strided caches (``cache_batch_idx``), packed variable-length batches
 (``cu_seqlens_q``/``cu_seqlens_k``) and, compiled with the paged layout option, paged caches
-(``block_table``). The launches (a workgroup per row chunk, key slice, K/V head and batch, then the
-combine family's merge of the slices) are planned by _splitkv.py, which i8dec shares. Its kernels of
-dtype option bf16 read bf16 rows (and their combine stores bf16)."""
+(``block_table``). The launch (a workgroup per row chunk, key slice, K/V head and batch, the last
+slice of each row chunk to finish merging the slices) is planned by _splitkv.py, which i8dec
+shares. Its kernels of dtype option bf16 read bf16 rows and store bf16 outputs."""
 
 from __future__ import annotations
 
@@ -35,8 +35,10 @@ PAGED_FIELDS = (("block_table", "const int*"), ("block_table_stride", "long long
 # seqused_q (int32 [batch]): batch b's query rows, where its offsets alone do not say (padding).
 VARLEN_FIELDS = (("cu_seqlens_q", "const int*"), ("cu_seqlens_k", "const int*"), ("seqused_q", "const int*"))
 # Key slices: with splits > 1, each writes part_o fp32 [splits, batch, heads_q, seq_q, head_dim]
-# (normalised) and part_lse fp32 [splits, batch, heads_q, seq_q] (log2 domain) for the combine.
-SPLIT_FIELDS = (("splits", "int"), ("part_o", "float*"), ("part_lse", "float*"))
+# (normalised) and part_lse fp32 [splits, batch, heads_q, seq_q] (log2 domain), and counts itself
+# in counters (uint32 [batch, heads_kv, row chunks], zero before the launch and after it); the
+# last slice of a row chunk to count merges them.
+SPLIT_FIELDS = (("splits", "int"), ("part_o", "float*"), ("part_lse", "float*"), ("counters", "unsigned*"))
 # K/V rows along their batch stride (cache rows, or a pool's pages): cache_batch_idx and
 # block_table values outside them read row 0 (their values are not read on a GPU), and the rows
 # packed offsets may address (f16.PACKED_BOUND_FIELDS).
@@ -56,7 +58,7 @@ ARGS = ArgStruct("Fa2DecArgs", (
     *VARLEN_FIELDS,
     *SPLIT_FIELDS,
     *BOUND_FIELDS,
-    *f16.SCORE_FIELDS,  # the sinks join where a row is written: here unsplit, else in the combine
+    *f16.SCORE_FIELDS,  # the sinks join where a row is written: unsplit or merged, once
 ))
 Fa2DecArgs = ARGS.ctype
 

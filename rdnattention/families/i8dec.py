@@ -1,6 +1,6 @@
 """Split-KV decode over int8 Q, K, V (the INT8 family's decode), runtime side: the dec family's
 kernel with int8 rows (16 values a lane, dot4 products) and the INT8 scale contract (int8.py):
-per-token Q and K scales, a per-channel V scale. Its slices are merged by the combine family."""
+per-token Q and K scales, a per-channel V scale."""
 
 from __future__ import annotations
 

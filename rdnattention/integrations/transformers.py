@@ -101,6 +101,8 @@ def _autocast(query, key, value):
     """The tensors as autocast gives them to sdpa, which transformers' sdpa attention calls (an fp32
     query after RoPE under fp16 autocast, say): the SDPA patch's rule (sdpa._autocast); where it
     does not cast them, as they are."""
+    if not torch.is_autocast_enabled(query.device.type):  # the common case, without the import below
+        return query, key, value
     from .sdpa import _autocast as sdpa_autocast
 
     q, k, v, _, why = sdpa_autocast(query, key, value, None)

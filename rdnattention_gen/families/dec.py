@@ -3,9 +3,10 @@ per K/V head against many keys. The tile: br = tm, the query rows one workgroup 
 thread holds them all); bc, the keys a workgroup reads per step; threads, in lane groups of
 head_dim / 8 lanes per key, rounded up to a power of two (the lanes past head_dim / 8 hold zeros).
 
-Kernel body: templates/include/fa2_decode.h over the fp16 element policy (DecodeF16). Its partial
-outputs are merged by the combine family. Also compiled for paged caches (layout ``paged``), so
-that the plain kernels hold no page state."""
+Kernel body: templates/include/fa2_decode.h over the fp16 element policy (DecodeF16); with several
+key slices, the last of a row chunk's slices to finish merges their partial outputs, in the same
+launch. Also compiled for paged caches (layout ``paged``), so that the plain kernels hold no page
+state."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 each key per lane, scores through the target's dot4 with the per-token Q and K scales, V's
 per-channel scale at the end. Its own tiles and tile space (lane groups of head_dim / 16 lanes) and
 its own product count. Built on the targets with an int8 dot, as the INT8 family is; its slices are
-merged by the combine family."""
+merged as dec's are, by the last to finish."""
 
 from __future__ import annotations
 

@@ -32,9 +32,9 @@ def test_default_targets_pass_the_audit(matrix, default_audit):
             pass  # rowsum(dO * O), tier fp32: the compiler lowers its fp16 products as it likes (gfx906: dot2)
         elif row.name.startswith("fa2_append_"):
             assert row.dot2 == 0  # the cache append: copies, and RoPE in float64; no fp16 products
-        elif row.name.startswith(("fa2_combine_", "fa2_bwd")) or "_bf16_" in row.name:
-            # fp32 sums of partial rows, bf16 widened by a shift into fp32 FMAs, or the backward's fp32
-            # FMAs on values converted when staged: no products of fp16 pairs
+        elif row.name.startswith("fa2_bwd") or "_bf16_" in row.name:
+            # bf16 widened by a shift into fp32 FMAs, or the backward's fp32 FMAs on values converted
+            # when staged: no products of fp16 pairs
             assert row.dot2 == 0
         else:
             assert row.dot2 > 0, f"{row.target}/{row.name} has no v_dot2"
@@ -58,7 +58,7 @@ def test_default_code_objects_contain_their_dot_instructions(matrix, default_aud
             if name.startswith("fa2_append_"):  # copies, and RoPE in float64
                 assert "v_dot" not in body, f"{target.name}/{name}"
                 continue
-            if name.startswith(("fa2_combine_", "fa2_bwd")) or "_bf16_" in name:  # fp32 sums; fp32 FMAs
+            if name.startswith("fa2_bwd") or "_bf16_" in name:  # fp32 FMAs
                 assert "v_dot" not in body, f"{target.name}/{name}"
                 continue
             assert ("v_dot4" if name.startswith(INT8_KERNELS) else "v_dot2") in body, f"{target.name}/{name}"
@@ -110,10 +110,10 @@ def test_every_head_dim_is_built_for_every_target(matrix, default_audit, tier2_a
 
 @pytest.mark.parametrize("name", sorted(TIER2))
 def test_tier2_targets_use_their_lowering(matrix, tier2_audit, name):
-    # The fp16 kernels (the combine has no fp16 products, nor the cache append; the bf16 kernels' are
-    # fp32 FMAs on shifted values)
+    # The fp16 kernels (the cache append has no fp16 products; the bf16 kernels' are fp32 FMAs on
+    # shifted values)
     rows = [r for r in tier2_audit if r.target == name
-            and not r.name.startswith(("fa2_combine_", "fa2_bwd", "fa2_append_")) and "_bf16_" not in r.name]
+            and not r.name.startswith(("fa2_bwd", "fa2_append_")) and "_bf16_" not in r.name]
     field = TIER2[name]
     assert rows and all(getattr(r, field) > 0 and r.dot2 == 0 for r in rows)
     bf16 = [r for r in tier2_audit if r.target == name and "_bf16_" in r.name]

@@ -242,7 +242,7 @@ def test_minimal_matrix_loads(tmp_path):
      "variants.yaml:28: tiles.small.f16.default: kernel fa2_f16_hd512_g1_br128_bc64_nt256_tm8_w32_dot2_sf16 for "
      "gfx1030: needs 221696 bytes of LDS, over the 65536 budget"),
     ("  f16:\n    head_dims", "  f17:\n    head_dims",
-     "variants.yaml:22: kernels.f17: unknown kernel family; known: append, bwd, combine, dec, f16, i8, i8dec"),
+     "variants.yaml:22: kernels.f17: unknown kernel family; known: append, bwd, dec, f16, i8, i8dec"),
     ("    gqa_groups: [1, 2]\n", "    gqa_groups: [1, 2]\n    template: fa2_f16.hip.j2\n",
      "variants.yaml:25: kernels.f16.template: unknown key"),
     ("kernels:\n", "kernel:\n", "variants.yaml:1: kernels: is missing"),
@@ -373,8 +373,8 @@ def test_default_file_is_the_repository_one():
 
 def test_decode_lanes_round_up_to_a_power_of_two(matrix):
     """dec at head_dim 40: 5 lanes of values a key, 8 lanes (three of them padding), so rows up to 8
-    and 16 lane groups of 128 threads; the combine at 40 takes 25 whole groups of 5 lanes."""
-    dec, combine = family("dec"), family("combine")
+    and 16 lane groups of 128 threads."""
+    dec = family("dec")
     target = matrix.target("gfx1030")
 
     def problems(fam, tile, head_dim=40):
@@ -389,25 +389,18 @@ def test_decode_lanes_round_up_to_a_power_of_two(matrix):
     assert problems(dec, Tile(br=1, bc=16, threads=128, tm=1), head_dim=36) == [
         "head_dim 36 must be a multiple of 8 up to 8 * wave size = 256 (head_dim / 8 lanes, rounded up to a power "
         "of two, share each key)"]
-    assert problems(combine, Tile(br=1, bc=1, threads=128, tm=1)) == []
-    assert combine.lds_layout(combine.spec(target, {"head_dim": 40, "gqa_group": 1}, Tile(1, 1, 128, 1))) == {
-        "acc_bytes": 25 * 40 * 4, "stat_bytes": 25 * 2 * 4}
 
 
 def test_head_dims_in_steps_of_8(matrix):
-    """Every multiple of 8 up to 256 (and of 32 to 512) for f16; up to 256 for dec and combine; the
-    GPU targets build them all, the host targets the subset they list."""
+    """Every multiple of 8 up to 256 (and of 32 to 512) for f16; up to 256 for dec; the GPU targets
+    build them all."""
     steps = list(range(8, 257, 8))
     assert list(matrix.kernels["f16"]["head_dims"]) == steps + list(range(288, 513, 32))
-    assert list(matrix.kernels["dec"]["head_dims"]) == steps == list(matrix.kernels["combine"]["head_dims"])
+    assert list(matrix.kernels["dec"]["head_dims"]) == steps
     for name in ("gfx1030", "gfx906", "sm_90", "sm_61"):
         built = {(s.family, s.head_dim) for s in matrix.specs_for(matrix.target(name))}
         assert {hd for f, hd in built if f == "f16"} == set(matrix.kernels["f16"]["head_dims"]), name
-        assert {hd for f, hd in built if f == "dec"} == set(steps) == {hd for f, hd in built if f == "combine"}, name
-    for name in ("host", "host_f32"):
-        built = {(s.family, s.head_dim) for s in matrix.specs_for(matrix.target(name))}
-        # every dec head_dim has its combine
-        assert {hd for f, hd in built if f == "dec"} == {hd for f, hd in built if f == "combine"}
+        assert {hd for f, hd in built if f == "dec"} == set(steps), name
 
 
 def test_the_host_targets_run_each_padded_path(matrix):

@@ -292,7 +292,7 @@ def test_tune_builds_ranks_and_refuses_measuring_without_the_gpu(tmp_path):
                           (["--head-dims", "64,x"], "--head-dims: '64,x' is not a comma list of integers"),
                           (["--head-dims", "84"], "f16 is not built for head_dim [84]"),
                           (["--family", "f17"], "no kernel family 'f17'"),
-                          (["--family", "combine", "--measure"], "combine has no tile space to tune")):
+                          (["--family", "append", "--measure"], "append has no tile space to tune")):
         bad = subprocess.run(cli[:5] + ["gfx1030"] + args + ["--build-dir", str(tmp_path / "bad")],
                              capture_output=True, text=True, cwd=REPO_ROOT)
         assert bad.returncode == 2 and f"rdnattention-gen: error: {message}" in bad.stderr, bad.stderr
@@ -418,7 +418,7 @@ def test_tune_measures_the_decode_family_on_the_host_emulator(tmp_path):
 
 def test_tuned_entries_serve_every_layout_of_their_family(tmp_path):
     """One tile table per algorithm: f16's tuned tile serves its len and varlen kernels, dec's its
-    paged ones, and the combine (which takes dec's tiles) stays one entry per threads count."""
+    paged ones."""
     (tmp_path / "sm_90.yaml").write_text(textwrap.dedent("""\
         target: sm_90
         entries:
@@ -445,7 +445,3 @@ def test_tuned_entries_serve_every_layout_of_their_family(tmp_path):
     assert tuned("f16", 64) == tuned("f16", 64, "len") == tuned("f16", 64, "varlen") == {(64, 32, 4)}
     assert tuned("f16", 64, dtype="bf16") == tuned("f16", 64, "varlen", "bf16") == {(64, 32, 4)}
     assert tuned("dec", 128) == tuned("dec", 128, "paged") == tuned("dec", 128, "paged", "bf16") == {(2, 32, 2)}
-    for dtype in (None, "bf16"):
-        combine = [v for v in variants if v.spec.family == "combine" and v.spec.head_dim == 128
-                   and v.spec.option("dtype") == dtype]
-        assert len(combine) == 1 and not combine[0].when.to_json()  # one combine per threads count, still

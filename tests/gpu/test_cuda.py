@@ -36,9 +36,9 @@ def test_cuda_targets_build_without_spills(matrix, cuda_audit, target):
     for r in rows:
         assert (r.vgpr_spills, r.scratch_bytes) == (0, 0), r
         assert r.lds_bytes <= budget, r
-        # fp32 sums only (the combine), bf16 widened by a shift (cvt.f32.bf16), or copies and float64
-        # RoPE (the cache append): no fp16 conversions to count
-        if not r.name.startswith(("fa2_combine_", "fa2_append_")) and "_bf16_" not in r.name:
+        # bf16 widened by a shift (cvt.f32.bf16), or copies and float64 RoPE (the cache append): no
+        # fp16 conversions to count
+        if not r.name.startswith("fa2_append_") and "_bf16_" not in r.name:
             assert (r.dot4 if r.name.startswith(INT8_KERNELS) else r.cvt_f32_f16) > 0, r
     # sm_90 converts each fp16 (and bf16) value once into fp32 LDS; Pascal, with 48 KiB, keeps fp16
     # (bf16) pairs.
@@ -150,9 +150,9 @@ def test_gpu_bf16_matches_oracle_and_torch(head_dim, variant):
 
 
 # Every case of every family the bf16 kernels are built for (layouts included: cache lengths, packed
-# batches, paged caches, key slices and their combine) on the GPU, through the sweep's entry points
+# batches, paged caches, key slices merged) on the GPU, through the sweep's entry points
 # (tests/cases.py run_case) with the tensors moved to it.
-BF16_CASES = [(fam, case, hd) for fam in ("f16", "dec", "combine") for case in family(fam).oracle_cases
+BF16_CASES = [(fam, case, hd) for fam in ("f16", "dec") for case in family(fam).oracle_cases
               for hd in bf16_head_dims(fam)[::2]]
 
 
@@ -373,7 +373,7 @@ def test_gpu_kvcache_decode_step():
 @pytest.mark.gpu
 def test_gpu_paged_decode_step_replays_as_a_cuda_graph():
     """A decode step on a paged cache (append, then attention through the block table, split-KV with
-    its combine) captured once and replayed with new tokens and lengths: the same as eager calls."""
+    its slices merged) captured once and replayed with new tokens and lengths: the same as eager calls."""
     device = _gpu()
     g = torch.Generator().manual_seed(7)
     b, hq, hk, d, page, pages_per_seq = 2, 8, 2, 128, 16, 16
@@ -538,7 +538,7 @@ def test_gpu_split_kv_calls_on_two_streams_at_once_keep_their_scratch_apart():
     k, v = (torch.randn(1, 8, 16384, 128, generator=g).half().to(device) for _ in range(2))
     with torch.inference_mode():
         alone = [flash_attn(q, k, v) for q in qs]
-        assert plan_launches(qs[0], k, v) == 2  # slices and their combine: the scratch is in play
+        assert split_slices(qs[0], k, v) > 1  # several slices: the scratch and the counters are in play
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = flash_attn(qs[2], k, v)
@@ -555,11 +555,16 @@ def test_gpu_split_kv_calls_on_two_streams_at_once_keep_their_scratch_apart():
         for i in range(2):
             assert all(torch.equal(o, alone[i]) for o in outs[i])
         assert torch.equal(captured, alone[2])
+        from rdnattention import workspace
+        # every launch left the counters it counted in at zero (the last slice of each chunk resets its own)
+        assert workspace._gpu and not any(held[1].any() for held in workspace._gpu.values())
 
 
-def plan_launches(q, k, v) -> int:
+def split_slices(q, k, v) -> int:
     from rdnattention import plan_flash_attn
-    return len(plan_flash_attn(q, k, v).launches)
+    plan = plan_flash_attn(q, k, v)
+    assert len(plan.launches) == 1 and (plan.counters > 0) == (plan.launches[0].args.splits > 1)
+    return plan.launches[0].args.splits
 
 
 _HOSTILE_GPU = """
@@ -624,10 +629,10 @@ def _score_options(batch, heads, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("num_splits", [0, 1, 3])  # automatic; one slice (the sink where rows are written); combined
+@pytest.mark.parametrize("num_splits", [0, 1, 3])  # automatic; one slice (the sink where rows are written); merged
 @pytest.mark.parametrize("paged", [False, True])
 def test_gpu_decode_score_transforms(head_dim, num_splits, paged):
-    """softcap, ALiBi and sinks on the split-KV kernels (plain and paged caches, the combine) on the GPU."""
+    """softcap, ALiBi and sinks on the split-KV kernels (plain and paged caches, several slices merged) on the GPU."""
     device = _gpu()
     batch, hq, hk, cache_len, page = 2, 8, 2, 1024, 64
     g = torch.Generator().manual_seed(head_dim + num_splits)

@@ -140,26 +140,28 @@ def test_int8(gpu, dispatched):
     assert _rel_rms(out, ref) <= INT8_REL_RMS
 
 
-def test_split_kv_decode_and_combine(gpu, dispatched):
+def test_split_kv_decode(gpu, dispatched):
+    """Key slices merged by the last slice of each row chunk to finish (its atomic count and the
+    fences around it, executed), in one launch."""
     start = len(gpu.dispatches)
     q, k, v = _inputs(1, 4, 2, 1, 700, 128, seed=3)
     out, lse = flash_attn(q, k, v, return_lse=True)
     ref, ref_lse = attention_reference(q, k, v, return_lse=True)
-    assert _families(gpu, start) == ["fa2_combine", "fa2_dec"]
+    assert _families(gpu, start) == ["fa2_dec"] and len(gpu.dispatches) == start + 1
     assert gpu.dispatches[start].grid[0] > 1  # the keys were split into slices
     assert _max_err(out, ref) <= TOL
     assert _max_err(lse, ref_lse) <= TOL
 
 
 def test_decode_with_padded_lanes(gpu, dispatched):
-    """head_dim 40: the decode kernel with three of the eight lanes of each key padding, and the
-    combine with the threads over after 25 groups of 5 lanes idle. (The by-name sweep, marked slow,
-    runs every kernel of every head_dim.)"""
+    """head_dim 40: the decode kernel with three of the eight lanes of each key padding, and its
+    merge of the slices over 5 lanes a row. (The by-name sweep, marked slow, runs every kernel of
+    every head_dim.)"""
     start = len(gpu.dispatches)
     q, k, v = _inputs(1, 4, 2, 1, 700, 40, seed=7)
     out, lse = flash_attn(q, k, v, return_lse=True)
     ref, ref_lse = attention_reference(q, k, v, return_lse=True)
-    assert _families(gpu, start) == ["fa2_combine", "fa2_dec"]
+    assert _families(gpu, start) == ["fa2_dec"] and len(gpu.dispatches) == start + 1
     assert gpu.dispatches[start].grid[0] > 1  # the keys were split into slices
     assert _max_err(out, ref) <= TOL
     assert _max_err(lse, ref_lse) <= TOL
@@ -264,18 +266,10 @@ def test_the_append_kernel_is_the_torch_append(gpu, dispatched, monkeypatch, rop
     assert not torch.equal(pk, pools[0])
 
 
-# The emulator reads memory for lanes the exec mask turns off (it masks only their writes). The
-# combine of head_dim 8 and 16 (one and two lanes a row) merges in one group of that many lanes,
-# and the other lanes of its wave hold stale addresses past the LDS, which crash it; the hardware
-# reads nothing for them. Their decode kernels run here in one slice; the host sweep runs those
-# combines against the oracle.
-UNSPLIT_ON_THE_EMULATOR = (8, 16)
-
-
 def _kernels() -> list[str]:
-    """Every gfx1100 kernel but the combine and append ones (run after the decode kernels and by
-    the append test) and the backward's preprocess and dQ passes (run with their dK/dV kernel)."""
-    return sorted(v.spec.name for v in MATRIX.variants_for(MATRIX.target(TARGET)) if v.spec.family not in ("combine", "append")
+    """Every gfx1100 kernel but the append ones (run by the append test) and the backward's
+    preprocess and dQ passes (run with their dK/dV kernel)."""
+    return sorted(v.spec.name for v in MATRIX.variants_for(MATRIX.target(TARGET)) if v.spec.family != "append"
                   and not (v.spec.family == bwd.NAME and v.spec.option("layout")))
 
 
@@ -306,8 +300,8 @@ def _backward_set(gpu, name):
 @pytest.mark.parametrize("name", _kernels())
 def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
     """Each gfx1100 kernel, forced by name, on a causal GQA case; the decode kernels with as many
-    query rows per K/V head as their tile takes (fp16 ones split into three key slices, so the
-    combine of their head_dim runs too)."""
+    query rows per K/V head as their tile takes, split into three key slices (merged by the last
+    to finish)."""
     spec = spec_from_name(name)
     if spec.family == bwd.NAME:  # with its preprocess and dQ passes
         return _backward_set(gpu, name)
@@ -338,7 +332,7 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
     elif decode:
         call = dict(q=q, k=k, v=v, out=torch.empty_like(q), lse=torch.empty(q.shape[:3]), window=(-1, 0),
                     softmax_scale=spec.head_dim ** -0.5, batch=1, seq_q=q.shape[2], seq_k=k.shape[2],
-                    num_splits=1 if spec.head_dim in UNSPLIT_ON_THE_EMULATOR else 3)
+                    num_splits=3)
         if layout == "paged":  # five pages of 16 keys, in a shuffled order
             order = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32)
             pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 80 - t.shape[2]))  # noqa: E731
@@ -352,9 +346,9 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
         plan = plan_flash_attn(q, k, v, is_causal=True, kernel=name, seqused_k=seqused, **score)
     plan.run()
     ran = [d.kernel for d in gpu.dispatches[start:]]
-    assert ran[0] == name
-    if spec.family == "dec" and spec.head_dim not in UNSPLIT_ON_THE_EMULATOR:
-        assert any(r.startswith(f"fa2_combine_{'bf16_' if bf16 else ''}hd{spec.head_dim}_") for r in ran[1:])
+    assert ran == [name]
+    if spec.family == "dec":
+        assert plan.launches[0].args.splits == 3
     if spec.family.startswith("i8"):
         assert _rel_rms(plan.outputs[0], ref) <= INT8_REL_RMS
     else:

@@ -103,7 +103,7 @@ def test_gpt_oss_prefill_with_sinks(host_build, window):
     assert _err(out.transpose(1, 2), without) > 20 * TOL  # the sinks took weight
 
 
-@pytest.mark.parametrize("num_splits", [0, 1, 4])  # automatic, one slice (the sink where rows are written), combined
+@pytest.mark.parametrize("num_splits", [0, 1, 4])  # automatic, one slice (the sink where rows are written), merged
 @pytest.mark.parametrize("window", [(-1, -1), (GPT_OSS["sliding_window"] - 1, 0)])
 def test_gpt_oss_decode_on_a_paged_cache_with_sinks(host_build, num_splits, window):
     c = GPT_OSS

@@ -142,7 +142,7 @@ CASES = {
                                            causal=True)
 """,
     # block_table: the append's pages and the paged kernels' pages (one past the pool, far past it,
-    # below it), with the combine of several slices
+    # below it), with several slices merged
     "block-table-append": _POOL + """
     table, lengths = ints(-1, 10**9, 8, 3, 2**31 - 1, 0, 0, -(2**31)).view(2, 4), ints(20, 50)
     given = dict(q=q, k=k, v=v, pool_k=pool_k, pool_v=pool_v, table=table, lengths=lengths)
@@ -182,7 +182,7 @@ CASES = {
     given = dict(q=q, pool_k=pool_k, pool_v=pool_v, table=table, lengths=lengths)
     call = lambda: flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lengths, block_table=table)
 """,
-    # cu_seqlens: packed decode (split-KV kernels and their combine) and packed prefill (f16 varlen)
+    # cu_seqlens: packed decode (split-KV kernels, several slices merged) and packed prefill (f16 varlen)
     "cu-seqlens-decode": _PACKED + """
     cu_q, cu_k = ints(0, 10**9, 5), ints(0, 40, 2**31 - 1)
     given = dict(q=q, pk=pk, pv=pv, cu_q=cu_q, cu_k=cu_k)

@@ -17,7 +17,7 @@ from rdnattention import attention_reference, dispatch, flash_attn, plan_flash_a
 from rdnattention.abi import ArgStruct
 from rdnattention.table import Constraints, KernelEntry, TargetTable
 from rdnattention.errors import IncompatibleKernelsError, InvalidArgumentError, StaleKernelsError, UnsupportedError
-from rdnattention.families import append, bwd, combine, dec, f16, i8, i8dec
+from rdnattention.families import append, bwd, dec, f16, i8, i8dec
 from rdnattention.plan import Launch
 
 
@@ -46,7 +46,7 @@ def test_dispatch_table_records_format_and_digest(host_build):
     data = json.loads((host_build / "host" / "dispatch.json").read_text())
     assert data["format"] == dispatch.TABLE_FORMAT and data["dynamic_lds"] is False
     assert {e["args_digest"] for e in data["kernels"]} == {f16.ARGS.digest, i8.ARGS.digest, dec.ARGS.digest,
-                                                           combine.ARGS.digest, i8dec.ARGS.digest,
+                                                           i8dec.ARGS.digest,
                                                            append.ARGS.digest, bwd.ARGS.digest}
     assert all(e["provenance"] == "variants.yaml" for e in data["kernels"] if e["priority"] >= 0)
     # host's alternates: the tiles of the AMD tables it mirrors
@@ -210,18 +210,11 @@ def test_the_planners_check_the_grid_before_allocating(host_build, monkeypatch):
     one, keys = _meta(1, 1, 1, 64), _meta(1, 1, 2**31 - 1, 64)
     many_slices = dec.Call(q=one, k=keys, v=keys, out=one, lse=None, window=(-1, -1), softmax_scale=1.0, batch=1,
                            seq_q=1, seq_k=2**31 - 1, num_splits=2**31 - 1)
-    # the slices fit; their combine, a workgroup per query row, does not
-    rows, cache = _meta(65535, 65535, 1, 64), _meta(65535, 65535, 256, 64)
-    many_rows = dec.Call(q=rows, k=cache, v=cache, out=rows, lse=None, window=(-1, -1), softmax_scale=1.0,
-                         batch=65535, seq_q=1, seq_k=256, num_splits=2)
     batches = _meta(65536, 1, 64, 64)
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: pytest.fail("scratch allocated before the grid check"))
     with pytest.raises(InvalidArgumentError, match=r"kernel fa2_dec_\w+ with 128 threads exceeds the launch limits: "
                                                    r"grid.x \* threads = \d+ must be at most 2\^32 - 1 work-items"):
         dec.plan(table, many_slices)
-    with pytest.raises(InvalidArgumentError, match=r"kernel fa2_combine_\w+ with \d+ threads exceeds the launch "
-                                                   r"limits: grid.x = 4294836225 must be at most 2\^31 - 1"):
-        dec.plan(table, many_rows)
     with pytest.raises(InvalidArgumentError, match=r"kernel fa2_f16_\w+ with 256 threads exceeds the launch limits: "
                                                    r"grid.z = 65536 must be at most 65535"):
         f16.plan(table, f16.Call(q=batches, k=batches, v=batches, out=batches, lse=None, window=(-1, -1),

@@ -214,7 +214,8 @@ def test_split_kv_calls_reuse_their_threads_workspace(host_build, monkeypatch):
     monkeypatch.setattr(replay, "cache", {})
     workspace.release()
     q, k = _decode(0)
-    assert len(plan_flash_attn(q, k, k, kernel=None).launches) == 2  # slices and their combine
+    split = plan_flash_attn(q, k, k, kernel=None)
+    assert split.scratch_bytes and split.counters  # several slices
     allocated = []
     allocate = workspace.allocate
     monkeypatch.setattr(workspace, "allocate", lambda n, d: allocated.append(n) or allocate(n, d))
@@ -317,7 +318,7 @@ def test_a_cache_growing_by_a_key_per_call_replays_without_planning(host_build, 
     q, kv = _growing(0, lengths, token_major)
     first = fn(q, *kv[0])
     assert len(replay.by_length) == 1
-    assert replay.by_length[next(iter(replay.by_length))].scratch_bytes  # several slices and their combine
+    assert replay.by_length[next(iter(replay.by_length))].scratch_bytes  # several slices
     planned = []
     plan = route.plan
     monkeypatch.setattr(route, "plan", lambda *a, **kw: planned.append(a) or plan(*a, **kw))
@@ -327,8 +328,27 @@ def test_a_cache_growing_by_a_key_per_call_replays_without_planning(host_build, 
         assert torch.equal(got, _fresh(lambda: fn(q, k, v)))
 
 
+def test_a_followed_length_is_kept_for_the_next_layer(host_build, monkeypatch):
+    """The replay a new length derives (replay.relength) is kept under that call's key: the next call
+    of the same length (the next layer of a decode step, its own cache of the same shape) replays
+    it as it is, and gives the full path's result."""
+    monkeypatch.setattr(replay, "cache", {})
+    monkeypatch.setattr(replay, "by_length", {})
+    q, kv = _growing(1, [1990, 1991], token_major=True)
+    _, (k2, v2) = _growing(2, [1990, 1991], token_major=True)[1]  # another layer's cache, same shapes
+    rdnattention.flash_attn_func(q, *kv[0])
+    derived = []
+    relength = replay.relength
+    monkeypatch.setattr(replay, "relength", lambda *a: derived.append(a[1]) or relength(*a))
+    first = rdnattention.flash_attn_func(q, *kv[1])
+    second = rdnattention.flash_attn_func(q, k2, v2)
+    assert derived == [1991]  # once for the length, not per layer
+    assert torch.equal(first, _fresh(lambda: rdnattention.flash_attn_func(q, *kv[1])))
+    assert torch.equal(second, _fresh(lambda: rdnattention.flash_attn_func(q, k2, v2)))
+
+
 def test_a_length_that_changes_the_launches_is_planned_again(host_build, monkeypatch):
-    """One key slice (no combine, no scratch) at a short cache, several at a long one: a replay kept
+    """One key slice (no scratch) at a short cache, several at a long one: a replay kept
     for one is not followed for the other; the call is planned, and kept in turn."""
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "by_length", {})

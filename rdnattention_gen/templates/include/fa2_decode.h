@@ -12,10 +12,12 @@
 // loads a step ahead cost sm_90's one-row kernels spills).
 // The NG = NT/L lane groups take keys round robin, T of them per step (BC = NG * T keys per
 // workgroup step), and each keeps its own online softmax over the keys it saw; at the end the
-// groups of a wave merge by shuffles and the waves meet once, in LDS. With one slice the workgroup writes the output; with several it writes
-// a normalised fp32 partial output and its log2-domain LSE per row and slice, which the combine
-// kernel (fa2_combine.h) merges. The score transforms (softcap, ALiBi) apply to each score as
-// the prefill's do; a sink joins each row once: where the row is written, or in the combine.
+// groups of a wave merge by shuffles and the waves meet once, in LDS. With one slice the workgroup
+// writes the output; with several it writes a normalised fp32 partial output and its log2-domain
+// LSE per row and slice, and the last slice of its row chunk to finish merges them into the
+// output (a count per chunk in ``counters``): one launch either way. The score transforms
+// (softcap, ALiBi) apply to each score as the prefill's do; a sink joins each row once, where the
+// row is written.
 //
 // The K/V source covers three layouts: strided [batch, keys, heads, dim] tensors (cache rows picked
 // by cache_batch_idx where given), packed variable-length batches (cu_seqlens_k) and a paged cache
@@ -122,7 +124,7 @@ struct DecodeBF16 : DecodeF16<P> {
   }
 };
 
-// Merging partial results of one row (the decode kernel's waves, the combine's lane groups): n
+// Merging partial results of one row (the decode kernel's waves, the merge's thread groups): n
 // (maximum, sum) pairs at stat[0], stat[step], ... (log2 domain; maximum -inf: no key, sum 0) and
 // their values at vals[0], vals[vstep], ..., each against its own maximum. acc receives the values
 // against the common maximum, ``ref``; the merged sum is returned. A NaN sum stays NaN.
@@ -186,7 +188,7 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   const long long q0 = qs.first;
   const int sq = qs.count;
   const int rows = group * sq;
-  if (r0 >= rows) return;  // a short sequence of a packed batch: no row here (the combine skips them too)
+  if (r0 >= rows) return;  // a short sequence of a packed batch: no row here, in any slice (none counts)
   // A paged cache is addressed through the block table alone (no packed keys, no batch indices).
   const bool packed_keys = E::LAYOUTS && !PAGED && a.cu_seqlens_k;
   const Fa2Span keys = packed_keys ? fa2_packed_span(a.cu_seqlens_k, b, a.total_k) : Fa2Span{0, a.seq_k};
@@ -393,7 +395,7 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
     float sum = fa2_merge_partials(ml + 2 * i, 2 * R, ol + i * D + c0, R * D, NW, acc, ref);
 #pragma unroll
     for (int c = 0; c < CPL; ++c) acc[c] *= scales.value(c0 + c);
-    // Unsplit, the row's sink joins here; split, in the combine (fa2_combine.h), once.
+    // Unsplit, the row's sink joins here; split, where the slices are merged (below), once.
     if (!a.part_o && xf.sinks()) fa2_join_sink(xf.sink(head), sum, ref, acc);
     if (a.part_o) {  // one slice of several: the normalised partial row and its log2-domain LSE
       const long long row = ((split * a.batch + b) * a.heads_q + head) * (long long)a.seq_q + p;
@@ -406,4 +408,68 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
       fa2_store_final_row<CPL, E::BF16>(a, b, head, q0 + p, c0, acc, sum, ref);
     }
   }
+  if (!a.part_o) return;
+
+  // Split: the last slice of this (row chunk, K/V head, batch) to finish merges every slice's
+  // partial rows into the output. Each workgroup counts itself in counters[chunk, K/V head,
+  // batch] once its partial rows are visible to the device; the one that counts last (it sees
+  // splits - 1) resets the count to 0 for the next launch and merges. Its threads form GM groups of
+  // R * LD (row, 16-byte column) items; group g merges slices g, g + GM, ... against its own
+  // running maximum, several slices' loads in flight at once, and the groups meet in LDS as the
+  // waves did above (GM <= NW, so the same regions hold them).
+  rdna_fence_release();  // this thread's partial rows, visible to every workgroup
+  rdna_block_sync();     // every thread's
+  // The fields only the merge reads, read again here (RDNA_ARGS_AGAIN), so that they are not held in
+  // scalar registers across the key loop: GCN's tightest tiles spilled scalar registers otherwise.
+  RDNA_ARGS_AGAIN(Args, ap, a);
+  unsigned* const last_flag = reinterpret_cast<unsigned*>(lds);
+  if (tid == 0) {
+    unsigned* const count = ap->counters + (b * ap->heads_kv + head_kv) * chunks + r0 / R;
+    const unsigned last = rdna_atomic_add(count, 1u) == (unsigned)ap->splits - 1u;
+    if (last) *count = 0u;  // every slice has counted
+    *last_flag = last;
+  }
+  rdna_block_sync();
+  if (!*last_flag) return;
+  rdna_fence_acquire();  // the other slices' partial rows
+  constexpr int ITEMS = R * LD;
+  constexpr int GM = ITEMS >= NT ? 1 : rdna_min(NT / ITEMS, NW);
+  const int g = tid / ITEMS, item = tid % ITEMS, i = item / LD, c0 = item % LD * CPL;
+  const bool merges = g < GM && i < live;
+  const long long total = (long long)ap->batch * ap->heads_q * ap->seq_q;
+  const int r = r0 + rdna_min(i, live - 1), head = head_kv * group + r / sq, p = r % sq;
+  const long long row = (b * ap->heads_q + head) * (long long)ap->seq_q + p;
+  float mx = -__builtin_inff(), sum = 0.f, acc[CPL];
+#pragma unroll
+  for (int c = 0; c < CPL; ++c) acc[c] = 0.f;
+  // Slices that saw no key (LSE -inf) weigh nothing; a NaN LSE makes the row NaN.
+#pragma unroll 4
+  for (int s = g; merges && s < ap->splits; s += GM) {
+    const float lse = ap->part_lse[s * total + row];
+    float part[CPL];
+    __builtin_memcpy(part, __builtin_assume_aligned(ap->part_o + (s * total + row) * D + c0, 16), sizeof(part));
+    const float m_new = rdna_fmax(mx, lse);
+    const float ref = m_new == -__builtin_inff() ? 0.f : m_new;
+    const float keep = rdna_exp2(mx - ref), w = rdna_exp2(lse - ref);
+    mx = m_new;
+    sum = sum * keep + w;
+#pragma unroll
+    for (int c = 0; c < CPL; ++c) acc[c] = rdna_fma(part[c], w, acc[c] * keep);
+  }
+  if (GM > 1) {  // the groups meet: values [GM][R][D], then (maximum, sum) [GM][R]
+    rdna_block_sync();  // the flag read
+    if (merges) {
+      __builtin_memcpy(__builtin_assume_aligned(ol + (g * R + i) * D + c0, 16), acc, sizeof(acc));
+      if (c0 == 0) ml[2 * (g * R + i)] = mx, ml[2 * (g * R + i) + 1] = sum;
+    }
+    rdna_block_sync();
+    if (g != 0 || !merges) return;
+    float ref;
+    sum = fa2_merge_partials(ml + 2 * i, 2 * R, ol + i * D + c0, R * D, GM, acc, ref);
+    mx = ref;
+  }
+  if (!merges) return;
+  float ref = mx == -__builtin_inff() ? 0.f : mx;
+  if (xf.sinks()) fa2_join_sink(xf.sink(head), sum, ref, acc);  // the row's sink, once
+  fa2_store_final_row<CPL, E::BF16>(a, b, head, q0 + p, c0, acc, sum, ref);
 }
