@@ -92,7 +92,7 @@ class Plan:
         """Runs the launches (again and again, for timing), on the plan's own scratch."""
         from . import drivers
 
-        if self.scratch_bytes and self.launches and not self.launches[-1].args.part_o:
+        if self.scratch_bytes and self.launches and not self.launches[0].args.part_o:
             from . import workspace
             scratch = workspace.allocate(self.scratch_bytes, self.device)
             counters = workspace.allocate_counters(self.counters, self.device)

@@ -33,6 +33,25 @@ RDNA_DEVICE void rdna_block_sync() {
   __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
 }
 
+// Between workgroups (the split-KV slices' merge): a release fence makes this thread's writes
+// visible to the whole device before a later atomic; an acquire fence after one makes the other
+// workgroups' released writes visible to this thread's reads (invalidating its caches' stale lines).
+RDNA_DEVICE void rdna_fence_release() { __builtin_amdgcn_fence(__ATOMIC_RELEASE, "agent"); }
+RDNA_DEVICE void rdna_fence_acquire() { __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "agent"); }
+RDNA_DEVICE unsigned rdna_atomic_add(unsigned* p, unsigned v) {
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+
+// `name`: a pointer to the kernel's argument struct `args` (of type `type`, the kernel's only
+// parameter, at offset 0 of the kernarg segment) that the compiler cannot see through, so that
+// the fields read through it are loaded where they are read, never earlier: scalar loads after a
+// long loop rather than scalar registers held across it.
+#define RDNA_ARGS_AGAIN(type, name, args)                                                      \
+  auto name##_segment = __builtin_amdgcn_kernarg_segment_ptr();                                \
+  asm volatile("" : "+s"(name##_segment));                                                     \
+  const __attribute__((address_space(4))) type* const name =                                  \
+      (const __attribute__((address_space(4))) type*)(name##_segment)
+
 RDNA_DEVICE float rdna_shfl_xor(float v, int mask) {
   const int lane = rdna_thread_id() & (RDNA_WAVE_SIZE - 1);
   return __builtin_bit_cast(float, __builtin_amdgcn_ds_bpermute((lane ^ mask) << 2, __builtin_bit_cast(int, v)));

@@ -33,6 +33,12 @@ RDNA_DEVICE int rdna_block_id_x() { return rdna_host::block_id(0); }
 RDNA_DEVICE int rdna_block_id_y() { return rdna_host::block_id(1); }
 RDNA_DEVICE int rdna_block_id_z() { return rdna_host::block_id(2); }
 RDNA_DEVICE void rdna_block_sync() { rdna_host::block_sync(); }
+// Between workgroups (the split-KV slices' merge; workgroups run on several threads at once).
+RDNA_DEVICE void rdna_fence_release() { __atomic_thread_fence(__ATOMIC_RELEASE); }
+RDNA_DEVICE void rdna_fence_acquire() { __atomic_thread_fence(__ATOMIC_ACQUIRE); }
+RDNA_DEVICE unsigned rdna_atomic_add(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+// The kernel's argument struct where the AMD prelude reads it again (there, scalar registers): here `args` itself.
+#define RDNA_ARGS_AGAIN(type, name, args) const type* const name = &(args)
 RDNA_DEVICE float rdna_shfl_xor(float v, int mask) { return rdna_host::shfl_xor(v, mask); }
 RDNA_DEVICE float rdna_exp2(float x) { return std::exp2(x); }
 RDNA_DEVICE float rdna_exp2_flush(float x) { return std::exp2(x); }  // exp2 where a result below 2^-126 may be 0

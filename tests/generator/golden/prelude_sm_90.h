@@ -33,6 +33,16 @@ RDNA_DEVICE int rdna_block_id_y() { return __nvvm_read_ptx_sreg_ctaid_y(); }
 RDNA_DEVICE int rdna_block_id_z() { return __nvvm_read_ptx_sreg_ctaid_z(); }
 RDNA_DEVICE void rdna_block_sync() { __nvvm_barrier_sync(0); }
 
+// Between blocks (the split-KV slices' merge): fences at the scope of the GPU around a relaxed
+// atomic, as __threadfence() is.
+RDNA_DEVICE void rdna_fence_release() { __nvvm_membar_gl(); }
+RDNA_DEVICE void rdna_fence_acquire() { __nvvm_membar_gl(); }
+RDNA_DEVICE unsigned rdna_atomic_add(unsigned* p, unsigned v) {
+  return (unsigned)__nvvm_atom_add_gen_i(reinterpret_cast<int*>(p), (int)v);
+}
+// The kernel's argument struct where the AMD prelude reads it again (there, scalar registers): here `args` itself.
+#define RDNA_ARGS_AGAIN(type, name, args) const type* const name = &(args)
+
 RDNA_DEVICE float rdna_shfl_xor(float v, int mask) {
   return __nvvm_shfl_sync_bfly_f32(0xffffffffu, v, mask, 0x1f);
 }
