@@ -292,7 +292,7 @@ def test_tune_builds_ranks_and_refuses_measuring_without_the_gpu(tmp_path):
                           (["--head-dims", "64,x"], "--head-dims: '64,x' is not a comma list of integers"),
                           (["--head-dims", "84"], "f16 is not built for head_dim [84]"),
                           (["--family", "f17"], "no kernel family 'f17'"),
-                          (["--family", "append", "--measure"], "append has no tile space to tune")):
+                          (["--family", "bwd", "--measure"], "bwd has no tile space to tune")):
         bad = subprocess.run(cli[:5] + ["gfx1030"] + args + ["--build-dir", str(tmp_path / "bad")],
                              capture_output=True, text=True, cwd=REPO_ROOT)
         assert bad.returncode == 2 and f"rdnattention-gen: error: {message}" in bad.stderr, bad.stderr

@@ -347,8 +347,8 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
     plan.run()
     ran = [d.kernel for d in gpu.dispatches[start:]]
     assert ran == [name]
-    if spec.family == "dec":
-        assert plan.launches[0].args.splits == 3
+    if spec.family == "dec":  # three slices asked for, as many as whole steps of the keys give: at least two
+        assert plan.launches[0].args.splits == dec.slices(call["seq_k"], spec.tile.bc, 3) > 1
     if spec.family.startswith("i8"):
         assert _rel_rms(plan.outputs[0], ref) <= INT8_REL_RMS
     else:
