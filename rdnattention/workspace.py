@@ -23,6 +23,7 @@ one stream's workspace to launches on another (``scratch`` always takes the curr
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -59,27 +60,21 @@ def scratch(device: torch.device, nbytes: int, count: int) -> tuple[torch.Tensor
         held = getattr(_host, "buffers", None)
         if held is None:
             held = _host.buffers = [None, None]
+        index = None
     elif torch.cuda.is_current_stream_capturing():
         return allocate(nbytes, device), allocate_counters(count, device)
     else:
         index = current_device() if device.index is None else device.index
-        key = (index, current_stream_handle(index))
-        held = _gpu.get(key)
-        if held is None:
-            held = _gpu[key] = [None, None]
-        if (held[0] is None or held[0].numel() < nbytes) or (held[1] is None or held[1].numel() < count):
-            with torch.cuda.device(index):
-                return _grow(held, nbytes, count, torch.device("cuda", index))
-    return _grow(held, nbytes, count, device)
-
-
-def _grow(held: list, nbytes: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``held`` (a stream's or thread's [scratch, counters]), each replaced where it is smaller than asked."""
-    if held[0] is None or held[0].numel() < nbytes:
-        held[0] = allocate(nbytes, device)
-    if held[1] is None or held[1].numel() < count:
-        held[1] = allocate_counters(count, device)
-    return held[0], held[1]
+        held = _gpu.setdefault((index, current_stream_handle(index)), [None, None])
+    buffer, counters = held
+    if buffer is None or buffer.numel() < nbytes or counters is None or counters.numel() < count:
+        with contextlib.nullcontext() if index is None else torch.cuda.device(index):  # on the stream's device
+            where = device if index is None else torch.device("cuda", index)
+            if buffer is None or buffer.numel() < nbytes:
+                buffer = held[0] = allocate(nbytes, where)
+            if counters is None or counters.numel() < count:
+                counters = held[1] = allocate_counters(count, where)
+    return buffer, counters
 
 
 def release() -> None:
