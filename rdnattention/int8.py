@@ -40,32 +40,33 @@ def _scale(amax: torch.Tensor) -> torch.Tensor:
     """The scale of each amax: amax / 127, at least float32's smallest normal number (values so tiny
     quantize to 0 rather than to a zero or subnormal scale, which the kernels refuse or flush), and
     1 for an all-zero vector."""
-    return torch.where(amax > 0, (amax / _LEVELS).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
+    return torch.where(amax > 0, (amax / _LEVELS).clamp_min_(torch.finfo(torch.float32).tiny), 1.0)
+
+
+def _quantize(name: str, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x quantized symmetrically along every vector of dimension ``dim`` (one scale per position of
+    the others): nine tensor operations, none of which copies x to float32 first (the amax reads x
+    as it is, the division promotes)."""
+    x = _check_float(name, x).detach()
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=dim, dtype=torch.float32)  # max |x|, exact
+    if checks.reads(x) and not torch.isfinite(amax).all():
+        raise InvalidArgumentError(f"{name} holds a NaN or an infinity; it cannot be quantized")
+    scale = _scale(amax)
+    q = torch.div(x, scale.unsqueeze(dim)).round_().clamp_(-_LEVELS, _LEVELS).to(torch.int8)
+    return q, scale
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 quantization of each token's head_dim vector: (int8 [b, h, s, d], fp32 scale
     [b, h, s]) with x ~= x_i8 * scale[..., None]. An all-zero token gets scale 1; scales are never
     below float32's smallest normal number."""
-    x = _check_float("x", x)
-    amax = x.detach().float().abs().amax(dim=-1)
-    if checks.reads(x) and not torch.isfinite(amax).all():
-        raise InvalidArgumentError("x holds a NaN or an infinity; it cannot be quantized")
-    scale = _scale(amax)
-    q = torch.round(x.detach().float() / scale[..., None]).clamp_(-_LEVELS, _LEVELS).to(torch.int8)
-    return q, scale.contiguous()
+    return _quantize("x", x, -1)
 
 
 def quantize_per_channel(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 quantization of each channel over the sequence: (int8 [b, h, s, d], fp32 scale
     [b, h, d]) with v ~= v_i8 * scale[:, :, None, :]. An all-zero channel gets scale 1."""
-    v = _check_float("v", v)
-    amax = v.detach().float().abs().amax(dim=2)
-    if checks.reads(v) and not torch.isfinite(amax).all():
-        raise InvalidArgumentError("v holds a NaN or an infinity; it cannot be quantized")
-    scale = _scale(amax)
-    q = torch.round(v.detach().float() / scale[:, :, None, :]).clamp_(-_LEVELS, _LEVELS).to(torch.int8)
-    return q, scale.contiguous()
+    return _quantize("v", v, 2)
 
 
 def _check_int8(name: str, t: object) -> torch.Tensor:

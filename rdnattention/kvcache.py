@@ -248,7 +248,10 @@ def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqle
               interleaved: bool, num_splits: int, return_lse: bool,
               score: ScoreOptions) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A call whose key was planned before (validated then: the key holds all validation read),
-    run by _run on that plan; None where its memory needs the full path."""
+    run on that plan: its memory and index values checked as _run checks them, its outputs
+    allocated, and the launches (the append kernel's among them) replayed; a call that appends with
+    torch operations (no append kernel built) runs _run's general path. None where its memory
+    needs the full path."""
     window_left, window_right, softmax_scale, local, cache_len, _ = r.extra
     new = 0 if k is None else k.shape[1]
     if cache_seqlens is None:
@@ -259,8 +262,48 @@ def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqle
         lengths = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     else:
         lengths = cache_seqlens
-    return _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left, window_right,
-                softmax_scale, interleaved, local, return_lse, num_splits, replayed=r, score=score)
+    kernel = k is not None and r.extra[5]
+    if k is not None and not kernel:  # the append as torch operations: _run's general path
+        return _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left,
+                    window_right, softmax_scale, interleaved, local, return_lse, num_splits, replayed=r, score=score)
+    # _run's steps that read more than the key holds (its shape checks passed when the key was planned)
+    tensors = (q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, *score.tensors)
+    if not replay.memory_ok(tensors, r.reach, 3):
+        return None
+    batch = q.shape[0]
+    if checks.reads(lengths):
+        paged = block_table is not None
+        check_values(lengths, new, cache_len, k_cache.shape[0], cache_batch_idx, block_table,
+                     k_cache.shape[0] if paged else 0, cos.shape[0] if cos is not None else None,
+                     max(new, q.shape[1] if local else min(q.shape[1], 1)), None)
+    if score.alibi_slopes is not None or score.sinks is not None:
+        values = checks.Values()
+        for name, t in (("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
+            values.finite(name, t)
+        values.check()
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [batch, seq_q, heads, head_dim]
+    pointers = {"q": q.data_ptr(), "k": k_cache.data_ptr(), "v": v_cache.data_ptr(), "o": out.data_ptr()}
+    lse = None
+    if return_lse:
+        lse = q.new_empty((batch, q.shape[2], q.shape[1]), dtype=torch.float32)
+        pointers["lse"] = lse.data_ptr()
+    if kernel:
+        _count(q.device, True)
+        used = q.new_empty((batch,), dtype=torch.int32)  # written by the append
+        pointers.update(k_new=k.data_ptr(), v_new=v.data_ptr(), cache_seqlens=lengths.data_ptr())
+        if cos is not None:  # the append writes the rotated queries the attention reads
+            q_in = torch.empty_like(q)
+            pointers.update(q=q_in.data_ptr(), q_src=q.data_ptr(), rotary_cos=cos.data_ptr(),
+                            rotary_sin=sin.data_ptr())
+    else:
+        used = lengths
+    pointers["seqused_k"] = used.data_ptr()
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("block_table", block_table),
+                    ("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
+        if t is not None:
+            pointers[name] = t.data_ptr()
+    replay.launch(r, pointers, q.device)
+    return out, lse
 
 
 def _traced(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left: int,

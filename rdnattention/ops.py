@@ -77,45 +77,57 @@ ROLES = frozenset({"q", "k", "v", "o", "lse", "seqused_k", "rotary_cos", "rotary
 
 def key(q, k, v, *, is_causal, window_size, softmax_scale, return_lse, token_major: bool, rotary_cos=None,
         rotary_sin=None, rotary_interleaved=False, seqused_k=None, softcap=0.0, alibi_slopes=None,
-        sinks=None) -> tuple | None:
+        sinks=None, views: bool = False) -> tuple | None:
     """The replay key of a flash_attn-like call (replay.key), or None where its options are not of
-    the types validation accepts (the full path refuses them): q, k, v in the kernel's view. The
+    the types validation accepts (the full path refuses them): q, k, v as the entry point takes
+    them, token-major where ``token_major`` (the output's layout) unless ``views`` (they are the
+    kernel's [batch, heads, seq, head_dim] views, the output token-major all the same). The
     softcap is in it with its type (its value is in the planned arguments), the slopes and sinks
     by their shapes, strides, dtypes and devices, as every tensor."""
     if (type(is_causal) is not bool or type(return_lse) is not bool or type(rotary_interleaved) is not bool
             or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
             or type(window_size[1]) is not int or type(q) is not torch.Tensor):
         return None
+    layout = VIEWS_TOKEN_MAJOR if views and token_major else token_major
     return replay.key("flash_attn", q.device, (q, k, v, rotary_cos, rotary_sin, seqused_k, alibi_slopes, sinks),
-                      (is_causal, window_size, type(softmax_scale), softmax_scale, return_lse, token_major,
+                      (is_causal, window_size, type(softmax_scale), softmax_scale, return_lse, layout,
                        rotary_interleaved, type(softcap), softcap))
 
 
-def length_free(key: tuple | None, token_major: bool) -> tuple | None:
+# key()'s layout of a call whose tensors are the kernel's views and whose output is token-major
+# (transformers' attention function: its query, key and value are [batch, heads, seq, head_dim]
+# and it returns [batch, seq, heads, head_dim]).
+VIEWS_TOKEN_MAJOR = "views, token-major output"
+
+
+def length_free(key: tuple | None) -> tuple | None:
     """The key (of :func:`key`) of the calls whose plan follows this one's keys' length
     (replay.length_free: K and V at their places among the tensors, their length along the
-    sequence dimension of the layout given), or None where validation reads that length: RoPE
+    sequence dimension of the key's layout), or None where validation reads that length: RoPE
     tables (their positions must cover the keys) and a window with a finite left extent (clamped to
     the keys' length: options.validate)."""
     if key is None or key[1][1][0] >= 0 or key[5] is not None or key[6] is not None:
         return None
-    return replay.length_free(key, (1, 2), 1 if token_major else 2)
+    return replay.length_free(key, (1, 2), 1 if key[1][5] is True else 2)
 
 
 def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool, rotary_cos=None, rotary_sin=None,
-             seqused_k=None, alibi_slopes=None, sinks=None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+             seqused_k=None, alibi_slopes=None, sinks=None,
+             views: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The outputs of a call whose key was planned before, replayed, in the caller's layout (q, k,
-    v as the key saw them: token-major ones [batch, seq, heads, head_dim]); None where it was not,
-    or where its memory needs the full path (which raises the error)."""
+    v as the key saw them: token-major ones [batch, seq, heads, head_dim], unless ``views``);
+    None where it was not, or where its memory needs the full path (which raises the error). The
+    output is [batch, seq, heads, head_dim] where ``token_major``."""
     if key is None:
         return None
     r = replay.cache.get(key)
+    tokens_in = token_major and not views
     if r is None:  # a call that differs from a kept one in the keys' length alone follows its replay
-        r = replay.by_length.get(length_free(key, token_major))
+        r = replay.by_length.get(length_free(key))
         if r is None:
             return None
         ks, vs = k.stride(), v.stride()
-        seq_k, order = (k.shape[1], (0, 2, 1)) if token_major else (k.shape[2], (0, 1, 2))
+        seq_k, order = (k.shape[1], (0, 2, 1)) if tokens_in else (k.shape[2], (0, 1, 2))
         reach = (r.reach[0], (checks.reach(k), r.reach[1][1]), (checks.reach(v), r.reach[2][1]), *r.reach[3:])
         r = replay.relength(r, seq_k, tuple(ks[i] for i in order), tuple(vs[i] for i in order), reach)
         if r is None:
@@ -130,9 +142,13 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
         for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
             values.finite(name, t)  # where read (checks.reads), as the full path
         values.check()
-    if token_major:
+    if tokens_in:
         batch, seq, heads, _ = q.shape
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = q.new_empty((batch, heads, seq), dtype=torch.float32) if return_lse else None
+    elif token_major:
+        batch, heads, seq, _ = q.shape
+        out = torch.empty_like(q.transpose(1, 2), memory_format=torch.contiguous_format)
         lse = q.new_empty((batch, heads, seq), dtype=torch.float32) if return_lse else None
     else:
         out, lse = allocate(q, False, return_lse, empty_lse=False)
@@ -171,7 +187,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token
                               o.score.alibi_slopes, o.score.sinks)
     p = plan(q, k, v, o, token_major)
     replay.run(p, key, (q, k, v, o.rotary_cos, o.rotary_sin, o.seqused_k, *o.score.tensors), ROLES,
-               free=length_free(key, token_major))
+               free=length_free(key))
     return p.outputs
 
 

@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from .. import api, checks, ops, options, route
+from .. import api, checks, ops, options, padding, route
 from ..errors import InvalidArgumentError, KernelsNotBuiltError, UnsupportedError
 
 NAME = "rdnattention"
@@ -417,16 +417,29 @@ def _(query, key, value, mask, causal, scale, left=-1, softcap=0.0, sinks=None):
 
 def _unmasked(query, key, value, causal: bool, scale: float, softcap: float, sinks) -> torch.Tensor:
     """A call without a mask with sdpa's semantics (causal top-left, as api.scaled_dot_product_attention
-    maps it onto flash-attn's windows), as [batch, seq_q, heads, head_dim]: flash_attn_func on the
-    token-major views of query, key and value writes that layout itself, so nothing is copied after."""
+    maps it onto flash-attn's windows), as [batch, seq_q, heads, head_dim]: flash_attn_func's
+    forward on query, key and value as they are (the kernel's views), its output token-major, so
+    nothing is copied after. Replayed under its own key (ops.key with ``views``), so a call
+    transposes nothing; the first of a geometry is validated and planned as flash_attn_func's, and
+    one whose rows need copies (padding.py) runs flash_attn_func itself."""
     seq_q, seq_k = query.shape[2], key.shape[2]
     window = (-1, -1)
     if causal and seq_k > seq_q:  # no query sees a key at or past seq_q
         key, value, window = key[:, :, :seq_q], value[:, :, :seq_q], (-1, 0)
     elif causal:
         window = (-1, seq_q - seq_k)
-    return api.flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scale,
-                               window_size=window, softcap=softcap, sinks=sinks)
+    plan_key = ops.key(query, key, value, is_causal=False, window_size=window, softmax_scale=scale, return_lse=False,
+                       token_major=True, softcap=softcap, sinks=sinks, views=True)
+    hit = ops.replayed(plan_key, query, key, value, return_lse=False, token_major=True, sinks=sinks, views=True)
+    if hit is not None:
+        return hit[0]
+    if padding.needed(query, key, value):
+        return api.flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                   softmax_scale=scale, window_size=window, softcap=softcap, sinks=sinks)
+    o = options.validate(query, key, value, is_causal=False, window_size=window, softmax_scale=scale, rotary_cos=None,
+                         rotary_sin=None, rotary_interleaved=False, return_lse=False, softcap=softcap, sinks=sinks)
+    out, _ = ops.forward(query, key, value, o, token_major=True, key=plan_key)
+    return out.transpose(1, 2)
 
 
 def _padded(query, key, value, runs, causal: bool, scale: float, left: int = -1, softcap: float = 0.0,
