@@ -221,6 +221,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                       **kwargs):
     """transformers' attention interface: query [batch, heads, seq_q, head_dim], key and value
     [batch, heads_kv, seq_k, head_dim]; returns ([batch, seq_q, heads, head_dim], None)."""
+    if attention_mask is None:
+        out = _replayed(module, query, key, value, dropout, scaling, is_causal, kwargs)
+        if out is not None:
+            _count_served()
+            return out, None
     query, key, value = _autocast(query, key, value)
     reason = _unsupported(module, query, key, value, dropout, kwargs)
     if reason:
@@ -415,13 +420,37 @@ def _(query, key, value, mask, causal, scale, left=-1, softcap=0.0, sinks=None):
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
 
 
-def _unmasked(query, key, value, causal: bool, scale: float, softcap: float, sinks) -> torch.Tensor:
+def _replayed(module, query, key, value, dropout, scaling, is_causal, kwargs: dict) -> torch.Tensor | None:
+    """An eager call without a mask whose geometry was served before, replayed before any of
+    attention_forward's checks (None where it was not, or where a check would read more than the
+    replay key holds). The key (_unmasked's) holds the tensors' shapes, strides, dtypes and devices
+    and the options, and only calls that passed every check are kept under it; what it does not
+    hold is checked here: autocast, dropout while training, and the keyword arguments that make a
+    call fall back or take another path (sinks, a sliding window, position biases, attention
+    outputs). Gradients, tracing and tensor subclasses give no key."""
+    if (kwargs.get("s_aux") is not None or kwargs.get("sliding_window") is not None
+            or kwargs.get("position_bias") is not None or kwargs.get("output_attentions")
+            or (dropout and module.training) or type(query) is not torch.Tensor
+            or torch.is_autocast_enabled(query.device.type)):
+        return None
+    softcap = kwargs.get("softcap")
+    if softcap is not None and type(softcap) is not float and type(softcap) is not int:
+        return None  # _unsupported checks it
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    return _unmasked(query, key, value, causal and query.shape[2] > 1, scale, float(softcap or 0.0), None,
+                     replay_only=True)
+
+
+def _unmasked(query, key, value, causal: bool, scale: float, softcap: float, sinks,
+              replay_only: bool = False) -> torch.Tensor | None:
     """A call without a mask with sdpa's semantics (causal top-left, as api.scaled_dot_product_attention
     maps it onto flash-attn's windows), as [batch, seq_q, heads, head_dim]: flash_attn_func's
     forward on query, key and value as they are (the kernel's views), its output token-major, so
     nothing is copied after. Replayed under its own key (ops.key with ``views``), so a call
     transposes nothing; the first of a geometry is validated and planned as flash_attn_func's, and
-    one whose rows need copies (padding.py) runs flash_attn_func itself."""
+    one whose rows need copies (padding.py) runs flash_attn_func itself. ``replay_only``: None
+    instead of the first."""
     seq_q, seq_k = query.shape[2], key.shape[2]
     window = (-1, -1)
     if causal and seq_k > seq_q:  # no query sees a key at or past seq_q
@@ -431,8 +460,8 @@ def _unmasked(query, key, value, causal: bool, scale: float, softcap: float, sin
     plan_key = ops.key(query, key, value, is_causal=False, window_size=window, softmax_scale=scale, return_lse=False,
                        token_major=True, softcap=softcap, sinks=sinks, views=True)
     hit = ops.replayed(plan_key, query, key, value, return_lse=False, token_major=True, sinks=sinks, views=True)
-    if hit is not None:
-        return hit[0]
+    if hit is not None or replay_only:
+        return None if hit is None else hit[0]
     if padding.needed(query, key, value):
         return api.flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                    softmax_scale=scale, window_size=window, softcap=softcap, sinks=sinks)

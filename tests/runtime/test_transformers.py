@@ -363,3 +363,49 @@ def test_training_on_a_padded_batch_falls_back_with_its_reason(device):
             assert c["served"] == 0 and list(c["fallbacks"]) == [
                 "inputs that require grad with a padded batch (the backward pass takes no per-sequence lengths)"], c
     assert torch.equal(grads["rdnattention"], grads["sdpa"])
+
+
+def test_a_repeated_call_replays_and_what_its_key_does_not_hold_takes_the_full_path(host_build, monkeypatch):
+    """A second unmasked call of one geometry replays its plan before any of attention_forward's
+    checks, bit for bit the first's output; dropout while training, autocast, attention outputs,
+    sinks and a softcap of the wrong type still take the full path (a fallback, or the error sdpa
+    raises), exactly as the first call of the geometry does."""
+    from rdnattention import ops
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    module, q, k, v = _attention_inputs(seq=1)
+    k, v = (torch.randn(3, 2, 40, 64, generator=torch.Generator().manual_seed(s)).half() for s in (2, 3))
+    first = rt.attention_forward(module, q, k, v, None, scaling=0.125)[0]
+    planned = []
+
+    class Planned(Exception):
+        pass
+
+    def forward(*args, **kwargs):
+        planned.append(1)
+        raise Planned
+
+    monkeypatch.setattr(ops, "forward", forward)
+    before = rt.counts()["served"]
+    again = rt.attention_forward(module, q, k, v, None, scaling=0.125)[0]
+    assert torch.equal(again, first) and not planned and rt.counts()["served"] == before + 1
+    ref = sdpa_attention_forward(module, q, k, v, None, scaling=0.125)[0]
+    assert (first.float() - ref.float()).abs().max() <= TOL["atol"]
+
+    rt.counts(reset=True)
+    module.train()
+    with pytest.warns(RuntimeWarning, match="dropout 0.5 while training"):
+        rt.attention_forward(module, q, k, v, None, dropout=0.5, scaling=0.125)
+    module.eval()
+    with pytest.warns(RuntimeWarning, match="output_attentions"):
+        rt.attention_forward(module, q, k, v, None, scaling=0.125, output_attentions=True)
+    with pytest.warns(RuntimeWarning, match="softcap"):
+        rt.attention_forward(module, q, k, v, None, scaling=0.125, softcap="5")
+    assert set(rt.counts()["fallbacks"]) == {"dropout 0.5 while training: the kernels are inference only",
+                                             "output_attentions: the attention weights are never materialised",
+                                             *(r for r in rt.counts()["fallbacks"] if "softcap" in r)}
+    assert rt.counts()["served"] == 0 and not planned
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(Planned):  # sdpa's autocast rule: bf16, planned
+        rt.attention_forward(module, q.float(), k.float(), v.float(), None, scaling=0.125)
+    with torch.autocast("cpu", dtype=torch.float16):  # autocast's checks, then the same tensors: replayed
+        assert torch.equal(rt.attention_forward(module, q, k, v, None, scaling=0.125)[0], first)
+    assert planned == [1]
