@@ -150,8 +150,9 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
         batch, heads, seq, _ = q.shape
         out = torch.empty_like(q.transpose(1, 2), memory_format=torch.contiguous_format)
         lse = q.new_empty((batch, heads, seq), dtype=torch.float32) if return_lse else None
-    else:
-        out, lse = allocate(q, False, return_lse, empty_lse=False)
+    else:  # [batch, heads, seq, head_dim], contiguous (empty_like keeps a contiguous q's strides, and costs less so)
+        out = torch.empty_like(q) if q.is_contiguous() else torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = q.new_empty(q.shape[:3], dtype=torch.float32) if return_lse else None
     pointers = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": out.data_ptr()}
     if lse is not None:
         pointers["lse"] = lse.data_ptr()

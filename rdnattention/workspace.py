@@ -65,7 +65,10 @@ def scratch(device: torch.device, nbytes: int, count: int) -> tuple[torch.Tensor
         return allocate(nbytes, device), allocate_counters(count, device)
     else:
         index = current_device() if device.index is None else device.index
-        held = _gpu.setdefault((index, current_stream_handle(index)), [None, None])
+        stream = (index, current_stream_handle(index))
+        held = _gpu.get(stream)
+        if held is None:
+            held = _gpu[stream] = [None, None]
     buffer, counters = held
     if buffer is None or buffer.numel() < nbytes or counters is None or counters.numel() < count:
         with contextlib.nullcontext() if index is None else torch.cuda.device(index):  # on the stream's device
