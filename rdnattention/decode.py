@@ -179,10 +179,11 @@ def replayed(key: tuple | None, q, k, v, *, seqused_k=None, block_table=None, ca
         return None
     if check is not None and checks.reads(q):
         check()
-    values = checks.Values()
-    for name, t in (("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
-        values.finite(name, t)
-    values.check()
+    if score.alibi_slopes is not None or score.sinks is not None:
+        values = checks.Values()
+        for name, t in (("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
+            values.finite(name, t)
+        values.check()
     out, lse = allocate(q, return_lse, cu_seqlens_q is not None, empty_lse=False)
     pointers = {"o": out.data_ptr()}
     if lse is not None:
