@@ -45,10 +45,13 @@ def _scale(amax: torch.Tensor) -> torch.Tensor:
 
 def _quantize(name: str, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x quantized symmetrically along every vector of dimension ``dim`` (one scale per position of
-    the others): nine tensor operations, none of which copies x to float32 first (the amax reads x
-    as it is, the division promotes)."""
+    the others): nine tensor launches on a GPU, none of which copies x to float32 first (the amax
+    reads x as it is, the division promotes)."""
     x = _check_float(name, x).detach()
-    amax = torch.linalg.vector_norm(x, float("inf"), dim=dim, dtype=torch.float32)  # max |x|, exact
+    if x.is_cuda:  # max |x|, exact: one reduction launch on a GPU
+        amax = torch.linalg.vector_norm(x, float("inf"), dim=dim, dtype=torch.float32)
+    else:  # the CPU's inf-norm reduction is not vectorised (about 15x slower than these three)
+        amax = x.float().abs_().amax(dim)
     if checks.reads(x) and not torch.isfinite(amax).all():
         raise InvalidArgumentError(f"{name} holds a NaN or an infinity; it cannot be quantized")
     scale = _scale(amax)
