@@ -26,13 +26,14 @@ from .plan import Plan
 from .table import TargetTable, kind
 
 
-_by_device: dict[tuple, tuple[TargetTable, int]] = {}  # (device, target_token) -> (table, table_for's generation)
+# (device, drivers.environment_token()) -> (table, table_for's generation)
+_by_device: dict[tuple, tuple[TargetTable, int]] = {}
 
 
 def device_table(device: torch.device) -> TargetTable:
     """The dispatch table of the target whose kernels run tensors on ``device`` (kept per device
     and environment, until dispatch.table_for's cache is cleared)."""
-    key = (device, drivers.target_token(device))
+    key = (device, drivers.environment_token())
     hit = _by_device.get(key)
     generation = dispatch.table_for.generation
     if hit is not None and hit[1] == generation:

@@ -54,6 +54,30 @@ def env_token(name: str) -> object:
     return data.get(_encoded(name))
 
 
+_TARGET_VARIABLES = (TARGET_ENV, host.TARGET_ENV, "HSA_OVERRIDE_GFX_VERSION")
+
+
+def environment_token() -> tuple:
+    """Every environment variable that decides a device's target (target_of, whichever driver serves
+    it), as os.environ holds them, for cache keys: the drivers are fixed per device type for the
+    process, so this and the device decide the target. One read each, without function calls per
+    variable (route.device_table takes it on every call)."""
+    data = getattr(os.environ, "_data", None)
+    if data is None or not hasattr(os.environ, "encodekey"):
+        return tuple(os.environ.get(name) for name in _TARGET_VARIABLES)
+    a, b, c = _ENCODED_TARGET_VARIABLES or _encode_target_variables()
+    return data.get(a), data.get(b), data.get(c)
+
+
+_ENCODED_TARGET_VARIABLES: tuple = ()
+
+
+def _encode_target_variables() -> tuple:
+    global _ENCODED_TARGET_VARIABLES
+    _ENCODED_TARGET_VARIABLES = tuple(_encoded(name) for name in _TARGET_VARIABLES)
+    return _ENCODED_TARGET_VARIABLES
+
+
 def target_token(device: torch.device) -> tuple:
     """What decides ``device``'s target (target_of), for cache keys: its driver and the
     environment variables that driver reads."""
