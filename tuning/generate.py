@@ -4,6 +4,7 @@ GQA 32/8 (head_dim 128), DynamicCache, greedy decoding.
 
     python -m tuning.generate                      # batch 1 and 8, 16 layers
     python -m tuning.generate --layers 4 --new 32  # a quick look
+    python -m tuning.generate --calls              # host time per attention call inside generate()
 
 Three ways of running the same model, timed in turn round after round (A B C A B C ...), the
 median taken:
@@ -65,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="instead of the table: cProfile of one generate() of sdpa and of rdnattention at the first "
                         "batch size, the functions that differ most in time per generated token")
+    p.add_argument("--calls", action="store_true",
+                   help="instead of the table: the host time of each attention call inside generate() (the attention "
+                        "function timed as transformers calls it, rdnattention's and its sdpa attention), round after "
+                        "round, with each generate()'s wall time")
     p.add_argument("--device", default="cuda", help="cuda (default); cpu runs the host kernels (a smoke test of "
                                                      "this script, no figure to compare)")
     args = p.parse_args(argv)
@@ -84,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.cuda.get_device_name() if cuda else 'CPU'}; Llama-shaped, {args.layers} layers, hidden {args.hidden}, "
           f"heads 32/8, fp16, eager, DynamicCache, prompt {args.prompt}, {args.new} new tokens, greedy\n")
-    print("| batch | sdpa tokens/s | rdnattention tokens/s | ratio | served | equal leading tokens | "
-          "sdpa patched tokens/s | ratio | served | equal leading tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    if not args.calls:
+        print("| batch | sdpa tokens/s | rdnattention tokens/s | ratio | served | equal leading tokens | "
+              "sdpa patched tokens/s | ratio | served | equal leading tokens |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
     for batch in (int(b) for b in args.batch.split(",")):
         g = torch.Generator(device=args.device).manual_seed(batch)
         prompt = torch.randint(1, 32000, (batch, args.prompt), device=args.device, generator=g)
@@ -104,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
             with rdnattention.sdpa_patched(devices=args.device):
                 return _generate(model, prompt, args.new)
 
+        if args.calls:
+            _calls(model, prompt, args.new, args.rounds, batch, sync)
+            continue
         runs = {"sdpa": sdpa, "ours": ours, "patched": patched}
         outputs = {name: fn() for name, fn in runs.items()}  # warm-up: plans, kernels, allocator
         if args.profile:
@@ -139,6 +148,50 @@ def main(argv: list[str] | None = None) -> int:
                     f"{_leading_equal(outputs[name][:, args.prompt:], outputs['sdpa'][:, args.prompt:])} of {args.new}"]
         print("| " + " | ".join(row) + " |", flush=True)
     return 0
+
+
+def _calls(model, prompt: torch.Tensor, new: int, rounds: int, batch: int, sync) -> None:
+    """Per round, for rdnattention's attention function and transformers' sdpa attention, each
+    registered under a name of its own with a timer around it: the wall time of one generate() and
+    the mean host time of an attention call within it (the call's return, not its kernels' end)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    import rdnattention.integrations.transformers as rt
+
+    spent = {"rdnattention": [0.0, 0], "sdpa": [0.0, 0]}
+
+    def timed(name, fn):
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name][0] += time.perf_counter() - t0
+                spent[name][1] += 1
+        registered = f"timed_{name}"
+        AttentionInterface.register(registered, call)
+        AttentionMaskInterface.register(registered, sdpa_mask)
+        return registered
+
+    names = {"rdnattention": timed("rdnattention", rt.attention_forward), "sdpa": timed("sdpa", sdpa_attention_forward)}
+    for name, registered in names.items():  # warm-up
+        _use(model, registered)
+        _generate(model, prompt, new)
+    print(f"| batch | round | attention | generate() ms | attention calls | host us per call |\n|---|---|---|---|---|---|")
+    for r in range(rounds):
+        for name, registered in names.items():
+            spent[name] = [0.0, 0]
+            _use(model, registered)
+            sync()
+            t0 = time.perf_counter()
+            _generate(model, prompt, new)
+            sync()
+            total = time.perf_counter() - t0
+            seconds, calls = spent[name]
+            print(f"| {batch} | {r + 1} | {name} | {total * 1e3:.0f} | {calls} | {seconds / max(calls, 1) * 1e6:.1f} |",
+                  flush=True)
 
 
 def _profile(runs: dict, tokens: int, sync) -> None:
