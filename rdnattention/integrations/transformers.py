@@ -11,8 +11,9 @@ StaticCache), causal within them with the queries at the end of the keys, or ful
 broadcasts to [batch, heads, seq_q, seq_k] (batch 1, one head, fewer dimensions) is broadcast
 first, as sdpa does; one that does not raises InvalidArgumentError, as sdpa raises. Such calls run
 rdnattention's kernels (the split-KV kernels with per-sequence offsets and lengths); a call without
-a mask runs ``flash_attn_func`` on token-major views with torch's semantics (its output is the
-layout transformers wants, nothing copied). Both go through the custom op
+a mask runs ``flash_attn_func``'s forward on query, key and value as they are, with torch's
+semantics (its output is the layout transformers wants, nothing copied), and an eager one of a
+geometry served before replays its plan ahead of the checks (_replayed). Both go through the custom op
 ``rdnattention::padded_attention_fwd`` where torch compiles or traces, so compiled models call it
 whole; eager calls run its implementation directly. Anything else falls back
 to transformers' sdpa attention, with one warning per reason and every call counted in
