@@ -51,12 +51,12 @@ def _quantize(name: str, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch
     if x.is_cuda:  # max |x|, exact: one reduction launch on a GPU
         amax = torch.linalg.vector_norm(x, float("inf"), dim=dim, dtype=torch.float32)
     else:  # the CPU's inf-norm reduction is not vectorised (about 15x slower than these three)
-        amax = x.float().abs_().amax(dim)
+        amax = x.float().abs().amax(dim)  # not in place: float() of a float32 x is x itself
     if checks.reads(x) and not torch.isfinite(amax).all():
         raise InvalidArgumentError(f"{name} holds a NaN or an infinity; it cannot be quantized")
     scale = _scale(amax)
     q = torch.div(x, scale.unsqueeze(dim)).round_().clamp_(-_LEVELS, _LEVELS).to(torch.int8)
-    return q, scale
+    return q, scale.contiguous()  # the reduction keeps a strided x's dimension order
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

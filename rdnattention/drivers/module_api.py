@@ -60,7 +60,6 @@ class ModuleDriver:
     def __init__(self, api: ModuleApi, library: Callable[[], str]):
         self.api, self._library_path = api, library
         self._lib: ctypes.CDLL | None = None
-        self._launch = None  # the launch symbol of _lib
         self._lock = threading.Lock()
         self._modules: dict[tuple[Path, int], ctypes.c_void_p] = {}
         # Each module's code-object image, by the same key, for as long as the module: ROCr keeps a
@@ -96,7 +95,6 @@ class ModuleDriver:
             if a.set_attribute:
                 getattr(lib, a.set_attribute).argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
             self._lib = lib
-            self._launch = getattr(lib, a.launch)  # bound once: launch_function's one lookup
         return self._lib
 
     def error_text(self, rc: int) -> str:
@@ -177,7 +175,7 @@ class ModuleDriver:
         """Launches the kernel handle ``fn`` (``function``; ``name`` for messages) on torch's current
         stream of device ``index``, without synchronising."""
         params = _ONE_PARAM(ctypes.addressof(args))
-        launch = self._launch or getattr(self.library(), self.api.launch)
+        launch = getattr(self._lib, self.api.launch)
         if index == current_device():
             rc = launch(fn, *grid, threads, 1, 1, shared_bytes, current_stream_handle(index), params, None)
         else:  # the launch goes to the context of the tensors' device

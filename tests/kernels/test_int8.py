@@ -207,3 +207,12 @@ def test_mirrored_gpu_tiles_match_the_oracle(host_build, monkeypatch, target, na
         plan.run()
         ref = attention_reference(*_dequantized(qi, qs, ki, ks, vi, vs), **options)
         assert _rel_rms(plan.outputs[0], ref) <= KERNEL_REL_RMS, case
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_quantizers_leave_their_input_as_it_was(dtype):
+    x = torch.randn(1, 2, 8, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
+    before = x.clone()
+    quantize_per_token(x)
+    quantize_per_channel(x)
+    assert torch.equal(x, before)
