@@ -306,9 +306,10 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
     // The score transforms (a uniform branch) of the own row's visible scores.
     if (xf.enabled()) {
       const float slope = xf.slope(b, head_kv * group + own_r / sq);
+      const float dist0 = (float)(k0 + grp - mask.diag(own_pos));  // the key distances: dist0 plus a constant
 #pragma unroll
       for (int t = 0; t < T; ++t)
-        if (s[t] != -__builtin_inff()) s[t] = xf.apply(s[t], slope, k0 + t * NG + grp - mask.diag(own_pos));
+        if (s[t] != -__builtin_inff()) s[t] = xf.apply(s[t], slope, dist0 + (float)(t * NG));
     }
     // The own row's softmax step; every slot's rescale factor and probabilities come from the
     // lanes that own those rows. A maximum that did not grow rescales by exactly 1: skipped.

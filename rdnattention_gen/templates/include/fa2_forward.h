@@ -34,6 +34,37 @@
 // probabilities, added to the row's sums) and EXACT_LSE (the LSE comes from the unrounded sum).
 #pragma once
 
+// One row's softmax step over its TN scores s (transformed already; this thread's share of the row,
+// the other TCW lanes holding the rest): the row's maximum m, its sums l (as stored for P.V) and lx
+// (unrounded, with E::EXACT_LSE), its output row o rescaled, and its probabilities stored as packs by
+// key pack, p[j / PK][i]. Returns the rescale factor (integer products apply it as they are added).
+template <class E, int TN, int TD, int TCW, int TM, bool SKIP_UNMOVED, bool INT_ACC, class pack_t>
+RDNA_DEVICE float fa2_row_softmax(float (&s)[TN], float& m, float& l, float& lx, float (&o)[TD],
+                                  pack_t (&p)[TN / E::PACK][TM], int i) {
+  constexpr int PK = E::PACK;
+  float tile_max = -__builtin_inff();
+#pragma unroll
+  for (int j = 0; j < TN; ++j) tile_max = rdna_fmax(tile_max, s[j]);
+  for (int x = 1; x < TCW; x <<= 1) tile_max = rdna_fmax(tile_max, rdna_shfl_xor(tile_max, x));
+  float alpha;
+  const float m_ref = fa2_softmax_update<TD, SKIP_UNMOVED, INT_ACC>(m, l, o, tile_max, alpha);
+  if constexpr (E::EXACT_LSE) lx *= alpha;
+#pragma unroll
+  for (int j = 0; j < TN; j += PK) {
+    // The row sum adds the probabilities exactly as stored for P.V, so the weights sum to one.
+    // (The exponentials written out, not looped: a loop here costs the fp16 kernels registers.)
+    float e[PK];
+    e[0] = E::exp2(s[j] - m_ref);
+    e[1] = E::exp2(s[j + 1] - m_ref);
+    if constexpr (PK == 4) {
+      e[2] = E::exp2(s[j + 2] - m_ref);
+      e[3] = E::exp2(s[j + 3] - m_ref);
+    }
+    p[j / PK][i] = E::probabilities(e, l, lx);
+  }
+  return alpha;
+}
+
 template <class E, class Pipe, int D, int HD, int G, int BR, int BC, int NT, int TM, int LDS_BYTES, class Schedule,
           class Q, class Kv, class Mask, class Rope, class Scales, class Xf, class Epilogue>
 RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q& q_rows, const Kv& kv,
@@ -237,38 +268,53 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
 
     pack_t p[TN / PK][TM];  // by key pack, then row: each key pack's rows are stored in runs
     float o_alpha[INT_ACC ? TM : 1];  // integer products: each row's rescale, applied as they are added
+    // Each row's softmax step, its visible scores transformed first (softcap, ALiBi), a row at a time:
+    // all rows at once, where the scores are made, they cost the tightest tiles spills.
+    if constexpr (Pipe::XF_CASES) {
+      // One copy of the rows per case (XfCase), picked once per tile, so each copy's rows are one
+      // block the compiler schedules across rows. A branch per row (below) kept them apart and cost
+      // sm_90's prefill 19-33% for a softcap and 7-8% for sinks alone, which only the epilogue applies
+      // (tuning/results/h200_score.md).
+      auto softmax_rows = [&](auto which) {
+        constexpr bool CAP = decltype(which)::CAP, ALIBI = decltype(which)::ALIBI;
 #pragma unroll
-    for (int i = 0; i < TM; ++i) {
-      // The score transforms (a uniform branch) of the row's visible scores, a row at a time: applied
-      // where the scores are made, all rows at once, they cost the tightest tiles spills.
-      if (xf.enabled()) {
-        const float slope = !Xf::HAS_ALIBI ? 0.f : ONE_HEAD ? thread_slope : xf.slope(b, head0 + (row0 + i) / RPH);
+        for (int i = 0; i < TM; ++i) {
+          if constexpr (CAP || ALIBI) {
+            const float slope = !ALIBI ? 0.f : ONE_HEAD ? thread_slope : xf.slope(b, head0 + (row0 + i) / RPH);
+            const float dist0 = (float)(k0 + tx * CK - diag[i]);  // the key distances: dist0 plus a constant
 #pragma unroll
-        for (int j = 0; j < TN; ++j) {
-          const int key = k0 + ((j / CK) * TCW + tx) * CK + j % CK;
-          if (s[i][j] != -__builtin_inff()) s[i][j] = xf.apply(s[i][j], slope, key - diag[i]);
+            for (int j = 0; j < TN; ++j)
+              s[i][j] = xf.template apply_case<CAP, ALIBI>(s[i][j], slope, dist0 + (float)((j / CK) * TCW * CK + j % CK));
+          }
+          const float alpha = fa2_row_softmax<E, TN, TD, TCW, TM, Pipe::SKIP_UNMOVED, INT_ACC>(s[i], m[i], l[i], lx[i], o[i], p, i);
+          if constexpr (INT_ACC) o_alpha[i] = alpha;
         }
+      };
+      if (xf.capped()) {
+        if (xf.alibi())
+          softmax_rows(XfCase<true, true>{});
+        else
+          softmax_rows(XfCase<true, false>{});
+      } else if (xf.alibi()) {
+        softmax_rows(XfCase<false, true>{});
+      } else {
+        softmax_rows(XfCase<false, false>{});
       }
-      float tile_max = -__builtin_inff();
+    } else {
+      // The transforms under a uniform branch per row: the AMD kernels, as audited (the copies per
+      // case spilled GCN's and RDNA2's tightest tiles).
 #pragma unroll
-      for (int j = 0; j < TN; ++j) tile_max = rdna_fmax(tile_max, s[i][j]);
-      for (int x = 1; x < TCW; x <<= 1) tile_max = rdna_fmax(tile_max, rdna_shfl_xor(tile_max, x));
-      float alpha;
-      const float m_ref = fa2_softmax_update<TD, Pipe::SKIP_UNMOVED, INT_ACC>(m[i], l[i], o[i], tile_max, alpha);
-      if constexpr (INT_ACC) o_alpha[i] = alpha;
-      if constexpr (E::EXACT_LSE) lx[i] *= alpha;
+      for (int i = 0; i < TM; ++i) {
+        if (xf.enabled()) {
+          const float slope = !Xf::HAS_ALIBI ? 0.f : ONE_HEAD ? thread_slope : xf.slope(b, head0 + (row0 + i) / RPH);
 #pragma unroll
-      for (int j = 0; j < TN; j += PK) {
-        // The row sum adds the probabilities exactly as stored for P.V, so the weights sum to one.
-        // (The exponentials written out, not looped: a loop here costs the fp16 kernels registers.)
-        float e[PK];
-        e[0] = E::exp2(s[i][j] - m_ref);
-        e[1] = E::exp2(s[i][j + 1] - m_ref);
-        if constexpr (PK == 4) {
-          e[2] = E::exp2(s[i][j + 2] - m_ref);
-          e[3] = E::exp2(s[i][j + 3] - m_ref);
+          for (int j = 0; j < TN; ++j) {
+            const int key = k0 + ((j / CK) * TCW + tx) * CK + j % CK;
+            if (s[i][j] != -__builtin_inff()) s[i][j] = xf.apply(s[i][j], slope, (float)(key - diag[i]));
+          }
         }
-        p[j / PK][i] = E::probabilities(e, l[i], lx[i]);
+        const float alpha = fa2_row_softmax<E, TN, TD, TCW, TM, Pipe::SKIP_UNMOVED, INT_ACC>(s[i], m[i], l[i], lx[i], o[i], p, i);
+        if constexpr (INT_ACC) o_alpha[i] = alpha;
       }
     }
 #pragma unroll
@@ -330,6 +376,9 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     }
   }
 
+  // head0 again, not held through the loop where the case copies leave no register to spare (the
+  // plain kernels hold it: made again, it cost sm_90's head_dim 128 tile 4 registers and 1.4%).
+  const int head0_end = Pipe::XF_CASES && Xf::ANY ? sched.head0_anew() : head0;
   float vs[TD] = {};  // the thread's output columns' scales (Scales::ENABLED)
   if constexpr (Scales::ENABLED) {
 #pragma unroll
@@ -343,7 +392,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     if (pos[i] >= mask.seq_q()) continue;
     if (xf.sinks()) {  // the row's sink joins its sum (both sums, with E::EXACT_LSE) after its keys
       float alpha;
-      const float w = fa2_sink_weight(xf.sink(head0 + (row0 + i) / RPH), m[i], alpha);
+      const float w = fa2_sink_weight(xf.sink(head0_end + (row0 + i) / RPH), m[i], alpha);
       l[i] = l[i] * alpha + w;
       if constexpr (E::EXACT_LSE) lx[i] = lx[i] * alpha + w;
 #pragma unroll
@@ -353,7 +402,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
 #pragma unroll
       for (int c = 0; c < TD; ++c) o[i][c] *= vs[c];
     }
-    epi.template store<TD, CD, TCW, HD>(b, head0 + (row0 + i) / RPH, pos[i], tx, o[i], m[i], l[i],
+    epi.template store<TD, CD, TCW, HD>(b, head0_end + (row0 + i) / RPH, pos[i], tx, o[i], m[i], l[i],
                                         E::EXACT_LSE ? lx[i] : l[i]);
   }
 }

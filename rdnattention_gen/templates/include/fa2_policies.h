@@ -31,8 +31,11 @@ struct RowBlockSchedule {
   int head0;      // first query head of the group
   int head_kv;
   long long batch;
+  int seq_q, heads_q;
+  bool heavy_first;
 
-  RDNA_METHOD RowBlockSchedule(int seq_q, int heads_q, int heads_kv, bool heavy_first) {
+  RDNA_METHOD RowBlockSchedule(int seq_q_, int heads_q_, int heads_kv, bool heavy_first_)
+      : seq_q(seq_q_), heads_q(heads_q_), heavy_first(heavy_first_) {
     int row_block = rdna_block_id_x(), head_group = rdna_block_id_y();
     if (heavy_first) {
       const int blocks = (seq_q + RPH - 1) / RPH, groups = heads_q / G;
@@ -44,6 +47,19 @@ struct RowBlockSchedule {
     head0 = head_group * G;
     batch = rdna_block_id_z();
     head_kv = head0 / (heads_q / heads_kv);
+  }
+  // head0 for a kernel's end: where the platform reads the block id anew (RDNA_BLOCK_ID_ANEW, cuda),
+  // made again from it; under heavy_first it is a division's remainder, and held through the main
+  // loop it cost sm_90's tightest tiles (255 registers) a spill. Elsewhere head0 as it was.
+  RDNA_METHOD int head0_anew() const {
+#if RDNA_BLOCK_ID_ANEW
+    const int x = rdna_block_id_x_anew(), y = rdna_block_id_y_anew();
+    if (!heavy_first) return y * G;
+    const int blocks = (seq_q + RPH - 1) / RPH, groups = heads_q / G;
+    return (int)(((long long)y * blocks + x) % groups) * G;
+#else
+    return head0;
+#endif
   }
 };
 
@@ -146,10 +162,11 @@ struct WindowMask {
 // differs by kernel (measured: each spilled some tiles the other does not). Both give -C for -inf
 // (so masked scores skip them), C for inf and NaN for NaN.
 // CapFma, the row-block kernels': C - 2C / (1 + e^(2s/C)), an exponential, a reciprocal and an FMA
-// (RDNA2's tightest tiles spilled with CapSymmetric).
+// (RDNA2's tightest tiles spilled with CapSymmetric). The exponential may flush below 2^-126: 1 plus
+// it is 1 either way.
 struct CapFma {
   RDNA_METHOD float operator()(float s, float c, float inv) const {
-    return rdna_fma(-2.f * c, rdna_rcp(1.f + rdna_exp2(s * (2.8853900817779268f * inv))), c);
+    return rdna_fma(-2.f * c, rdna_rcp(1.f + rdna_exp2_flush(s * (2.8853900817779268f * inv))), c);
   }
 };
 // CapSymmetric, the split-KV kernels': C sign(s) (1 - t) / (1 + t), t = e^(-2|s|/C), which loses
@@ -163,6 +180,13 @@ struct CapSymmetric {
   }
 };
 
+// Which score transforms a copy of code applies, known at compile time (fa2_forward's row loop has
+// one copy per case and picks one per tile): the softcap (CAP) and ALiBi (ALIBI).
+template <bool C, bool A>
+struct XfCase {
+  static constexpr bool CAP = C, ALIBI = A;
+};
+
 // ALIBI: the kernel applies ALiBi (the split-KV kernels of at most FA2_DECODE_ALIBI_ROWS rows, and the
 // row-block kernels of score option alibi): its per-row slope and distances cost the plain row-block
 // kernels' tightest tiles registers they do not have (GCN's head_dim 64 spilled, RDNA2's lost a wave),
@@ -170,6 +194,7 @@ struct CapSymmetric {
 template <class Args, bool ALIBI, class Cap>
 struct ScoreTransform {
   const Args& a;
+  static constexpr bool ANY = true;  // compiled with score transforms
   static constexpr bool HAS_ALIBI = ALIBI;
 
   // Without ALIBI, slopes never reach the kernel (the runtime's route): the test of them stays, since
@@ -179,10 +204,22 @@ struct ScoreTransform {
   RDNA_METHOD float slope(long long b, int head) const {
     return ALIBI && a.alibi_slopes ? a.alibi_slopes[b * a.alibi_stride_b + head] * 1.4426950408889634f : 0.f;
   }
-  // A visible scaled score of the key ``dist`` keys after the row's diagonal.
-  RDNA_METHOD float apply(float s, float slope, int dist) const {
+  // A visible scaled score of the key ``dist`` keys after the row's diagonal (a whole number, as a
+  // float: exact below 2^24, and the kernels convert once per row, not per score).
+  RDNA_METHOD float apply(float s, float slope, float dist) const {
     if (a.softcap_log2 != 0.f) s = Cap{}(s, a.softcap_log2, a.softcap_inv);
-    return ALIBI ? s - slope * (float)(dist < 0 ? -dist : dist) : s;
+    return ALIBI ? s - slope * __builtin_fabsf(dist) : s;
+  }
+  // The case (XfCase) the arguments ask for: a softcap; ALiBi slopes (only where the kernel has ALIBI).
+  RDNA_METHOD bool capped() const { return a.softcap_log2 != 0.f; }
+  RDNA_METHOD bool alibi() const { return ALIBI && a.alibi_slopes; }
+  // apply for case (CAP, AL): a masked score (-inf) stays masked.
+  template <bool CAP, bool AL>
+  RDNA_METHOD float apply_case(float s, float slope, float dist) const {
+    float t = s;
+    if constexpr (CAP) t = Cap{}(t, a.softcap_log2, a.softcap_inv);
+    if constexpr (AL) t -= slope * __builtin_fabsf(dist);
+    return s != -__builtin_inff() ? t : s;
   }
   RDNA_METHOD bool sinks() const { return a.sinks; }
   RDNA_METHOD float sink(int head) const { return a.sinks[head] * 1.4426950408889634f; }
@@ -192,10 +229,15 @@ struct ScoreTransform {
 template <class Args>
 struct NoScoreTransform {
   const Args& a;
+  static constexpr bool ANY = false;
   static constexpr bool HAS_ALIBI = false;
   RDNA_METHOD constexpr bool enabled() const { return false; }
   RDNA_METHOD float slope(long long, int) const { return 0.f; }
-  RDNA_METHOD float apply(float s, float, int) const { return s; }
+  RDNA_METHOD float apply(float s, float, float) const { return s; }
+  RDNA_METHOD constexpr bool capped() const { return false; }
+  RDNA_METHOD constexpr bool alibi() const { return false; }
+  template <bool, bool>
+  RDNA_METHOD float apply_case(float s, float, float) const { return s; }
   RDNA_METHOD constexpr bool sinks() const { return false; }
   RDNA_METHOD float sink(int) const { return 0.f; }
 };

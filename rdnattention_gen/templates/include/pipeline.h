@@ -20,13 +20,20 @@
 // (12.6M bank conflicts per [1,32,2048,128] call to none). The AMD tiles keep their LDS as it was
 // (a gap would push some past the 6-wave LDS budget): 0. Quads need none: a lane's keys fill one
 // row of them.
+// XF_CASES: the score transforms' row loop in one copy per case (softcap, ALiBi, both, neither),
+// picked once per tile (fa2_forward.h): on sm_90 the softcap's cost over plain causal fell from
+// 19-33% to 5-10%, ALiBi's from 14-25% to 2-7% and sinks' from 7-8% to 2-4%. The AMD kernels keep a
+// branch per row: the copies spilled GCN's and RDNA2's tightest tiles (31 VGPRs on gfx90c's ALiBi
+// head_dim 64).
 // TILE: the LDS layout of the element type's packs (pairs.h): planar fp32 pairs on sm_90.
-template <bool PREFETCH_, bool K_RUNS_, bool SKIP_UNMOVED_, int P_ROW_PAIR_GAP_, template <class> class TILE>
+template <bool PREFETCH_, bool K_RUNS_, bool SKIP_UNMOVED_, int P_ROW_PAIR_GAP_, template <class> class TILE,
+          bool XF_CASES_ = false>
 struct Fa2Pipeline {
   static constexpr bool PREFETCH = PREFETCH_;
   static constexpr bool K_RUNS = K_RUNS_;
   static constexpr bool SKIP_UNMOVED = SKIP_UNMOVED_;
   static constexpr int P_ROW_PAIR_GAP = P_ROW_PAIR_GAP_;
+  static constexpr bool XF_CASES = XF_CASES_;
   template <class E>
   using Tile = TILE<E>;
 };
@@ -34,6 +41,6 @@ struct Fa2Pipeline {
 // Every register for occupancy: the AMD kernels (fp16 pairs and int8 quads), as audited.
 typedef Fa2Pipeline<false, false, false, 0, PackedTile> LeanPipeline;
 // Loads and fragments a step ahead, planar fp32 pairs: sm_90's fp16 kernels (host_f32 mirrors them).
-typedef Fa2Pipeline<true, true, true, 16, PlanarTile> PrefetchPipeline;
+typedef Fa2Pipeline<true, true, true, 16, PlanarTile, true> PrefetchPipeline;
 // The same for int8 quads: sm_90's int8 kernels (and the host's, so that the emulator runs this path).
 typedef Fa2Pipeline<true, true, false, 0, PackedTile> QuadPrefetchPipeline;

@@ -26,6 +26,9 @@ RDNA_DEVICE int rdna_thread_id() { return (int)__builtin_amdgcn_workitem_id_x();
 RDNA_DEVICE int rdna_block_id_x() { return (int)__builtin_amdgcn_workgroup_id_x(); }
 RDNA_DEVICE int rdna_block_id_y() { return (int)__builtin_amdgcn_workgroup_id_y(); }
 RDNA_DEVICE int rdna_block_id_z() { return (int)__builtin_amdgcn_workgroup_id_z(); }
+// Values made from the block id are uniform and stay in SGPRs, which the main loop does not run
+// short of: nothing is made again at a kernel's end (cuda's RDNA_BLOCK_ID_ANEW).
+#define RDNA_BLOCK_ID_ANEW 0
 
 RDNA_DEVICE void rdna_block_sync() {
   __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");

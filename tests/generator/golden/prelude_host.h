@@ -32,6 +32,11 @@ RDNA_DEVICE int rdna_thread_id() { return rdna_host::thread_id(); }
 RDNA_DEVICE int rdna_block_id_x() { return rdna_host::block_id(0); }
 RDNA_DEVICE int rdna_block_id_y() { return rdna_host::block_id(1); }
 RDNA_DEVICE int rdna_block_id_z() { return rdna_host::block_id(2); }
+// As cuda's (RDNA_BLOCK_ID_ANEW): host_f32's kernels make head0 again at their end as sm_90's do,
+// so that the emulator runs that arithmetic too.
+#define RDNA_BLOCK_ID_ANEW 1
+RDNA_DEVICE int rdna_block_id_x_anew() { return rdna_host::block_id(0); }
+RDNA_DEVICE int rdna_block_id_y_anew() { return rdna_host::block_id(1); }
 RDNA_DEVICE void rdna_block_sync() { rdna_host::block_sync(); }
 // Between workgroups (the split-KV slices' merge; workgroups run on several threads at once).
 RDNA_DEVICE void rdna_fence_release() { __atomic_thread_fence(__ATOMIC_RELEASE); }

@@ -31,6 +31,11 @@ RDNA_DEVICE int rdna_thread_id() { return __nvvm_read_ptx_sreg_tid_x(); }
 RDNA_DEVICE int rdna_block_id_x() { return __nvvm_read_ptx_sreg_ctaid_x(); }
 RDNA_DEVICE int rdna_block_id_y() { return __nvvm_read_ptx_sreg_ctaid_y(); }
 RDNA_DEVICE int rdna_block_id_z() { return __nvvm_read_ptx_sreg_ctaid_z(); }
+// The block id read anew, not merged with the reads before: a value made from it can be made again
+// at a kernel's end instead of held in a register through its main loop (RowBlockSchedule::head0_anew).
+#define RDNA_BLOCK_ID_ANEW 1
+RDNA_DEVICE int rdna_block_id_x_anew() { int x; asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x)); return x; }
+RDNA_DEVICE int rdna_block_id_y_anew() { int y; asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y)); return y; }
 RDNA_DEVICE void rdna_block_sync() { __nvvm_barrier_sync(0); }
 
 // Between blocks (the split-KV slices' merge): fences at the scope of the GPU around a relaxed
