@@ -63,5 +63,6 @@ def hardware_md(matrix: Matrix, rows: list[KernelAudit], compiler: str) -> str:
     version = PLATFORMS["amdgcn"].code_object_version
     return environment().get_template("docs/hardware.md.j2").render(
         code_object_version=version, elf_abi_version=ELF_ABI_VERSION[version], rocm_floor=rocm_floor(version),
-        tiers=tiers, targets=matrix.targets, distribution=distribution, rows=table, compiler=compiler, tile_tables=tile_tables, tile_rows=tile_rows,
+        tiers=tiers, targets=matrix.targets,
+        bf16_dot_targets=", ".join(f"`{t.name}`" for t in matrix.targets if t.bf16_dot) or "none", distribution=distribution, rows=table, compiler=compiler, tile_tables=tile_tables, tile_rows=tile_rows,
         tuned=tuned or "none yet (a tuner run on the GPU writes them)", mirrors=mirrors)

@@ -217,9 +217,12 @@ def _target(name: str, node: object, parent: Node) -> Target:
         tiles=node.take("tiles", str), isa=node.take("isa", str, name),
         mirrors=tuple(node.take("mirrors", list, [])),
         head_dims=_head_dims(node),
+        bf16_dot=node.take("bf16_dot", bool, False),
     )
     if fields["hw_tier"] not in (1, 2):
         raise node.fail("hw_tier", f"must be 1 or 2, got {fields['hw_tier']}")
+    if fields["bf16_dot"] and platform != "amdgcn":
+        raise node.fail("bf16_dot", "v_dot2_f32_bf16 is an AMD instruction (gfx11+); only amdgcn targets have it")
     if fields["lds_bytes"] > fields["lds_per_cu"]:
         raise node.fail("lds_bytes", "must not exceed lds_per_cu")
     plat.validate_target(name, fields, node)

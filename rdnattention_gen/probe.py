@@ -11,6 +11,7 @@ from .target import Target
 from .toolchain import Toolchain
 
 _HEADER = """typedef _Float16 half2_t __attribute__((ext_vector_type(2)));
+typedef __bf16 bf16x2_t __attribute__((ext_vector_type(2)));
 extern "C" __attribute__((global)) void probe(float* f, int* i, const half2_t* h) {
 """
 PROBES = {
@@ -18,12 +19,15 @@ PROBES = {
     "sdot4": "i[0] = __builtin_amdgcn_sdot4(i[1], i[2], i[3], false);",
     "sudot4": "i[0] = __builtin_amdgcn_sudot4(true, i[1], false, i[2], i[3], false);",
     "fma_mix": "f[0] = __builtin_fmaf((float)h[0].x, (float)h[1].x, f[1]);",
+    "bf16_dot": "f[0] = __builtin_amdgcn_fdot2_f32_bf16(__builtin_bit_cast(bf16x2_t, i[1]), "
+                "__builtin_bit_cast(bf16x2_t, i[2]), f[1], false);",
 }
 
 
 def claimed(target: Target) -> dict[str, bool]:
     return {"fdot2": target.fdot2, "sdot4": target.int8_dot == "sdot4",
-            "sudot4": target.int8_dot == "sudot4", "fma_mix": target.mixed_fma == "fma_mix"}
+            "sudot4": target.int8_dot == "sudot4", "fma_mix": target.mixed_fma == "fma_mix",
+            "bf16_dot": target.bf16_dot}
 
 
 def _probe_one(tc: Toolchain, target: str, feature: str, workdir: Path) -> bool:

@@ -51,6 +51,9 @@ class Target:
     # (family, head_dims): the head_dims it builds of the families listed (a subset of each one's);
     # every head_dim of the others.
     head_dims: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # v_dot2_f32_bf16 (gfx11+): bf16 pairs multiplied into an fp32 accumulator in one instruction,
+    # the bf16 kernels' tier ``bf16_dot2`` (else ``shift_fma``).
+    bf16_dot: bool = False
 
     def builds(self, family: str, head_dim: int) -> bool:
         """Whether this target builds kernels of ``family`` for ``head_dim`` (see ``head_dims``)."""

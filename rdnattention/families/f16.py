@@ -27,10 +27,10 @@ TILE_NAME_FIELDS = (
     NameField("wave_size", "_w{}", r"32|64"),
 )
 # tier: the pair product's lowering (fp16: dot2, fma_mix, mad_mix, cvt_fma; bf16: shift_fma, each
-# value widened to fp32 by a shift, then fp32 FMAs); stage: what LDS holds (f16 or bf16 pairs as
+# value widened to fp32 by a shift, then fp32 FMAs, or bf16_dot2, gfx11+'s v_dot2_f32_bf16); stage: what LDS holds (f16 or bf16 pairs as
 # loaded, or f32 pairs converted once when staged).
 FP16_NAME_FIELDS = TILE_NAME_FIELDS + (
-    NameField("tier", "_{}", r"dot2|fma_mix|mad_mix|cvt_fma|shift_fma", str),
+    NameField("tier", "_{}", r"dot2|fma_mix|mad_mix|cvt_fma|shift_fma|bf16_dot2", str),
     NameField("stage", "_s{}", r"f16|bf16|f32", str),
 )
 

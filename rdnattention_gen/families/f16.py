@@ -108,7 +108,8 @@ class F16(Family):
     rules = RULES
     # The instruction each tier's kernels must contain (audit counts).
     signatures = {"dot2": "dot2", "fma_mix": "fma_mix", "mad_mix": "mad_mix", "cvt_fma": "cvt_f32_f16",
-                  "shift_fma": "none"}  # a shift and fp32 FMAs: no instruction of its own to find
+                  "shift_fma": "none",  # a shift and fp32 FMAs: no instruction of its own to find
+                  "bf16_dot2": "dot2"}  # v_dot2_f32_bf16 (the audit's dot2 count takes every v_dot2)
     layouts = runtime.LAYOUTS  # len: cache lengths (seqused_k); varlen: packed batches
     dtypes = runtime.DTYPES    # bf16
     scores = runtime.SCORES    # xf (softcap, sinks), alibi
@@ -198,7 +199,7 @@ class F16(Family):
         return {"br": (32, 64, 128), "bc": (16, 32, 64), "threads": (128, 256), "tm": (2, 4, 8)}
 
     # Signature instructions per pair product: dot2 does one, the mixed FMAs take two (one per half).
-    PER_PAIR = {"dot2": 1, "fma_mix": 2, "mad_mix": 2}
+    PER_PAIR = {"dot2": 1, "fma_mix": 2, "mad_mix": 2, "bf16_dot2": 1}
 
     def products_per_step(self, spec: KernelSpec) -> float | None:
         per_pair = self.PER_PAIR.get(spec.tier)
@@ -224,22 +225,29 @@ class F16(Family):
 SCORE_CODES = {None: 0, "xf": 1, "alibi": 2}
 
 
-# The pair types of pairs.h, by input dtype and staging precision.
+# bf16 pairs multiplied by v_dot2_f32_bf16 (targets with bf16_dot), LDS holding them as loaded.
+BF16_DOT2 = "bf16_dot2"
+# The pair types of pairs.h, by input dtype and staging precision (and BF16DotPairs: tier bf16_dot2).
 PAIRS = {(None, "f16"): "F16Pairs", (None, "f32"): "F32Pairs", ("bf16", "bf16"): "BF16Pairs",
          ("bf16", "f32"): "BF16F32Pairs"}
 
 
 def pairs_type(spec: KernelSpec) -> str:
+    if spec.tier == BF16_DOT2:
+        return "BF16DotPairs"
     return PAIRS[spec.option("dtype"), spec.stage]
 
 
 def dtype_tier(target: Target, dtype: str | None, fp16_tier: str) -> tuple[str, str]:
     """A kernel's (tier, stage) for input ``dtype`` on ``target``: fp16 (None) takes the target's
-    tier and staging; bf16 is widened by a shift (shift_fma), into fp32 pairs when staged where the
-    target stages fp32, else kept as bf16 pairs in LDS."""
+    tier and staging; bf16 pairs go to the target's bf16 dot where it has one (bf16_dot2, gfx11+),
+    else are widened by a shift (shift_fma), into fp32 pairs when staged where the target stages
+    fp32, else kept as bf16 pairs in LDS."""
     if dtype is None:
         return fp16_tier, target.stage
-    return "shift_fma", "f32" if target.stage == "f32" else "bf16"
+    if target.stage == "f32":
+        return "shift_fma", "f32"
+    return (BF16_DOT2 if target.bf16_dot else "shift_fma"), "bf16"
 
 
 FAMILY = F16()

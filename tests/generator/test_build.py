@@ -64,6 +64,26 @@ def test_default_code_objects_contain_their_dot_instructions(matrix, default_aud
             assert ("v_dot4" if name.startswith(INT8_KERNELS) else "v_dot2") in body, f"{target.name}/{name}"
 
 
+def test_gfx11_bf16_kernels_multiply_with_the_bf16_dot(matrix, build_dir):
+    """gfx1100's bf16 forward and decode kernels (tier bf16_dot2) hold v_dot2_f32_bf16 and no fp16
+    dot, read from the code object with llvm-objdump; its fp16 kernels hold no bf16 dot."""
+    target = matrix.target("gfx1100")
+    build.build(matrix, [target], build_dir, log=lambda *_: None)
+    asm = subprocess.run([toolchain.find().objdump, "-d", str(build.code_object_path(target, build_dir))],
+                         capture_output=True, text=True, check=True).stdout
+    kernels = re.split(r"^[0-9a-f]+ <(fa2_[^>]+)>:$", asm, flags=re.M)[1:]
+    bodies = dict(zip(kernels[0::2], kernels[1::2]))
+    dot = {s.name for s in matrix.specs_for(target) if s.tier == "bf16_dot2"}
+    assert dot and dot == {s.name for s in matrix.specs_for(target)
+                           if s.option("dtype") == "bf16" and s.family in ("f16", "dec")}
+    assert dot <= set(bodies)
+    for name, body in bodies.items():
+        if name in dot:
+            assert "v_dot2_f32_bf16" in body and "v_dot2_f32_f16" not in body, name
+        else:
+            assert "v_dot2_f32_bf16" not in body, name
+
+
 def test_waves_per_simd_follows_llvm_rules(matrix):
     rdna2, gcn5 = matrix.target("gfx1030"), matrix.target("gfx906")
     assert [rdna2.waves_per_simd(v, 0, 256) for v in (64, 80, 96, 128, 160, 192, 256)] == [16, 12, 10, 8, 6, 5, 4]

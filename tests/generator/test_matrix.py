@@ -149,6 +149,34 @@ def test_a_dtype_option_is_built_for_every_layout_with_the_familys_tiles_unless_
     assert {(s.option("dtype"), s.tile.br, s.tile.waves) for s in specs} == {(None, 128, 0), ("bf16", 64, 5)}
 
 
+def test_bf16_kernels_take_the_targets_bf16_dot_where_it_has_one(matrix):
+    """gfx11+ (bf16_dot: true) multiply bf16 pairs with v_dot2_f32_bf16 (tier bf16_dot2, pairs
+    BF16DotPairs); the others widen by a shift (shift_fma), fp32-staging targets once when staged.
+    The backward's bf16 kernels are shift_fma everywhere."""
+    def bf16(name):
+        return [s for s in matrix.specs_for(matrix.target(name)) if s.option("dtype") == "bf16"]
+    for name, tier, stage, pairs in [("gfx1100", "bf16_dot2", "bf16", "BF16DotPairs"),
+                                     ("gfx1201", "bf16_dot2", "bf16", "BF16DotPairs"),
+                                     ("gfx1030", "shift_fma", "bf16", "BF16Pairs"),
+                                     ("gfx906", "shift_fma", "bf16", "BF16Pairs"),
+                                     ("sm_90", "shift_fma", "f32", "BF16F32Pairs"),
+                                     ("host", "shift_fma", "bf16", "BF16Pairs")]:
+        forward = [s for s in bf16(name) if s.family in ("f16", "dec")]
+        assert forward, name
+        assert {(s.tier, s.stage) for s in forward} == {(tier, stage)}, name
+        assert {family(s.family).context(s)["pairs"] for s in forward} == {pairs}, name
+        assert {s.tier for s in bf16(name) if s.family == "bwd"} <= {"shift_fma", "fp32"}, name
+    assert [t.name for t in matrix.targets if t.bf16_dot] == [
+        "gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1200", "gfx1201"]
+
+
+def test_a_bf16_dot_claim_off_amdgcn_is_refused(tmp_path):
+    text = Path(DEFAULT_VARIANTS).read_text().replace("  sm_90: &cuda\n    platform: cuda\n",
+                                                      "  sm_90: &cuda\n    platform: cuda\n    bf16_dot: true\n", 1)
+    with pytest.raises(VariantsError, match=r"targets\.sm_90\.bf16_dot: v_dot2_f32_bf16 is an AMD instruction"):
+        _load(tmp_path, text)
+
+
 def test_a_score_option_is_built_for_every_layout_and_dtype_with_its_own_tiles_where_listed(tmp_path):
     text = MINIMAL.replace("    gqa_groups: [1, 2]\n", "    gqa_groups: [1, 2]\n    layouts:\n      varlen: [64]\n"
                            "    dtypes:\n      bf16: [64]\n    scores:\n      alibi: [64]\n")

@@ -47,6 +47,14 @@ struct BF16Pairs {
   RDNA_DEVICE float sum(pack_t p) { return rdna_bf16_lo(p) + rdna_bf16_hi(p); }
 };
 
+#ifdef RDNA_HAS_DOT2_BF16
+// bf16 pairs as BF16Pairs holds them, multiplied by the target's bf16 dot (v_dot2_f32_bf16, gfx11+):
+// one instruction per pair product where BF16Pairs takes two widenings and two FMAs.
+struct BF16DotPairs : BF16Pairs {
+  RDNA_DEVICE float dot(pack_t a, pack_t b, float acc) { return rdna_dot2_bf16(a, b, acc); }
+};
+#endif
+
 // fp32 pairs of bf16 inputs: every value widened once, when its tile is staged (F32Pairs' layout
 // and products, so the main loop is fp16's on the targets that stage fp32).
 struct BF16F32Pairs {

@@ -1,0 +1,147 @@
+"""Instructions a gfx1100 kernel executes, counted on the RDNA3 ISA emulator (tests/amd_emulator.py).
+
+No AMD GPU is available to time the AMD kernels; what their machine code executes can be counted.
+Each kernel named (a prefix of its name is enough) runs one causal call, forced by name, through
+the runtime and the HIP driver as tests/kernels/test_amd_emulator.py runs it: GQA with two K/V
+heads, 77 keys, 80 query rows per K/V head for the row-block kernels, as many as the tile takes
+for the decode kernels (three key slices). Per kernel it prints the instruction words executed by
+all waves (a dual-issue word counts once), those of the VALU (V_*), the pair products (V_DOT2*)
+and the FMAs, and the largest error against the float64 oracle.
+
+    RDNATTENTION_TINYGRAD=../shared/third_party/tinygrad python -m tuning.amd_counts \\
+        fa2_f16_bf16_hd64_g2_ fa2_dec_bf16_hd128_g1_br4_ [--build-dir build]
+
+To compare two revisions, run it in each checkout (each with its own build) on the same prefixes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+import amd_emulator  # noqa: E402 (tests/amd_emulator.py)
+
+from rdnattention import attention_reference, drivers, plan_flash_attn, replay, route  # noqa: E402
+from rdnattention.drivers import hip, module_api  # noqa: E402
+from rdnattention.families import dec  # noqa: E402
+from rdnattention_gen import DEFAULT_VARIANTS, build, toolchain  # noqa: E402
+from rdnattention_gen.families import spec_from_name  # noqa: E402
+from rdnattention_gen.matrix import load_matrix  # noqa: E402
+
+TARGET = "gfx1100"
+
+
+class _NoContext:
+    def __init__(self, *_):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        return False
+
+
+def serve_on_emulator(mp: pytest.MonkeyPatch, build_dir: Path):
+    """CPU tensors served as on a gfx1100 GPU: the HIP driver over the emulator's stand-in runtime
+    (the set-up of test_amd_emulator.py's gpu fixture). Returns the emulator module."""
+    snapshot = amd_emulator.snapshot()
+    if snapshot is None:
+        raise SystemExit(f"the RDNA3 emulator is absent: set {amd_emulator.SNAPSHOT_ENV} to a tinygrad source tree "
+                         f"holding {amd_emulator.EMULATOR}")
+    matrix = load_matrix(DEFAULT_VARIANTS)
+    build.build(matrix, matrix.select(TARGET), build_dir, log=lambda *_: None)
+    tc = toolchain.find()
+    emu = amd_emulator.import_emulator(snapshot, tc.clang, build_dir / "amd-emulator")
+    stand_in = amd_emulator.EmulatedHip(emu, tc.objdump, matrix.target(TARGET))
+    serve = drivers.for_device
+    mp.setattr(drivers, "for_device", lambda d: hip if d.type == "cpu" else serve(d))
+    mp.setenv(drivers.TARGET_ENV, TARGET)
+    mp.setattr(hip.DRIVER, "_lib", stand_in)
+    for cache in ("_modules", "_functions", "_resident"):
+        mp.setattr(hip.DRIVER, cache, {})
+    mp.setattr(module_api, "current_device", lambda: 0)
+    mp.setattr(module_api, "current_stream_handle", lambda index: 0)
+    mp.setattr(torch.cuda, "device", _NoContext)
+    mp.setattr(torch.cuda, "init", lambda: None)
+    mp.setattr(replay, "cache", {})
+    return emu, matrix
+
+
+def counted(mp: pytest.MonkeyPatch, emu) -> collections.Counter:
+    """A counter of the instructions every later emulated launch executes, by kind."""
+    counts: collections.Counter = collections.Counter()
+    decode = emu._decode_at
+
+    def counting_decode(pc, arch):
+        (program, runtime), inst = decode(pc, arch)
+        op = emu._op_name(inst)
+        kinds = ("all",) + (("valu",) if op.startswith("V_") else ()) + (("dot2",) if "DOT2" in op else ()) \
+            + (("fma",) if "FMA" in op else ())
+        run = runtime.fxn
+
+        def fxn(*args):
+            for kind in kinds:
+                counts[kind] += 1
+            return run(*args)
+
+        return (program, type("Runtime", (), {"fxn": staticmethod(fxn)})), inst
+
+    mp.setattr(emu, "_decode_at", counting_decode)
+    return counts
+
+
+def run_one(name: str) -> float:
+    """Runs kernel ``name`` on its call; the largest error against the oracle."""
+    spec = spec_from_name(name)
+    decoding = spec.family == "dec"
+    rows = spec.tile.br if decoding else 80
+    keys = max(77, 2 * spec.tile.bc + 13) if decoding else 77
+    dtype = torch.bfloat16 if spec.option("dtype") == "bf16" else torch.float16
+    g = torch.Generator().manual_seed(spec.head_dim)
+    q, k, v = (torch.randn(1, h, n, spec.head_dim, generator=g).to(dtype)
+               for h, n in ((2 if rows == 1 else 4, max(1, rows // 2)), (2, keys), (2, keys)))
+    if decoding:
+        call = dec.Call(q=q, k=k, v=v, out=torch.empty_like(q), lse=torch.empty(q.shape[:3]), window=(-1, 0),
+                        softmax_scale=spec.head_dim ** -0.5, batch=1, seq_q=q.shape[2], seq_k=k.shape[2], num_splits=3)
+        plan = dec.plan(route.device_table(torch.device("cpu")), call, kernel=name)
+    else:
+        plan = plan_flash_attn(q, k, v, is_causal=True, kernel=name)
+    plan.run()
+    return (plan.outputs[0].double() - attention_reference(q, k, v, is_causal=True)).abs().max().item()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("prefixes", nargs="+", help="kernel names or prefixes of them (f16 and dec families)")
+    parser.add_argument("--build-dir", type=Path, default=Path(os.environ.get("RDNATTENTION_BUILD_DIR", ROOT / "build")))
+    args = parser.parse_args(argv)
+    with pytest.MonkeyPatch.context() as mp:
+        emu, matrix = serve_on_emulator(mp, args.build_dir.resolve())
+        names = sorted(s.name for s in matrix.specs_for(matrix.target(TARGET))
+                       if s.family in ("f16", "dec") and any(s.name.startswith(p) for p in args.prefixes))
+        if not names:
+            raise SystemExit(f"no f16 or dec kernel of {TARGET} starts with {', '.join(args.prefixes)}")
+        print(f"{TARGET} kernels executed on the RDNA3 emulator (instruction words of all waves, one call each)\n")
+        print("| kernel | executed | VALU | V_DOT2 | FMA | max error |")
+        print("|---|---|---|---|---|---|")
+        for name in names:
+            with pytest.MonkeyPatch.context() as inner:
+                counts = counted(inner, emu)
+                err = run_one(name)
+            print(f"| `{name}` | {counts['all']} | {counts['valu']} | {counts['dot2']} | {counts['fma']} | {err:.1e} |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
