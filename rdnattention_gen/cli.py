@@ -73,7 +73,8 @@ def cmd_probe(matrix: Matrix, args: argparse.Namespace) -> int:
     targets = _targets(matrix, args.targets)
     results = probe.probe(toolchain.find(), targets)
     features = list(probe.PROBES)
-    print(f"{'target':8}  " + "  ".join(f"{f:>7}" for f in features))
+    widths = {f: max(7, len(f)) for f in features}
+    print(f"{'target':8}  " + "  ".join(f"{f:>{widths[f]}}" for f in features))
     mismatches = []
     for target in targets:
         if target.name not in results:
@@ -86,7 +87,7 @@ def cmd_probe(matrix: Matrix, args: argparse.Namespace) -> int:
                 mark += "!"
                 mismatches.append(f"{target.name}: {f} is {'accepted' if got[f] else 'rejected'} by the "
                                   f"compiler but variants.yaml says {'yes' if want[f] else 'no'}")
-            cells.append(f"{mark:>7}")
+            cells.append(f"{mark:>{widths[f]}}")
         print(f"{target.name:8}  " + "  ".join(cells))
     if mismatches:
         print("probe: variants.yaml disagrees with the compiler:\n  " + "\n  ".join(mismatches), file=sys.stderr)
