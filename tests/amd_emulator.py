@@ -320,3 +320,43 @@ def import_emulator(tinygrad: Path, clang: str, cache_dir: Path):
             else:
                 os.environ[k] = v
     return emu
+
+
+class _NoContext:
+    """torch.cuda.device(i) where there is no CUDA: the stand-in has one device."""
+
+    def __init__(self, *_):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        return False
+
+
+def serve_as_gpu(mp, matrix, build_dir: Path, tinygrad: Path, target: str):
+    """CPU tensors served as if on a ``target`` GPU: ``target`` built into ``build_dir``, the HIP
+    driver with the emulator's stand-in runtime under it, set up through the monkeypatch ``mp``.
+    Returns the emulator module and the stand-in."""
+    import torch
+    from rdnattention import drivers, replay
+    from rdnattention.drivers import hip, module_api
+    from rdnattention_gen import build, toolchain
+
+    build.build(matrix, matrix.select(target), build_dir, log=lambda *_: None)
+    tc = toolchain.find()
+    emu = import_emulator(tinygrad, tc.clang, build_dir / "amd-emulator")
+    stand_in = EmulatedHip(emu, tc.objdump, matrix.target(target))
+    serve = drivers.for_device
+    mp.setattr(drivers, "for_device", lambda d: hip if d.type == "cpu" else serve(d))
+    mp.setenv(drivers.TARGET_ENV, target)
+    mp.setattr(hip.DRIVER, "_lib", stand_in)
+    for cache in ("_modules", "_functions", "_resident"):
+        mp.setattr(hip.DRIVER, cache, {})
+    mp.setattr(module_api, "current_device", lambda: 0)
+    mp.setattr(module_api, "current_stream_handle", lambda index: 0)
+    mp.setattr(torch.cuda, "device", _NoContext)
+    mp.setattr(torch.cuda, "init", lambda: None)
+    mp.setattr(replay, "cache", {})
+    return emu, stand_in

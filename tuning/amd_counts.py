@@ -30,50 +30,24 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import amd_emulator  # noqa: E402 (tests/amd_emulator.py)
 
-from rdnattention import attention_reference, drivers, plan_flash_attn, replay, route  # noqa: E402
-from rdnattention.drivers import hip, module_api  # noqa: E402
+from rdnattention import attention_reference, plan_flash_attn, route  # noqa: E402
 from rdnattention.families import dec  # noqa: E402
-from rdnattention_gen import DEFAULT_VARIANTS, build, toolchain  # noqa: E402
+from rdnattention_gen import DEFAULT_VARIANTS  # noqa: E402
 from rdnattention_gen.families import spec_from_name  # noqa: E402
 from rdnattention_gen.matrix import load_matrix  # noqa: E402
 
 TARGET = "gfx1100"
 
 
-class _NoContext:
-    def __init__(self, *_):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *_):
-        return False
-
-
 def serve_on_emulator(mp: pytest.MonkeyPatch, build_dir: Path):
-    """CPU tensors served as on a gfx1100 GPU: the HIP driver over the emulator's stand-in runtime
-    (the set-up of test_amd_emulator.py's gpu fixture). Returns the emulator module."""
+    """CPU tensors served as on a gfx1100 GPU (amd_emulator.serve_as_gpu, as the emulator tests
+    run them). Returns the emulator module and the matrix."""
     snapshot = amd_emulator.snapshot()
     if snapshot is None:
         raise SystemExit(f"the RDNA3 emulator is absent: set {amd_emulator.SNAPSHOT_ENV} to a tinygrad source tree "
                          f"holding {amd_emulator.EMULATOR}")
     matrix = load_matrix(DEFAULT_VARIANTS)
-    build.build(matrix, matrix.select(TARGET), build_dir, log=lambda *_: None)
-    tc = toolchain.find()
-    emu = amd_emulator.import_emulator(snapshot, tc.clang, build_dir / "amd-emulator")
-    stand_in = amd_emulator.EmulatedHip(emu, tc.objdump, matrix.target(TARGET))
-    serve = drivers.for_device
-    mp.setattr(drivers, "for_device", lambda d: hip if d.type == "cpu" else serve(d))
-    mp.setenv(drivers.TARGET_ENV, TARGET)
-    mp.setattr(hip.DRIVER, "_lib", stand_in)
-    for cache in ("_modules", "_functions", "_resident"):
-        mp.setattr(hip.DRIVER, cache, {})
-    mp.setattr(module_api, "current_device", lambda: 0)
-    mp.setattr(module_api, "current_stream_handle", lambda index: 0)
-    mp.setattr(torch.cuda, "device", _NoContext)
-    mp.setattr(torch.cuda, "init", lambda: None)
-    mp.setattr(replay, "cache", {})
+    emu, _ = amd_emulator.serve_as_gpu(mp, matrix, build_dir, snapshot, TARGET)
     return emu, matrix
 
 

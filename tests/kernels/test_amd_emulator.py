@@ -17,10 +17,8 @@ from cases import GRAD_TOL, MATRIX
 from rdnattention import (attention_gradients, attention_reference, flash_attn, flash_attn_int8qk, flash_attn_varlen_func,
                           flash_attn_with_kvcache, plan_flash_attn, plan_flash_attn_int8qk, quantize_per_channel,
                           quantize_per_token, rotary_tables)
-from rdnattention import drivers, ops, replay, route
-from rdnattention.drivers import hip, module_api
+from rdnattention import ops, replay, route
 from rdnattention.families import bwd, dec, f16
-from rdnattention_gen import build, toolchain
 from rdnattention_gen.families import spec_from_name
 
 TARGET = "gfx1100"
@@ -37,39 +35,10 @@ pytestmark = [
 ]
 
 
-class _NoContext:
-    """torch.cuda.device(i) where there is no CUDA: the stand-in has one device."""
-
-    def __init__(self, *_):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *_):
-        return False
-
-
 @pytest.fixture(scope="module")
 def gpu(matrix, build_dir, monkeypatch_module):
     """CPU tensors served as if on a gfx1100 GPU: the HIP driver with the stand-in runtime under it."""
-    build.build(matrix, matrix.select(TARGET), build_dir, log=lambda *_: None)
-    tc = toolchain.find()
-    emu = amd_emulator.import_emulator(SNAPSHOT, tc.clang, build_dir / "amd-emulator")
-    stand_in = amd_emulator.EmulatedHip(emu, tc.objdump, matrix.target(TARGET))
-    mp = monkeypatch_module
-    serve = drivers.for_device
-    mp.setattr(drivers, "for_device", lambda d: hip if d.type == "cpu" else serve(d))
-    mp.setenv(drivers.TARGET_ENV, TARGET)
-    mp.setattr(hip.DRIVER, "_lib", stand_in)
-    for cache in ("_modules", "_functions", "_resident"):
-        mp.setattr(hip.DRIVER, cache, {})
-    mp.setattr(module_api, "current_device", lambda: 0)
-    mp.setattr(module_api, "current_stream_handle", lambda index: 0)
-    mp.setattr(torch.cuda, "device", _NoContext)
-    mp.setattr(torch.cuda, "init", lambda: None)
-    mp.setattr(replay, "cache", {})
-    return stand_in
+    return amd_emulator.serve_as_gpu(monkeypatch_module, matrix, build_dir, SNAPSHOT, TARGET)[1]
 
 
 @pytest.fixture()
