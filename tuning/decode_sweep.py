@@ -1,9 +1,10 @@
 """Split-KV decode variants on a GPU, interleaved: builds (tiles, register budgets) and slice counts.
 
-    python -m tuning.decode_sweep --builds A=build B=build/other [--splits 1,4,8,16,32]
+    python -m tuning.decode_sweep --builds A=build B=build/other [--splits 1,4,8,16,32] [--shapes generate]
 
 Each build is a build directory holding this GPU's target (dispatch.json and code object). Every
-decode shape of bench.py (DECODE) is planned against each build's table with the automatic slice
+decode shape of bench.py (DECODE; with ``--shapes generate``, GENERATE: the short caches of a
+Hugging Face generate() step, batch 1 and 8, GQA 32/8, head_dim 128) is planned against each build's table with the automatic slice
 count, and with each --splits count on the first build; all plans of a shape are timed in turn,
 --rounds times from CUDA-graph replays (timing.graph_ms), torch SDPA among them. GB/s counts the K
 and V bytes read."""
@@ -22,11 +23,19 @@ from .bench import DECODE, SdpaPlan, decode_bytes, decode_inputs
 from .timing import graph_ms
 
 
+# The decode steps of tuning/generate.py's model (heads 32/8, head_dim 128) on the caches its
+# generate() grows through (prompt 128 plus up to 128 new tokens) and a few longer ones.
+GENERATE = [(f"generate batch {b} GQA 32/8 Sk{sk} D128", b, 32, 8, 1, sk, 128, None)
+            for b in (1, 8) for sk in (128, 256, 512, 1024, 2048)]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--builds", nargs="+", required=True, help="LABEL=DIR")
     p.add_argument("--splits", default="", help="slice counts to try on the first build, e.g. 1,8,16,32")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--shapes", choices=("decode", "generate"), default="decode",
+                   help="decode: bench.py's long caches (default); generate: generate()'s short ones")
     args = p.parse_args()
     device = torch.device("cuda")
     target = drivers.target_of(device)
@@ -35,9 +44,10 @@ def main() -> int:
         label, _, path = item.partition("=")
         tables[label] = dispatch.load_table(Path(path) / target / "dispatch.json")
     splits = [int(s) for s in args.splits.split(",") if s]
-    print(f"GPU: {torch.cuda.get_device_name(device)}; automatic slices fill one wave of each kernel's resident "
-          "workgroups\n")
-    for shape in DECODE:
+    print(f"GPU: {torch.cuda.get_device_name(device)}; automatic slices: at most one wave of each kernel's "
+          "resident workgroups, of at least MIN_SLICE_KEYS keys each unless one workgroup per unit asks for more "
+          "(_splitkv.splits_for)\n")
+    for shape in DECODE if args.shapes == "decode" else GENERATE:
         label = shape[0]
         q, k, v, call = decode_inputs(shape, device)
         plans = {"sdpa": SdpaPlan(q, k, v)}

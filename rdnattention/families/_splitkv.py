@@ -47,13 +47,23 @@ def resident(table: TargetTable, entry: KernelEntry, device: torch.device) -> in
                                                                     table.shared_bytes(entry), device)
 
 
+# Keys a slice holds at least where the device has a workgroup per compute unit without shorter
+# ones: shorter slices give the merge more partial rows than the parallel reads save
+# (tuning/results/h200_decode_slices.md).
+MIN_SLICE_KEYS = 128
+
+
 def splits_for(workgroups: int, seq_k: int, keys_per_step: int, units: int, per_unit: int) -> int:
-    """Key slices that bring ``workgroups`` up to at most one wave of workgroups, ``per_unit`` on
-    each of ``units`` compute units at once (rounding up would start a second, nearly empty wave:
-    tuning/results/h200_decode.md), each slice at least two steps of keys; every slice then
-    non-empty (the slice length rounds up to whole steps)."""
-    want = max(1, per_unit * units // max(workgroups, 1))
-    return slices(seq_k, keys_per_step, min(want, -(-seq_k // (2 * keys_per_step))))
+    """Key slices for ``workgroups`` workgroups of one slice over ``seq_k`` keys: as many as bring
+    them up to one wave, ``per_unit`` on each of ``units`` compute units at once (rounding up would
+    start a second, nearly empty wave: tuning/results/h200_decode.md), but no more than slices of
+    MIN_SLICE_KEYS keys give, or one workgroup per compute unit where that asks for more
+    (tuning/results/h200_decode_slices.md); each slice at least two steps of keys, and every slice
+    then non-empty (the slice length rounds up to whole steps)."""
+    workgroups = max(workgroups, 1)
+    wave = max(1, per_unit * units // workgroups)
+    enough = max(seq_k // MIN_SLICE_KEYS, units // workgroups)
+    return slices(seq_k, keys_per_step, min(wave, enough, -(-seq_k // (2 * keys_per_step))))
 
 
 def slices(seq_k: int, keys_per_step: int, splits: int) -> int:

@@ -218,6 +218,13 @@ def test_automatic_slices_fill_the_device():
     assert dec.splits_for(workgroups=4096, seq_k=8192, keys_per_step=32, units=132, per_unit=4) == 1
     assert dec.splits_for(workgroups=64, seq_k=8192, keys_per_step=16, units=132, per_unit=4) == 8
     assert dec.splits_for(workgroups=1, seq_k=100, keys_per_step=32, units=132, per_unit=4) == 2  # two steps at least
+    # Few workgroups over a short cache: slices of MIN_SLICE_KEYS keys, or one workgroup per unit
+    # where that gives more (generate()'s decode steps: 8 workgroups, 132 units), not a wave of 528.
+    assert dec.MIN_SLICE_KEYS == 128
+    assert dec.splits_for(workgroups=8, seq_k=2048, keys_per_step=16, units=132, per_unit=4) == 16
+    assert dec.splits_for(workgroups=8, seq_k=1024, keys_per_step=16, units=132, per_unit=4) == 16
+    assert dec.splits_for(workgroups=2, seq_k=1024, keys_per_step=16, units=8, per_unit=4) == 8  # 128 keys each
+    assert dec.splits_for(workgroups=8, seq_k=32768, keys_per_step=16, units=132, per_unit=4) == 64  # a wave again
     assert dec.slices(8192, 32, 17) == 16 and dec.slices(8192, 32, 16) == 16 and dec.slices(100, 32, 3) == 2 and dec.slices(0, 32, 5) == 1
 
 
