@@ -123,7 +123,7 @@ def prepare(q, k, v, *, window: tuple[int, int], softmax_scale: float, return_ls
                      names=names, score=score)
     else:  # the caller checked the index values, not the score transforms'
         options.check_score_values(checks.Values(), score).check()
-    out, lse = allocate(q, return_lse, packed)
+    out, lse = allocate(q, return_lse, packed, paged=block_table is not None)
     if packed:  # [1, heads, total, head_dim] views
         qv, ov = q.unsqueeze(0).transpose(1, 2), out.unsqueeze(0).transpose(1, 2)
     else:
@@ -133,6 +133,7 @@ def prepare(q, k, v, *, window: tuple[int, int], softmax_scale: float, return_ls
     else:
         kv_, vv = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
     if extents.batch == 0 or out.numel() == 0:
+        out.zero_()  # packed rows that no sequence covers (no batch: every row)
         lse.fill_(float("-inf"))
         return out, lse, None
     call = route.Attention(q=qv, k=kv_, v=vv, out=ov, lse=lse if return_lse else None, window=window,
@@ -184,7 +185,7 @@ def replayed(key: tuple | None, q, k, v, *, seqused_k=None, block_table=None, ca
         for name, t in (("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
             values.finite(name, t)
         values.check()
-    out, lse = allocate(q, return_lse, cu_seqlens_q is not None, empty_lse=False)
+    out, lse = allocate(q, return_lse, cu_seqlens_q is not None, empty_lse=False, paged=block_table is not None)
     pointers = {"o": out.data_ptr()}
     if lse is not None:
         pointers["lse"] = lse.data_ptr()
@@ -195,11 +196,13 @@ def replayed(key: tuple | None, q, k, v, *, seqused_k=None, block_table=None, ca
     return out, lse
 
 
-def allocate(q: torch.Tensor, return_lse: bool, packed: bool,
-             empty_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The output in q's layout (packed: zeros, so rows no sequence covers are zero, not stale) and
-    the LSE (when not asked for: an empty tensor, or None where ``empty_lse`` is false)."""
-    out = (torch.zeros_like if packed else torch.empty_like)(q, memory_format=torch.contiguous_format)
+def allocate(q: torch.Tensor, return_lse: bool, packed: bool, empty_lse: bool = True,
+             paged: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output in q's layout and the LSE (when not asked for: an empty tensor, or None where
+    ``empty_lse`` is false). Packed, the rows past the last sequence are zero: the kernels write them
+    (fa2_zero_rows_past_sequences) except the paged ones, so a ``paged`` packed output is zero-filled
+    here; a call that launches nothing zeroes its output (prepare, Plan.returning)."""
+    out = (torch.zeros_like if packed and paged else torch.empty_like)(q, memory_format=torch.contiguous_format)
     if not return_lse:
         return out, q.new_empty((0,), dtype=torch.float32) if empty_lse else None
     if packed:

@@ -426,6 +426,37 @@ def test_gpu_varlen_matches_the_oracle():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lengths_q, lengths_k", [([1, 1, 1], [900, 7, 300]), ([300, 7, 64], [300, 900, 64])])
+def test_gpu_varlen_rows_past_the_last_sequence_are_zero_without_a_fill(monkeypatch, lengths_q, lengths_k):
+    """q holds 37 rows past the last sequence: the kernels (split-KV for one row per sequence, row blocks for
+    long ones) write them as zeros over an output whose memory held NaNs, and the sequences' rows as the oracle's."""
+    from rdnattention import decode
+
+    device = _gpu()
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(sum(lengths_q) + 37, 8, 128, generator=g).half()
+    k, v = (torch.randn(sum(lengths_k), 2, 128, generator=g).half() for _ in range(2))
+    cu = [torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32) for n in (lengths_q, lengths_k)]
+    real = decode.allocate
+
+    def stale(*a, **kw):
+        out, lse = real(*a, **kw)
+        out.fill_(float("nan"))
+        return out, lse
+
+    monkeypatch.setattr(decode, "allocate", stale)
+    out = flash_attn_varlen_func(q.to(device), k.to(device), v.to(device), cu[0].to(device), cu[1].to(device),
+                                 max(lengths_q), max(lengths_k), causal=True).cpu()
+    total = int(cu[0][-1])
+    assert torch.equal(out[total:], torch.zeros_like(out[total:]))
+    view = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731
+    for i in range(3):
+        qs, ks = slice(int(cu[0][i]), int(cu[0][i + 1])), slice(int(cu[1][i]), int(cu[1][i + 1]))
+        ref = attention_reference(view(q[qs]), view(k[ks]), view(v[ks]), is_causal=True)
+        assert (view(out[qs]).double() - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_int8_decode_matches_the_oracle(head_dim):
     from rdnattention import flash_attn_int8qk, plan_flash_attn_int8qk, quantize_per_channel, quantize_per_token

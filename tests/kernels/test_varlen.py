@@ -81,6 +81,12 @@ def test_a_paged_pool_is_the_packed_keys(host_build, page):
     assert (paged.double() - packed.double()).abs().max().item() <= TOL
     fa = flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cu_k, 3, 100, causal=True, block_table=table)
     assert (fa.double() - packed.double()).abs().max().item() <= TOL
+    # Rows past the last sequence: zero (the paged kernels do not write them; the runtime fills them).
+    extra = torch.cat([q, torch.full((5, *q.shape[1:]), float("nan"), dtype=q.dtype)])
+    out = varlen_attn(extra, pool_k, pool_v, cu_q, None, 3, 128, enable_gqa=True, seqused_k=used, block_table=table,
+                      window_size=(-1, 0))
+    assert torch.equal(out[q.shape[0]:], torch.zeros_like(out[q.shape[0]:]))
+    assert (out[:q.shape[0]].double() - packed.double()).abs().max().item() <= TOL
 
 
 def test_flash_attn_varlen_func(host_build):
@@ -138,3 +144,47 @@ def test_packed_prefill_runs_the_row_block_kernels(host_build, monkeypatch, wind
     used = torch.tensor([100, 3, 0, 64], dtype=torch.int32)
     out = varlen_attn(q, k, v, cu_q, cu_k, 130, 200, window_size=window, enable_gqa=True, seqused_k=used)
     _check(out, None, q, k, v, cu_q, cu_k, lengths_k=used.tolist(), window_size=window)
+
+
+@pytest.mark.parametrize("lengths_q, lengths_k, family", [([1, 1, 1], [50, 130, 7], "dec"),
+                                                          ([130, 7, 64], [130, 200, 64], "f16"),
+                                                          ([3, 0], [40, 0], "dec")])
+@pytest.mark.parametrize("entry", ["varlen_attn", "flash_attn_varlen_func"])
+def test_rows_past_the_last_sequence_are_zero_without_a_fill(host_build, monkeypatch, lengths_q, lengths_k, family,
+                                                             entry):
+    """q holds more rows than the sequences (cu_seqlens_q[-1] < total_q): the kernels write those rows as zeros
+    themselves, over an output whose memory held NaNs (the runtime allocates it without a fill), and every
+    sequence's rows as the oracle's; the last sequence may be empty."""
+    from rdnattention import decode
+    from rdnattention.families import dec, f16
+
+    q, k, v, cu_q, cu_k = _packed(lengths_q + [11], lengths_k + [0])  # 11 query rows past the last sequence
+    cu_q, cu_k = cu_q[:-1], cu_k[:-1]
+    real = decode.allocate
+
+    def stale(*a, **kw):
+        out, lse = real(*a, **kw)
+        out.fill_(float("nan"))
+        return out, lse
+
+    monkeypatch.setattr(decode, "allocate", stale)
+    families = []
+
+    def spying(real_plan):
+        def spy(table, call, **kw):
+            plan = real_plan(table, call, **kw)
+            families.append(plan.launches[0].kernel.family)
+            return plan
+        return spy
+
+    for module in (dec, f16):
+        monkeypatch.setattr(module, "plan", spying(module.plan))
+    max_q, max_k = max(lengths_q), max(lengths_k)
+    if entry == "varlen_attn":
+        out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, enable_gqa=True, window_size=(-1, 0))
+    else:
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+    assert families == [family]
+    total = int(cu_q[-1])
+    assert out[total:].shape[0] == 11 and torch.equal(out[total:], torch.zeros_like(out[total:]))
+    _check(out, None, q, k, v, cu_q, cu_k, window_size=(-1, 0))

@@ -160,6 +160,21 @@ RDNA_DEVICE void fa2_store_final_row(const Args& a, long long b, int head, long 
   if (a.lse && c0 == 0) a.lse[b * a.lse_stride_b + head * a.lse_stride_h + pos] = fa2_row_lse2(sum, ref) * 0.6931471805599453f;
 }
 
+// Packed batches: the rows past the last sequence are zero (fa2_zero_rows_past_sequences), written by
+// the first slice of the first row chunk of each K/V head in the last batch, once its own rows are
+// done (or at once where it has none): at the end, nothing of it is held through the main loop. Not
+// by the paged kernels (PAGED): its arguments cost GCN's paged kernels two SGPRs they spilled
+// (gfx906), so the runtime fills a paged packed call's output before the launch (decode.allocate).
+template <class E, int D, int NT, bool PAGED, class Args>
+RDNA_DEVICE void fa2_decode_zero_rows_past_sequences(const Args& a) {
+  if constexpr (E::LAYOUTS && !PAGED) {
+    if (a.cu_seqlens_q && rdna_block_id_z() == a.batch - 1 && rdna_block_id_x() == 0) {
+      const int group = a.heads_q / a.heads_kv;
+      fa2_zero_rows_past_sequences<D, NT>(a, rdna_block_id_y() * group, group);
+    }
+  }
+}
+
 // The most rows a decode tile may hold to apply ALiBi (families/_splitkv.py: ALIBI_ROWS, the same).
 #define FA2_DECODE_ALIBI_ROWS 2
 
@@ -188,7 +203,10 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   const long long q0 = qs.first;
   const int sq = qs.count;
   const int rows = group * sq;
-  if (r0 >= rows) return;  // a short sequence of a packed batch: no row here, in any slice (none counts)
+  if (r0 >= rows) {  // a short sequence of a packed batch: no row here, in any slice (none counts)
+    fa2_decode_zero_rows_past_sequences<E, D, NT, PAGED>(a);
+    return;
+  }
   // A paged cache is addressed through the block table alone (no packed keys, no batch indices).
   const bool packed_keys = E::LAYOUTS && !PAGED && a.cu_seqlens_k;
   const Fa2Span keys = packed_keys ? fa2_packed_span(a.cu_seqlens_k, b, a.total_k) : Fa2Span{0, a.seq_k};
@@ -409,6 +427,7 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
       fa2_store_final_row<CPL, E::BF16>(a, b, head, q0 + p, c0, acc, sum, ref);
     }
   }
+  fa2_decode_zero_rows_past_sequences<E, D, NT, PAGED>(a);
   if (!a.part_o) return;
 
   // Split: the last slice of this (row chunk, K/V head, batch) to finish merges every slice's

@@ -94,6 +94,8 @@ RDNA_DEVICE void fa2_f16_forward(const Fa2Args& a, unsigned char* lds) {
   const Fa2Span qs = VARLEN ? fa2_packed_span(a.cu_seqlens_q, b, a.total_q) : Fa2Span{0, a.seq_q};
   const long long q0 = qs.first;
   const int sq = qs.count;
+  // The rows past the last sequence: zero, by each head group's first row block of the last batch.
+  if (VARLEN && b == a.batch - 1 && sched.block_pos == 0) fa2_zero_rows_past_sequences<HD, NT>(a, sched.head0, G);
   if (VARLEN && sched.block_pos >= sq) return;  // the whole workgroup: past this sequence's rows
   const Fa2Span ks = VARLEN ? fa2_packed_span(a.cu_seqlens_k, b, a.total_k) : Fa2Span{0, a.seq_k};
   const long long key0 = ks.first;

@@ -84,6 +84,30 @@ RDNA_DEVICE Fa2Span fa2_packed_span(const int* cu, long long b, int total) {
 
 RDNA_DEVICE int fa2_row(int i, int rows) { return (unsigned)i < (unsigned)rows ? i : 0; }
 
+// Packed batches: the output rows past the last sequence's, [cu_seqlens_q[batch], total_q), which no
+// workgroup computes, are zero, written for query heads [h0, h0 + heads) of head_dim HD by the
+// workgroup that calls this (one per head group, in the last batch), so the runtime allocates the
+// output without a fill launch. Rows before cu_seqlens_q[0] or past a sequence's longest length
+// break the call's contract (docs/api.md: which checks read values) and are not written. The
+// output's rows and heads start on 16 bytes (the runtime allocates it contiguous, HD a multiple of 8).
+template <int HD, int NT, class Args>
+RDNA_DEVICE void fa2_zero_rows_past_sequences(const Args& a, int h0, int heads) {
+  static_assert(HD % 8 == 0, "16-byte stores");
+  constexpr int CH = HD / 8;
+  const int first = fa2_count(a.cu_seqlens_q[a.batch], a.total_q);
+  const u32x4 zero = {0u, 0u, 0u, 0u};
+  const int per_row = heads * CH, rows = rdna_max(1, NT / per_row);  // 16-byte stores per row; rows per pass
+  for (int row0 = first; row0 < a.total_q; row0 += rows) {  // none where the sequences cover every row
+    for (int i = rdna_thread_id(); i < rows * per_row; i += NT) {
+      const int row = row0 + i / per_row, j = i % per_row;
+      if (row < a.total_q) {
+        half_t* const out = a.o + (long long)(h0 + j / CH) * a.o_stride_h + (long long)row * a.o_stride_s;
+        __builtin_memcpy(__builtin_assume_aligned(out + 8 * (j % CH), 16), &zero, sizeof(zero));
+      }
+    }
+  }
+}
+
 // --- K/V source ------------------------------------------------------------------------------
 // The keys batch b uses: seqused_k[b] where the call gives cache lengths (a preallocated cache
 // holds seq_k rows per batch, the first seqused_k[b] of them valid), else seq_k.
