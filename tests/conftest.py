@@ -104,3 +104,17 @@ def sdpa_restored():
     yield
     rdnattention.unpatch_sdpa()
     assert F.scaled_dot_product_attention is original
+
+
+@pytest.fixture
+def stale_decode_output(monkeypatch):
+    """decode.allocate's outputs hold NaNs, as stale memory may: rows a kernel leaves unwritten show."""
+    from rdnattention import decode
+    real = decode.allocate
+
+    def stale(*a, **kw):
+        out, lse = real(*a, **kw)
+        out.fill_(float("nan"))
+        return out, lse
+
+    monkeypatch.setattr(decode, "allocate", stale)
