@@ -21,6 +21,7 @@ C_TYPES: dict[str, type] = {
     "int*": ctypes.c_void_p,
     "unsigned*": ctypes.c_void_p,
     "const signed char*": ctypes.c_void_p,
+    "signed char*": ctypes.c_void_p,
     "long long": ctypes.c_longlong,
     "int": ctypes.c_int,
     "float": ctypes.c_float,

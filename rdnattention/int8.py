@@ -14,13 +14,18 @@ P quantized to 0..127 inside the kernel (the accuracy this costs is in docs/api.
 
 from __future__ import annotations
 
+import threading
+import warnings
+from collections import Counter
+
 import torch
 
-from . import checks, replay, route
+from . import checks, drivers, replay, route
 from .checks import NATIVE, check_fp16
-from .errors import InvalidArgumentError, UnsupportedError
+from .errors import InvalidArgumentError, RdnaAttentionError, UnsupportedError
+from .families import quant as quant_family
 from .options import NO_SCORE_OPTIONS, Options, check_rotary, validate
-from .plan import Plan
+from .plan import Launch, Plan
 from .reference import rotate
 
 _LEVELS = 127.0
@@ -43,20 +48,139 @@ def _scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, (amax / _LEVELS).clamp_min_(torch.finfo(torch.float32).tiny), 1.0)
 
 
-def _quantize(name: str, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _not_finite(name: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"{name} holds a NaN or an infinity; it cannot be quantized")
+
+
+def _torch_quantize(name: str, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x quantized symmetrically along every vector of dimension ``dim`` (one scale per position of
-    the others): nine tensor launches on a GPU, none of which copies x to float32 first (the amax
-    reads x as it is, the division promotes)."""
-    x = _check_float(name, x).detach()
+    the others) by torch operations: where torch traces, and where no quant kernel serves x (the
+    formula the quant kernels reproduce bit for bit). Nine tensor launches on a GPU, none of which
+    copies x to float32 first (the amax reads x as it is, the division promotes)."""
     if x.is_cuda:  # max |x|, exact: one reduction launch on a GPU
         amax = torch.linalg.vector_norm(x, float("inf"), dim=dim, dtype=torch.float32)
     else:  # the CPU's inf-norm reduction is not vectorised (about 15x slower than these three)
         amax = x.float().abs().amax(dim)  # not in place: float() of a float32 x is x itself
     if checks.reads(x) and not torch.isfinite(amax).all():
-        raise InvalidArgumentError(f"{name} holds a NaN or an infinity; it cannot be quantized")
+        raise _not_finite(name)
     scale = _scale(amax)
     q = torch.div(x, scale.unsqueeze(dim)).round_().clamp_(-_LEVELS, _LEVELS).to(torch.int8)
     return q, scale.contiguous()  # the reduction keeps a strided x's dimension order
+
+
+# Quantizations that ran as torch operations because no quant kernel serves the tensor (kernels
+# built before the family existed, a device without kernels, head_dim over the kernels'), by
+# reason; each reason warns once (counts()). Calls where torch traces run the torch formula by
+# design (the compiler fuses it) and are not counted.
+fallbacks: Counter[str] = Counter()
+_launched = 0  # launches of the quant kernel
+_warned: set[str] = set()
+_lock = threading.Lock()
+
+
+def counts(*, reset: bool = False) -> dict:
+    """What the quantizations did: ``{"quantize_kernel": launches of the quant kernel,
+    "quantize_torch": tensors quantized by torch operations, "fallbacks": {reason: tensors}}`` (a
+    copy; also ``rdnattention.stats()["int8"]``). With ``reset=True`` the counts start again from
+    zero, and each reason warns again."""
+    global _launched
+    with _lock:
+        out = {"quantize_kernel": _launched, "quantize_torch": sum(fallbacks.values()), "fallbacks": dict(fallbacks)}
+        if reset:
+            _launched = 0
+            fallbacks.clear()
+            _warned.clear()
+    return out
+
+
+def _fallback(reason: str, tensors: int) -> None:
+    with _lock:
+        fallbacks[reason] += tensors
+        first = reason not in _warned
+        _warned.add(reason)
+    if first:
+        warnings.warn(f"rdnattention: {reason}; int8 quantization runs as torch operations there (the same "
+                      "numbers, nine launches a tensor instead of one launch a call)", RuntimeWarning, stacklevel=4)
+
+
+def _quant_table(xs: tuple[torch.Tensor, ...]) -> tuple[object, str | None]:
+    """(the table whose quant kernel quantizes ``xs`` in one launch, None), or (None, the reason
+    the torch formula quantizes them, which fallbacks counts) or (None, None) where that is by
+    design (torch traces, subclasses) or xs are not one launch's (devices, dtypes or head_dims
+    that differ, an empty tensor: each its own call)."""
+    if replay.tracing() or not all(type(x) is torch.Tensor for x in xs):
+        return None, None
+    first = xs[0]
+    if any(x.device != first.device or x.dtype != first.dtype or x.shape[3] != first.shape[3] or x.numel() == 0
+           for x in xs):
+        return None, None
+    if first.shape[3] > quant_family.HEAD_DIM_MAX:
+        return None, f"head_dim {first.shape[3]} is over the quant kernels' {quant_family.HEAD_DIM_MAX}"
+    try:
+        table = route.device_table(first.device)
+    except RdnaAttentionError:
+        return None, f"no kernels for {first.device.type} tensors"
+    try:
+        quant_family.select(table)
+    except RdnaAttentionError:
+        return None, (f"no quant kernel for {table.target} (its kernels were built without the quant family; "
+                      "rebuild them: rdnattention-gen build)")
+    return table, None
+
+
+def _quant_outputs(x: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contiguous int8 values and fp32 scales of x's quantization."""
+    b, h, s, d = x.shape
+    return (torch.empty((b, h, s, d), dtype=torch.int8, device=x.device),
+            torch.empty((b, h, d) if per_channel else (b, h, s), dtype=torch.float32, device=x.device))
+
+
+def _quant_launch(table, q, k, v, outputs: dict) -> Launch:
+    """The one launch that quantizes q and k per token and v per channel (each may be None) into
+    ``outputs`` (name -> (int8, scale)), their memory checked."""
+    kw = {}
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x is not None:
+            checks.check_memory(name, x)
+            kw[name], (kw[f"{name}_out"], kw[f"{name}_scale"]) = x, outputs[name]
+    return quant_family.launch(table, **kw)
+
+
+def _run_quant(table, device: torch.device, launch: Launch) -> None:
+    global _launched
+    drivers.for_platform(table.platform).launch(table.code_object, launch, device)
+    with _lock:
+        _launched += 1
+
+
+def _check_finite(named: tuple[tuple[str, torch.Tensor, torch.Tensor], ...]) -> None:
+    """(name, source, scale): a NaN scale means the source held a NaN or an infinity, where its
+    values are read (checks.reads)."""
+    for name, x, scale in named:
+        if checks.reads(x) and scale.numel() and torch.isnan(scale).any():
+            raise _not_finite(name)
+
+
+def _quantize(name: str, x: torch.Tensor, dim: int, counted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x quantized symmetrically along dimension ``dim`` (-1: per token, 2: per channel): one launch
+    of the quant kernel where one serves x, else the torch formula (``counted``: its fallback is
+    counted already)."""
+    x = _check_float(name, x).detach()
+    per_channel = dim == 2
+    if x.numel() == 0 and type(x) is torch.Tensor:  # nothing to launch: no value, and scale 1 for empty vectors
+        q, scale = _quant_outputs(x, per_channel)
+        return q, scale.fill_(1.0)
+    table, reason = _quant_table((x,))
+    if table is None:
+        if reason is not None and not counted:
+            _fallback(reason, 1)
+        return _torch_quantize(name, x, dim)
+    outputs = {"v" if per_channel else "q": _quant_outputs(x, per_channel)}
+    launch = _quant_launch(table, None if per_channel else x, None, x if per_channel else None, outputs)
+    _run_quant(table, x.device, launch)
+    q, scale = next(iter(outputs.values()))
+    _check_finite(((name, x, scale),))
+    return q, scale
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,12 +328,40 @@ def plan_flash_attn_int8qk(q, k, v, q_scale, k_scale, v_scale, *, is_causal: boo
     return _plan(q, k, v, q_scale, k_scale, v_scale, o, heavy_first=heavy_first, kernel=kernel)
 
 
+# The pointer fields of a quantized call's launches: the quant kernel's sources beside ROLES.
+QUANTIZED_ROLES = ROLES | {"q_src", "k_src", "v_src"}
+
+
 def flash_attn_int8qk_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
                                 window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
                                 rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
                                 rotary_interleaved: bool = False, return_lse: bool = False):
     """flash_attn's arguments in fp16; RoPE (if given) is applied in fp32, then q and k are quantized
-    per token and v per channel, and flash_attn_int8qk runs."""
+    per token and v per channel (one launch of the quant kernel where one is built), and
+    flash_attn_int8qk runs. An eager call of a geometry seen before replays both launches."""
+    tensors = (q, k, v)
+    key = None
+    if (rotary_cos is None and rotary_sin is None and type(q) is torch.Tensor and type(is_causal) is bool
+            and type(return_lse) is bool and type(window_size) is tuple and len(window_size) == 2
+            and type(window_size[0]) is int and type(window_size[1]) is int and q.dtype == torch.float16):
+        key = replay.key("flash_attn_int8qk_quantized", q.device, tensors,
+                         (is_causal, window_size, type(softmax_scale), softmax_scale, return_lse))
+    r = replay.cache.get(key) if key is not None else None
+    if r is not None and replay.memory_ok(tensors, r.reach, 0):
+        outputs = {name: _quant_outputs(x, name == "v") for name, x in (("q", q), ("k", k), ("v", v))}
+        out, lse = _allocate(q, return_lse, empty_lse=False)
+        pointers = {"o": out.data_ptr()}
+        if lse is not None:
+            pointers["lse"] = lse.data_ptr()
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            pointers[f"{name}_src"] = x.data_ptr()
+            pointers[name], pointers[f"{name}_scale"] = (t.data_ptr() for t in outputs[name])
+        replay.launch(r, pointers, q.device)
+        global _launched
+        with _lock:
+            _launched += 1
+        _check_finite(tuple((name, x, outputs[name][1]) for name, x in (("q", q), ("k", k), ("v", v))))
+        return (out, lse) if return_lse else out
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_fp16(name, t, NATIVE)
         if t.dtype != torch.float16:  # the INT8 family's output is fp16: its fp16 entry takes fp16 only
@@ -217,17 +369,37 @@ def flash_attn_int8qk_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise UnsupportedError("q, k or v requires grad, and int8 attention has no backward pass (quantized "
                                "inputs): run it under torch.no_grad() or torch.inference_mode(), or use flash_attn")
+    # Everything the attention's validation reads of q, k and v (shapes, devices, options) is the same
+    # in int8: refused here, before anything is quantized.
+    validate(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
+             rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_lse)
     if check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k.shape[2]):
         seq_q, seq_k = q.shape[2], k.shape[2]
         positions_q = torch.arange(seq_q, device=q.device) + (seq_k - seq_q)
         keys = torch.arange(seq_k, device=q.device)
         q = rotate(q.float(), rotary_cos.float(), rotary_sin.float(), positions_q, rotary_interleaved).float()
         k = rotate(k.float(), rotary_cos.float(), rotary_sin.float(), keys, rotary_interleaved).float()
-    q_i8, q_scale = quantize_per_token(q)
-    k_i8, k_scale = quantize_per_token(k)
-    v_i8, v_scale = quantize_per_channel(v)
-    return flash_attn_int8qk(q_i8, k_i8, v_i8, q_scale, k_scale, v_scale, is_causal=is_causal,
-                             window_size=window_size, softmax_scale=softmax_scale, return_lse=return_lse)
+    table, reason = _quant_table((q, k, v))
+    if table is None:  # each by its own call: the torch formula, or an empty tensor
+        if reason is not None:
+            _fallback(reason, 3)
+        (q_i8, q_scale), (k_i8, k_scale) = (_quantize(name, x, -1, reason is not None) for name, x in (("q", q), ("k", k)))
+        v_i8, v_scale = _quantize("v", v, 2, reason is not None)
+        return flash_attn_int8qk(q_i8, k_i8, v_i8, q_scale, k_scale, v_scale, is_causal=is_causal,
+                                 window_size=window_size, softmax_scale=softmax_scale, return_lse=return_lse)
+    outputs = {name: _quant_outputs(x, name == "v") for name, x in (("q", q), ("k", k), ("v", v))}
+    quant = _quant_launch(table, q, k, v, outputs)
+    _run_quant(table, q.device, quant)
+    (q_i8, q_scale), (k_i8, k_scale), (v_i8, v_scale) = outputs.values()
+    _check_finite((("q", q, q_scale), ("k", k, k_scale), ("v", v, v_scale)))
+    o = _validate(q_i8, k_i8, v_i8, q_scale, k_scale, v_scale, is_causal=is_causal, window_size=window_size,
+                  softmax_scale=softmax_scale, return_lse=return_lse)
+    plan = _plan(q_i8, k_i8, v_i8, q_scale, k_scale, v_scale, o)
+    if plan.table is table:  # kept for the calls of this geometry: both launches, replayed
+        replay.remember(key, plan, tensors, QUANTIZED_ROLES, before=(quant,))
+    plan.run()
+    out, lse = plan.outputs
+    return (out, lse) if return_lse else out
 
 
 @torch.library.custom_op("rdnattention::flash_attn_int8qk_fwd", mutates_args=())

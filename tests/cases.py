@@ -9,8 +9,10 @@ import functools
 
 import torch
 
-from rdnattention import (attention_reference, flash_attn, flash_attn_int8qk, flash_attn_varlen_func,
-                          flash_attn_with_kvcache, quantize_per_channel, quantize_per_token, rotary_tables)
+from rdnattention import (attention_reference, flash_attn, flash_attn_int8qk, flash_attn_int8qk_quantized,
+                          flash_attn_varlen_func, flash_attn_with_kvcache, quantize_per_channel, quantize_per_token,
+                          rotary_tables)
+from rdnattention.int8 import _torch_quantize
 from rdnattention.reference import rotate
 from rdnattention_gen.families import family
 from rdnattention_gen.matrix import load_matrix
@@ -180,6 +182,19 @@ def _int8(q, k, v, options):
     return (out, lse, *attention_reference(*dequantized, return_lse=True, **options), True)
 
 
+def _quantized(q, k, v, options):
+    """flash_attn_int8qk_quantized (its quant kernel, then the INT8 attention): the output must be
+    flash_attn_int8qk's on the torch formula's quantization (the quant kernel's int8 values and
+    scales are the formula's bit for bit), and the oracle's on those inputs dequantized."""
+    out, lse = flash_attn_int8qk_quantized(q, k, v, return_lse=True, **options)
+    (qi, qs), (ki, ks), (vi, vs) = _torch_quantize("q", q, -1), _torch_quantize("k", k, -1), _torch_quantize("v", v, 2)
+    want, want_lse = flash_attn_int8qk(qi, ki, vi, qs, ks, vs, return_lse=True, **options)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse), "the formula's quantization"
+    dequantized = (qi.double() * qs.double()[..., None], ki.double() * ks.double()[..., None],
+                   vi.double() * vs.double()[:, :, None, :])
+    return (out, lse, *attention_reference(*dequantized, return_lse=True, **options), True)
+
+
 def _kvcache(q, k, v, options):
     """flash_attn_with_kvcache on the keys as a cache (token-major), paged where the case gives a page size."""
     page = options.pop("page_size", None)
@@ -241,7 +256,7 @@ def _append(q, k, v, options):
 # (family, layout) -> the entry point that serves it.
 ENTRY_POINTS = {("f16", None): _flash_attn, ("f16", "len"): _flash_attn, ("f16", "varlen"): _varlen,
                 ("dec", None): _flash_attn, ("dec", "paged"): _kvcache,
-                ("i8", None): _int8, ("i8dec", None): _int8,
+                ("i8", None): _int8, ("i8dec", None): _int8, ("quant", None): _quantized,
                 ("append", None): _append, ("append", "rope"): _append, ("append", "ropehalf"): _append}
 
 

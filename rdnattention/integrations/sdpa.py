@@ -149,7 +149,8 @@ def stats(*, reset: bool = False) -> dict:
     {...}, "kvcache": {...}}`` (a copy); "transformers" holds the same three counts of the
     transformers integration (integrations/transformers.py: register()'s attention function), zeros
     where it was never imported; "kvcache" the appends of flash_attn_with_kvcache (kvcache.counts:
-    run by the append kernel, or by torch operations where none is built, by reason). With ``reset=True`` the counts start again from zero, and each reason logs its line
+    run by the append kernel, or by torch operations where none is built, by reason); "int8" the
+    quantizations of the INT8 entry points (int8.counts: likewise, by the quant kernel). With ``reset=True`` the counts start again from zero, and each reason logs its line
     again."""
     global _served
     _check_bool("reset", reset)
@@ -166,6 +167,9 @@ def stats(*, reset: bool = False) -> dict:
     from .. import kvcache  # flash_attn_with_kvcache's appends: kernel or torch operations
 
     out["kvcache"] = kvcache.counts(reset=reset)
+    from .. import int8  # the INT8 entry points' quantizations: kernel or torch operations
+
+    out["int8"] = int8.counts(reset=reset)
     return out
 
 

@@ -30,8 +30,9 @@ def test_default_targets_pass_the_audit(matrix, default_audit):
             assert row.dot4 > 0, f"{row.target}/{row.name} has no v_dot4"
         elif row.name.startswith("fa2_bwdpre"):
             pass  # rowsum(dO * O), tier fp32: the compiler lowers its fp16 products as it likes (gfx906: dot2)
-        elif row.name.startswith("fa2_append_"):
-            assert row.dot2 == 0  # the cache append: copies, and RoPE in float64; no fp16 products
+        elif row.name.startswith(("fa2_append_", "fa2_quant_")):
+            # the cache append (copies, and RoPE in float64) and the INT8 quantization: no fp16 products
+            assert row.dot2 == 0
         elif row.name.startswith("fa2_bwd") or "_bf16_" in row.name:
             # bf16 widened by a shift into fp32 FMAs, or the backward's fp32 FMAs on values converted
             # when staged: no products of fp16 pairs
@@ -55,7 +56,7 @@ def test_default_code_objects_contain_their_dot_instructions(matrix, default_aud
         for name, body in zip(names, kernels[1::2]):
             if name.startswith("fa2_bwdpre"):  # rowsum(dO * O): the compiler's lowering
                 continue
-            if name.startswith("fa2_append_"):  # copies, and RoPE in float64
+            if name.startswith(("fa2_append_", "fa2_quant_")):  # copies, RoPE in float64, quantization
                 assert "v_dot" not in body, f"{target.name}/{name}"
                 continue
             if name.startswith("fa2_bwd") or "_bf16_" in name:  # fp32 FMAs
@@ -130,10 +131,10 @@ def test_every_head_dim_is_built_for_every_target(matrix, default_audit, tier2_a
 
 @pytest.mark.parametrize("name", sorted(TIER2))
 def test_tier2_targets_use_their_lowering(matrix, tier2_audit, name):
-    # The fp16 kernels (the cache append has no fp16 products; the bf16 kernels' are fp32 FMAs on
-    # shifted values)
+    # The fp16 kernels (the cache append and the INT8 quantization have no fp16 products; the bf16
+    # kernels' are fp32 FMAs on shifted values)
     rows = [r for r in tier2_audit if r.target == name
-            and not r.name.startswith(("fa2_bwd", "fa2_append_")) and "_bf16_" not in r.name]
+            and not r.name.startswith(("fa2_bwd", "fa2_append_", "fa2_quant_")) and "_bf16_" not in r.name]
     field = TIER2[name]
     assert rows and all(getattr(r, field) > 0 and r.dot2 == 0 for r in rows)
     bf16 = [r for r in tier2_audit if r.target == name and "_bf16_" in r.name]

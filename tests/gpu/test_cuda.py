@@ -36,9 +36,9 @@ def test_cuda_targets_build_without_spills(matrix, cuda_audit, target):
     for r in rows:
         assert (r.vgpr_spills, r.scratch_bytes) == (0, 0), r
         assert r.lds_bytes <= budget, r
-        # bf16 widened by a shift (cvt.f32.bf16), or copies and float64 RoPE (the cache append): no
-        # fp16 conversions to count
-        if not r.name.startswith("fa2_append_") and "_bf16_" not in r.name:
+        # bf16 widened by a shift (cvt.f32.bf16), copies and float64 RoPE (the cache append), or the
+        # INT8 quantization: no fp16 conversions to count
+        if not r.name.startswith(("fa2_append_", "fa2_quant_")) and "_bf16_" not in r.name:
             assert (r.dot4 if r.name.startswith(INT8_KERNELS) else r.cvt_f32_f16) > 0, r
     # sm_90 converts each fp16 (and bf16) value once into fp32 LDS; Pascal, with 48 KiB, keeps fp16
     # (bf16) pairs.
@@ -332,6 +332,41 @@ def test_gpu_int8_matches_the_dequantized_oracle(head_dim, fam, variant):
                                        vi.double() * vs.double()[:, :, None, :], return_lse=True, **options)
     assert ((out.cpu().double() - ref).norm() / ref.norm()).item() <= 0.03
     assert (lse.cpu().double() - ref_lse).abs().max().item() <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("head_dim", [8, 64, 72, 128, 512])
+def test_gpu_the_quant_kernel_is_the_torch_formula(dtype, head_dim):
+    """The quant kernel on the GPU against the torch formula on the GPU (its CUDA reduction and
+    division), byte for byte: contiguous and token-major inputs, per token and per channel, an
+    all-zero vector, ties to even and a sub-normal amax / 127; then flash_attn_int8qk_quantized
+    (one quant launch) against flash_attn_int8qk on the formula's quantization."""
+    from rdnattention import flash_attn_int8qk, flash_attn_int8qk_quantized, int8, quantize_per_channel, quantize_per_token
+    device = _gpu()
+    g = torch.Generator().manual_seed(head_dim)
+    x = (torch.randn(2, 300, 3, head_dim, generator=g) * 4).to(dtype)
+    x[0, 0, 0] = 0
+    x[0, 1, 0, : min(head_dim, 4)] = torch.tensor([127.0, 2.5, -3.5, 0.5])[: min(head_dim, 4)].to(dtype)
+    x[0, 2, 1] = torch.finfo(dtype).tiny if dtype != torch.float16 else 2.0**-24
+    x = x.to(device)
+    start = int8.counts()["quantize_kernel"]
+    for view in (x.transpose(1, 2), x.transpose(1, 2).contiguous()):
+        for quantize, dim in ((quantize_per_token, -1), (quantize_per_channel, 2)):
+            values, scales = quantize(view)
+            want_values, want_scales = int8._torch_quantize("x", view, dim)
+            assert torch.equal(values, want_values)
+            assert torch.equal(scales.view(torch.int32), want_scales.view(torch.int32))
+    assert int8.counts()["quantize_kernel"] == start + 4
+    if dtype == torch.float16 and head_dim in (64, 128):
+        for seq_q in (1, 300):
+            q = x.transpose(1, 2)[:, :, :seq_q].repeat(1, 2, 1, 1)
+            k = v = x.transpose(1, 2)
+            out = flash_attn_int8qk_quantized(q, k, v, is_causal=seq_q > 1)
+            (qi, qs), (ki, ks), (vi, vs) = (int8._torch_quantize(n, t, d) for n, t, d in (("q", q, -1), ("k", k, -1),
+                                                                                           ("v", v, 2)))
+            assert torch.equal(out, flash_attn_int8qk(qi, ki, vi, qs, ks, vs, is_causal=seq_q > 1))
+            assert torch.equal(flash_attn_int8qk_quantized(q, k, v, is_causal=seq_q > 1), out)  # replayed
 
 
 @pytest.mark.gpu

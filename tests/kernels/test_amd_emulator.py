@@ -100,9 +100,9 @@ def test_prefill_window_and_rope(gpu, dispatched):
 
 
 def test_int8(gpu, dispatched):
-    start = len(gpu.dispatches)
     q, k, v = _inputs(1, 2, 1, 64, 64, 64, seed=2)
     (qi, qs), (ki, ks), (vi, vs) = quantize_per_token(q), quantize_per_token(k), quantize_per_channel(v)
+    start = len(gpu.dispatches)
     out = flash_attn_int8qk(qi, ki, vi, qs, ks, vs, is_causal=True)
     ref = attention_reference(*_dequantized(qi, qs, ki, ks, vi, vs), is_causal=True)
     assert _families(gpu, start) == ["fa2_i8"]
@@ -235,10 +235,39 @@ def test_the_append_kernel_is_the_torch_append(gpu, dispatched, monkeypatch, rop
     assert not torch.equal(pk, pools[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_the_quant_kernel_is_the_torch_formula(gpu, dispatched, dtype):
+    """The INT8 entry points' quant kernel (tests/kernels/test_quant.py runs it on the host) against
+    the torch formula it replaces, byte for byte: per token over a token-major view, per channel, an
+    all-zero vector, ties to even, and values whose amax / 127 is below float32's least normal; then
+    flash_attn_int8qk_quantized, one quant launch before the attention."""
+    from rdnattention import flash_attn_int8qk_quantized, int8
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(2, 40, 3, 72, generator=g) * 4).to(dtype).transpose(1, 2)
+    x[0, 0, 0] = 0
+    x[0, 0, 1, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5]).to(dtype)
+    x[0, 1, 2] = torch.finfo(dtype).tiny if dtype != torch.float16 else 2.0**-24
+    for quantize, dim in ((quantize_per_token, -1), (quantize_per_channel, 2)):
+        start = len(gpu.dispatches)
+        values, scales = quantize(x)
+        assert [d.kernel for d in gpu.dispatches[start:]] == ["fa2_quant_upto512_nt256_w32"]
+        want_values, want_scales = int8._torch_quantize("x", x, dim)
+        assert torch.equal(values, want_values) and torch.equal(scales.view(torch.int32), want_scales.view(torch.int32))
+    if dtype == torch.float16:
+        q, k, v = _inputs(1, 4, 2, 1, 90, 64, seed=5)
+        start = len(gpu.dispatches)
+        out = flash_attn_int8qk_quantized(q, k, v)
+        assert [d.kernel.split("_")[1] for d in gpu.dispatches[start:]] == ["quant", "i8dec"]
+        (qi, qs), (ki, ks), (vi, vs) = (int8._torch_quantize(n, t, d) for n, t, d in (("q", q, -1), ("k", k, -1),
+                                                                                       ("v", v, 2)))
+        assert torch.equal(out, flash_attn_int8qk(qi, ki, vi, qs, ks, vs))
+
+
 def _kernels() -> list[str]:
-    """Every gfx1100 kernel but the append ones (run by the append test) and the backward's
+    """Every gfx1100 kernel but the append and quant ones (run by their tests) and the backward's
     preprocess and dQ passes (run with their dK/dV kernel)."""
-    return sorted(v.spec.name for v in MATRIX.variants_for(MATRIX.target(TARGET)) if v.spec.family != "append"
+    return sorted(v.spec.name for v in MATRIX.variants_for(MATRIX.target(TARGET)) if v.spec.family not in ("append", "quant")
                   and not (v.spec.family == bwd.NAME and v.spec.option("layout")))
 
 

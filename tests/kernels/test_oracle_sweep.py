@@ -12,7 +12,7 @@ from cases import (DTYPES, INT8_LSE_TOL, INT8_REL_RMS, TOLS, TORCH_DTYPES, forwa
 
 import rdnattention
 from rdnattention import replay, route
-from rdnattention.families import append
+from rdnattention.families import append, quant
 from rdnattention_gen.families import family
 from rdnattention_gen.matrix import load_matrix
 
@@ -58,6 +58,14 @@ def families_run(monkeypatch):
         return first
 
     monkeypatch.setattr(append, "launch", recording_append)
+    quantize = quant.launch  # the INT8 entry points' quantization: planned apart too
+
+    def recording_quant(table, **kwargs):
+        first = quantize(table, **kwargs)
+        ran.append({(first.kernel.family, None, None, None)})
+        return first
+
+    monkeypatch.setattr(quant, "launch", recording_quant)
     monkeypatch.setattr(replay, "cache", {})
     return ran
 
@@ -67,9 +75,10 @@ def test_matches_oracle(host_build, monkeypatch, families_run, target, fam, head
     monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
     out, lse, ref, ref_lse, int8 = run_case(fam, case, head_dim, dtype)
     want = (fam, layout_of(fam, case), DTYPES[dtype], score_of(fam, case))
-    # A kvcache call with new keys runs the append kernel first: the other families' cases look at the
-    # attention launches, the append's at its own.
-    runs = [ran for ran in families_run if any(r[0] == "append" for r in ran) == (fam == "append")]
+    # A kvcache call with new keys runs the append kernel first, an INT8 call of fp16 inputs the quant
+    # kernel: the other families' cases look at the attention launches, those two's at their own.
+    before = ("append", "quant")
+    runs = [ran for ran in families_run if any(r[0] in before for r in ran) == (fam in before)]
     assert runs and all(want in ran for ran in runs), \
         f"the call ran the kernels {families_run}, not {fam} of layout {want[1]} and score option {want[3]} " \
         f"in {dtype}"

@@ -93,6 +93,10 @@ def _call(entry, seed):
         q, k_cache, v_cache, _, _ = _cache_inputs(seed, paged=True)
         return rdnattention.flash_attn_varlen_func(q[:, 0], k_cache, v_cache, CU_1, torch.tensor(
             [0, 10, 50], dtype=torch.int32), 1, 64, block_table=TABLE), ()
+    if entry == "int8.quantized":  # the quant kernel's launch and the attention's, replayed together
+        q = torch.randn(1, 4, 30, 64, generator=g).half()
+        k, v = (torch.randn(1, 2, 80, 64, generator=g).half() for _ in range(2))
+        return rdnattention.flash_attn_int8qk_quantized(q, k, v, is_causal=True, return_lse=True), ()
     if entry.startswith("int8"):
         return rdnattention.flash_attn_int8qk(*_int8(seed, 1 if "decode" in entry else 30), is_causal=True), ()
     raise AssertionError(entry)
@@ -101,7 +105,7 @@ def _call(entry, seed):
 ENTRIES = ["flash_attn.decode", "flash_attn.prefill", "flash_attn.seqused", "flash_attn.rope", "flash_attn_func",
            "sdpa", "kvcache", "kvcache.append", "kvcache.rope", "kvcache.int", "kvcache.rows", "kvcache.paged",
            "kvcache.paged.append", "kvcache.splits", "varlen.decode", "varlen.prefill", "varlen.paged", "int8.decode",
-           "int8.prefill"]
+           "int8.prefill", "int8.quantized"]
 
 
 def _flat(result):
