@@ -20,7 +20,7 @@ from collections import Counter
 
 import torch
 
-from . import checks, drivers, replay, route
+from . import checks, drivers, replay, route, workspace
 from .checks import NATIVE, check_fp16
 from .errors import InvalidArgumentError, RdnaAttentionError, UnsupportedError
 from .families import quant as quant_family
@@ -328,6 +328,18 @@ def plan_flash_attn_int8qk(q, k, v, q_scale, k_scale, v_scale, *, is_causal: boo
     return _plan(q, k, v, q_scale, k_scale, v_scale, o, heavy_first=heavy_first, kernel=kernel)
 
 
+def _regions(outputs: dict) -> tuple[int, tuple[tuple[str, int], ...]]:
+    """Where a replayed quantized call keeps its int8 values and scales in the stream's workspace
+    (replay.launch's ``regions``): each of ``outputs``' tensors (name -> (int8, scale)) in a region
+    of its own, 256-byte aligned."""
+    fields, at = [], 0
+    for name, (values, scale) in outputs.items():
+        for field, t in ((name, values), (f"{name}_scale", scale)):
+            fields.append((field, at))
+            at += workspace.align(t.numel() * t.element_size())
+    return at, tuple(fields)
+
+
 # The pointer fields of a quantized call's launches: the quant kernel's sources beside ROLES.
 QUANTIZED_ROLES = ROLES | {"q_src", "k_src", "v_src"}
 
@@ -348,19 +360,21 @@ def flash_attn_int8qk_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                          (is_causal, window_size, type(softmax_scale), softmax_scale, return_lse))
     r = replay.cache.get(key) if key is not None else None
     if r is not None and replay.memory_ok(tensors, r.reach, 0):
-        outputs = {name: _quant_outputs(x, name == "v") for name, x in (("q", q), ("k", k), ("v", v))}
         out, lse = _allocate(q, return_lse, empty_lse=False)
-        pointers = {"o": out.data_ptr()}
+        pointers = {"o": out.data_ptr(), "q_src": q.data_ptr(), "k_src": k.data_ptr(), "v_src": v.data_ptr()}
         if lse is not None:
             pointers["lse"] = lse.data_ptr()
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            pointers[f"{name}_src"] = x.data_ptr()
-            pointers[name], pointers[f"{name}_scale"] = (t.data_ptr() for t in outputs[name])
-        replay.launch(r, pointers, q.device)
+        reads = checks.reads(q)
+        if reads:  # the scales are read after the launch: tensors of the call's own
+            outputs = {name: _quant_outputs(x, name == "v") for name, x in (("q", q), ("k", k), ("v", v))}
+            for name in "qkv":
+                pointers[name], pointers[f"{name}_scale"] = (t.data_ptr() for t in outputs[name])
+        replay.launch(r, pointers, q.device, None if reads else r.extra)
         global _launched
         with _lock:
             _launched += 1
-        _check_finite(tuple((name, x, outputs[name][1]) for name, x in (("q", q), ("k", k), ("v", v))))
+        if reads:
+            _check_finite(tuple((name, x, outputs[name][1]) for name, x in (("q", q), ("k", k), ("v", v))))
         return (out, lse) if return_lse else out
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_fp16(name, t, NATIVE)
@@ -396,7 +410,7 @@ def flash_attn_int8qk_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                   softmax_scale=softmax_scale, return_lse=return_lse)
     plan = _plan(q_i8, k_i8, v_i8, q_scale, k_scale, v_scale, o)
     if plan.table is table:  # kept for the calls of this geometry: both launches, replayed
-        replay.remember(key, plan, tensors, QUANTIZED_ROLES, before=(quant,))
+        replay.remember(key, plan, tensors, QUANTIZED_ROLES, extra=_regions(outputs), before=(quant,))
     plan.run()
     out, lse = plan.outputs
     return (out, lse) if return_lse else out

@@ -173,15 +173,26 @@ def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str
     return r
 
 
-def launch(r: Replay, pointers: dict[str, int], device: torch.device) -> None:
+def launch(r: Replay, pointers: dict[str, int], device: torch.device,
+           regions: tuple[int, tuple[tuple[str, int], ...]] | None = None) -> None:
     """Runs ``r``'s launches with ``pointers`` (by field), on the scratch and counters of ``device``'s
     current stream: on a GPU through the kernel handles kept with the steps, on the host emulator
-    through its launch_kernel."""
+    through its launch_kernel. ``regions`` (bytes, ((field, offset), ...)): intermediates that only
+    the launches read (the INT8 entry's quantized inputs), placed in the stream's workspace after
+    the split-KV scratch, each field pointed at its offset there."""
     buffer = count = None
-    if r.scratch_bytes:
-        buffer, count = workspace.scratch(device, r.scratch_bytes, r.counters)  # held until the launches are enqueued
+    extra = regions[0] if regions else 0
+    if r.scratch_bytes or extra:
+        # held until the launches are enqueued
+        start = workspace.align(r.scratch_bytes)
+        buffer, count = workspace.scratch(device, start + extra, r.counters)
         base = buffer.data_ptr()
-        pointers["part_o"], pointers["part_lse"], pointers["counters"] = base, base + r.scratch_lse, count.data_ptr()
+        if r.scratch_bytes:
+            pointers["part_o"], pointers["part_lse"], pointers["counters"] = \
+                base, base + r.scratch_lse, count.data_ptr()
+        if extra:
+            for field, offset in regions[1]:
+                pointers[field] = base + start + offset
     driver = r.driver
     for step in r.steps:
         args = type(step.args).from_buffer_copy(step.args)

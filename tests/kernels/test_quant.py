@@ -161,3 +161,33 @@ def test_the_quantized_entry_is_one_quant_launch_then_the_attention(host_build, 
     again, again_lse = flash_attn_int8qk_quantized(q, k, v, is_causal=seq_q > 1, return_lse=True)
     assert _launches() == start + 2  # the attention on the formula's tensors above launched none
     assert len(replay.cache) == hits and torch.equal(again, out) and torch.equal(again_lse, lse)
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 2, 30, 30, 64), (1, 8, 2, 1, 2000, 128)], ids=["prefill", "split_kv"])
+def test_a_replay_keeps_the_quantized_inputs_in_the_workspace(host_build, monkeypatch, shape):
+    """Where values are not read (GPU tensors, RDNATTENTION_CHECK=0), a replayed quantized call
+    allocates its output alone: the int8 values and scales live in the stream's workspace, after a
+    split-KV call's scratch. Calls of other values give what the full path gives."""
+    from rdnattention.families import _splitkv
+
+    batch, heads_q, heads_kv, seq_q, seq_k, head_dim = shape
+    monkeypatch.setattr(checks, "_mode", "never")
+    monkeypatch.setattr(_splitkv, "units", lambda device: 64)  # a GPU's compute units: the keys split
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(batch, heads_q, seq_q, head_dim, generator=g).half(),
+                *(torch.randn(batch, heads_kv, seq_k, head_dim, generator=g).half() for _ in range(2)))
+
+    replay.cache.clear()
+    flash_attn_int8qk_quantized(*inputs(1), is_causal=seq_q > 1, return_lse=True)
+    (kept,) = replay.cache.values()
+    assert (kept.scratch_bytes > 0) == (seq_q == 1)
+    with monkeypatch.context() as m:
+        m.setattr(int8, "_quant_outputs", lambda *a: pytest.fail("a replay allocated the quantized inputs"))
+        replayed = [flash_attn_int8qk_quantized(*inputs(seed), is_causal=seq_q > 1, return_lse=True)
+                    for seed in (2, 3)]
+    for seed, (out, lse) in zip((2, 3), replayed):
+        replay.cache.clear()
+        want, want_lse = flash_attn_int8qk_quantized(*inputs(seed), is_causal=seq_q > 1, return_lse=True)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
