@@ -17,7 +17,6 @@ per code object and device)."""
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -71,6 +70,14 @@ cache: dict[tuple, Replay] = {}
 # otherwise be validated and planned at every step. The replay it derives for a new length
 # (relength) is kept under that call's own key, so that the other layers of the step replay it as it is.
 by_length: dict[tuple, Replay] = {}
+# The replay last derived from each by_length entry, by length_free(key): [the key of the call it was
+# derived for, the replay, the calls that reused it]. The other layers of a decode step (one key) reuse
+# it; the next step's length replaces it, so the replays of a cache that grows by a key per step are
+# freed as they go, rather than kept (kept ones pile up as objects the garbage collector scans: in a
+# loop of growing calls that cost more than the call itself). One reused PROMOTE times, a length
+# that stays, is kept under its key.
+recent: dict[tuple, list] = {}
+PROMOTE = 128
 
 
 def tracing() -> bool:
@@ -229,8 +236,28 @@ def relength(r: Replay, seq_k: int, k_strides: tuple[int, int, int], v_strides: 
         k_strides, v_strides
     args.seq_k, args.splits = seq_k, splits
     scratch_bytes, scratch_lse = lengths.scratch(splits)
-    return dataclasses.replace(r, steps=(dataclasses.replace(step, grid=grid, args=args),), scratch_bytes=scratch_bytes,
-                               scratch_lse=scratch_lse, reach=reach, lengths=None)
+    # Made field by field: dataclasses.replace reads the fields anew each call, a third of this function's time.
+    step = Step(step.name, grid, step.block, step.shared_bytes, args, step.fields, step.function, step.index)
+    return Replay(r.table, r.driver, (step,), scratch_bytes, scratch_lse, r.counters, reach, r.extra, None)
+
+
+def derived(free: tuple, key: tuple) -> Replay | None:
+    """The replay last derived from by_length[free] where it was derived for ``key`` (recent), or None;
+    one reused PROMOTE times is kept under ``key`` from then on."""
+    last = recent.get(free)
+    if last is None or last[0] != key:
+        return None
+    last[2] += 1
+    if last[2] >= PROMOTE:
+        keep(key, last[1])
+    return last[1]
+
+
+def derive(free: tuple, key: tuple, r: Replay) -> None:
+    """Records ``r``, derived from by_length[free] for the calls of ``key`` (recent)."""
+    if len(recent) >= CACHE_LIMIT:
+        recent.clear()
+    recent[free] = [key, r, 0]
 
 
 def keep(key: tuple, r: Replay) -> None:

@@ -301,12 +301,12 @@ def _growing(seed, lengths, token_major=False, offset=0):
 
 def _fresh(call):
     """``call()`` planned from scratch: no kept replay."""
-    kept = replay.cache, replay.by_length
-    replay.cache, replay.by_length = {}, {}
+    kept = replay.cache, replay.by_length, replay.recent
+    replay.cache, replay.by_length, replay.recent = {}, {}, {}
     try:
         return call()
     finally:
-        replay.cache, replay.by_length = kept
+        replay.cache, replay.by_length, replay.recent = kept
 
 
 @pytest.mark.parametrize("entry", ["flash_attn", "flash_attn_func"])
@@ -316,6 +316,7 @@ def test_a_cache_growing_by_a_key_per_call_replays_without_planning(host_build, 
     and the result the full path gives."""
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "by_length", {})
+    monkeypatch.setattr(replay, "recent", {})
     token_major = entry == "flash_attn_func"
     fn = rdnattention.flash_attn_func if token_major else rdnattention.flash_attn
     lengths = list(range(1990, 2000)) + [3000, 2100]
@@ -333,11 +334,12 @@ def test_a_cache_growing_by_a_key_per_call_replays_without_planning(host_build, 
 
 
 def test_a_followed_length_is_kept_for_the_next_layer(host_build, monkeypatch):
-    """The replay a new length derives (replay.relength) is kept under that call's key: the next call
+    """The replay a new length derives (replay.relength) is the length's recent one: the next call
     of the same length (the next layer of a decode step, its own cache of the same shape) replays
     it as it is, and gives the full path's result."""
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "by_length", {})
+    monkeypatch.setattr(replay, "recent", {})
     q, kv = _growing(1, [1990, 1991], token_major=True)
     _, (k2, v2) = _growing(2, [1990, 1991], token_major=True)[1]  # another layer's cache, same shapes
     rdnattention.flash_attn_func(q, *kv[0])
@@ -351,11 +353,33 @@ def test_a_followed_length_is_kept_for_the_next_layer(host_build, monkeypatch):
     assert torch.equal(second, _fresh(lambda: rdnattention.flash_attn_func(q, k2, v2)))
 
 
+def test_a_growing_cache_keeps_no_replay_per_length(host_build, monkeypatch):
+    """Replays derived for lengths that pass are dropped, not kept (kept ones pile up for the garbage
+    collector to scan, step after step): one recent replay per length-free key. A length reused
+    PROMOTE times is kept under its key, as a planned one is."""
+    monkeypatch.setattr(replay, "cache", {})
+    monkeypatch.setattr(replay, "by_length", {})
+    monkeypatch.setattr(replay, "recent", {})
+    monkeypatch.setattr(replay, "PROMOTE", 3)
+    lengths = list(range(1990, 2010))
+    q, kv = _growing(3, lengths, token_major=True)
+    for k, v in kv:
+        rdnattention.flash_attn_func(q, k, v)
+        rdnattention.flash_attn_func(q, k, v)  # the step's next layer
+    assert len(replay.cache) == 1 and len(replay.recent) == 1  # the planned first length alone
+    k, v = kv[-1]
+    for _ in range(2):
+        rdnattention.flash_attn_func(q, k, v)
+    assert len(replay.cache) == 2  # reused three times: kept
+    assert torch.equal(rdnattention.flash_attn_func(q, k, v), _fresh(lambda: rdnattention.flash_attn_func(q, k, v)))
+
+
 def test_a_length_that_changes_the_launches_is_planned_again(host_build, monkeypatch):
     """One key slice (no scratch) at a short cache, several at a long one: a replay kept
     for one is not followed for the other; the call is planned, and kept in turn."""
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "by_length", {})
+    monkeypatch.setattr(replay, "recent", {})
     lengths = [16, 2000, 17, 2001, 18]  # at most two steps of 16 keys: one slice
     q, kv = _growing(1, lengths)
     planned = []
@@ -372,6 +396,7 @@ def test_a_followed_length_still_refuses_what_the_full_path_refuses(host_build, 
     as a first call of that geometry is, its tensors untouched."""
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "by_length", {})
+    monkeypatch.setattr(replay, "recent", {})
     q, kv = _growing(2, [1990, 1991])
     rdnattention.flash_attn(q, *kv[0])
     _, bad = _growing(2, [1991], offset=1)  # one fp16 element in: rows start off 16 bytes
@@ -387,6 +412,7 @@ def test_a_sliding_window_cache_that_outgrows_its_window_is_planned_for_its_leng
     then of 1990: the second call is not the first's plan followed, which would drop its window."""
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "by_length", {})
+    monkeypatch.setattr(replay, "recent", {})
     q, kv = _growing(3, [60, 1990, 1991])
     results = [rdnattention.flash_attn(q, k, v, window_size=(100, 0)) for k, v in kv]
     assert not replay.by_length
@@ -400,6 +426,7 @@ def test_rope_calls_are_planned_for_their_length(host_build, monkeypatch):
     does, not read past the tables' end by a followed plan."""
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "by_length", {})
+    monkeypatch.setattr(replay, "recent", {})
     q, kv = _growing(4, [1990, 1991, 2001])
     cos, sin = rdnattention.rotary_tables(2000, 64)
     for k, v in kv[:2]:
