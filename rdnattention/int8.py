@@ -42,10 +42,14 @@ def _check_float(name: str, x: object) -> torch.Tensor:
 
 
 def _scale(amax: torch.Tensor) -> torch.Tensor:
-    """The scale of each amax: amax / 127, at least float32's smallest normal number (values so tiny
-    quantize to 0 rather than to a zero or subnormal scale, which the kernels refuse or flush), and
-    1 for an all-zero vector."""
-    return torch.where(amax > 0, (amax / _LEVELS).clamp_min_(torch.finfo(torch.float32).tiny), 1.0)
+    """The scale of each amax: amax / 127 rounded once to float32, at least float32's smallest normal
+    number (values so tiny quantize to 0 rather than to a zero or subnormal scale, which the kernels
+    refuse or flush), and 1 for an all-zero vector. Divided in float64: torch's CUDA division by a
+    Python number multiplies by its float32 reciprocal, a unit off amax / 127 for some amax (the
+    float64 quotient rounds to float32 as the correctly rounded float32 division does: amax / 127 is
+    never within float64's error of a float32 rounding boundary)."""
+    scale = (amax.double() / _LEVELS).float()
+    return torch.where(amax > 0, scale.clamp_min_(torch.finfo(torch.float32).tiny), 1.0)
 
 
 def _not_finite(name: str) -> InvalidArgumentError:
@@ -55,7 +59,7 @@ def _not_finite(name: str) -> InvalidArgumentError:
 def _torch_quantize(name: str, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x quantized symmetrically along every vector of dimension ``dim`` (one scale per position of
     the others) by torch operations: where torch traces, and where no quant kernel serves x (the
-    formula the quant kernels reproduce bit for bit). Nine tensor launches on a GPU, none of which
+    formula the quant kernels reproduce bit for bit). About ten tensor launches on a GPU, none of which
     copies x to float32 first (the amax reads x as it is, the division promotes)."""
     if x.is_cuda:  # max |x|, exact: one reduction launch on a GPU
         amax = torch.linalg.vector_norm(x, float("inf"), dim=dim, dtype=torch.float32)
@@ -100,7 +104,7 @@ def _fallback(reason: str, tensors: int) -> None:
         _warned.add(reason)
     if first:
         warnings.warn(f"rdnattention: {reason}; int8 quantization runs as torch operations there (the same "
-                      "numbers, nine launches a tensor instead of one launch a call)", RuntimeWarning, stacklevel=4)
+                      "numbers, about ten launches a tensor instead of one launch a call)", RuntimeWarning, stacklevel=4)
 
 
 def _quant_table(xs: tuple[torch.Tensor, ...]) -> tuple[object, str | None]:
@@ -146,11 +150,19 @@ def _quant_launch(table, q, k, v, outputs: dict) -> Launch:
     return quant_family.launch(table, **kw)
 
 
-def _run_quant(table, device: torch.device, launch: Launch) -> None:
+# The pointer fields of the quant kernel's launch.
+QUANT_ROLES = frozenset({"q_src", "k_src", "v_src", "q", "k", "v", "q_scale", "k_scale", "v_scale"})
+
+
+def _counted_launch() -> None:
     global _launched
-    drivers.for_platform(table.platform).launch(table.code_object, launch, device)
     with _lock:
         _launched += 1
+
+
+def _run_quant(table, device: torch.device, launch: Launch) -> None:
+    drivers.for_platform(table.platform).launch(table.code_object, launch, device)
+    _counted_launch()
 
 
 def _check_finite(named: tuple[tuple[str, torch.Tensor, torch.Tensor], ...]) -> None:
@@ -167,6 +179,16 @@ def _quantize(name: str, x: torch.Tensor, dim: int, counted: bool = False) -> tu
     counted already)."""
     x = _check_float(name, x).detach()
     per_channel = dim == 2
+    job = "v" if per_channel else "q"  # the kernel's job that quantizes x
+    key = replay.key("quantize", x.device, (x,), (per_channel,)) if type(x) is torch.Tensor and x.numel() else None
+    r = replay.cache.get(key) if key is not None else None
+    if r is not None and replay.memory_ok((x,), r.reach, 0):  # a geometry seen before: its launch replayed
+        values, scale = _quant_outputs(x, per_channel)
+        replay.launch(r, {f"{job}_src": x.data_ptr(), job: values.data_ptr(), f"{job}_scale": scale.data_ptr()},
+                      x.device)
+        _counted_launch()
+        _check_finite(((name, x, scale),))
+        return values, scale
     if x.numel() == 0 and type(x) is torch.Tensor:  # nothing to launch: no value, and scale 1 for empty vectors
         q, scale = _quant_outputs(x, per_channel)
         return q, scale.fill_(1.0)
@@ -175,10 +197,11 @@ def _quantize(name: str, x: torch.Tensor, dim: int, counted: bool = False) -> tu
         if reason is not None and not counted:
             _fallback(reason, 1)
         return _torch_quantize(name, x, dim)
-    outputs = {"v" if per_channel else "q": _quant_outputs(x, per_channel)}
+    outputs = {job: _quant_outputs(x, per_channel)}
     launch = _quant_launch(table, None if per_channel else x, None, x if per_channel else None, outputs)
     _run_quant(table, x.device, launch)
-    q, scale = next(iter(outputs.values()))
+    replay.remember(key, Plan(table=table, device=x.device, launches=[launch], outputs=()), (x,), QUANT_ROLES)
+    q, scale = outputs[job]
     _check_finite(((name, x, scale),))
     return q, scale
 
@@ -370,9 +393,7 @@ def flash_attn_int8qk_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             for name in "qkv":
                 pointers[name], pointers[f"{name}_scale"] = (t.data_ptr() for t in outputs[name])
         replay.launch(r, pointers, q.device, None if reads else r.extra)
-        global _launched
-        with _lock:
-            _launched += 1
+        _counted_launch()
         if reads:
             _check_finite(tuple((name, x, outputs[name][1]) for name, x in (("q", q), ("k", k), ("v", v))))
         return (out, lse) if return_lse else out

@@ -1,13 +1,14 @@
-"""The INT8 entry points' quantization on a GPU: the quant kernel (one launch for q, k and v) against
-the torch formula it replaced (int8._torch_quantize: nine launches a tensor), in one process,
-interleaved over rounds, and flash_attn_int8qk_quantized whole beside torch SDPA on the same fp16
-inputs.
+"""The INT8 entry points' quantization on a GPU: quantize_per_token and quantize_per_channel (one
+launch of the quant kernel each, replayed) against the torch formula they replaced
+(int8._torch_quantize: about ten launches a tensor), in one process, round after round, and
+flash_attn_int8qk_quantized whole (one quant launch for q, k and v, then the attention) beside torch
+SDPA on the same fp16 inputs.
 
     python -m tuning.quantize [--rounds 5]
 
 Per shape (q [1, 32, seq, 128], k and v [1, 8, seq, 128], fp16):
-- kernel time (CUDA events around back-to-back calls, stream_ms): the quantization of q, k and v
-  (seq 1: a decode step over 8192 keys);
+- GPU time (CUDA events around a CUDA graph of calls: the kernels alone) of the quantization of q,
+  k and v (seq 1: a decode step over 8192 keys);
 - back-to-back wall time per call (host_us; the least over rounds) and one-call time (one_call_us;
   the median): the quantization alone, and flash_attn_int8qk_quantized against sdpa."""
 
@@ -23,11 +24,34 @@ H, HKV, D = 32, 8, 128
 SEQS = (1, 128, 2048)
 
 
+def graph_ms(fn, calls: int = 20, rounds: int = 5) -> float:
+    """GPU time per call of ``fn`` from a CUDA graph of ``calls`` calls, median over ``rounds``
+    replays: the kernels alone, no host work."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm: kernel handles loaded, replays kept
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     import rdnattention
     from rdnattention import int8
 
-    from .timing import host_us, one_call_us, stream_ms
+    from .timing import host_us, one_call_us
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -37,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     device, sync = torch.device("cuda"), torch.cuda.synchronize
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}\n")
-    print("| q seq / k seq | quantize q, k, v: kernel ms, formula | quant kernel | ratio "
+    print("| q seq / k seq | quantize q, k, v: GPU ms (graph), formula | quant kernel | ratio "
           "| back-to-back us, formula | quant kernel | one call us, formula | quant kernel "
           "| quantized attention: back-to-back us | sdpa | one call us | sdpa |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -53,11 +77,9 @@ def main(argv: list[str] | None = None) -> int:
                 return (int8._torch_quantize("q", q, -1), int8._torch_quantize("k", k, -1),
                         int8._torch_quantize("v", v, 2))
 
-            def kernel():
-                outputs = {n: int8._quant_outputs(x, n == "v") for n, x in (("q", q), ("k", k), ("v", v))}
-                table, _ = int8._quant_table((q, k, v))
-                int8._run_quant(table, device, int8._quant_launch(table, q, k, v, outputs))
-                return outputs
+            def kernel():  # the public quantizers (replayed after the first call): three launches
+                return {"q": rdnattention.quantize_per_token(q), "k": rdnattention.quantize_per_token(k),
+                        "v": rdnattention.quantize_per_channel(v)}
 
             def ours():
                 return rdnattention.flash_attn_int8qk_quantized(q, k, v, is_causal=seq_q > 1)
@@ -68,11 +90,15 @@ def main(argv: list[str] | None = None) -> int:
             got, want = kernel(), formula()
             for (a, sa), (b, sb) in zip(got.values(), want):
                 assert torch.equal(a, b) and torch.equal(sa, sb), "the quant kernel differs from the formula"
+            want = (int8._torch_quantize("q", q.cpu(), -1), int8._torch_quantize("k", k.cpu(), -1),
+                    int8._torch_quantize("v", v.cpu(), 2))
+            for (a, sa), (b, sb) in zip(got.values(), want):
+                assert torch.equal(a.cpu(), b) and torch.equal(sa.cpu(), sb), "the quant kernel differs on the CPU"
             calls, reps, warmup = (200, 200, 50) if seq <= 128 else (20, 30, 5)
             rows = {name: [] for name in ("fk", "kk", "fb", "kb", "f1", "k1", "ob", "sb", "o1", "s1")}
             for _ in range(args.rounds):
-                rows["fk"].append(stream_ms(formula))
-                rows["kk"].append(stream_ms(kernel))
+                rows["fk"].append(graph_ms(formula))
+                rows["kk"].append(graph_ms(kernel))
                 rows["fb"].append(host_us(formula, calls, sync, warmup))
                 rows["kb"].append(host_us(kernel, calls, sync, warmup))
                 rows["f1"].append(one_call_us(formula, sync, reps))

@@ -339,7 +339,7 @@ def test_gpu_int8_matches_the_dequantized_oracle(head_dim, fam, variant):
 @pytest.mark.parametrize("head_dim", [8, 64, 72, 128, 512])
 def test_gpu_the_quant_kernel_is_the_torch_formula(dtype, head_dim):
     """The quant kernel on the GPU against the torch formula on the GPU (its CUDA reduction and
-    division), byte for byte: contiguous and token-major inputs, per token and per channel, an
+    division) and on the CPU, byte for byte: contiguous and token-major inputs, per token and per channel, an
     all-zero vector, ties to even and a sub-normal amax / 127; then flash_attn_int8qk_quantized
     (one quant launch) against flash_attn_int8qk on the formula's quantization."""
     from rdnattention import flash_attn_int8qk, flash_attn_int8qk_quantized, int8, quantize_per_channel, quantize_per_token
@@ -354,9 +354,10 @@ def test_gpu_the_quant_kernel_is_the_torch_formula(dtype, head_dim):
     for view in (x.transpose(1, 2), x.transpose(1, 2).contiguous()):
         for quantize, dim in ((quantize_per_token, -1), (quantize_per_channel, 2)):
             values, scales = quantize(view)
-            want_values, want_scales = int8._torch_quantize("x", view, dim)
-            assert torch.equal(values, want_values)
-            assert torch.equal(scales.view(torch.int32), want_scales.view(torch.int32))
+            for formula_on in (view, view.cpu()):  # the formula by torch's CUDA and CPU operations
+                want_values, want_scales = int8._torch_quantize("x", formula_on, dim)
+                assert torch.equal(values.cpu(), want_values.cpu())
+                assert torch.equal(scales.view(torch.int32).cpu(), want_scales.view(torch.int32).cpu())
     assert int8.counts()["quantize_kernel"] == start + 4
     if dtype == torch.float16 and head_dim in (64, 128):
         for seq_q in (1, 300):

@@ -251,7 +251,7 @@ def test_the_quant_kernel_is_the_torch_formula(gpu, dispatched, dtype):
     for quantize, dim in ((quantize_per_token, -1), (quantize_per_channel, 2)):
         start = len(gpu.dispatches)
         values, scales = quantize(x)
-        assert [d.kernel for d in gpu.dispatches[start:]] == ["fa2_quant_upto512_nt256_w32"]
+        assert [d.kernel for d in gpu.dispatches[start:]] == ["fa2_quant_upto512_nt1024_w32"]
         want_values, want_scales = int8._torch_quantize("x", x, dim)
         assert torch.equal(values, want_values) and torch.equal(scales.view(torch.int32), want_scales.view(torch.int32))
     if dtype == torch.float16:

@@ -126,13 +126,13 @@ def test_what_no_kernel_serves_runs_the_formula_counted_and_warned_once(host_bui
         raise UnsupportedError("no quant kernel")
 
     monkeypatch.setattr(quant_family, "select", no_quant_kernel)
+    monkeypatch.setattr(replay, "cache", {})  # no kept launch of an earlier call
     q, k, v = (torch.randn(1, 2, 9, 64).half() for _ in range(3))
     with pytest.warns(RuntimeWarning, match="no quant kernel for host"):
         out = flash_attn_int8qk_quantized(q, k, v)
     counts = int8.counts(reset=True)
     assert counts["quantize_torch"] == 5 and counts["quantize_kernel"] == 0
     monkeypatch.undo()
-    replay.cache.clear()
     assert torch.equal(flash_attn_int8qk_quantized(q, k, v), out)  # the kernel's numbers are the formula's
     assert int8.counts()["quantize_kernel"] == 1
 
@@ -191,3 +191,21 @@ def test_a_replay_keeps_the_quantized_inputs_in_the_workspace(host_build, monkey
         replay.cache.clear()
         want, want_lse = flash_attn_int8qk_quantized(*inputs(seed), is_causal=seq_q > 1, return_lse=True)
         assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("quantize", [quantize_per_token, quantize_per_channel])
+def test_a_quantizer_replays_the_launch_of_a_geometry_it_has_seen(host_build, monkeypatch, quantize):
+    monkeypatch.setattr(replay, "cache", {})
+    g = torch.Generator().manual_seed(9)
+    xs = [torch.randn(2, 3, 17, 64, generator=g).half().transpose(1, 2) for _ in range(3)]
+    first = quantize(xs[0])
+    with monkeypatch.context() as m:
+        m.setattr(int8, "_quant_launch", lambda *a: pytest.fail("planned again"))
+        replayed = [quantize(x) for x in xs[1:]]
+    assert len(replay.cache) == 1
+    for x, got in zip(xs, [first, *replayed]):
+        _same(got, int8._torch_quantize("x", x, 2 if quantize is quantize_per_channel else -1))
+    bad = xs[2].clone()
+    bad[0, 1, 2, 3] = float("nan")
+    with pytest.raises(InvalidArgumentError, match="holds a NaN or an infinity"):
+        quantize(bad)  # values still read on a replay

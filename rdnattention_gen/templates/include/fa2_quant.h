@@ -97,7 +97,7 @@ RDNA_DEVICE void fa2_quant(const Fa2QuantArgs& a, unsigned char* lds) {
   const long long base = (bh / a.heads_v) * a.vs_stride_b + (bh % a.heads_v) * a.vs_stride_h + d * a.vs_stride_d;
   float amax = 0.f;
   if (d < D) {
-#pragma unroll 4
+#pragma unroll 8
     for (int s = wave; s < S; s += WAVES)
       amax = __builtin_fmaxf(amax, fa2_quant_magnitude(fa2_quant_load(a.v_src, base + s * a.vs_stride_s, a.x_dtype)));
   }
@@ -110,6 +110,6 @@ RDNA_DEVICE void fa2_quant(const Fa2QuantArgs& a, unsigned char* lds) {
   const float scale = fa2_quant_scale(amax);
   if (wave == 0) a.v_scale[bh * D + d] = scale;
   signed char* const o = a.v + bh * S * D + d;
-#pragma unroll 4
+#pragma unroll 8
   for (int s = wave; s < S; s += WAVES) o[(long long)s * D] = fa2_quant_value(fa2_quant_load(a.v_src, base + s * a.vs_stride_s, a.x_dtype), scale);
 }
