@@ -270,7 +270,7 @@ def test_minimal_matrix_loads(tmp_path):
      "variants.yaml:28: tiles.small.f16.default: kernel fa2_f16_hd512_g1_br128_bc64_nt256_tm8_w32_dot2_sf16 for "
      "gfx1030: needs 221696 bytes of LDS, over the 65536 budget"),
     ("  f16:\n    head_dims", "  f17:\n    head_dims",
-     "variants.yaml:22: kernels.f17: unknown kernel family; known: append, bwd, dec, f16, i8, i8dec"),
+     "variants.yaml:22: kernels.f17: unknown kernel family; known: append, bwd, dec, f16, i8, i8dec, quant"),
     ("    gqa_groups: [1, 2]\n", "    gqa_groups: [1, 2]\n    template: fa2_f16.hip.j2\n",
      "variants.yaml:25: kernels.f16.template: unknown key"),
     ("kernels:\n", "kernel:\n", "variants.yaml:1: kernels: is missing"),

@@ -17,7 +17,7 @@ from rdnattention import attention_reference, dispatch, flash_attn, plan_flash_a
 from rdnattention.abi import ArgStruct
 from rdnattention.table import Constraints, KernelEntry, TargetTable
 from rdnattention.errors import IncompatibleKernelsError, InvalidArgumentError, StaleKernelsError, UnsupportedError
-from rdnattention.families import append, bwd, dec, f16, i8, i8dec
+from rdnattention.families import append, bwd, dec, f16, i8, i8dec, quant
 from rdnattention.plan import Launch
 
 
@@ -47,7 +47,7 @@ def test_dispatch_table_records_format_and_digest(host_build):
     assert data["format"] == dispatch.TABLE_FORMAT and data["dynamic_lds"] is False
     assert {e["args_digest"] for e in data["kernels"]} == {f16.ARGS.digest, i8.ARGS.digest, dec.ARGS.digest,
                                                            i8dec.ARGS.digest,
-                                                           append.ARGS.digest, bwd.ARGS.digest}
+                                                           append.ARGS.digest, bwd.ARGS.digest, quant.ARGS.digest}
     assert all(e["provenance"] == "variants.yaml" for e in data["kernels"] if e["priority"] >= 0)
     # host's alternates: the tiles of the AMD tables it mirrors
     assert {e["provenance"] for e in data["kernels"] if e["priority"] < 0} == {"mirrors gfx1030", "mirrors gfx906"}
