@@ -320,6 +320,7 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
     ref = attention_reference(q, k, v, is_causal=True, **score)
     if spec.family in ("i8", "i8dec"):
         (qi, qs), (ki, ks), (vi, vs) = quantize_per_token(q), quantize_per_token(k), quantize_per_channel(v)
+        start = len(gpu.dispatches)  # after the quant kernel's launches (test_the_quant_kernel_is_the_torch_formula)
         plan = plan_flash_attn_int8qk(qi, ki, vi, qs, ks, vs, is_causal=True, kernel=name)
         ref = attention_reference(*_dequantized(qi, qs, ki, ks, vi, vs), is_causal=True)
     elif layout == "varlen":  # the batch as one packed sequence pair
