@@ -8,6 +8,7 @@ dispatcher under torch.compile or on tensor subclasses, so compiled graphs need 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -49,7 +50,8 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: 
                window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
                rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
                rotary_interleaved: bool = False, return_lse: bool = False, seqused_k: torch.Tensor | None = None,
-               softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
+               softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+               deterministic: bool = False):
     """FlashAttention-2 forward on fp16 tensors [batch, heads, seq, head_dim]; returns a new tensor,
     or ``(out, lse)`` with ``return_lse=True`` (lse: float32 [batch, heads_q, seq_q], natural log).
 
@@ -65,7 +67,12 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: 
     a score s, the softmax scale applied, becomes softcap * tanh(s / softcap); 0.0: none),
     ``alibi_slopes`` (flash-attn's: fp32 [heads_q] or [batch, heads_q]; -slope * |i + Sk - Sq - j|
     is added to the scaled score of query i and key j) and ``sinks`` (fp32 [heads_q]: one logit per
-    query head that joins each row's softmax denominator, and its LSE, and adds no value)."""
+    query head that joins each row's softmax denominator, and its LSE, and adds no value).
+
+    ``deterministic`` (flash-attn's name) concerns the backward alone: True sums every gradient in
+    one fixed order; by default dQ may be added by atomics (docs/api.md, Backward)."""
+    if deterministic is not False and deterministic is not True:
+        raise InvalidArgumentError(f"deterministic must be a bool, got {deterministic!r}")
     key = ops.key(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
                   return_lse=return_lse, token_major=False, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                   rotary_interleaved=rotary_interleaved, seqused_k=seqused_k, softcap=softcap,
@@ -79,6 +86,8 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: 
     o = validate(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
                  rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
                  return_lse=return_lse, seqused_k=seqused_k, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    if deterministic:
+        o = dataclasses.replace(o, deterministic=True)
     _warn_if_token_major(q)
     out, lse = ops.forward(q, k, v, o, token_major=False, key=key)
     return (out, lse) if return_lse else out
@@ -124,8 +133,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     (up to 256) is padded with zeros and the output sliced back, and tensors whose last dimension
     is not contiguous or whose rows are not 16-byte aligned are copied (padding.py). ``softcap``
     and ``alibi_slopes`` as flash-attn's, ``sinks`` (keyword) and the RoPE options as in
-    :func:`flash_attn`. dropout raises UnsupportedError; the kernels are deterministic, so
-    ``deterministic`` needs nothing. ``window_size``: a pair of ints, or of a CPU tensor
+    :func:`flash_attn`. dropout raises UnsupportedError. ``deterministic`` is flash-attn's: True makes
+    the backward sum every gradient in one fixed order (as torch.use_deterministic_algorithms does);
+    by default its dQ may be added by atomics, whose order varies (docs/api.md, Backward). The
+    forward is deterministic either way. ``window_size``: a pair of ints, or of a CPU tensor
     (options.as_window)."""
     refuse_missing_features(dropout_p)
     window_size = as_window(window_size)
@@ -150,6 +161,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         o = validate(q, k, v, is_causal=causal, window_size=window_size, softmax_scale=softmax_scale,
                      rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
                      return_lse=return_attn_probs, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        if deterministic:
+            o = dataclasses.replace(o, deterministic=True)
         out, lse = ops.forward(q, k, v, o, token_major=True, key=key)
         out = out.transpose(1, 2)
     return (out, lse, None) if return_attn_probs else out

@@ -190,7 +190,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token
             or not (type(q) is type(k) is type(v) is torch.Tensor)):
         return flash_attn_fwd(q, k, v, o.rotary_cos, o.rotary_sin, o.window_left, o.window_right, o.softmax_scale,
                               o.rotary_interleaved, o.return_lse or grad, token_major, o.seqused_k, o.score.softcap,
-                              o.score.alibi_slopes, o.score.sinks)
+                              o.score.alibi_slopes, o.score.sinks, o.deterministic)
     p = plan(q, k, v, o, token_major)
     replay.run(p, key, (q, k, v, o.rotary_cos, o.rotary_sin, o.seqused_k, *o.score.tensors), ROLES,
                free=length_free(key))
@@ -203,7 +203,8 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary_cos
                    rotary_interleaved: bool, return_lse: bool, token_major: bool,
                    seqused_k: Optional[torch.Tensor] = None, softcap: float = 0.0,
                    alibi_slopes: Optional[torch.Tensor] = None,
-                   sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   sinks: Optional[torch.Tensor] = None, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    # deterministic: read by the backward alone (_setup_context)
     score = options.check_score_options(softcap, alibi_slopes, sinks, batch=q.shape[0], heads_q=q.shape[1],
                                         device=q.device)
     o = Options(window_left=window_left, window_right=window_right, softmax_scale=softmax_scale,
@@ -216,7 +217,7 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary_cos
 
 @flash_attn_fwd.register_fake
 def _(q, k, v, rotary_cos, rotary_sin, window_left, window_right, softmax_scale, rotary_interleaved, return_lse,
-      token_major, seqused_k=None, softcap=0.0, alibi_slopes=None, sinks=None):
+      token_major, seqused_k=None, softcap=0.0, alibi_slopes=None, sinks=None, deterministic=False):
     return allocate(q, token_major, return_lse)
 
 
@@ -253,13 +254,26 @@ def _readable(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def atomic_backward(table, q: torch.Tensor, deterministic: bool) -> bool:
+    """Whether a backward on q takes the atomic passes (bwd.ATOMIC: dQ added into an fp32 sum by
+    atomics, one recomputation fewer; its last bits may vary run to run): where ``table``'s target
+    has them for q's head_dim and dtype, it is not an AMD target (the atomic passes are timed on
+    NVIDIA alone; on AMD they are built and tested, and taken by passing ``kernels``), and neither
+    ``deterministic`` nor torch.use_deterministic_algorithms asks for one order."""
+    return (not deterministic and not torch.are_deterministic_algorithms_enabled()
+            and table.platform != "amdgcn"
+            and bwd.served(table, q.shape[-1], DTYPE_OPTIONS.get(str(q.dtype)), bwd.ATOMIC))
+
+
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, dlse: torch.Tensor | None, window_left: int, window_right: int,
-             softmax_scale: float, softcap: float,
-             kernels: tuple = (None, None, None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             softmax_scale: float, softcap: float, deterministic: bool = False,
+             kernels: tuple = (None, None, None), atomic: bool | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (each laid out as its input) of a forward call's output ``out`` and log-sum-exp
-    ``lse`` against their gradients ``dout`` and ``dlse`` (None: none); ``kernels`` forces each
-    pass's kernel by name (bwd.plan)."""
+    ``lse`` against their gradients ``dout`` and ``dlse`` (None: none). The passes: atomic or
+    deterministic as ``atomic`` says (None: atomic_backward's choice); ``kernels`` forces each pass's
+    kernel by name (bwd.plan)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0:  # no rows or no keys: nothing depends on anything
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -271,9 +285,12 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         dlse = dlse.float().contiguous()
     delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     table = route.device_table(q.device)
+    if atomic is None:
+        atomic = atomic_backward(table, q, deterministic)
+    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if atomic else None  # zeroed by the kernels
     p = bwd.plan(table, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, delta=delta, dq=dq, dk=dk, dv=dv,
                  window=(window_left, window_right), softmax_scale=softmax_scale, softcap=softcap,
-                 dtype=DTYPE_OPTIONS.get(str(q.dtype)), kernels=kernels)
+                 dtype=DTYPE_OPTIONS.get(str(q.dtype)), dq_accum=dq_accum, kernels=kernels)
     p.run()
     return dq, dk, dv
 
@@ -281,18 +298,19 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 @torch.library.custom_op("rdnattention::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, dlse: Optional[torch.Tensor], window_left: int, window_right: int,
-                   softmax_scale: float, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backward(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap)
+                   softmax_scale: float, softcap: float = 0.0,
+                   deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap, deterministic)
 
 
 @flash_attn_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap=0.0):
+def _(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap=0.0, deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, rotary_cos, _, window_left, window_right, softmax_scale, _, return_lse, _, seqused_k, softcap,
-     alibi_slopes, sinks) = inputs
+     alibi_slopes, sinks, deterministic) = inputs
     out, lse = output
     # What the backward kernels do not take (options.validate refuses these calls up front; the op
     # called directly is refused here, when its gradient is asked for).
@@ -300,7 +318,7 @@ def _setup_context(ctx, inputs, output) -> None:
                                            ("alibi_slopes", alibi_slopes is not None), ("sinks", sinks is not None),
                                            ("return_lse=False", not return_lse)) if present]
     ctx.unserved = unserved
-    ctx.options = (window_left, window_right, softmax_scale, softcap)
+    ctx.options = (window_left, window_right, softmax_scale, softcap, deterministic)
     ctx.save_for_backward(q, k, v, out, lse)
 
 
@@ -311,7 +329,7 @@ def _backward(ctx, dout, dlse):
                                "cache lengths, ALiBi or sinks")
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.options)
-    return (dq, dk, dv) + (None,) * 12
+    return (dq, dk, dv) + (None,) * 13
 
 
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)

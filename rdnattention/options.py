@@ -53,6 +53,9 @@ class Options:
     # softcap, ALiBi, sinks. No default: torch.compile cannot trace a dataclass field whose default
     # is an object (torch 2.11's dynamo refuses to wrap it), so every caller passes one.
     score: ScoreOptions
+    # The backward's passes: every gradient summed in one order (True), or dQ added by atomics where
+    # the device has those kernels (ops.backward; torch.use_deterministic_algorithms forces True).
+    deterministic: bool = False
 
 
 def as_window(window_size: object) -> object:

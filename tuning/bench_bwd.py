@@ -4,7 +4,8 @@
 
 For each shape, the gradients of one forward call are timed with ``torch.autograd.grad`` on the
 graph it recorded (so only the backward runs): ours (rdnattention::flash_attn_bwd, the bwd
-family's three passes) on fp16 (or bf16) inputs; torch's SDPA math backward on the same values in
+family's three passes: by default dQ added by atomics, and with ``deterministic=True`` the
+passes that sum every gradient in one order) on fp16 (or bf16) inputs; torch's SDPA math backward on the same values in
 fp32 with TF32 off (no tensor cores, the peer with the same arithmetic); and torch's default SDPA
 backward in fp16 (tensor cores; context). Times are GPU time per call of back-to-back calls
 (timing.stream_ms). FLOPs of a backward = 2.5 x the forward's (4*B*H*Sq*Sk*D, halved for causal
@@ -51,8 +52,8 @@ def _grad_fn(fwd, q, k, v, dout):
     return lambda: torch.autograd.grad(out, x, dout, retain_graph=True)
 
 
-def _ours(causal):
-    return lambda q, k, v: flash_attn(q, k, v, is_causal=causal)
+def _ours(causal, deterministic=False):
+    return lambda q, k, v: flash_attn(q, k, v, is_causal=causal, deterministic=deterministic)
 
 
 def _sdpa(causal, gqa):
@@ -65,6 +66,7 @@ def bench_shape(shape, device, peak: float) -> str:
     dout = torch.randn_like(q)
     f = 2.5 * flops(b, hq, s, s, d, causal)
     ours = stream_ms(_grad_fn(_ours(causal), q, k, v, dout), reps=10)
+    fixed = stream_ms(_grad_fn(_ours(causal, deterministic=True), q, k, v, dout), reps=10)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     with sdpa_kernel(SDPBackend.MATH):
@@ -72,8 +74,8 @@ def bench_shape(shape, device, peak: float) -> str:
                          reps=5, rounds=3)
     sdpa = stream_ms(_grad_fn(_sdpa(causal, hk != hq), q, k, v, dout), reps=10)
     tflops = f / ours / 1e9
-    return (f"| {label} | {causal} | {ours:.3f} | {tflops:.2f} | {tflops / peak:.1%} | {math:.3f} | "
-            f"{math / ours:.2f}x | {sdpa:.3f} | {sdpa / ours:.2f} |")
+    return (f"| {label} | {causal} | {ours:.3f} | {tflops:.2f} | {tflops / peak:.1%} | {fixed:.3f} | "
+            f"{f / fixed / 1e9 / peak:.1%} | {math:.3f} | {math / ours:.2f}x | {sdpa:.3f} | {sdpa / ours:.2f} |")
 
 
 def backward_bytes(fwd, q, k, v, dout, device) -> int:
@@ -113,9 +115,9 @@ def main() -> int:
     lines = [f"GPU: {torch.cuda.get_device_name(device)}; torch {torch.__version__}; FP32 FMA peak (probe) "
              f"{peak:.1f} TFLOP/s; backward FLOPs = 2.5 x forward's; goals at 1x32x2048x128 causal: "
              f">= {GOAL_PEAK:.0%} of peak, >= {GOAL_MATH:.0f}x torch's fp32 math backward", "",
-             "| shape | causal | ours ms | ours TFLOP/s | % FP32 peak | math fp32 ms | math / ours | "
-             "sdpa fp16 ms (tensor cores) | sdpa / ours |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| shape | causal | ours ms | ours TFLOP/s | % FP32 peak | deterministic ms | % FP32 peak | "
+             "math fp32 ms | math / ours | sdpa fp16 ms (tensor cores) | sdpa / ours |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape in SHAPES:
         lines.append(bench_shape(shape, device, peak))
         print(lines[-1], flush=True)

@@ -13,7 +13,16 @@ per (head_dim, tile, dtype) from one body, each a launch of its own grid:
   2. dQ, a workgroup per (row block, query head, batch): walks the key blocks its rows see and
      accumulates dQ += dS K in fp32 registers.
 No pass adds into memory another workgroup writes (no atomics): every gradient is computed in one
-fixed order, so the backward pass is deterministic, run to run and whatever the launch order."""
+fixed order, so the backward pass is deterministic, run to run and whatever the launch order.
+
+The atomic passes compute dQ in the dK/dV pass instead, without the dQ pass's second recomputation
+of S and dP (5 head_dim-long products per visible score, not 7):
+  0. preprocess, as above, zeroing an fp32 sum of dQ [batch, heads_q, seq_q, head_dim] too;
+  3. atomic: the dK/dV pass, each step also adding its rows' dS K into that sum by atomics;
+  4. dqcast, a workgroup per (row block, query head, batch): dQ = scale * the sum, in the input dtype.
+The order in which the key blocks' shares of a dQ row are added varies from run to run, so dQ may
+differ in its last bits between runs (dK and dV do not); ``plan(deterministic=True)`` takes the
+three passes above."""
 
 from __future__ import annotations
 
@@ -26,9 +35,13 @@ from . import f16
 
 NAME = "bwd"
 # The passes besides dK/dV (the plain kernels): option value -> what its kernels compute.
-LAYOUTS = {"pre": "the preprocess pass, delta = rowsum(dO * O)", "dq": "the dQ pass"}
+LAYOUTS = {"pre": "the preprocess pass, delta = rowsum(dO * O)", "dq": "the dQ pass",
+           "atomic": "the dK/dV pass adding dQ by atomics", "dqcast": "dQ from the atomic pass's fp32 sum"}
 # Each kernel's pass as its body numbers it (fa2_backward.h PASS).
-PASSES = {"pre": 0, None: 1, "dq": 2}
+PASSES = {"pre": 0, None: 1, "dq": 2, "atomic": 3, "dqcast": 4}
+# The passes of a call, in order: deterministic (every sum in one order), and with dQ by atomics.
+DETERMINISTIC = ("pre", None, "dq")
+ATOMIC = ("pre", "atomic", "dqcast")
 # bf16 q, k, v, out, dout and gradients (f16.DTYPES): the same kernel over bf16 staging.
 DTYPES = f16.DTYPES
 NAMES = NameSchema("fa2_bwd", (
@@ -68,6 +81,9 @@ ARGS = ArgStruct("Fa2BwdArgs", (
     ("dlse_stride_b", "long long"),
     ("dlse_stride_h", "long long"),
     ("delta", "float*"),  # fp32 scratch [batch, heads_q, seq_q], contiguous: the preprocess pass's
+    # fp32 scratch [batch, heads_q, seq_q, head_dim], contiguous: the atomic pass's dQ sum (null: the
+    # deterministic passes)
+    ("dq_accum", "float*"),
     ("batch", "int"),
     ("heads_q", "int"),
     ("heads_kv", "int"),
@@ -87,9 +103,11 @@ def lds_layout(head_dim: int, br: int, bc: int, threads: int, layout: str | None
     """Bytes of each LDS region, fp32. The dK/dV and dQ passes: the Q and dO tiles [br][head_dim + 4],
     the K and V tiles [bc][head_dim + 4] (rows padded by 16 bytes, so that lanes reading 16 bytes of
     consecutive rows meet no bank twice), P and dS [br][bc], and each row's LSE and delta [br]. The
-    preprocess pass: a partial sum per thread."""
+    preprocess pass: a partial sum per thread; dqcast: none."""
     if layout == "pre":
         return {"partial_bytes": threads * 4}
+    if layout == "dqcast":
+        return {}
     row = (head_dim + 4) * 4
     return {"q_do_bytes": 2 * br * row, "k_v_bytes": 2 * bc * row, "p_ds_bytes": 2 * br * bc * 4,
             "row_bytes": 2 * br * 4}
@@ -104,22 +122,26 @@ _LOG2E = 1.4426950408889634
 _INT32_MAX = 2**31 - 1
 
 
-def served(table: TargetTable, head_dim: int, dtype: str | None) -> bool:
-    """Whether ``table``'s target has backward kernels for ``head_dim`` in ``dtype`` (None: fp16)."""
-    return all(table.entries(NAME, head_dim, layout, dtype) for layout in PASSES)
+def served(table: TargetTable, head_dim: int, dtype: str | None, passes: tuple = DETERMINISTIC) -> bool:
+    """Whether ``table``'s target has backward kernels for ``head_dim`` in ``dtype`` (None: fp16), the
+    deterministic passes (or ``passes``)."""
+    return all(table.entries(NAME, head_dim, layout, dtype) for layout in passes)
 
 
 def plan(table: TargetTable, *, dout, q, k, v, out, lse, dlse, delta, dq, dk, dv, window: tuple[int, int],
-         softmax_scale: float, softcap: float, dtype: str | None,
+         softmax_scale: float, softcap: float, dtype: str | None, dq_accum=None,
          kernels: tuple[str | None, str | None, str | None] = (None, None, None)) -> Plan:
     """The three launches of a backward call: tensors [batch, heads, seq, head_dim] (lse, dlse and
-    the scratch delta [batch, heads_q, seq_q], dlse None where the LSE got no gradient). ``kernels``
-    forces each pass's entry by name (pre, dK/dV, dq; None: the table's choice), alternates included."""
+    the scratch delta [batch, heads_q, seq_q], dlse None where the LSE got no gradient). With
+    ``dq_accum`` (fp32 scratch [batch, heads_q, seq_q, head_dim], contiguous) the atomic passes,
+    else the deterministic ones. ``kernels`` forces each pass's entry by name (None: the table's
+    choice), alternates included."""
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
+    passes = DETERMINISTIC if dq_accum is None else ATOMIC
     pre, dkdv, dq_pass = (table.select(NAME, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=seq_q,
                                        layout=layout, dtype=dtype, kernel=kernel)
-                          for layout, kernel in zip(PASSES, kernels))
+                          for layout, kernel in zip(passes, kernels))
     for name, value in (("batch", batch), ("heads_q", heads_q), ("seq_q", seq_q), ("seq_k", seq_k)):
         if value > _INT32_MAX:
             raise InvalidArgumentError(f"{name} = {value} does not fit the kernel's 32-bit field")
@@ -131,6 +153,8 @@ def plan(table: TargetTable, *, dout, q, k, v, out, lse, dlse, delta, dq, dk, dv
         fields.update(softcap_log2=softcap * _LOG2E, softcap_inv=1.0 / (softcap * _LOG2E))
     if dlse is not None:
         fields.update(dlse=dlse.data_ptr(), dlse_stride_b=dlse.stride(0), dlse_stride_h=dlse.stride(1))
+    if dq_accum is not None:
+        fields.update(dq_accum=dq_accum.data_ptr())
     for name, t in zip(_TENSORS, (q, k, v, out, dout, dq, dk, dv)):
         fields[name] = t.data_ptr()
         fields[f"{name}_stride_b"], fields[f"{name}_stride_h"], fields[f"{name}_stride_s"] = t.stride()[:3]
@@ -139,5 +163,5 @@ def plan(table: TargetTable, *, dout, q, k, v, out, lse, dlse, delta, dq, dk, dv
                 for e, grid in ((pre, (-(-seq_q // pre.br), heads_q, batch)),
                                 (dkdv, (-(-seq_k // dkdv.bc), heads_kv, batch)),
                                 (dq_pass, (-(-seq_q // dq_pass.br), heads_q, batch)))]
-    buffers = tuple(t for t in (dout, q, k, v, out, lse, dlse, delta, dq, dk, dv) if t is not None)
+    buffers = tuple(t for t in (dout, q, k, v, out, lse, dlse, delta, dq_accum, dq, dk, dv) if t is not None)
     return Plan(table=table, device=q.device, launches=launches, outputs=(dq, dk, dv), buffers=buffers)

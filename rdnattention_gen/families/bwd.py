@@ -2,7 +2,8 @@
 log-sum-exp, every product an fp32 FMA on values converted once when staged (fp16: cvt_fma, bf16:
 shift_fma), accumulated in fp32. Three passes, each a kernel (the family's layout option: pre, the
 plain dK/dV kernels, dq; rdnattention/families/bwd.py), every gradient summed in one fixed order:
-deterministic, with no atomics.
+deterministic, with no atomics. Or, with one recomputation fewer, pre, atomic (dK/dV, and dQ added
+into an fp32 sum by atomics) and dqcast (that sum to the input dtype).
 
 Kernel body: templates/include/fa2_backward.h. It is not a forward family: the oracle sweep of the
 forward (tests/kernels/test_oracle_sweep.py) leaves it to tests/kernels/test_backward.py, which
@@ -32,17 +33,20 @@ def micro_tiles(head_dim: int, br: int, bc: int, threads: int, layout: str | Non
     workgroup of four waves, some idle in a phase, still keeps every SIMD of a GCN CU busy in the
     others where the 64 KiB of LDS holds one workgroup (a tile of whole phases for all four waves
     does not fit there at head_dim 80 or 256)."""
-    if layout == "pre":
+    if layout in ("pre", "dqcast"):
         return (1, 1, 1)
     if br % 4 or bc % 4 or head_dim % 4 or (br * bc >= threads and br * bc % threads):
         return None
     area = max(br * bc // threads, 1)
     scores = [(tm + area // tm, tm) for tm in range(1, area + 1)
               if area % tm == 0 and br % tm == 0 and bc % (area // tm) == 0]
+    # The gradient rows: query rows (dq), keys (dK/dV), both (atomic: its dQ rows share the grid).
     outs, chunks = (br if layout == "dq" else bc), head_dim // 4
     grads, idle = [], []
     for cg in range(1, chunks + 1):
         if chunks % cg or threads % cg:
+            continue
+        if layout == "atomic" and br % (threads // cg) and threads // cg <= br:
             continue
         if outs % (threads // cg) == 0:
             tk, nch = outs // (threads // cg), chunks // cg
@@ -95,7 +99,7 @@ class Backward(HeadDimAxis, Family):
     # preprocess pass: one product per value read, which the compiler may lower to a mixed FMA.
     signatures = {"cvt_fma": "cvt_f32_f16", "shift_fma": "none", "fp32": "none"}
     dtypes = runtime.DTYPES
-    layouts = runtime.LAYOUTS  # the passes: pre and dq; the plain kernels are the dK/dV pass
+    layouts = runtime.LAYOUTS  # the passes: pre, dq, atomic, dqcast; the plain kernels are the dK/dV pass
     backward = True  # swept by tests/kernels/test_backward.py, not by the forward's oracle sweep
     oracle_cases = {}  # the gradient cases live in tests/kernels/test_backward.py
     tile_constraints = False  # one kernel per head_dim and dtype serves every call
@@ -106,7 +110,7 @@ class Backward(HeadDimAxis, Family):
     def _spec(self, head_dim: int, tile: Tile, wave_size: int, layout: str | None, dtype: str | None) -> KernelSpec:
         return KernelSpec(family=self.name, head_dim=head_dim, gqa_group=1,
                           tile=Tile(br=tile.br, bc=tile.bc, threads=tile.threads, tm=1, waves=tile.waves),
-                          wave_size=wave_size, tier=TIERS[layout == "pre", dtype], stage="f32",
+                          wave_size=wave_size, tier=TIERS[layout in ("pre", "dqcast"), dtype], stage="f32",
                           options=self.options({"layout": layout, "dtype": dtype}))
 
     def spec(self, target: Target, point: dict, tile: Tile) -> KernelSpec:

@@ -53,10 +53,14 @@ def _inputs(b, hq, hk, sq, sk, d, dtype, seed):
 
 
 def _grads(q, k, v, dout, **options):
-    """Our gradients of flash_attn's output against ``dout``."""
+    """Our gradients of flash_attn's output against ``dout`` (``deterministic`` among the options)."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     flash_attn(q, k, v, **options).backward(dout)
     return q.grad, k.grad, v.grad
+
+
+# The passes each backward mode runs, by the kernels' name prefixes.
+PASS_NAMES = {False: ["bwdpre", "bwdatomic", "bwddqcast"], True: ["bwdpre", "bwd", "bwddq"]}
 
 
 def _check(grads, refs, dtype):
@@ -93,20 +97,21 @@ def _forward_served(head_dim, options) -> bool:
     return head_dim in table.head_dims("f16", score="xf") + table.head_dims("dec")
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("target,head_dim,dtype", BUILT, ids=["-".join(map(str, p)) for p in BUILT])
-def test_gradients_match_oracle(host_build, monkeypatch, ran, target, head_dim, dtype, case):
+def test_gradients_match_oracle(host_build, monkeypatch, ran, target, head_dim, dtype, case, deterministic):
     monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
     b, hq, hk, sq, sk, options = CASES[case]
     q, k, v, dout = _inputs(b, hq, hk, sq, sk, head_dim, TORCH[dtype], head_dim + list(CASES).index(case))
     if not _forward_served(head_dim, options):  # the backward alone: test_alternate_tiles_match_oracle
         with pytest.raises(UnsupportedError, match=f"head_dim {head_dim}"):
-            _grads(q, k, v, dout, **options)
+            _grads(q, k, v, dout, deterministic=deterministic, **options)
         return
-    grads = _grads(q, k, v, dout, **options)
+    grads = _grads(q, k, v, dout, deterministic=deterministic, **options)
     _check(grads, attention_gradients(q, k, v, dout, **options), TORCH[dtype])
-    # The three passes of this head_dim and dtype ran.
-    assert len(ran) == 1 and [n.split("_")[1] for n in ran[0]] == ["bwdpre", "bwd", "bwddq"]
+    # The three passes of this head_dim, dtype and mode ran (the host takes the atomic ones by default).
+    assert len(ran) == 1 and [n.split("_")[1] for n in ran[0]] == PASS_NAMES[deterministic]
     assert all(f"_hd{head_dim}_" in n and (("_bf16_" in n) == (dtype == "bf16")) for n in ran[0])
 
 
@@ -118,15 +123,18 @@ def _alternates():
         spec = spec_from_name(name)
         key = (target, spec.head_dim, spec.option("dtype") or "fp16", spec.tile)
         groups.setdefault(key, {})[spec.option("layout")] = name
-    return [(t, hd, dt, (g["pre"], g[None], g["dq"])) for (t, hd, dt, _), g in sorted(groups.items())]
+    return [(t, hd, dt, (g["pre"], g[None], g["dq"]), (g["pre"], g["atomic"], g["dqcast"]))
+            for (t, hd, dt, _), g in sorted(groups.items())]
 
 
 ALTERNATES = _alternates()
 
 
-@pytest.mark.parametrize("target,head_dim,dtype,kernels", ALTERNATES, ids=[a[3][1] for a in ALTERNATES])
-def test_alternate_tiles_match_oracle(host_build, monkeypatch, target, head_dim, dtype, kernels):
-    """Each mirrored tile, forced by name, on a causal GQA call and a softcapped window."""
+@pytest.mark.parametrize("target,head_dim,dtype,kernels,atomic_kernels", ALTERNATES,
+                         ids=[a[3][1] for a in ALTERNATES])
+def test_alternate_tiles_match_oracle(host_build, monkeypatch, target, head_dim, dtype, kernels, atomic_kernels):
+    """Each mirrored tile, forced by name (its deterministic passes and its atomic ones), on a causal
+    GQA call and a softcapped window."""
     monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
     for case in ("causal_gqa", "softcap_window"):
         b, hq, hk, sq, sk, options = CASES[case]
@@ -137,9 +145,11 @@ def test_alternate_tiles_match_oracle(host_build, monkeypatch, target, head_dim,
             out, lse = attention_reference(q, k, v, return_lse=True, **options)
             out, lse = out.to(q.dtype), lse.float()
         window = (options.get("window_size", (-1, -1))[0], 0 if options.get("is_causal") else -1)
-        grads = ops.backward(dout, q, k, v, out, lse, None, *window, head_dim ** -0.5, options.get("softcap", 0.0),
-                             kernels=kernels)
-        _check(grads, attention_gradients(q, k, v, dout, **options), TORCH[dtype])
+        refs = attention_gradients(q, k, v, dout, **options)
+        for names, atomic in ((kernels, False), (atomic_kernels, True)):
+            grads = ops.backward(dout, q, k, v, out, lse, None, *window, head_dim ** -0.5,
+                                 options.get("softcap", 0.0), kernels=names, atomic=atomic)
+            _check(grads, refs, TORCH[dtype])
 
 
 def test_gradient_of_the_log_sum_exp(host_build):
@@ -194,18 +204,57 @@ def test_the_oracle_passes_gradcheck():
         assert torch.autograd.gradcheck(lambda q, k, v: _attention64(q, k, v, **options), (q, k, v))
 
 
-def test_backward_is_deterministic(host_build):
-    """Bitwise the same gradients run to run and with the emulator's threads in another order at every
-    barrier (no atomics; a missing barrier would show)."""
+@pytest.mark.parametrize("how", ["argument", "torch"])
+def test_backward_is_deterministic(host_build, ran, how):
+    """deterministic=True (or torch.use_deterministic_algorithms): bitwise the same gradients run to
+    run and with the emulator's threads in another order at every barrier (no atomics; a missing
+    barrier would show)."""
     q, k, v, dout = _inputs(1, 4, 2, 70, 70, 64, torch.float16, 21)
-    first = _grads(q, k, v, dout, is_causal=True)
-    assert all(torch.equal(a, b) for a, b in zip(first, _grads(q, k, v, dout, is_causal=True)))
-    rdnattention.set_host_shuffle(7)
+    options = {"is_causal": True, **({"deterministic": True} if how == "argument" else {})}
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(how == "torch" or before)
     try:
-        shuffled = _grads(q, k, v, dout, is_causal=True)
+        first = _grads(q, k, v, dout, **options)
+        assert all(torch.equal(a, b) for a, b in zip(first, _grads(q, k, v, dout, **options)))
+        rdnattention.set_host_shuffle(7)
+        try:
+            shuffled = _grads(q, k, v, dout, **options)
+        finally:
+            rdnattention.set_host_shuffle(None)
     finally:
-        rdnattention.set_host_shuffle(None)
+        torch.use_deterministic_algorithms(before)
     assert all(torch.equal(a, b) for a, b in zip(first, shuffled))
+    assert all([n.split("_")[1] for n in names] == PASS_NAMES[True] for names in ran)
+
+
+def test_atomic_backward_changes_only_dq_summation_order(host_build, ran):
+    """The atomic passes (the host's default) give dK and dV bitwise the deterministic passes' (the
+    same sums in the same order), and a dQ within the oracle's tolerance of theirs: only the order
+    in which the key blocks' shares of a dQ row are added differs."""
+    q, k, v, dout = _inputs(2, 4, 2, 150, 150, 64, torch.float16, 22)
+    atomic = _grads(q, k, v, dout, is_causal=True)
+    fixed = _grads(q, k, v, dout, is_causal=True, deterministic=True)
+    assert [[n.split("_")[1] for n in names] for names in ran] == [PASS_NAMES[False], PASS_NAMES[True]]
+    assert torch.equal(atomic[1], fixed[1]) and torch.equal(atomic[2], fixed[2])
+    _check(atomic, attention_gradients(q, k, v, dout, is_causal=True), torch.float16)
+    # dQ is the scaled fp32 sum, rounded once: at most an fp16 unit or two from the fixed order's.
+    assert (atomic[0].float() - fixed[0].float()).abs().max() <= 2 * UNIT[torch.float16] * fixed[0].abs().max()
+
+
+def test_the_atomic_passes_are_taken_where_timed(monkeypatch):
+    """ops.atomic_backward: not on AMD targets (never timed there), nor where deterministic is asked."""
+    class Table:
+        def __init__(self, platform):
+            self.platform = platform
+
+    monkeypatch.setattr(bwd, "served", lambda table, head_dim, dtype, passes=bwd.DETERMINISTIC: True)
+    q = torch.empty(1, 1, 1, 64, dtype=torch.float16)
+    assert ops.atomic_backward(Table("cuda"), q, False) and ops.atomic_backward(Table("host"), q, False)
+    assert not ops.atomic_backward(Table("amdgcn"), q, False)
+    assert not ops.atomic_backward(Table("cuda"), q, True)
+    monkeypatch.setattr(bwd, "served", lambda table, head_dim, dtype, passes=bwd.DETERMINISTIC:
+                        passes == bwd.DETERMINISTIC)
+    assert not ops.atomic_backward(Table("cuda"), q, False)  # kernels built without the atomic passes
 
 
 def test_flash_attn_func_and_packed_entries_take_grad(host_build):
@@ -322,11 +371,13 @@ def _cuda():
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("case", CASES)
-def test_cuda_gradients_match_oracle(case, head_dim, dtype):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_cuda_gradients_match_oracle(case, head_dim, dtype, deterministic):
     device = _cuda()
     b, hq, hk, sq, sk, options = CASES[case]
     q, k, v, dout = (t.to(device) for t in _inputs(b, hq, hk, sq, sk, head_dim, TORCH[dtype], head_dim))
-    _check(_grads(q, k, v, dout, **options), attention_gradients(q, k, v, dout, **options), TORCH[dtype])
+    _check(_grads(q, k, v, dout, deterministic=deterministic, **options), attention_gradients(q, k, v, dout, **options),
+           TORCH[dtype])
 
 
 @pytest.mark.gpu

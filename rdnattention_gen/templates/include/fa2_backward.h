@@ -10,6 +10,11 @@
 // where dS = P (dP - delta) with dP = dO V^T, times the softcap's derivative 1 - tanh^2 where the
 // scores are capped. Every sum is accumulated in fp32 registers in one fixed order and stored once
 // (no atomics), so the gradients are deterministic.
+// The atomic passes trade that for one recomputation fewer (5 head_dim-long products per visible
+// score, not 7):
+//   atomic      dkdv's, and each step's dQ rows dS K added into an fp32 sum [batch, heads_q, seq_q, D]
+//               by atomics (zeroed by the preprocess pass), so its order of summation varies
+//   dqcast      per (row block, query head): dQ = scale * that sum, in the input dtype
 //
 // Inputs are staged in LDS as fp32 rows, each 16-bit pair converted once through the pair policy P
 // (pairs.h: F32Pairs for fp16, BF16F32Pairs for bf16), so every product is an fp32 FMA:
@@ -115,6 +120,33 @@ RDNA_DEVICE void fa2_bwd_gemm(float (&acc)[TK][4 * NCH], const float* w, const f
   }
 }
 
+// As fa2_bwd_gemm, with the weights w [OUTS][RED] read along their rows (the row of each output, four
+// reductions per 16-byte read): the dQ += dS K of the atomic pass, from dS as the dK/dV gemm reads it.
+template <int RED, int RS, int TK, int NCH, int CG>
+RDNA_DEVICE void fa2_bwd_gemm_rows(float (&acc)[TK][4 * NCH], const float* w, const float* x, int o0, int cg) {
+  static_assert(RED % 4 == 0, "four reductions per weight read");
+#pragma unroll 1
+  for (int red = 0; red < RED; red += 4) {
+    float wv[TK][4];
+#pragma unroll
+    for (int k = 0; k < TK; ++k)
+      __builtin_memcpy(wv[k], __builtin_assume_aligned(w + (o0 + k) * RED + red, 16), sizeof(wv[k]));
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      float xv[NCH][4];
+#pragma unroll
+      for (int i = 0; i < NCH; ++i)
+        __builtin_memcpy(xv[i], __builtin_assume_aligned(x + (red + r) * RS + 4 * (cg + CG * i), 16), sizeof(xv[i]));
+#pragma unroll
+      for (int k = 0; k < TK; ++k)
+#pragma unroll
+        for (int i = 0; i < NCH; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[k][4 * i + e] = rdna_fma(wv[k][r], xv[i][e], acc[k][4 * i + e]);
+    }
+  }
+}
+
 // s[i][j] = a row (r0 + GA i) . b row (c0 + GB j) over D, for TM rows of a and TN rows of b (fp32
 // rows of stride RS in LDS): each step's 16-byte reads of TM + TN rows feed 4 TM TN FMAs.
 template <int D, int RS, int TM, int TN, int GA, int GB>
@@ -202,16 +234,20 @@ template <class P, int D, int BR, int BC, int NT, int LDS_BYTES, bool BF16, int 
 RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
   constexpr int RS = D + 4;  // fp32 per staged row
   constexpr int TPR = NT / BR;  // the preprocess pass's lanes per row
-  constexpr int OUTS = PASS == 1 ? BC : BR, NCH = PASS == 0 ? 1 : D / (4 * CG);
-  constexpr int TK = PASS == 0 || OUTS * CG < NT ? 1 : OUTS * CG / NT;
+  constexpr bool ROWS = PASS == 0 || PASS == 4;  // a pass over rows with no register tiles
+  constexpr int OUTS = PASS == 1 || PASS == 3 ? BC : BR, NCH = ROWS ? 1 : D / (4 * CG);
+  constexpr int TK = ROWS || OUTS * CG < NT ? 1 : OUTS * CG / NT;
+  constexpr int TKQ = ROWS || BR * CG < NT ? 1 : BR * CG / NT;  // the atomic pass's dQ rows per thread
   static_assert(D % 8 == 0 && NT % BR == 0 && BR % 4 == 0 && BC % 4 == 0, "thread grid");
   // More row groups than gradient rows: a row for each of the first OUTS x CG lanes (OWNS), the
   // others idle in the gradient phase; fewer scores than threads: a score for each of the first.
-  static_assert(PASS == 0 || (NT % CG == 0 && (D / 4) % CG == 0 &&
-                              (TK * (NT / CG) == OUTS || (TK == 1 && NT / CG > OUTS)) &&
-                              (TM * TN * NT == BR * BC || (TM * TN == 1 && BR * BC < NT))),
+  static_assert(ROWS || (NT % CG == 0 && (D / 4) % CG == 0 &&
+                         (TK * (NT / CG) == OUTS || (TK == 1 && NT / CG > OUTS)) &&
+                         (PASS != 3 || TKQ * (NT / CG) == BR || (TKQ == 1 && NT / CG > BR)) &&
+                         (TM * TN * NT == BR * BC || (TM * TN == 1 && BR * BC < NT))),
                 "register tiles");
-  static_assert(LDS_BYTES == (PASS == 0 ? NT * 4 : ((2 * BR + 2 * BC) * RS + 2 * BR * BC + 2 * BR) * 4), "LDS layout");
+  static_assert(LDS_BYTES == (PASS == 0 ? NT * 4 : PASS == 4 ? 0 : ((2 * BR + 2 * BC) * RS + 2 * BR * BC + 2 * BR) * 4),
+                "LDS layout");
   float* const qs = reinterpret_cast<float*>(lds);
   float* const dos = qs + BR * RS;
   float* const ks = dos + BR * RS;
@@ -249,6 +285,27 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
       if (a.dlse) total -= a.dlse[b * a.dlse_stride_b + h * a.dlse_stride_h + q0 + tid];
       a.delta[(b * a.heads_q + h) * a.seq_q + q0 + tid] = total;
     }
+    if (a.dq_accum) {  // the atomic pass's dQ sum of these rows, zeroed
+      float* const acc = a.dq_accum + ((b * a.heads_q + h) * (long long)a.seq_q + q0) * D;
+      const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int i = tid; i < BR * D / 4 && q0 + 4 * i / D < a.seq_q; i += NT)
+        __builtin_memcpy(__builtin_assume_aligned(acc + 4 * i, 16), zero, sizeof(zero));
+    }
+    return;
+  }
+
+  if constexpr (PASS == 4) {  // dQ = scale * the atomic pass's sum, a 16-byte chunk per thread at a time
+    const int h = rdna_block_id_y(), q0 = rdna_block_id_x() * BR;
+    const float* const acc = a.dq_accum + ((b * a.heads_q + h) * (long long)a.seq_q + q0) * D;
+    half_t* const dq = a.dq + b * a.dq_stride_b + h * a.dq_stride_h;
+    for (int i = tid; i < BR * D / 4; i += NT) {
+      const int r = 4 * i / D, c = 4 * i % D;
+      if (q0 + r < a.seq_q) {
+        float g[4];
+        __builtin_memcpy(g, __builtin_assume_aligned(acc + 4 * i, 16), sizeof(g));
+        fa2_bwd_store4<BF16>(dq + (long long)(q0 + r) * a.dq_stride_s + c, g, a.softmax_scale);
+      }
+    }
     return;
   }
 
@@ -256,7 +313,7 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
   const int o0 = TK * (tid / CG), cg = tid % CG;
   const bool owns = TK * (NT / CG) == OUTS || o0 < OUTS;
 
-  if constexpr (PASS == 1) {  // dK, dV of one key block
+  if constexpr (PASS == 1 || PASS == 3) {  // dK, dV of one key block (3: and dQ's share of it, by atomics)
     // Workgroups in order of key block, then head (the grid's x and y, relabelled): under a causal
     // mask the first key blocks see the most rows, so the longest workgroups start first.
     const int nkb = (a.seq_k + BC - 1) / BC, lin = rdna_block_id_x() + nkb * rdna_block_id_y();
@@ -290,6 +347,20 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
       rdna_block_sync();
       fa2_bwd_scores<D, BR, BC, RS, NT, TM, TN, false>(a, mask, qs, dos, ks, vs, lse2, dl, ps, dss, q0, k0);
       rdna_block_sync();
+      if constexpr (PASS == 3) {  // dQ of the step's rows += dS K, before the next rows' loads take registers
+        const int o0q = TKQ * (tid / CG);
+        if (TKQ * (NT / CG) == BR || o0q < BR) {
+          float dq[TKQ][4 * NCH] = {};
+          fa2_bwd_gemm_rows<BC, RS, TKQ, NCH, CG>(dq, dss, ks, o0q, cg);
+          float* const sum = a.dq_accum + (b * a.heads_q + hkv * group + t / nq) * (long long)a.seq_q * D;
+#pragma unroll
+          for (int k = 0; k < TKQ; ++k)
+            if (q0 + o0q + k < a.seq_q)
+#pragma unroll
+              for (int i = 0; i < NCH; ++i)
+                rdna_atomic_add_f32x4(sum + (long long)(q0 + o0q + k) * D + 4 * (cg + CG * i), dq[k] + 4 * i);
+        }
+      }
       if (t + 1 < steps)
         fa2_bwd_fetch_rows(a, b, hkv * group + (t + 1) / nq, q_first + BR * ((t + 1) % nq), qr, dr, nl, nd);
       if (owns) {
