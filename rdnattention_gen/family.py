@@ -92,6 +92,10 @@ class Family:
     def plain_points(self, axes: dict) -> list[dict]:
         raise NotImplementedError
 
+    def builds_point(self, target: Target, point: dict) -> bool:
+        """Whether ``target`` builds the kernels of ``point`` (one of ``points``): all by default."""
+        return True
+
     def layout_axes(self, node: Node, head_dims: tuple[int, ...]) -> dict:
         """``layouts: {<option>: [head_dims]}`` under the family (optional): each a layout of the
         family's and a subset of its head_dims."""

@@ -111,7 +111,7 @@ class Matrix:
                 continue
             for point in fam.points(axes):
                 hd, group = point["head_dim"], point["gqa_group"]
-                if not target.builds(fam_name, hd):
+                if not target.builds(fam_name, hd) or not fam.builds_point(target, point):
                     continue
                 # (tile, when, priority, provenance, where): the tile table's choices (priority 0,
                 # with `when` 1), then the tuned ones (2, with `when` 3), for every layout the
@@ -160,7 +160,7 @@ class Matrix:
                        point["gqa_group"], tile)
                 if (point["head_dim"] != hd or group not in (None, point["gqa_group"]) or key in have
                         or options not in (_ANY, (point.get("dtype"), point.get("score")))
-                        or not target.builds(fam_name, hd)):
+                        or not target.builds(fam_name, hd) or not fam.builds_point(target, point)):
                     continue
                 have.add(key)
                 out.append(Variant(fam.spec(target, point, tile), Constraints(), ALTERNATE, provenance, where))

@@ -63,6 +63,14 @@ class Target:
     def tier(self) -> Tier:
         return Tier.DOT2 if self.fdot2 else Tier(self.mixed_fma)
 
+    @property
+    def adds_floats_in_memory(self) -> bool:
+        """Whether fp32 values can be added into global memory without a compare-and-swap loop per
+        value: every NVIDIA target, the host's emulator (its loop is the CPU's, run only to test),
+        and AMD's RDNA3 and later (global_atomic_add_f32). GCN and RDNA1/RDNA2 have none (the compiler
+        makes a global_atomic_cmpswap loop), so the backward's atomic passes are not built there."""
+        return self.platform != "amdgcn" or self.family in ("rdna3", "rdna3.5", "rdna4")
+
     def waves_per_simd(self, vgprs: int, lds: int, threads: int) -> int:
         """Occupancy from VGPRs (LLVM's allocation rule) and from LDS."""
         alloc = max(self.vgpr_granule, -(-max(vgprs, 1) // self.vgpr_granule) * self.vgpr_granule)

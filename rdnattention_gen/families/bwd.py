@@ -107,6 +107,10 @@ class Backward(HeadDimAxis, Family):
     def tier(self, target: Target) -> str | None:
         return "cvt_fma"
 
+    def builds_point(self, target: Target, point: dict) -> bool:
+        """The atomic passes where the target adds floats in memory (Target.adds_floats_in_memory)."""
+        return point.get("layout") not in ("atomic", "dqcast") or target.adds_floats_in_memory
+
     def _spec(self, head_dim: int, tile: Tile, wave_size: int, layout: str | None, dtype: str | None) -> KernelSpec:
         return KernelSpec(family=self.name, head_dim=head_dim, gqa_group=1,
                           tile=Tile(br=tile.br, bc=tile.bc, threads=tile.threads, tm=1, waves=tile.waves),

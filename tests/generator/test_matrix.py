@@ -471,9 +471,14 @@ def test_backward_tiles_that_leave_lanes_idle_are_accepted():
     assert micro_tiles(256, 8, 16, 256, None) == (1, 1, 64)  # 128 scores over 256 lanes
     assert micro_tiles(128, 64, 64, 256, None) == (4, 4, 32)  # sm_90: 8 rows x 32 lanes, exact
     assert micro_tiles(80, 8, 72, 64, None) is None
+    # The atomic pass's dQ rows (br of them) share the dK/dV grid: a CG whose row groups fit both.
+    # (12 rows: 16 lanes across a row would leave 8 row groups for them.)
+    assert micro_tiles(64, 12, 32, 128, "atomic") == micro_tiles(64, 12, 32, 128, "dq") == (3, 1, 8)
+    assert micro_tiles(64, 12, 32, 128, None) == (3, 1, 16)
+    assert micro_tiles(64, 64, 64, 256, "dqcast") == (1, 1, 1)  # no register tiles: a pass over rows
 
 
-@pytest.mark.parametrize("layout", [None, "dq"])
+@pytest.mark.parametrize("layout", [None, "dq", "atomic"])
 def test_backward_register_tiles_of_the_shipped_matrix(matrix, layout):
     """Every shipped backward tile has register tiles in each pass (the 64 x 64 tile: 4 x 4 scores a
     thread, and a gradient tile of 8 rows x one 16-byte chunk at head_dim 128)."""

@@ -195,6 +195,12 @@ def test_backward_through_autograd(gpu, dispatched, dtype):
     assert max(_grad_err([t.grad for t in leaves], refs)) <= GRAD_TOL[dtype]
 
 
+def test_the_atomic_backward_passes(gpu, dispatched):
+    """gfx1100's atomic passes (dQ added into an fp32 sum by global atomics: AMD takes them only when
+    forced), beside the deterministic passes of the same tile, at head_dim 64 in fp16."""
+    _backward_set(gpu, next(n for n in _kernels() if n.startswith("fa2_bwd_hd64_")))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("rope", [None, True, False], ids=["copy", "rope", "ropehalf"])
 def test_the_append_kernel_is_the_torch_append(gpu, dispatched, monkeypatch, rope, dtype):
@@ -272,26 +278,29 @@ def _kernels() -> list[str]:
 
 
 def _backward_set(gpu, name):
-    """The dK/dV kernel ``name`` with the preprocess and dQ kernels of its tile and dtype, forced by
-    name, on a causal GQA call and a softcapped window (the forward: the oracle's, rounded as ours
-    stores it), against the oracle's gradients."""
+    """The dK/dV kernel ``name`` with the preprocess and dQ kernels of its tile and dtype, and the
+    atomic passes of the same (pre, atomic, dqcast), forced by name, on a causal GQA call and a
+    softcapped window (the forward: the oracle's, rounded as ours stores it), against the oracle's
+    gradients."""
     spec = spec_from_name(name)
     dtype = torch.bfloat16 if spec.option("dtype") == "bf16" else torch.float16
     passes = {v.spec.option("layout"): v.spec.name for v in MATRIX.variants_for(MATRIX.target(TARGET))
               if v.spec.family == bwd.NAME and (v.spec.head_dim, v.spec.tile, v.spec.option("dtype"))
               == (spec.head_dim, spec.tile, spec.option("dtype"))}
-    kernels = (passes["pre"], name, passes["dq"])
+    sets = (((passes["pre"], name, passes["dq"]), False), ((passes["pre"], passes["atomic"], passes["dqcast"]), True))
     for case, (hq, sq, options) in enumerate(((4, 45, {"is_causal": True}),
                                              (2, 33, {"is_causal": True, "window_size": (12, -1), "softcap": 2.0}))):
         q, k, v = _inputs(1, hq, 2, sq, sq, spec.head_dim, seed=spec.head_dim + case, dtype=dtype)
         dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(case)).to(dtype)
         out, lse = attention_reference(q, k, v, return_lse=True, **options)
-        start = len(gpu.dispatches)
+        refs = attention_gradients(q, k, v, dout, **options)
         window = (options.get("window_size", (-1, -1))[0], 0)
-        grads = ops.backward(dout, q, k, v, out.to(dtype), lse.float(), None, *window, spec.head_dim ** -0.5,
-                             options.get("softcap", 0.0), kernels=kernels)
-        assert [d.kernel for d in gpu.dispatches[start:]] == list(kernels)
-        assert max(_grad_err(grads, attention_gradients(q, k, v, dout, **options))) <= GRAD_TOL[dtype]
+        for kernels, atomic in sets:
+            start = len(gpu.dispatches)
+            grads = ops.backward(dout, q, k, v, out.to(dtype), lse.float(), None, *window, spec.head_dim ** -0.5,
+                                 options.get("softcap", 0.0), kernels=kernels, atomic=atomic)
+            assert [d.kernel for d in gpu.dispatches[start:]] == list(kernels)
+            assert max(_grad_err(grads, refs)) <= GRAD_TOL[dtype]
 
 
 @pytest.mark.slow  # every kernel by name; the entry-point paths above run in the fast suite
