@@ -136,6 +136,9 @@ def cmd_tune(matrix: Matrix, args: argparse.Namespace) -> int:
     if len(targets) != 1:
         raise tune.TuneError(f"tune one target at a time; --targets names {len(targets)}")
     target = targets[0]
+    if args.write and args.family == "bwd":
+        raise tune.TuneError("--write: the backward's tiles are set in variants.yaml (its passes share one tile, "
+                             "which the tuned overlay cannot name); --measure prints what each one times")
     if not 0 <= args.min_gain < 1:
         raise tune.TuneError(f"--min-gain {args.min_gain} must be a share in [0, 1), e.g. 0.02 for 2%")
     build_dir = args.build_dir.resolve()

@@ -72,6 +72,7 @@ class Family:
     # switch, at the family's tiles but where a table lists `<family>_<score>` tiles.
     scores: dict[str, str] = {}
     tile_constraints: bool = True     # False: the tiles' `when:` does not apply (the kernel serves every call)
+    tune_layouts: bool = False        # True: the tuner builds the layout kernels too (the passes of one call)
 
     # --- the matrix
     def axes(self, node: Node) -> dict:

@@ -115,8 +115,10 @@ def restricted(matrix: Matrix, family_name: str, head_dims: list[int], groups: l
     axes = dict(matrix.kernels[family_name])
     axes["head_dims"] = [h for h in axes["head_dims"] if h in head_dims]
     # The plain kernels only: the family's layout options take the same tiles (one tile table per
-    # algorithm), so what the plain kernels measure holds for them.
-    axes.pop("layouts", None)
+    # algorithm), so what the plain kernels measure holds for them; a family whose layouts are the
+    # passes of one call (bwd) keeps them, each tile's passes timed together.
+    if not family(family_name).tune_layouts:
+        axes.pop("layouts", None)
     axes.pop("dtypes", None)  # fp16's: the bf16 kernels take the same tiles but where a table overrides them
     axes.pop("scores", None)  # likewise the alibi kernels
     if "gqa_groups" in axes:
@@ -177,7 +179,9 @@ def rank_table(cands: list[Candidate]) -> str:
         r = c.row
         share = f"{r.peak_share:.0%}" if r and r.peak_share is not None else "-"
         verdict = "pruned: " + "; ".join(c.problems) if c.problems else ("default" if c.default else "candidate")
-        lines.append(f"| {c.spec.head_dim} | {c.spec.gqa_group} | {c.label} | {r.vgprs if r else '-'} | "
+        layout = c.spec.option("layout")  # a pass of the backward, or a layout the tuner builds
+        lines.append(f"| {c.spec.head_dim} | {c.spec.gqa_group} | {c.label}{f' ({layout})' if layout else ''} | "
+                     f"{r.vgprs if r else '-'} | "
                      f"{r.lds_bytes if r else '-'} | {r.waves_per_simd if r else '-'} | {(r.bound or '-') if r else '-'} | "
                      f"{share} | {verdict} |")
     return "\n".join(lines)
@@ -276,7 +280,7 @@ def measure(build_dir: Path, target: Target, cands: list[Candidate], rounds: int
                                                               (shape.heads_kv, shape.seq_k),
                                                               (shape.heads_kv, shape.seq_k))))
             plans[(key, c.spec.name)] = (harness.plan(inputs[shape], shape.causal, c.spec.name), shape, harness)
-            defaults[key] = harness.plan(inputs[shape], shape.causal, None).launches[0].kernel.name
+            defaults[key] = harness.default(inputs[shape], shape)
     # Calls shorter than their host launch (decode) are timed from graph replays on a GPU.
     timed = {k: (graphed(plan.run, device, h.graph_calls), h.graph_calls) if h.graph_calls and device.type == "cuda"
              else (plan.run, 1) for k, (plan, _, h) in plans.items()}
@@ -316,6 +320,10 @@ class _F16Harness:
 
     def inputs(self, q, k, v):
         return q, k, v
+
+    def default(self, inputs, shape: Shape) -> str:
+        """The kernel the dispatcher picks for the call of ``shape`` today."""
+        return self.plan(inputs, shape.causal, None).launches[0].kernel.name
 
     def plan(self, inputs, causal: bool, kernel: str | None):
         from rdnattention import plan_flash_attn
@@ -401,8 +409,101 @@ class _DecHarness(_F16Harness):
         return 2 * shape.heads_q // shape.heads_kv, 2, 1, 300
 
 
+class _BwdHarness(_F16Harness):
+    """The backward: a causal call [1, 32, seq, head_dim] (and GQA 32/8 where the group is 4), its
+    gradients against a fixed dO from the forward's output and log-sum-exp; each tile's passes forced
+    by name as a set: the atomic passes (dK/dV with dQ added by atomics, then dqcast) where the
+    target builds them, and the deterministic ones, each a key of its own (`passes`). TFLOP/s counted
+    as 2.5 x the forward's FLOPs (tuning/bench_bwd.py's count); the error is the largest of dQ's,
+    dK's and dV's against the float64 oracle, relative to that gradient's largest element
+    (tests/kernels/test_backward.py's bound for fp16)."""
+
+    tolerance, metric = 2e-3 + 2 * 2.0**-11, "relative max error of dq, dk, dv"
+    figure_key = "tflops"
+    MODES = {None: "deterministic", "atomic": "atomic"}  # the set's dK/dV kernel's layout -> its key
+
+    def shapes(self, spec: KernelSpec, seq: int) -> list[Shape]:
+        if spec.option("layout") not in self.MODES:
+            return []  # the preprocess, dQ and dqcast passes are timed with their set
+        return [Shape(1, 32, 32, seq, seq, spec.head_dim, True,
+                      (("causal", True), ("passes", self.MODES[spec.option("layout")])))]
+
+    def facts(self, when: tuple, seq: int, group: int) -> dict:
+        return {"causal": True, "seq_q": seq, "rows": group * seq}
+
+    def figure(self, shape: Shape, ms: float) -> float:
+        return 2.5 * shape.flops / ms / 1e9
+
+    def title(self, seq: int) -> str:
+        return f"backward TFLOP/s (2.5 x the forward's FLOPs), [1, 32, {seq}, head_dim] causal"
+
+    def inputs(self, q, k, v):
+        """q, k, v, the forward's output and log-sum-exp (torch's fp32 arithmetic: the tuner builds
+        no forward kernels), and dO."""
+        import torch
+
+        group = q.shape[1] // k.shape[1]
+        k32, v32 = (t.float().repeat_interleave(group, dim=1) for t in (k, v))
+        scores = (q.float() @ k32.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        seq_q, seq_k = q.shape[2], k.shape[2]
+        hidden = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).triu(seq_k - seq_q + 1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+        lse = scores.logsumexp(-1)
+        out = (torch.softmax(scores, -1) @ v32).to(q.dtype)
+        del scores
+        g = torch.Generator(device=q.device).manual_seed(2)
+        return q, k, v, out, lse, torch.randn(q.shape, device=q.device, dtype=q.dtype, generator=g)
+
+    def default(self, inputs, shape: Shape) -> str:
+        """The dK/dV kernel the dispatcher picks for the passes of ``shape``'s key."""
+        return self.plan(inputs, True, None, atomic=dict(shape.when)["passes"] == "atomic").launches[1].kernel.name
+
+    def plan(self, inputs, causal: bool, kernel: str | None, atomic: bool | None = None):
+        """The passes of ``kernel``'s set (its tile and mode); for None, the dispatcher's passes of
+        the mode ``atomic`` asks for (None: its default mode)."""
+        import torch
+
+        from rdnattention import ops, route
+        from rdnattention.families import bwd
+
+        q, k, v, out, lse, dout = inputs
+        table = route.device_table(q.device)
+        if kernel is None:
+            names = (None, None, None)
+            if atomic is None:
+                atomic = ops.atomic_backward(table, q, False)
+        else:
+            spec = family(bwd.NAME).from_name(kernel)
+            atomic = spec.option("layout") == "atomic"
+            fam = family(bwd.NAME)
+            names = tuple(fam._spec(spec.head_dim, spec.tile, spec.wave_size, layout, spec.option("dtype")).name
+                          for layout in (bwd.ATOMIC if atomic else bwd.DETERMINISTIC))
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        return bwd.plan(table, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=None,
+                        delta=torch.empty(q.shape[:3], dtype=torch.float32, device=q.device), dq=dq, dk=dk, dv=dv,
+                        window=(-1, 0), softmax_scale=q.shape[-1] ** -0.5, softcap=0.0, dtype=None,
+                        dq_accum=torch.empty(q.shape, dtype=torch.float32, device=q.device) if atomic else None,
+                        kernels=names)
+
+    def oracle_error(self, name: str, shape: Shape, device) -> float:
+        import torch
+
+        from rdnattention import attention_gradients
+
+        g = torch.Generator(device=device).manual_seed(1)
+        hq, hk, sq, sk = self.check_shape(shape)
+        q = torch.randn(1, hq, sq, shape.head_dim, device=device, dtype=torch.float16, generator=g)
+        k, v = (torch.randn(1, hk, sk, shape.head_dim, device=device, dtype=torch.float16, generator=g)
+                for _ in range(2))
+        inputs = self.inputs(q, k, v)
+        plan = self.plan(inputs, True, name)
+        plan.run()
+        refs = attention_gradients(*(t.cpu() for t in (q, k, v, inputs[5])), is_causal=True)
+        return max(((g.double().cpu() - r).abs().max() / r.abs().max()).item() for g, r in zip(plan.outputs, refs))
+
+
 # How --measure runs each family's kernels (shapes, inputs, forced plan, oracle check, figure).
-HARNESSES = {"f16": _F16Harness(), "i8": _I8Harness(), "dec": _DecHarness()}
+HARNESSES = {"f16": _F16Harness(), "i8": _I8Harness(), "dec": _DecHarness(), "bwd": _BwdHarness()}
 
 
 def device_facts() -> dict:

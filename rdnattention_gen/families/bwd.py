@@ -103,9 +103,13 @@ class Backward(HeadDimAxis, Family):
     backward = True  # swept by tests/kernels/test_backward.py, not by the forward's oracle sweep
     oracle_cases = {}  # the gradient cases live in tests/kernels/test_backward.py
     tile_constraints = False  # one kernel per head_dim and dtype serves every call
+    tune_layouts = True  # a tile's passes are built and timed together (tune._BwdHarness)
 
     def tier(self, target: Target) -> str | None:
         return "cvt_fma"
+
+    def tile_space(self, target: Target, head_dim: int) -> dict[str, tuple[int, ...]] | None:
+        return {"br": (16, 32, 64), "bc": (16, 32, 64), "threads": (128, 256, 512), "tm": (1,)}
 
     def builds_point(self, target: Target, point: dict) -> bool:
         """The atomic passes where the target adds floats in memory (Target.adds_floats_in_memory)."""

@@ -292,7 +292,7 @@ def test_tune_builds_ranks_and_refuses_measuring_without_the_gpu(tmp_path):
                           (["--head-dims", "64,x"], "--head-dims: '64,x' is not a comma list of integers"),
                           (["--head-dims", "84"], "f16 is not built for head_dim [84]"),
                           (["--family", "f17"], "no kernel family 'f17'"),
-                          (["--family", "bwd", "--measure"], "bwd has no tile space to tune")):
+                          (["--family", "append", "--head-dims", "512", "--measure"], "append has no tile space to tune")):
         bad = subprocess.run(cli[:5] + ["gfx1030"] + args + ["--build-dir", str(tmp_path / "bad")],
                              capture_output=True, text=True, cwd=REPO_ROOT)
         assert bad.returncode == 2 and f"rdnattention-gen: error: {message}" in bad.stderr, bad.stderr
@@ -414,6 +414,41 @@ def test_tune_measures_the_decode_family_on_the_host_emulator(tmp_path):
         assert all(any(f"_br{e.tile.br}_bc{e.tile.bc}_nt{e.tile.threads}_tm{e.tile.tm}_" in n for n in names)
                    for e in entries)
     ET.fromstring((tuned / "host-dec.svg").read_text())
+
+
+@pytest.mark.slow
+def test_tune_measures_the_backward_on_the_host_emulator(tmp_path):
+    """The backward harness: each tile's passes built and forced as a set, the atomic and the
+    deterministic passes each a key of their own, every set checked against the oracle's gradients
+    before it is timed; the dispatcher's pick of each mode named as that key's default."""
+    import json
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "rdnattention_gen.cli", "tune", "--targets", "host", "--family", "bwd",
+           "--head-dims", "64", "--groups", "1", "--space", "br=32 bc=32 threads=128,256 tm=1 waves=0",
+           "--build-dir", str(tmp_path / "b"), "--measure", "--seq", "64", "--rounds", "1"]
+    out = subprocess.run(cli, capture_output=True, text=True, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "wrong against the oracle" not in out.stdout
+    assert "(atomic)" in out.stdout and "(dqcast)" in out.stdout and "(pre)" in out.stdout  # the sets' passes built
+    measured = json.loads((tmp_path / "b" / "measured.json").read_text())
+    assert sorted(m["when"]["passes"] for m in measured) == ["atomic", "deterministic"]
+    for m in measured:
+        prefix = "fa2_bwdatomic_" if m["when"]["passes"] == "atomic" else "fa2_bwd_"
+        assert len(m["figures"]) == 2 and all(n.startswith(prefix) for n in m["figures"])
+        assert m["default"] in m["figures"]
+
+
+def test_tune_refuses_to_write_backward_tiles(tmp_path):
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "rdnattention_gen.cli", "tune", "--targets", "host", "--family", "bwd",
+           "--build-dir", str(tmp_path / "b"), "--tuned", str(tmp_path), "--measure", "--write"]
+    out = subprocess.run(cli, capture_output=True, text=True, cwd=REPO_ROOT)
+    assert out.returncode != 0 and "--write: the backward's tiles are set in variants.yaml" in out.stderr
+    assert not (tmp_path / "b").exists()  # refused before anything is built
 
 
 def test_tuned_entries_serve_every_layout_of_their_family(tmp_path):
