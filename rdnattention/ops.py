@@ -172,9 +172,11 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
     return out, lse
 
 
-def grad_needed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether autograd records a call on q, k and v: grad mode is on and one of them requires grad."""
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+def grad_needed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None) -> bool:
+    """Whether autograd records a call on q, k and v (and sinks): grad mode is on and one of them
+    requires grad."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sinks is not None and sinks.requires_grad))
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token_major: bool,
@@ -183,7 +185,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token
     autograd records it (the op then returns the log-sum-exp, which its backward reads, whether or
     not the call asked for it). With ``key`` (ops.key of the same call), the plan is kept for later
     calls of that key."""
-    grad = grad_needed(q, k, v)
+    grad = grad_needed(q, k, v, o.score.sinks)
     if grad and not torch.compiler.is_compiling():
         check_backward_built(q)
     if (grad or torch.compiler.is_compiling() or torch.jit.is_tracing()
@@ -206,7 +208,7 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary_cos
                    sinks: Optional[torch.Tensor] = None, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     # deterministic: read by the backward alone (_setup_context)
     score = options.check_score_options(softcap, alibi_slopes, sinks, batch=q.shape[0], heads_q=q.shape[1],
-                                        device=q.device)
+                                        device=q.device, sinks_grad=True)
     o = Options(window_left=window_left, window_right=window_right, softmax_scale=softmax_scale,
                 rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
                 return_lse=return_lse, seqused_k=seqused_k, score=score)
@@ -315,21 +317,37 @@ def _setup_context(ctx, inputs, output) -> None:
     # What the backward kernels do not take (options.validate refuses these calls up front; the op
     # called directly is refused here, when its gradient is asked for).
     unserved = [name for name, present in (("rotary_cos", rotary_cos is not None), ("seqused_k", seqused_k is not None),
-                                           ("alibi_slopes", alibi_slopes is not None), ("sinks", sinks is not None),
+                                           ("alibi_slopes", alibi_slopes is not None),
                                            ("return_lse=False", not return_lse)) if present]
     ctx.unserved = unserved
     ctx.options = (window_left, window_right, softmax_scale, softcap, deterministic)
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.sinks = sinks is not None
+    ctx.save_for_backward(q, k, v, out, lse, *((sinks,) if sinks is not None else ()))
 
 
 def _backward(ctx, dout, dlse):
     if ctx.unserved:
         raise UnsupportedError(f"rdnattention::flash_attn_fwd has no backward with {', '.join(ctx.unserved)}: the "
                                "backward kernels recompute the probabilities from the log-sum-exp, without RoPE, "
-                               "cache lengths, ALiBi or sinks")
-    q, k, v, out, lse = ctx.saved_tensors
+                               "cache lengths or ALiBi")
+    q, k, v, out, lse, *sinks = ctx.saved_tensors
+    # With sinks, the log-sum-exp holds each row's sink, so the kernels' P = exp(S - LSE) and
+    # dS = P (dP - delta) are the gradients of q, k and v as they are (a sink adds no value to O).
     dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.options)
-    return (dq, dk, dv) + (None,) * 13
+    return (dq, dk, dv) + (None,) * 11 + (_sink_gradient(sinks[0], dout, out, lse, dlse)
+                                          if ctx.sinks and ctx.needs_input_grad[14] else None, None)
+
+
+def _sink_gradient(sinks: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   dlse: torch.Tensor | None) -> torch.Tensor:
+    """The gradient of a call's loss in its sinks (fp32 [heads_q]): the sink of head h has the
+    probability p = exp(sink_h - LSE) in each of its rows, and as a logit of no value its gradient
+    is -sum over rows of p * (rowsum(dO * O) - dLSE), in fp32 from the saved output and LSE."""
+    delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    p = torch.exp(sinks.detach().float()[None, :, None] - lse)
+    return -(p * delta).sum((0, 2))
 
 
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -202,19 +202,22 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: ob
     if not isinstance(return_lse, bool):
         raise InvalidArgumentError(f"return_lse must be a bool, got {return_lse!r}")
     rope = check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, seq_k)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        # The backward kernels (ops.flash_attn_bwd) take the mask, the scale, GQA and the softcap.
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (isinstance(sinks, torch.Tensor) and sinks.requires_grad)):
+        # The backward kernels (ops.flash_attn_bwd) take the mask, the scale, GQA and the softcap; sinks
+        # need nothing of them (the log-sum-exp holds the sink) and get their gradient in ops._backward.
         for name, given in (("rotary_cos", rope), ("seqused_k", seqused_k is not None),
-                            ("alibi_slopes", alibi_slopes is not None), ("sinks", sinks is not None)):
+                            ("alibi_slopes", alibi_slopes is not None)):
             if given:
-                raise UnsupportedError(f"q, k or v requires grad, and the backward pass does not take {name}: run "
+                who = "q, k or v" if q.requires_grad or k.requires_grad or v.requires_grad else "sinks"
+                raise UnsupportedError(f"{who} requires grad, and the backward pass does not take {name}: run "
                                        "the call under torch.no_grad() or torch.inference_mode(), or pass detached "
                                        "tensors")
     return Options(window_left=left, window_right=right, softmax_scale=softmax_scale,
                    rotary_cos=rotary_cos if rope else None, rotary_sin=rotary_sin if rope else None,
                    rotary_interleaved=bool(rotary_interleaved) if rope else False, return_lse=return_lse,
                    seqused_k=check_seqused(seqused_k, q),
-                   score=check_score_options(softcap, alibi_slopes, sinks, batch=batch, heads_q=heads_q,
+                   score=check_score_options(softcap, alibi_slopes, sinks, batch=batch, heads_q=heads_q, sinks_grad=True,
                                              device=q.device))
 
 
@@ -243,8 +246,9 @@ def check_softcap(softcap: object) -> float:
 
 
 def _check_fp32(name: str, t: object, shapes: tuple[tuple[int, ...], ...], what: str,
-                device: torch.device) -> torch.Tensor:
-    """A float32 tensor of one of ``shapes`` on ``device``, its last dimension contiguous."""
+                device: torch.device, grad: bool = False) -> torch.Tensor:
+    """A float32 tensor of one of ``shapes`` on ``device``, its last dimension contiguous; one that
+    requires grad only where the caller's backward gives it a gradient (``grad``)."""
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     if t.dtype != torch.float32 or tuple(t.shape) not in shapes:
@@ -253,22 +257,23 @@ def _check_fp32(name: str, t: object, shapes: tuple[tuple[int, ...], ...], what:
         raise InvalidArgumentError(f"{name} is on {t.device}, q on {device}")
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise InvalidArgumentError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
-    if torch.is_grad_enabled() and t.requires_grad:
+    if not grad and torch.is_grad_enabled() and t.requires_grad:
         raise UnsupportedError(f"{name} requires grad, and the backward pass gives no gradient for it: run it "
                                "under torch.no_grad() or torch.inference_mode(), or pass a detached tensor")
     return t
 
 
 def check_score_options(softcap: object = 0.0, alibi_slopes: object = None, sinks: object = None, *, batch: int,
-                        heads_q: int, device: torch.device) -> ScoreOptions:
+                        heads_q: int, device: torch.device, sinks_grad: bool = False) -> ScoreOptions:
     """Validates a call's score transforms (shapes, dtypes and devices only: their values are
-    checked where the call is planned, check_score_values)."""
+    checked where the call is planned, check_score_values). ``sinks_grad``: the caller's backward
+    gives sinks a gradient (the flash_attn family's), so sinks may require grad."""
     softcap = check_softcap(softcap)
     if alibi_slopes is not None:
         alibi_slopes = _check_fp32("alibi_slopes", alibi_slopes, ((heads_q,), (batch, heads_q)),
                                    f"[heads_q] = ({heads_q},) or [batch, heads_q] = ({batch}, {heads_q})", device)
     if sinks is not None:
-        sinks = _check_fp32("sinks", sinks, ((heads_q,),), f"[heads_q] = ({heads_q},)", device)
+        sinks = _check_fp32("sinks", sinks, ((heads_q,),), f"[heads_q] = ({heads_q},)", device, grad=sinks_grad)
     return ScoreOptions(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
 
 

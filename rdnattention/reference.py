@@ -109,7 +109,7 @@ def _attention64(q64: torch.Tensor, k64: torch.Tensor, v64: torch.Tensor, *, is_
         out = torch.zeros(batch, heads_q, seq_q, head_dim, dtype=torch.float64)
         lse = torch.full((batch, heads_q, seq_q), -math.inf, dtype=torch.float64)
         if sinks is not None:
-            lse[:] = sinks.detach().to("cpu", torch.float64)[None, :, None]
+            lse[:] = sinks.to("cpu", torch.float64)[None, :, None]
         return (out, lse) if return_lse else out
     if rotary_cos is not None:
         cos, sin = rotary_cos.detach().cpu(), rotary_sin.detach().cpu()
@@ -140,7 +140,7 @@ def _attention64(q64: torch.Tensor, k64: torch.Tensor, v64: torch.Tensor, *, is_
 
     scores = scores.masked_fill(~visible, -math.inf)
     if sinks is not None:  # one more logit per row, of no value: the last column, dropped below
-        sink = sinks.detach().to("cpu", torch.float64)[None, :, None, None].expand(batch, heads_q, seq_q, 1)
+        sink = sinks.to("cpu", torch.float64)[None, :, None, None].expand(batch, heads_q, seq_q, 1)
         scores = torch.cat([scores, sink], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)
     row_max = scores.amax(dim=-1, keepdim=True)

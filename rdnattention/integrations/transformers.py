@@ -29,8 +29,9 @@ written out in torch (softmax of the capped scores, the sinks in the denominator
 cannot express.
 
 Inputs that require grad (training, LoRA fine-tuning) run rdnattention's backward through
-autograd where it serves them (:func:`_trainable`: whole sequences, causal or full, sliding windows
-and softcaps, a head_dim and dtype with backward kernels); padded batches and sinks fall back."""
+autograd where it serves them (:func:`_trainable`: whole sequences, causal or full, sliding windows,
+softcaps and sinks (learned sinks get their gradient), a head_dim and dtype with backward kernels);
+padded batches fall back."""
 
 from __future__ import annotations
 
@@ -249,7 +250,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                              "int)", module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                              is_causal=is_causal, **kwargs)
         left = sliding_window - 1
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+    s_aux = kwargs.get("s_aux")
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
+                                    or (s_aux is not None and s_aux.requires_grad)):
         reason, out = _trainable(query, key, value, attention_mask, causal, scale, left, kwargs)
         if reason:
             return _fallback(reason, module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -276,11 +279,10 @@ def _trainable(query, key, value, mask, causal: bool, scale: float, left: int, k
     backward serves it, through autograd (:func:`rdnattention.flash_attn`), else ``(reason, None)``.
     Served: whole sequences (no mask, or a mask that is causal or full over every position: batches
     of equal length, as training packs them), causal with queries at the end of the keys or full, a
-    sliding window, a softcap; with a head_dim and dtype the device has backward kernels for.
-    Padded batches (reading their mask costs a synchronisation, and the backward takes no
-    per-sequence lengths) and attention sinks run transformers' sdpa attention."""
-    if kwargs.get("s_aux") is not None:
-        return "inputs that require grad with attention sinks: the backward pass does not take sinks", None
+    sliding window, a softcap, attention sinks (``s_aux``, learned or not: they get their gradient);
+    with a head_dim and dtype the device has backward kernels for. Padded batches (reading their mask
+    costs a synchronisation, and the backward takes no per-sequence lengths) run transformers' sdpa
+    attention."""
     try:
         table = route.device_table(query.device)
     except (KernelsNotBuiltError, UnsupportedError) as e:
@@ -300,8 +302,10 @@ def _trainable(query, key, value, mask, causal: bool, scale: float, left: int, k
                     "lengths)"), None
     elif causal and seq_q != seq_k and seq_q > 1:  # sdpa's is_causal without a mask is top-left
         return "inputs that require grad, is_causal and no mask with fewer queries than keys", None
+    sinks = kwargs.get("s_aux")
     out = api.flash_attn(query, key, value, is_causal=causal and seq_q > 1, window_size=(left, 0 if causal else -1),
-                         softmax_scale=scale, softcap=float(kwargs.get("softcap") or 0.0))
+                         softmax_scale=scale, softcap=float(kwargs.get("softcap") or 0.0),
+                         sinks=None if sinks is None else sinks.to(torch.float32))  # the cast keeps its gradient
     return None, out.transpose(1, 2)
 
 

@@ -288,11 +288,10 @@ def _refusals():
         ({"rotary_cos": cos, "rotary_sin": sin}, "does not take rotary_cos"),
         ({"seqused_k": torch.tensor([30], dtype=torch.int32)}, "does not take seqused_k"),
         ({"alibi_slopes": torch.rand(4)}, "does not take alibi_slopes"),
-        ({"sinks": torch.rand(4)}, "does not take sinks"),
     ]
 
 
-@pytest.mark.parametrize("i", range(4), ids=["rotary", "seqused_k", "alibi", "sinks"])
+@pytest.mark.parametrize("i", range(3), ids=["rotary", "seqused_k", "alibi"])
 def test_options_the_backward_does_not_take_are_refused(host_build, i):
     options, message = _refusals()[i]
     q, k, v, _ = _inputs(1, 4, 2, 40, 40, 64, torch.float16, 51)
@@ -303,6 +302,58 @@ def test_options_the_backward_does_not_take_are_refused(host_build, i):
     assert q.grad is None and all(torch.equal(a, b) for a, b in zip((q, k, v), before))
     with torch.no_grad():  # forward only: served
         flash_attn(q, k, v, **options)
+
+
+def _sink_oracle(q, k, v, dout, sinks, **options):
+    """The float64 gradients (dq, dk, dv, dsinks) through the oracle's forward with sinks."""
+    leaves = [t.detach().to(torch.float64).requires_grad_() for t in (q, k, v, sinks)]
+    with torch.enable_grad():
+        out = _attention64(*leaves[:3], sinks=leaves[3], **options)
+        return torch.autograd.grad((out * dout.double()).sum(), leaves)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("case", ["causal_gqa", "window_two_sided", "few_keys"])
+def test_sinks_get_gradients_with_q_k_v(host_build, case, deterministic):
+    """Attention sinks (gpt-oss's learned logits): q, k and v's gradients from the same kernels
+    (the log-sum-exp holds the sink), and the sinks' own, against the float64 oracle's; rows that
+    see no key (few_keys) are all sink."""
+    b, hq, hk, sq, sk, options = CASES[case]
+    q, k, v, dout = _inputs(b, hq, hk, sq, sk, 64, torch.float16, 81)
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(3)) + 1.0
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    flash_attn(*leaves[:3], sinks=leaves[3], deterministic=deterministic, **options).backward(dout)
+    refs = _sink_oracle(q, k, v, dout, sinks, **options)
+    _check(tuple(t.grad for t in leaves[:3]), refs[:3], torch.float16)
+    assert leaves[3].grad.dtype == torch.float32 and leaves[3].grad.shape == sinks.shape
+    # dsinks is a sum over rows of fp32 products of the stored fp16 output: the output's rounding
+    err = (leaves[3].grad.double() - refs[3]).abs().max().item()
+    assert err <= GRAD_TOL[torch.float16] * max(refs[3].abs().max().item(), 1.0)
+
+
+def test_sinks_alone_may_require_grad(host_build):
+    """Frozen q, k and v with learned sinks: autograd records the call (no silent loss of the
+    gradient), and the sinks' gradient is the oracle's; a no_grad call is served as before."""
+    b, hq, hk, sq, sk, options = CASES["causal_gqa"]
+    q, k, v, dout = _inputs(b, hq, hk, sq, sk, 64, torch.float16, 82)
+    sinks = torch.randn(hq).requires_grad_()
+    out = flash_attn(q, k, v, sinks=sinks, **options)
+    assert out.requires_grad
+    out.backward(dout)
+    ref = _sink_oracle(q, k, v, dout, sinks, **options)[3]
+    assert (sinks.grad.double() - ref).abs().max().item() <= GRAD_TOL[torch.float16] * max(ref.abs().max().item(), 1.0)
+    with torch.no_grad():
+        assert not flash_attn(q, k, v, sinks=sinks, **options).requires_grad
+
+
+def test_entries_without_a_backward_refuse_sinks_that_require_grad(host_build):
+    """The cache and packed entries give sinks no gradient: a sinks tensor that requires grad is
+    refused there (never a silently missing gradient)."""
+    q = torch.randn(1, 1, 4, 64, dtype=torch.float16)
+    cache = torch.randn(1, 16, 2, 64, dtype=torch.float16)
+    with pytest.raises(UnsupportedError, match="sinks requires grad"):
+        rdnattention.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([10], dtype=torch.int32),
+                                             sinks=torch.zeros(4, requires_grad=True))
 
 
 def test_entries_without_a_backward_are_refused(host_build):

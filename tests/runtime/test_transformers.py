@@ -292,6 +292,28 @@ def test_sliding_window_layers_fall_back_to_the_transforms_written_out(device, k
     torch.testing.assert_close(ours[valid], ref[valid], **TOL)
 
 
+def test_gpt_oss_sinks_are_trained_through_the_kernels(device):
+    """Training gpt-oss (learned sinks, s_aux) on whole sequences: every attention call runs the
+    kernels forward and backward, and the gradients of the sinks and of the attention weights match
+    transformers' eager attention's, under fp16 autocast (fp32 weights)."""
+    grads = {}
+    for impl in ("rdnattention", "eager"):
+        model = _score_model("gpt_oss", device).float().train()
+        _use(model, impl)
+        ids = torch.tensor([[1, 5, 6, 7, 9, 3], [1, 2, 3, 4, 5, 6]], device=device)
+        rt.counts(reset=True)
+        with torch.autocast(device.type, dtype=torch.float16):
+            model(ids, labels=ids).loss.backward()
+        if impl == "rdnattention":
+            c = rt.counts()
+            assert (c["served"], c["fallback"]) == (2, 0), c  # both layers, nothing fell back
+        layer = model.model.layers[0].self_attn
+        grads[impl] = (layer.sinks.grad.clone(), layer.q_proj.weight.grad.clone())
+    for ours, ref in zip(grads["rdnattention"], grads["eager"]):
+        assert ours.abs().max() > 0
+        torch.testing.assert_close(ours, ref, atol=2e-2 * ref.abs().max().item(), rtol=0)
+
+
 class _LoRA(torch.nn.Module):
     """A frozen linear layer plus a trainable low-rank update (LoRA): base(x) + x A^T B^T, B zero at first."""
 
