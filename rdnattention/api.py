@@ -153,7 +153,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         return padding.run(flash_attn_func, dict(q=q, k=k, v=v), dict(
             softmax_scale=softmax_scale, causal=causal, window_size=window_size, return_attn_probs=return_attn_probs,
             rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, softcap=softcap,
-            alibi_slopes=alibi_slopes, sinks=sinks), scale_name="softmax_scale")
+            alibi_slopes=alibi_slopes, sinks=sinks, deterministic=deterministic), scale_name="softmax_scale")
     if hit is not None:
         out, lse = hit
     else:

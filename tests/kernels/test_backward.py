@@ -259,15 +259,16 @@ def test_the_atomic_passes_are_taken_where_timed(monkeypatch):
 
 def test_flash_attn_func_and_packed_entries_take_grad(host_build):
     """The token-major entry points: gradients in the inputs' layout, the packed one's into its
-    packed tensor, equal to flash_attn's."""
+    packed tensor, equal to flash_attn's (bit for bit: each with deterministic=True, flash-attn's
+    flag, which they pass on)."""
     q, k, v, dout = _inputs(1, 2, 2, 30, 30, 64, torch.float16, 31)
-    want = _grads(q, k, v, dout, is_causal=True)
+    want = _grads(q, k, v, dout, is_causal=True, deterministic=True)
     qt, kt, vt = (t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
-    flash_attn_func(qt, kt, vt, causal=True).backward(dout.transpose(1, 2))
+    flash_attn_func(qt, kt, vt, causal=True, deterministic=True).backward(dout.transpose(1, 2))
     for g, w in zip((qt.grad, kt.grad, vt.grad), want):
         assert torch.equal(g.transpose(1, 2), w)
     qkv = torch.stack([t.transpose(1, 2) for t in (q, k, v)], dim=2).requires_grad_()  # [b, s, 3, h, d]
-    flash_attn_qkvpacked_func(qkv, causal=True).backward(dout.transpose(1, 2))
+    flash_attn_qkvpacked_func(qkv, causal=True, deterministic=True).backward(dout.transpose(1, 2))
     for i, w in enumerate(want):
         assert torch.equal(qkv.grad[:, :, i].transpose(1, 2), w)
 
@@ -396,7 +397,12 @@ def test_compile_traces_forward_and_backward(host_build, backend):
 
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, backend=backend)
-    assert all(torch.equal(a, b) for a, b in zip(grads(compiled), grads(layer)))
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # the backward's passes read it when they run: bit for bit
+    try:
+        assert all(torch.equal(a, b) for a, b in zip(grads(compiled), grads(layer)))
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 def test_opcheck(host_build):
