@@ -439,6 +439,22 @@ def test_cuda_gradients_match_oracle(case, head_dim, dtype, deterministic):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_cuda_sinks_get_gradients(dtype):
+    """test_sinks_get_gradients_with_q_k_v on the GPU: q, k, v and the sinks against the oracle."""
+    device = _cuda()
+    b, hq, hk, sq, sk, options = CASES["causal_gqa"]
+    q, k, v, dout = (t.to(device) for t in _inputs(b, hq, hk, sq, sk, 128, TORCH[dtype], 83))
+    sinks = (torch.randn(hq, generator=torch.Generator().manual_seed(4)) + 1.0).to(device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    flash_attn(*leaves[:3], sinks=leaves[3], **options).backward(dout)
+    refs = _sink_oracle(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), sinks.cpu(), **options)
+    _check(tuple(t.grad for t in leaves[:3]), refs[:3], TORCH[dtype])
+    err = (leaves[3].grad.double().cpu() - refs[3]).abs().max().item()
+    assert err <= GRAD_TOL[TORCH[dtype]] * max(refs[3].abs().max().item(), 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_cuda_gradients_match_torchs_math_backward(dtype):
     """Against torch's SDPA math backward in the inputs' dtype on the GPU, each measured by its
     error against the float64 oracle: ours no larger than the math path's (up to the stored
