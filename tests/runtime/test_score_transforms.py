@@ -104,7 +104,6 @@ BAD = [
     ({"sinks": torch.ones(HK)}, InvalidArgumentError, "sinks must be float32 [heads_q] = (4,)"),
     ({"sinks": torch.ones(HQ, dtype=torch.float64)}, InvalidArgumentError, "sinks must be float32"),
     ({"sinks": torch.tensor([0.0, float("inf"), 1.0, 2.0])}, InvalidArgumentError, "sinks must hold finite values"),
-    ({"sinks": torch.ones(HQ, requires_grad=True)}, UnsupportedError, "sinks requires grad"),
 ]
 
 
@@ -113,6 +112,20 @@ BAD = [
 def test_bad_transforms_are_typed_errors_naming_them(host_build, entry, score, error, message):
     with pytest.raises(error, match=re.escape(message)):
         _call(entry, **score)
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_sinks_that_require_grad_are_served_only_where_the_entry_has_a_backward(host_build, entry):
+    """flash_attn and flash_attn_func give learned sinks their gradient (autograd records the call);
+    the cache and packed entries have no backward, so they refuse such sinks (never a silently
+    missing gradient)."""
+    sinks = torch.ones(HQ, requires_grad=True)
+    if entry in ("flash_attn", "flash_attn_func"):
+        out, ref, _ = _call(entry, sinks=sinks)
+        assert out.requires_grad and _err(out.detach(), ref.detach()) <= TOL
+    else:
+        with pytest.raises(UnsupportedError, match="sinks requires grad"):
+            _call(entry, sinks=sinks)
 
 
 def test_a_refused_cache_append_leaves_the_cache_as_it_was(host_build):
