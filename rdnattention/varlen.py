@@ -188,8 +188,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     back, and tensors whose rows are not contiguous and 16-byte aligned are copied (padding.py).
     ``window_size``: a pair of ints, or of a CPU tensor (options.as_window). ``softcap`` and
     ``alibi_slopes`` (fp32 [heads] or [batch, heads]) as flash-attn's; ``sinks`` (keyword, fp32
-    [heads]): attention sinks (docs/api.md). dropout raises UnsupportedError; the kernels are
-    deterministic, so ``deterministic`` needs nothing."""
+    [heads]): attention sinks (docs/api.md). dropout raises UnsupportedError; packed calls have no
+    backward and the forward is deterministic, so ``deterministic`` changes nothing."""
     return _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                          causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
                          entry="flash_attn_varlen_func", names=_FLASH_NAMES, sinks=sinks)
