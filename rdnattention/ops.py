@@ -260,8 +260,9 @@ def atomic_backward(table, q: torch.Tensor, deterministic: bool) -> bool:
     """Whether a backward on q takes the atomic passes (bwd.ATOMIC: dQ added into an fp32 sum by
     atomics, one recomputation fewer; its last bits may vary run to run): where ``table``'s target
     has them for q's head_dim and dtype, it is not an AMD target (the atomic passes are timed on
-    NVIDIA alone; on AMD they are built and tested, and taken by passing ``kernels``), and neither
-    ``deterministic`` nor torch.use_deterministic_algorithms asks for one order."""
+    NVIDIA alone; on AMD's RDNA3 and later they are built and emulator-tested, and taken by
+    ``backward(..., atomic=True)``), and neither ``deterministic`` nor
+    torch.use_deterministic_algorithms asks for one order."""
     return (not deterministic and not torch.are_deterministic_algorithms_enabled()
             and table.platform != "amdgcn"
             and bwd.served(table, q.shape[-1], DTYPE_OPTIONS.get(str(q.dtype)), bwd.ATOMIC))
