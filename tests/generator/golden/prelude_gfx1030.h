@@ -44,6 +44,13 @@ RDNA_DEVICE void rdna_fence_acquire() { __builtin_amdgcn_fence(__ATOMIC_ACQUIRE,
 RDNA_DEVICE unsigned rdna_atomic_add(unsigned* p, unsigned v) {
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
+// Four fp32 values added into memory other workgroups add into too (the backward's dQ), relaxed,
+// at the device's scope: one instruction each where the target adds floats in memory, else a
+// compare-and-swap loop the compiler makes.
+RDNA_DEVICE void rdna_atomic_add_f32x4(float* p, const float* v) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) __hip_atomic_fetch_add(p + e, v[e], __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
 
 // `name`: a pointer to the kernel's argument struct `args` (of type `type`, the kernel's only
 // parameter, at offset 0 of the kernarg segment) that the compiler cannot see through, so that

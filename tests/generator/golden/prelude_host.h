@@ -42,6 +42,17 @@ RDNA_DEVICE void rdna_block_sync() { rdna_host::block_sync(); }
 RDNA_DEVICE void rdna_fence_release() { __atomic_thread_fence(__ATOMIC_RELEASE); }
 RDNA_DEVICE void rdna_fence_acquire() { __atomic_thread_fence(__ATOMIC_ACQUIRE); }
 RDNA_DEVICE unsigned rdna_atomic_add(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+// Four fp32 values added into memory other workgroups (other threads) add into too: a
+// compare-and-swap loop on each value's bits.
+RDNA_DEVICE void rdna_atomic_add_f32x4(float* p, const float* v) {
+  for (int e = 0; e < 4; ++e) {
+    unsigned* const bits = reinterpret_cast<unsigned*>(p + e);
+    unsigned seen = __atomic_load_n(bits, __ATOMIC_RELAXED);
+    while (!__atomic_compare_exchange_n(bits, &seen, __builtin_bit_cast(unsigned, __builtin_bit_cast(float, seen) + v[e]),
+                                        true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+  }
+}
 // The kernel's argument struct where the AMD prelude reads it again (there, scalar registers): here `args` itself.
 #define RDNA_ARGS_AGAIN(type, name, args) const type* const name = &(args)
 RDNA_DEVICE float rdna_shfl_xor(float v, int mask) { return rdna_host::shfl_xor(v, mask); }

@@ -45,6 +45,17 @@ RDNA_DEVICE void rdna_fence_acquire() { __nvvm_membar_gl(); }
 RDNA_DEVICE unsigned rdna_atomic_add(unsigned* p, unsigned v) {
   return (unsigned)__nvvm_atom_add_gen_i(reinterpret_cast<int*>(p), (int)v);
 }
+// Four fp32 values added into memory other blocks add into too (the backward's dQ), relaxed:
+// one vector reduction on sm_90 and later, else four.
+RDNA_DEVICE void rdna_atomic_add_f32x4(float* p, const float* v) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};"
+               :: "l"(p), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]) : "memory");
+#else
+#pragma unroll
+  for (int e = 0; e < 4; ++e) __nvvm_atom_add_gen_f(p + e, v[e]);
+#endif
+}
 // The kernel's argument struct where the AMD prelude reads it again (there, scalar registers): here `args` itself.
 #define RDNA_ARGS_AGAIN(type, name, args) const type* const name = &(args)
 
