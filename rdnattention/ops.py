@@ -277,9 +277,20 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     ``lse`` against their gradients ``dout`` and ``dlse`` (None: none). The passes: atomic or
     deterministic as ``atomic`` says (None: atomic_backward's choice); ``kernels`` forces each pass's
     kernel by name (bwd.plan)."""
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0:  # no rows or no keys: nothing depends on anything
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    p = backward_plan(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap,
+                      deterministic, kernels, atomic)
+    p.run()
+    return p.outputs
+
+
+def backward_plan(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, dlse: torch.Tensor | None, window_left: int, window_right: int,
+                  softmax_scale: float, softcap: float, deterministic: bool = False,
+                  kernels: tuple = (None, None, None), atomic: bool | None = None) -> Plan:
+    """backward's three launches, planned and not run (the tuner times them), on rows and keys
+    that exist: its gradients and scratch allocated, the outputs the plan's."""
     if dout.dtype != q.dtype or tuple(dout.shape) != tuple(q.shape):
         raise InvalidArgumentError(f"the output's gradient must be {q.dtype} {tuple(q.shape)}, got {dout.dtype} "
                                    f"{tuple(dout.shape)}")
@@ -291,11 +302,10 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if atomic is None:
         atomic = atomic_backward(table, q, deterministic)
     dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if atomic else None  # zeroed by the kernels
-    p = bwd.plan(table, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, delta=delta, dq=dq, dk=dk, dv=dv,
-                 window=(window_left, window_right), softmax_scale=softmax_scale, softcap=softcap,
-                 dtype=DTYPE_OPTIONS.get(str(q.dtype)), dq_accum=dq_accum, kernels=kernels)
-    p.run()
-    return dq, dk, dv
+    return bwd.plan(table, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, delta=delta,
+                    dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v),
+                    window=(window_left, window_right), softmax_scale=softmax_scale, softcap=softcap,
+                    dtype=DTYPE_OPTIONS.get(str(q.dtype)), dq_accum=dq_accum, kernels=kernels)
 
 
 @torch.library.custom_op("rdnattention::flash_attn_bwd", mutates_args=())

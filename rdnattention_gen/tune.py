@@ -353,7 +353,11 @@ class _F16Harness:
         inputs = self.inputs(q, k, v)
         plan = self.plan(inputs, shape.causal, name)
         plan.run()
-        return self.error(plan.outputs[0], self.reference(inputs, shape.causal))
+        return self.error(self.result(plan), self.reference(inputs, shape.causal))
+
+    def result(self, plan):
+        """What a candidate's run is checked on: its output."""
+        return plan.outputs[0]
 
 
 class _I8Harness(_F16Harness):
@@ -461,45 +465,31 @@ class _BwdHarness(_F16Harness):
     def plan(self, inputs, causal: bool, kernel: str | None, atomic: bool | None = None):
         """The passes of ``kernel``'s set (its tile and mode); for None, the dispatcher's passes of
         the mode ``atomic`` asks for (None: its default mode)."""
-        import torch
-
-        from rdnattention import ops, route
+        from rdnattention import ops
         from rdnattention.families import bwd
 
         q, k, v, out, lse, dout = inputs
-        table = route.device_table(q.device)
-        if kernel is None:
-            names = (None, None, None)
-            if atomic is None:
-                atomic = ops.atomic_backward(table, q, False)
-        else:
-            spec = family(bwd.NAME).from_name(kernel)
-            atomic = spec.option("layout") == "atomic"
+        names = (None, None, None)
+        if kernel is not None:
             fam = family(bwd.NAME)
+            spec = fam.from_name(kernel)
+            atomic = spec.option("layout") == "atomic"
             names = tuple(fam._spec(spec.head_dim, spec.tile, spec.wave_size, layout, spec.option("dtype")).name
                           for layout in (bwd.ATOMIC if atomic else bwd.DETERMINISTIC))
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        return bwd.plan(table, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=None,
-                        delta=torch.empty(q.shape[:3], dtype=torch.float32, device=q.device), dq=dq, dk=dk, dv=dv,
-                        window=(-1, 0), softmax_scale=q.shape[-1] ** -0.5, softcap=0.0, dtype=None,
-                        dq_accum=torch.empty(q.shape, dtype=torch.float32, device=q.device) if atomic else None,
-                        kernels=names)
+        return ops.backward_plan(dout, q, k, v, out, lse, None, -1, 0 if causal else -1, q.shape[-1] ** -0.5, 0.0,
+                                 kernels=names, atomic=atomic)
 
-    def oracle_error(self, name: str, shape: Shape, device) -> float:
-        import torch
+    def result(self, plan):
+        return plan.outputs  # dq, dk, dv
 
+    def reference(self, inputs, causal: bool):
         from rdnattention import attention_gradients
 
-        g = torch.Generator(device=device).manual_seed(1)
-        hq, hk, sq, sk = self.check_shape(shape)
-        q = torch.randn(1, hq, sq, shape.head_dim, device=device, dtype=torch.float16, generator=g)
-        k, v = (torch.randn(1, hk, sk, shape.head_dim, device=device, dtype=torch.float16, generator=g)
-                for _ in range(2))
-        inputs = self.inputs(q, k, v)
-        plan = self.plan(inputs, True, name)
-        plan.run()
-        refs = attention_gradients(*(t.cpu() for t in (q, k, v, inputs[5])), is_causal=True)
-        return max(((g.double().cpu() - r).abs().max() / r.abs().max()).item() for g, r in zip(plan.outputs, refs))
+        q, k, v, _, _, dout = inputs
+        return attention_gradients(*(t.cpu() for t in (q, k, v, dout)), is_causal=causal)
+
+    def error(self, out, ref) -> float:
+        return max(((g.double().cpu() - r).abs().max() / r.abs().max()).item() for g, r in zip(out, ref))
 
 
 # How --measure runs each family's kernels (shapes, inputs, forced plan, oracle check, figure).
