@@ -14,8 +14,8 @@ from typing import Mapping, Optional
 
 import torch
 
-from . import checks, options, replay, route
-from .errors import InvalidArgumentError
+from . import checks, ops, options, replay, route
+from .errors import InvalidArgumentError, UnsupportedError
 from .options import NO_SCORE_OPTIONS, ScoreOptions
 from .plan import Plan
 
@@ -234,8 +234,9 @@ def flash_attn_decode_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq
                           cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor], batch: int,
                           seq_q: int, seq_k: int, window_left: int, window_right: int, softmax_scale: float,
                           return_lse: bool, num_splits: int, softcap: float = 0.0,
-                          alibi_slopes: Optional[torch.Tensor] = None,
-                          sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+                          deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    # deterministic: read by the backward alone (_setup_context)
     heads_q = q.shape[-2]
     score = options.check_score_options(softcap, alibi_slopes, sinks, batch=batch, heads_q=heads_q, device=q.device)
     return run(q, k, v, window=(window_left, window_right), softmax_scale=softmax_scale, return_lse=return_lse,
@@ -246,5 +247,40 @@ def flash_attn_decode_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq
 
 @flash_attn_decode_fwd.register_fake
 def _(q, k, v, seqused_k, block_table, cache_batch_idx, cu_seqlens_q, cu_seqlens_k, batch, seq_q, seq_k,
-      window_left, window_right, softmax_scale, return_lse, num_splits, softcap=0.0, alibi_slopes=None, sinks=None):
+      window_left, window_right, softmax_scale, return_lse, num_splits, softcap=0.0, alibi_slopes=None, sinks=None,
+      deterministic=False):
     return allocate(q, return_lse, cu_seqlens_q is not None)
+
+
+# The backward of packed sequences (varlen.py records the op where autograd does): the bwd family's
+# passes over the sequences (ops.flash_attn_varlen_bwd), from the saved q, k, v, output and
+# log-sum-exp. The op's other uses (caches, pages, key counts) have none, and say so when asked.
+
+def _setup_context(ctx, inputs, output) -> None:
+    (q, k, v, seqused_k, block_table, cache_batch_idx, cu_seqlens_q, cu_seqlens_k, batch, seq_q, seq_k,
+     window_left, window_right, softmax_scale, return_lse, num_splits, softcap, alibi_slopes, sinks,
+     deterministic) = inputs
+    out, lse = output
+    ctx.unserved = [name for name, present in (
+        ("seqused_k", seqused_k is not None), ("block_table", block_table is not None),
+        ("cache_batch_idx", cache_batch_idx is not None), ("cu_seqlens_q=None", cu_seqlens_q is None),
+        ("cu_seqlens_k=None", cu_seqlens_k is None), ("return_lse=False", not return_lse),
+        ("sinks that require grad", sinks is not None and sinks.requires_grad)) if present]
+    ctx.options = (seq_q, seq_k, window_left, window_right, softmax_scale, softcap, deterministic)
+    ctx.alibi = alibi_slopes is not None
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                          *((alibi_slopes,) if alibi_slopes is not None else ()))
+
+
+def _backward(ctx, dout, dlse):
+    if ctx.unserved:
+        raise UnsupportedError(f"rdnattention::flash_attn_decode_fwd has a backward for packed sequences alone, not "
+                               f"with {', '.join(ctx.unserved)}")
+    q, k, v, out, lse, cu_q, cu_k, *slopes = ctx.saved_tensors
+    seq_q, seq_k, left, right, scale, softcap, deterministic = ctx.options
+    dq, dk, dv = ops.flash_attn_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, seq_q, seq_k, left, right, scale,
+                                       softcap, deterministic, slopes[0] if slopes else None)
+    return (dq, dk, dv) + (None,) * 17
+
+
+flash_attn_decode_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -271,53 +271,94 @@ def atomic_backward(table, q: torch.Tensor, deterministic: bool) -> bool:
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, dlse: torch.Tensor | None, window_left: int, window_right: int,
              softmax_scale: float, softcap: float, deterministic: bool = False,
-             kernels: tuple = (None, None, None), atomic: bool | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             kernels: tuple = (None, None, None), atomic: bool | None = None, alibi_slopes=None,
+             packed: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (each laid out as its input) of a forward call's output ``out`` and log-sum-exp
     ``lse`` against their gradients ``dout`` and ``dlse`` (None: none). The passes: atomic or
     deterministic as ``atomic`` says (None: atomic_backward's choice); ``kernels`` forces each pass's
-    kernel by name (bwd.plan)."""
+    kernel by name (bwd.plan). ``alibi_slopes``: the forward's, or None. ``packed`` =
+    (cu_seqlens_q, cu_seqlens_k, max_q, max_k): q, out, dout [total_q, heads_q, head_dim], k, v
+    [total_k, heads_kv, head_dim], lse and dlse [heads_q, total_q], as the varlen forward's."""
     if q.numel() == 0 or k.numel() == 0:  # no rows or no keys: nothing depends on anything
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     p = backward_plan(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap,
-                      deterministic, kernels, atomic)
+                      deterministic, kernels, atomic, alibi_slopes, packed)
     p.run()
     return p.outputs
+
+
+def _sequence_view(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A packed tensor [total, heads, ...] as the kernels' [1, heads, total, ...] view (nothing copied)."""
+    return None if t is None else t.unsqueeze(0).transpose(1, 2)
 
 
 def backward_plan(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, dlse: torch.Tensor | None, window_left: int, window_right: int,
                   softmax_scale: float, softcap: float, deterministic: bool = False,
-                  kernels: tuple = (None, None, None), atomic: bool | None = None) -> Plan:
+                  kernels: tuple = (None, None, None), atomic: bool | None = None, alibi_slopes=None,
+                  packed: tuple | None = None) -> Plan:
     """backward's three launches, planned and not run (the tuner times them), on rows and keys
-    that exist: its gradients and scratch allocated, the outputs the plan's."""
+    that exist: its gradients and scratch allocated, the outputs the plan's (packed: in the packed
+    layout, zero in the rows of no sequence)."""
     if dout.dtype != q.dtype or tuple(dout.shape) != tuple(q.shape):
         raise InvalidArgumentError(f"the output's gradient must be {q.dtype} {tuple(q.shape)}, got {dout.dtype} "
                                    f"{tuple(dout.shape)}")
-    dout = _readable(dout)
     if dlse is not None:  # read by rows as lse (an expanded gradient has zero strides)
         dlse = dlse.float().contiguous()
+    if packed is not None:
+        # Rows of no sequence get no gradient from the kernels: zero, as each of their rows is.
+        grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq, dk, dv = (_sequence_view(t) for t in grads)
+        q, k, v, out, dout = (_sequence_view(t) for t in (q, k, v, out, dout))
+        lse, dlse = lse.unsqueeze(0), None if dlse is None else dlse.unsqueeze(0)
+    else:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dout = _readable(dout)
     delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     table = route.device_table(q.device)
     if atomic is None:
         atomic = atomic_backward(table, q, deterministic)
     dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if atomic else None  # zeroed by the kernels
-    return bwd.plan(table, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, delta=delta,
-                    dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v),
-                    window=(window_left, window_right), softmax_scale=softmax_scale, softcap=softcap,
-                    dtype=DTYPE_OPTIONS.get(str(q.dtype)), dq_accum=dq_accum, kernels=kernels)
+    p = bwd.plan(table, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, delta=delta, dq=dq, dk=dk, dv=dv,
+                 window=(window_left, window_right), softmax_scale=softmax_scale, softcap=softcap,
+                 dtype=DTYPE_OPTIONS.get(str(q.dtype)), dq_accum=dq_accum, alibi_slopes=alibi_slopes, packed=packed,
+                 kernels=kernels)
+    if packed is not None:
+        p.outputs = grads
+    return p
 
 
 @torch.library.custom_op("rdnattention::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, dlse: Optional[torch.Tensor], window_left: int, window_right: int,
-                   softmax_scale: float, softcap: float = 0.0,
-                   deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backward(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap, deterministic)
+                   softmax_scale: float, softcap: float = 0.0, deterministic: bool = False,
+                   alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap, deterministic,
+                    alibi_slopes=alibi_slopes)
 
 
 @flash_attn_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap=0.0, deterministic=False):
+def _(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap=0.0, deterministic=False,
+      alibi_slopes=None):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.custom_op("rdnattention::flash_attn_varlen_bwd", mutates_args=())
+def flash_attn_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor,
+                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, window_left: int,
+                          window_right: int, softmax_scale: float, softcap: float = 0.0,
+                          deterministic: bool = False, alibi_slopes: Optional[torch.Tensor] = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of packed sequences (flash_attn_varlen_func's layout): q, out, dout [total_q,
+    heads_q, head_dim], k, v [total_k, heads_kv, head_dim], lse and dlse [heads_q, total_q]."""
+    return backward(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap, deterministic,
+                    alibi_slopes=alibi_slopes, packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+
+
+@flash_attn_varlen_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left,
+      window_right, softmax_scale, softcap=0.0, deterministic=False, alibi_slopes=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -328,24 +369,27 @@ def _setup_context(ctx, inputs, output) -> None:
     # What the backward kernels do not take (options.validate refuses these calls up front; the op
     # called directly is refused here, when its gradient is asked for).
     unserved = [name for name, present in (("rotary_cos", rotary_cos is not None), ("seqused_k", seqused_k is not None),
-                                           ("alibi_slopes", alibi_slopes is not None),
                                            ("return_lse=False", not return_lse)) if present]
     ctx.unserved = unserved
     ctx.options = (window_left, window_right, softmax_scale, softcap, deterministic)
     ctx.sinks = sinks is not None
-    ctx.save_for_backward(q, k, v, out, lse, *((sinks,) if sinks is not None else ()))
+    ctx.alibi = alibi_slopes is not None
+    ctx.save_for_backward(q, k, v, out, lse, *((sinks,) if sinks is not None else ()),
+                          *((alibi_slopes,) if alibi_slopes is not None else ()))
 
 
 def _backward(ctx, dout, dlse):
     if ctx.unserved:
         raise UnsupportedError(f"rdnattention::flash_attn_fwd has no backward with {', '.join(ctx.unserved)}: the "
-                               "backward kernels recompute the probabilities from the log-sum-exp, without RoPE, "
-                               "cache lengths or ALiBi")
-    q, k, v, out, lse, *sinks = ctx.saved_tensors
+                               "backward kernels recompute the probabilities from the log-sum-exp, without RoPE "
+                               "or cache lengths")
+    q, k, v, out, lse, *rest = ctx.saved_tensors
+    sinks = rest.pop(0) if ctx.sinks else None
+    slopes = rest.pop(0) if ctx.alibi else None
     # With sinks, the log-sum-exp holds each row's sink, so the kernels' P = exp(S - LSE) and
     # dS = P (dP - delta) are the gradients of q, k and v as they are (a sink adds no value to O).
-    dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.options)
-    return (dq, dk, dv) + (None,) * 11 + (_sink_gradient(sinks[0], dout, out, lse, dlse)
+    dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.options, slopes)
+    return (dq, dk, dv) + (None,) * 11 + (_sink_gradient(sinks, dout, out, lse, dlse)
                                           if ctx.sinks and ctx.needs_input_grad[14] else None, None)
 
 

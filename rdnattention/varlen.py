@@ -5,13 +5,15 @@ Sequences are packed along the first dimension, [total, heads, head_dim], sequen
 cu_seqlens[b] .. cu_seqlens[b + 1] - 1. Causal masks and windows align each sequence's queries to
 the end of its keys, as both libraries do. route.py chooses the kernels: batches with few query
 rows per K/V head (decode) run the split-KV kernels, longer ones the row-block kernels compiled for
-packed batches (layout varlen), paged pools always the split-KV kernels."""
+packed batches (layout varlen), paged pools always the split-KV kernels. A call autograd records
+runs the custom op rdnattention::flash_attn_decode_fwd, whose backward is the bwd family's passes
+over the sequences (ops.flash_attn_varlen_bwd)."""
 
 from __future__ import annotations
 
 import torch
 
-from . import decode, padding, replay
+from . import decode, ops, padding, replay
 from .checks import check_dtype, check_int32, check_memory, check_paged, check_same_dtype
 from .errors import InvalidArgumentError, UnsupportedError
 from .options import ScoreOptions, as_window, check_scale, check_score_options, check_window, refuse_missing_features
@@ -77,7 +79,7 @@ def _replayed(key, q, k, v, cu_q, cu_k, max_q: int, max_k: int, seqused_k, block
 def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_size, gqa: bool, seqused_k,
                block_table, num_splits: int, return_lse: bool, names: dict[str, str] | None = None,
                key: tuple | None = None, softcap=0.0, alibi_slopes=None,
-               sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
+               sinks=None, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     names = names or {}
 
     def n(name: str) -> str:  # the entry point's name of an argument
@@ -129,8 +131,17 @@ def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_siz
     scale = check_scale(scale, head_dim, n("scale"))
     score = check_score_options(softcap, alibi_slopes, sinks, batch=batch, heads_q=heads_q, device=device)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise UnsupportedError("packed sequences have no backward pass here and an input requires grad: run it "
-                               "under torch.no_grad() or torch.inference_mode()")
+        # Autograd records the call: the custom op, whose backward is the packed backward kernels'.
+        for name, given in ((n("block_table"), paged), (n("seqused_k"), seqused_k is not None)):
+            if given:
+                raise UnsupportedError(f"{n('query')}, {n('key')} or {n('value')} requires grad, and the backward "
+                                       f"pass of packed sequences does not take {name}: run the call under "
+                                       "torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+        ops.check_backward_built(q)
+        out, lse = decode.flash_attn_decode_fwd(q, k, v, None, None, None, cu_q, cu_k, batch, max_q, seq_k, left, right,
+                                                scale, True, num_splits, score.softcap, score.alibi_slopes,
+                                                score.sinks, deterministic)
+        return out, lse
     # The index values (offsets, pages, key counts) are checked where the call is planned
     # (decode.check_values), in eager mode and in the custom op alike.
     return decode.forward(q, k, v, window=(left, right), softmax_scale=scale, return_lse=return_lse,
@@ -142,7 +153,7 @@ def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_siz
 def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                 window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None,
                 softcap=0.0, alibi_slopes=None, sinks=None):
-    """torch.nn.attention.varlen.varlen_attn's signature and semantics (forward only): query
+    """torch.nn.attention.varlen.varlen_attn's signature and semantics: query
     [total_q, heads_q, head_dim], key and value [total_k, heads_kv, head_dim] (or a page pool
     [pages, page_size, heads_kv, head_dim] with ``block_table`` int32 [batch, pages per sequence],
     which needs ``seqused_k``), cu_seq_q / cu_seq_k int32 [batch + 1]. ``window_size=(-1, 0)`` is
@@ -180,7 +191,7 @@ _FLASH_NAMES = {"query": "q", "key": "k", "value": "v", "cu_seq_q": "cu_seqlens_
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, sinks=None):
-    """flash-attn's ``flash_attn_varlen_func`` (forward only): q [total_q, heads, head_dim], k and v
+    """flash-attn's ``flash_attn_varlen_func``: q [total_q, heads, head_dim], k and v
     [total_k, heads_kv, head_dim] (fewer heads: GQA), or a page pool with ``block_table``.
     Returns out [total_q, heads, head_dim], or ``(out, softmax_lse, None)`` with
     ``return_attn_probs=True`` (lse float32 [heads, total_q]). As flash-attn's entry does, a
@@ -188,8 +199,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     back, and tensors whose rows are not contiguous and 16-byte aligned are copied (padding.py).
     ``window_size``: a pair of ints, or of a CPU tensor (options.as_window). ``softcap`` and
     ``alibi_slopes`` (fp32 [heads] or [batch, heads]) as flash-attn's; ``sinks`` (keyword, fp32
-    [heads]): attention sinks (docs/api.md). dropout raises UnsupportedError; packed calls have no
-    backward and the forward is deterministic, so ``deterministic`` changes nothing."""
+    [heads]): attention sinks (docs/api.md). dropout raises UnsupportedError. Inputs that require
+    grad get gradients (the packed backward passes, decode.py's autograd); ``deterministic=True``
+    sums each of them in one order there."""
     return _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                          causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
                          entry="flash_attn_varlen_func", names=_FLASH_NAMES, sinks=sinks)
@@ -244,7 +256,7 @@ def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
                           window_size=(left, right), gqa=True, seqused_k=seqused_k, block_table=block_table,
                           num_splits=0, return_lse=return_attn_probs, names=names, key=plan_key, softcap=softcap,
-                          alibi_slopes=alibi_slopes, sinks=sinks)
+                          alibi_slopes=alibi_slopes, sinks=sinks, deterministic=deterministic)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -261,7 +273,7 @@ def _unpacked(name: str, packed: object, parts: int, layout: str) -> tuple[torch
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
-    """flash-attn's ``flash_attn_varlen_qkvpacked_func`` (forward only): qkv [total, 3, heads,
+    """flash-attn's ``flash_attn_varlen_qkvpacked_func``: qkv [total, 3, heads,
     head_dim] packs q, k and v of one set of sequences, cu_seqlens int32 [batch + 1] their offsets
     and max_seqlen the longest; otherwise as :func:`flash_attn_varlen_func` on ``qkv[:, 0]``,
     ``qkv[:, 1]`` and ``qkv[:, 2]``, which are views (copied only where flash_attn_varlen_func
@@ -278,7 +290,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    """flash-attn's ``flash_attn_varlen_kvpacked_func`` (forward only): kv [total_k, 2, heads_kv,
+    """flash-attn's ``flash_attn_varlen_kvpacked_func``: kv [total_k, 2, heads_kv,
     head_dim] packs k and v; otherwise as :func:`flash_attn_varlen_func` on ``kv[:, 0]`` and
     ``kv[:, 1]``, which are views (copied only where flash_attn_varlen_func copies)."""
     k, v = _unpacked("kv", kv, 2, "[total_k, 2, heads_kv, head_dim]")

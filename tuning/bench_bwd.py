@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rdnattention import flash_attn
+from rdnattention import flash_attn, flash_attn_varlen_func
 from rdnattention.peak import fma_peak_tflops
 
 from .bench import flops, shape_inputs
@@ -105,6 +105,45 @@ def memory_section(device) -> str:
     return "\n".join(lines)
 
 
+def options_section(device) -> str:
+    """The backward with ALiBi beside the plain one (slopes per head, as bloom's), and packed
+    sequences (flash_attn_varlen_func) beside the dense batch of the same sequences: each pair in
+    the same run, causal, fp16, head_dim 128, both modes."""
+    lines = ["| call | plain / dense ms | with the option ms | ratio | deterministic: plain ms | option ms | ratio |",
+             "|---|---|---|---|---|---|---|"]
+    q, k, v = shape_inputs(1, 32, 32, 2048, 2048, 128, device, torch.float16)
+    dout = torch.randn_like(q)
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / 32) for h in range(32)], device=device)
+    row = ["ALiBi, 1x32x2048x128"]
+    times = []
+    for det in (False, True):
+        plain = stream_ms(_grad_fn(_ours(True, det), q, k, v, dout), reps=10)
+        alibi = stream_ms(_grad_fn(lambda q, k, v: flash_attn(q, k, v, is_causal=True, deterministic=det,
+                                                              alibi_slopes=slopes), q, k, v, dout), reps=10)
+        times.append((plain, alibi))
+    row += [f"{times[0][0]:.3f}", f"{times[0][1]:.3f}", f"{times[0][1] / times[0][0]:.3f}",
+            f"{times[1][0]:.3f}", f"{times[1][1]:.3f}", f"{times[1][1] / times[1][0]:.3f}"]
+    lines.append("| " + " | ".join(row) + " |")
+    # Packed: 4 sequences of 512 rows, against the dense [4, 32, 512, 128] batch.
+    b, s = 4, 512
+    q, k, v = shape_inputs(b, 32, 32, s, s, 128, device, torch.float16)
+    dout = torch.randn_like(q)
+    packed = [t.transpose(1, 2).reshape(b * s, 32, 128).contiguous() for t in (q, k, v, dout)]
+    cu = torch.arange(0, b * s + 1, s, dtype=torch.int32, device=device)
+    times = []
+    for det in (False, True):
+        dense = stream_ms(_grad_fn(_ours(True, det), q, k, v, dout), reps=10)
+        varlen = stream_ms(_grad_fn(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, s, s, causal=True,
+                                                                           deterministic=det),
+                                    *packed), reps=10)
+        times.append((dense, varlen))
+    row = ["packed 4 x 512 (32 heads, D 128) vs dense [4, 32, 512, 128]"]
+    row += [f"{times[0][0]:.3f}", f"{times[0][1]:.3f}", f"{times[0][1] / times[0][0]:.3f}",
+            f"{times[1][0]:.3f}", f"{times[1][1]:.3f}", f"{times[1][1] / times[1][0]:.3f}"]
+    lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
@@ -121,6 +160,8 @@ def main() -> int:
     for shape in SHAPES:
         lines.append(bench_shape(shape, device, peak))
         print(lines[-1], flush=True)
+    lines += ["", "The options' cost (same run; ratio: with the option / without):", "", options_section(device)]
+    print(lines[-1], flush=True)
     lines += ["", "Memory the backward allocates beyond inputs, saved tensors and returned gradients "
               "(1 x 32 heads x seq x 128, causal):", "", memory_section(device)]
     text = "\n".join(lines)

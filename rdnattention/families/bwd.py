@@ -80,10 +80,21 @@ ARGS = ArgStruct("Fa2BwdArgs", (
     ("dlse", "const float*"),
     ("dlse_stride_b", "long long"),
     ("dlse_stride_h", "long long"),
-    ("delta", "float*"),  # fp32 scratch [batch, heads_q, seq_q], contiguous: the preprocess pass's
-    # fp32 scratch [batch, heads_q, seq_q, head_dim], contiguous: the atomic pass's dQ sum (null: the
-    # deterministic passes)
+    # fp32 scratch [batch, heads_q, seq_q] by its strides (the last 1): the preprocess pass's
+    ("delta", "float*"),
+    ("delta_stride_b", "long long"),
+    ("delta_stride_h", "long long"),
+    # fp32 scratch [batch, heads_q, seq_q, head_dim], element (b, h, s, d) at (delta's offset of (b, h,
+    # s)) * head_dim + d: the atomic pass's dQ sum (null: the deterministic passes)
     ("dq_accum", "float*"),
+    # Packed batches (null: dense): int32 [batch + 1] offsets of each sequence's rows and keys along
+    # the tensors' sequence dimension (and the LSE's, delta's); seq_q and seq_k are then the longest.
+    ("cu_seqlens_q", "const int*"),
+    ("cu_seqlens_k", "const int*"),
+    # ALiBi (null: none): fp32 slopes, batch b's query head h at [b * alibi_stride_b + h], as the
+    # forward's (f16.SCORE_FIELDS)
+    ("alibi_slopes", "const float*"),
+    ("alibi_stride_b", "long long"),
     ("batch", "int"),
     ("heads_q", "int"),
     ("heads_kv", "int"),
@@ -129,15 +140,22 @@ def served(table: TargetTable, head_dim: int, dtype: str | None, passes: tuple =
 
 
 def plan(table: TargetTable, *, dout, q, k, v, out, lse, dlse, delta, dq, dk, dv, window: tuple[int, int],
-         softmax_scale: float, softcap: float, dtype: str | None, dq_accum=None,
+         softmax_scale: float, softcap: float, dtype: str | None, dq_accum=None, alibi_slopes=None,
+         packed: tuple | None = None,
          kernels: tuple[str | None, str | None, str | None] = (None, None, None)) -> Plan:
     """The three launches of a backward call: tensors [batch, heads, seq, head_dim] (lse, dlse and
     the scratch delta [batch, heads_q, seq_q], dlse None where the LSE got no gradient). With
     ``dq_accum`` (fp32 scratch [batch, heads_q, seq_q, head_dim], contiguous) the atomic passes,
-    else the deterministic ones. ``kernels`` forces each pass's entry by name (None: the table's
-    choice), alternates included."""
+    else the deterministic ones. ``alibi_slopes``: fp32 [heads_q] or [batch, heads_q], or None.
+    ``packed`` = (cu_seqlens_q, cu_seqlens_k, max_q, max_k): the tensors are [1, heads, total,
+    head_dim] views of packed sequences (lse, dlse, delta [1, heads_q, total_q], dq_accum [1,
+    heads_q, total_q, head_dim]), sequence b at the rows and keys the int32 offsets give.
+    ``kernels`` forces each pass's entry by name (None: the table's choice), alternates included."""
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
+    if packed is not None:
+        cu_q, cu_k, seq_q, seq_k = packed
+        batch = cu_q.shape[0] - 1
     passes = DETERMINISTIC if dq_accum is None else ATOMIC
     pre, dkdv, dq_pass = (table.select(NAME, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=seq_q,
                                        layout=layout, dtype=dtype, kernel=kernel)
@@ -148,7 +166,13 @@ def plan(table: TargetTable, *, dout, q, k, v, out, lse, dlse, delta, dq, dk, dv
     fields = dict(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
                   window_left=window[0], window_right=window[1], scale_log2=softmax_scale * _LOG2E,
                   softmax_scale=softmax_scale, lse=lse.data_ptr(), lse_stride_b=lse.stride(0),
-                  lse_stride_h=lse.stride(1), delta=delta.data_ptr())
+                  lse_stride_h=lse.stride(1), delta=delta.data_ptr(), delta_stride_b=delta.stride(0),
+                  delta_stride_h=delta.stride(1))
+    if packed is not None:
+        fields.update(cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr())
+    if alibi_slopes is not None:
+        fields.update(alibi_slopes=alibi_slopes.data_ptr(),
+                      alibi_stride_b=alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
     if softcap:
         fields.update(softcap_log2=softcap * _LOG2E, softcap_inv=1.0 / (softcap * _LOG2E))
     if dlse is not None:
@@ -163,5 +187,6 @@ def plan(table: TargetTable, *, dout, q, k, v, out, lse, dlse, delta, dq, dk, dv
                 for e, grid in ((pre, (-(-seq_q // pre.br), heads_q, batch)),
                                 (dkdv, (-(-seq_k // dkdv.bc), heads_kv, batch)),
                                 (dq_pass, (-(-seq_q // dq_pass.br), heads_q, batch)))]
-    buffers = tuple(t for t in (dout, q, k, v, out, lse, dlse, delta, dq_accum, dq, dk, dv) if t is not None)
+    buffers = tuple(t for t in (dout, q, k, v, out, lse, dlse, delta, dq_accum, dq, dk, dv, alibi_slopes,
+                                *(packed[:2] if packed is not None else ())) if t is not None)
     return Plan(table=table, device=q.device, launches=launches, outputs=(dq, dk, dv), buffers=buffers)

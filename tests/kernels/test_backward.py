@@ -43,6 +43,11 @@ CASES = {
     "few_keys": (1, 2, 1, 40, 19, {"is_causal": True}),            # rows that see no key
     "softcap_window": (1, 4, 2, 33, 33, {"is_causal": True, "window_size": (12, -1), "softcap": 2.0}),
     "few_rows": (2, 2, 2, 5, 70, {"is_causal": True}),               # a forward of the split-KV kernels
+    # ALiBi: slopes per head, and per batch and head with a window and a softcap (bloom's and
+    # flash-attn's semantics: the bias -slope |key - diag| after the cap)
+    "alibi_causal_gqa": (1, 4, 2, 39, 47, {"is_causal": True, "alibi_slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625])}),
+    "alibi_batch_window_softcap": (2, 2, 2, 36, 36, {"window_size": (11, 5), "softcap": 3.0,
+                                                     "alibi_slopes": torch.tensor([[0.3, 0.05], [0.7, 0.2]])}),
 }
 
 
@@ -87,14 +92,16 @@ def ran(monkeypatch):
     return names
 
 
-def _forward_served(head_dim, options) -> bool:
-    """Whether the host target's forward kernels serve ``options`` at head_dim: a softcap runs the
-    f16 kernels of score option xf or the split-KV kernels, which the host builds at fewer head_dims
-    than the backward's."""
-    if not options.get("softcap"):
-        return True
-    table = route.device_table(torch.device("cpu"))
-    return head_dim in table.head_dims("f16", score="xf") + table.head_dims("dec")
+def _forward_served(q, k, v, options) -> bool:
+    """Whether the forward kernels of q's device serve the call: a softcap or ALiBi runs kernels of a
+    score option or the split-KV kernels, which some targets build at fewer head_dims than the
+    backward's (then the call is refused, with grad or without)."""
+    try:
+        with torch.no_grad():
+            flash_attn(q, k, v, **options)
+    except UnsupportedError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
@@ -104,8 +111,8 @@ def test_gradients_match_oracle(host_build, monkeypatch, ran, target, head_dim, 
     monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
     b, hq, hk, sq, sk, options = CASES[case]
     q, k, v, dout = _inputs(b, hq, hk, sq, sk, head_dim, TORCH[dtype], head_dim + list(CASES).index(case))
-    if not _forward_served(head_dim, options):  # the backward alone: test_alternate_tiles_match_oracle
-        with pytest.raises(UnsupportedError, match=f"head_dim {head_dim}"):
+    if not _forward_served(q, k, v, options):  # the backward alone: test_alternate_tiles_match_oracle
+        with pytest.raises(UnsupportedError):
             _grads(q, k, v, dout, deterministic=deterministic, **options)
         return
     grads = _grads(q, k, v, dout, deterministic=deterministic, **options)
@@ -134,21 +141,23 @@ ALTERNATES = _alternates()
                          ids=[a[3][1] for a in ALTERNATES])
 def test_alternate_tiles_match_oracle(host_build, monkeypatch, target, head_dim, dtype, kernels, atomic_kernels):
     """Each mirrored tile, forced by name (its deterministic passes and its atomic ones), on a causal
-    GQA call and a softcapped window."""
+    GQA call, a softcapped window and ALiBi."""
     monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
-    for case in ("causal_gqa", "softcap_window"):
+    for case in ("causal_gqa", "softcap_window", "alibi_batch_window_softcap"):
         b, hq, hk, sq, sk, options = CASES[case]
         q, k, v, dout = _inputs(b, hq, hk, sq, sk, head_dim, TORCH[dtype], head_dim)
-        if _forward_served(head_dim, options):
+        if _forward_served(q, k, v, options):
             out, lse = flash_attn(q, k, v, return_lse=True, **options)
         else:  # the oracle's forward, rounded as ours stores it
             out, lse = attention_reference(q, k, v, return_lse=True, **options)
             out, lse = out.to(q.dtype), lse.float()
-        window = (options.get("window_size", (-1, -1))[0], 0 if options.get("is_causal") else -1)
+        left, right = options.get("window_size", (-1, -1))
+        window = (left, (0 if right < 0 else min(right, 0)) if options.get("is_causal") else right)
         refs = attention_gradients(q, k, v, dout, **options)
         for names, atomic in ((kernels, False), (atomic_kernels, True)):
             grads = ops.backward(dout, q, k, v, out, lse, None, *window, head_dim ** -0.5,
-                                 options.get("softcap", 0.0), kernels=names, atomic=atomic)
+                                 options.get("softcap", 0.0), kernels=names, atomic=atomic,
+                                 alibi_slopes=options.get("alibi_slopes"))
             _check(grads, refs, TORCH[dtype])
 
 
@@ -288,11 +297,10 @@ def _refusals():
     return [
         ({"rotary_cos": cos, "rotary_sin": sin}, "does not take rotary_cos"),
         ({"seqused_k": torch.tensor([30], dtype=torch.int32)}, "does not take seqused_k"),
-        ({"alibi_slopes": torch.rand(4)}, "does not take alibi_slopes"),
     ]
 
 
-@pytest.mark.parametrize("i", range(3), ids=["rotary", "seqused_k", "alibi"])
+@pytest.mark.parametrize("i", range(2), ids=["rotary", "seqused_k"])
 def test_options_the_backward_does_not_take_are_refused(host_build, i):
     options, message = _refusals()[i]
     q, k, v, _ = _inputs(1, 4, 2, 40, 40, 64, torch.float16, 51)
@@ -432,7 +440,12 @@ def _cuda():
 def test_cuda_gradients_match_oracle(case, head_dim, dtype, deterministic):
     device = _cuda()
     b, hq, hk, sq, sk, options = CASES[case]
+    options = {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in options.items()}
     q, k, v, dout = (t.to(device) for t in _inputs(b, hq, hk, sq, sk, head_dim, TORCH[dtype], head_dim))
+    if not _forward_served(q, k, v, options):
+        with pytest.raises(UnsupportedError):
+            _grads(q, k, v, dout, deterministic=deterministic, **options)
+        return
     _check(_grads(q, k, v, dout, deterministic=deterministic, **options), attention_gradients(q, k, v, dout, **options),
            TORCH[dtype])
 

@@ -8,13 +8,19 @@
 //               row of every query head of the GQA group that sees the block's keys
 //   dq          per (row block, query head): dQ = scale * sum dS K over the keys its rows see
 // where dS = P (dP - delta) with dP = dO V^T, times the softcap's derivative 1 - tanh^2 where the
-// scores are capped. Every sum is accumulated in fp32 registers in one fixed order and stored once
+// scores are capped (ALiBi's bias, slope |key - diag| after the cap, has derivative 1 in the score). Every sum is accumulated in fp32 registers in one fixed order and stored once
 // (no atomics), so the gradients are deterministic.
 // The atomic passes trade that for one recomputation fewer (5 head_dim-long products per visible
 // score, not 7):
 //   atomic      dkdv's, and each step's dQ rows dS K added into an fp32 sum [batch, heads_q, seq_q, D]
 //               by atomics (zeroed by the preprocess pass), so its order of summation varies
 //   dqcast      per (row block, query head): dQ = scale * that sum, in the input dtype
+//
+// Packed batches (varlen: cu_seqlens_q set): sequence b's rows are cu_seqlens_q[b] .. [b + 1] - 1 of
+// [1, heads, total, head_dim] views (its keys by cu_seqlens_k), and the passes run on a copy of the
+// arguments moved to the sequence (fa2_bwd_sequence): the grid's batch is the sequence, its blocks
+// past the sequence's rows or keys return at once, and masks align each sequence's queries to the
+// end of its keys, as the forward's.
 //
 // Inputs are staged in LDS as fp32 rows, each 16-bit pair converted once through the pair policy P
 // (pairs.h: F32Pairs for fp16, BF16F32Pairs for bf16), so every product is an fp32 FMA:
@@ -82,7 +88,38 @@ RDNA_DEVICE void fa2_bwd_fetch_rows(const Fa2BwdArgs& a, long long b, int h, int
   const int tid = rdna_thread_id(), pos = q0 + tid;
   const bool in = tid < BR && pos < a.seq_q;
   lse2 = in ? a.lse[b * a.lse_stride_b + h * a.lse_stride_h + pos] * 1.4426950408889634f : 0.f;
-  dl = in ? a.delta[(b * a.heads_q + h) * a.seq_q + pos] : 0.f;
+  dl = in ? a.delta[b * a.delta_stride_b + h * a.delta_stride_h + pos] : 0.f;
+}
+
+// The ALiBi slope (log2 domain) of batch b's query head h; 0 without ALiBi.
+RDNA_DEVICE float fa2_bwd_slope(const Fa2BwdArgs& a, long long b, int h) {
+  return a.alibi_slopes ? a.alibi_slopes[b * a.alibi_stride_b + h] * 1.4426950408889634f : 0.f;
+}
+
+// Packed batches: the arguments of sequence b, its rows and keys moved to its first (the pointers of
+// rows by their sequence strides, the log-sum-exp, its gradient and the scratch along theirs), its
+// lengths its own, every batch stride unused (the caller's batch index becomes 0); the slopes keep
+// the sequence's row. Dense batches: the arguments as they are.
+RDNA_DEVICE Fa2BwdArgs fa2_bwd_sequence(const Fa2BwdArgs& args, long long b, int D) {
+  Fa2BwdArgs a = args;
+  if (!args.cu_seqlens_q) return a;
+  const long long q0 = args.cu_seqlens_q[b], k0 = args.cu_seqlens_k[b];
+  a.seq_q = args.cu_seqlens_q[b + 1] - (int)q0;
+  a.seq_k = args.cu_seqlens_k[b + 1] - (int)k0;
+  a.q += q0 * a.q_stride_s;
+  a.o += q0 * a.o_stride_s;
+  a.dout += q0 * a.dout_stride_s;
+  a.dq += q0 * a.dq_stride_s;
+  a.k += k0 * a.k_stride_s;
+  a.v += k0 * a.v_stride_s;
+  a.dk += k0 * a.dk_stride_s;
+  a.dv += k0 * a.dv_stride_s;
+  a.lse += q0;
+  if (a.dlse) a.dlse += q0;
+  a.delta += q0;
+  if (a.dq_accum) a.dq_accum += q0 * D;
+  if (a.alibi_slopes) a.alibi_slopes += b * a.alibi_stride_b;
+  return a;
 }
 
 // Four gradient values of one row, scaled, stored as two 16-bit pairs (8 bytes).
@@ -174,14 +211,14 @@ RDNA_DEVICE void fa2_bwd_outer(float (&s)[TM][TN], const float* a, const float* 
 }
 
 // P and dS of the tile of rows [q0, q0 + BR) and keys [k0, k0 + BC) (staged in qs/dos, ks/vs, with
-// the rows' LSE and delta), each thread a TM x TN register tile of rows r0 + (BR / TM) i and keys
+// the rows' LSE and delta; the query head's ALiBi slope, log2 domain, or 0), each thread a TM x TN register tile of rows r0 + (BR / TM) i and keys
 // c0 + (BC / TN) j. DQ (the dQ pass): dS only, into dss as [BC][BR], the lanes of a wave running
 // along the rows; else P and dS into ps and dss as [BR][BC], the lanes running along the keys (so
 // the phase after reads a row of weights per step, and the stores of a wave are consecutive).
 template <int D, int BR, int BC, int RS, int NT, int TM, int TN, bool DQ, class Args, class Mask>
 RDNA_DEVICE void fa2_bwd_scores(const Args& a, const Mask& mask, const float* qs, const float* dos, const float* ks,
                                 const float* vs, const float* lse2, const float* dl, float* ps, float* dss, int q0,
-                                int k0) {
+                                int k0, float slope) {
   constexpr int GR = BR / TM, GC = BC / TN;
   // A tile of fewer scores than threads: a score for each of the first BR x BC lanes.
   static_assert(GR * GC == NT || (GR * GC < NT && TM == 1 && TN == 1), "score thread grid");
@@ -213,6 +250,7 @@ RDNA_DEVICE void fa2_bwd_scores(const Args& a, const Mask& mask, const float* qs
           const float t = x * a.softcap_inv;  // tanh(score / softcap)
           cap = rdna_fma(-t, t, 1.f);
         }
+        if (slope != 0.f) x = rdna_fma(-slope, __builtin_fabsf((float)(k0 + c - diag)), x);  // ALiBi
         p = rdna_exp2(x - l);
         ds = p * (dp[i][j] - dd) * cap;
       }
@@ -231,7 +269,7 @@ RDNA_DEVICE void fa2_bwd_scores(const Args& a, const Mask& mask, const float* qs
 // NT / CG lanes each owning TK consecutive rows of it (keys in the dK/dV pass, query rows in dQ's).
 // The generator chooses them (rdnattention_gen/families/bwd.py micro_tiles).
 template <class P, int D, int BR, int BC, int NT, int LDS_BYTES, bool BF16, int PASS, int TM, int TN, int CG>
-RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
+RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& args, unsigned char* lds) {
   constexpr int RS = D + 4;  // fp32 per staged row
   constexpr int TPR = NT / BR;  // the preprocess pass's lanes per row
   constexpr bool ROWS = PASS == 0 || PASS == 4;  // a pass over rows with no register tiles
@@ -258,11 +296,14 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
   float* const dl = lse2 + BR;
 
   const int tid = rdna_thread_id();
-  const long long b = rdna_block_id_z();
+  // The grid's batch; packed, the sequence's arguments and batch index 0 (fa2_bwd_sequence).
+  const Fa2BwdArgs a = fa2_bwd_sequence(args, rdna_block_id_z(), D);
+  const long long b = args.cu_seqlens_q ? 0 : rdna_block_id_z();
   const WindowMask<Fa2BwdArgs> mask{a};
 
   if constexpr (PASS == 0) {  // delta = rowsum(dO * O) - dLSE, a row per TPR lanes, partial sums met in LDS (qs)
     const int h = rdna_block_id_y(), q0 = rdna_block_id_x() * BR, r = tid / TPR, j = tid % TPR;
+    if (q0 >= a.seq_q) return;  // packed: past the sequence's rows
     const int pos = q0 + r;
     float sum = 0.f;
     if (pos < a.seq_q) {
@@ -283,10 +324,10 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
       float total = 0.f;
       for (int x = 0; x < TPR; ++x) total += qs[tid * TPR + x];
       if (a.dlse) total -= a.dlse[b * a.dlse_stride_b + h * a.dlse_stride_h + q0 + tid];
-      a.delta[(b * a.heads_q + h) * a.seq_q + q0 + tid] = total;
+      a.delta[b * a.delta_stride_b + h * a.delta_stride_h + q0 + tid] = total;
     }
     if (a.dq_accum) {  // the atomic pass's dQ sum of these rows, zeroed
-      float* const acc = a.dq_accum + ((b * a.heads_q + h) * (long long)a.seq_q + q0) * D;
+      float* const acc = a.dq_accum + (b * a.delta_stride_b + h * a.delta_stride_h + q0) * D;
       const float zero[4] = {0.f, 0.f, 0.f, 0.f};
       for (int i = tid; i < BR * D / 4 && q0 + 4 * i / D < a.seq_q; i += NT)
         __builtin_memcpy(__builtin_assume_aligned(acc + 4 * i, 16), zero, sizeof(zero));
@@ -296,7 +337,8 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
 
   if constexpr (PASS == 4) {  // dQ = scale * the atomic pass's sum, a 16-byte chunk per thread at a time
     const int h = rdna_block_id_y(), q0 = rdna_block_id_x() * BR;
-    const float* const acc = a.dq_accum + ((b * a.heads_q + h) * (long long)a.seq_q + q0) * D;
+    if (q0 >= a.seq_q) return;  // packed: past the sequence's rows
+    const float* const acc = a.dq_accum + (b * a.delta_stride_b + h * a.delta_stride_h + q0) * D;
     half_t* const dq = a.dq + b * a.dq_stride_b + h * a.dq_stride_h;
     for (int i = tid; i < BR * D / 4; i += NT) {
       const int r = 4 * i / D, c = 4 * i % D;
@@ -316,9 +358,11 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
   if constexpr (PASS == 1 || PASS == 3) {  // dK, dV of one key block (3: and dQ's share of it, by atomics)
     // Workgroups in order of key block, then head (the grid's x and y, relabelled): under a causal
     // mask the first key blocks see the most rows, so the longest workgroups start first.
-    const int nkb = (a.seq_k + BC - 1) / BC, lin = rdna_block_id_x() + nkb * rdna_block_id_y();
+    // (Packed: the grid spans the longest sequence's keys, args.seq_k; the blocks past this one's return.)
+    const int nkb = (args.seq_k + BC - 1) / BC, lin = rdna_block_id_x() + nkb * rdna_block_id_y();
     const int hkv = lin % a.heads_kv, k0 = lin / a.heads_kv * BC;
     const int group = a.heads_q / a.heads_kv;
+    if (k0 >= a.seq_k) return;
     float acc[2][TK][4 * NCH] = {};  // dK, dV
     // The query rows that see any key of the block: key >= diag - left and key <= diag + right;
     // the steps walk their row blocks for each query head of the group.
@@ -345,14 +389,15 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
         dl[tid] = nd;
       }
       rdna_block_sync();
-      fa2_bwd_scores<D, BR, BC, RS, NT, TM, TN, false>(a, mask, qs, dos, ks, vs, lse2, dl, ps, dss, q0, k0);
+      fa2_bwd_scores<D, BR, BC, RS, NT, TM, TN, false>(a, mask, qs, dos, ks, vs, lse2, dl, ps, dss, q0, k0,
+                                                       fa2_bwd_slope(a, b, hkv * group + t / nq));
       rdna_block_sync();
       if constexpr (PASS == 3) {  // dQ of the step's rows += dS K, before the next rows' loads take registers
         const int o0q = TKQ * (tid / CG);
         if (TKQ * (NT / CG) == BR || o0q < BR) {
           float dq[TKQ][4 * NCH] = {};
           fa2_bwd_gemm_rows<BC, RS, TKQ, NCH, CG>(dq, dss, ks, o0q, cg);
-          float* const sum = a.dq_accum + (b * a.heads_q + hkv * group + t / nq) * (long long)a.seq_q * D;
+          float* const sum = a.dq_accum + (b * a.delta_stride_b + (hkv * group + t / nq) * a.delta_stride_h) * D;
 #pragma unroll
           for (int k = 0; k < TKQ; ++k)
             if (q0 + o0q + k < a.seq_q)
@@ -386,9 +431,11 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
   if constexpr (PASS == 2) {  // dQ of one row block
     // Workgroups from the last row block to the first (the grid's x and y, relabelled): under a causal
     // mask the last rows see the most keys, so the longest workgroups start first.
-    const int nqb = (a.seq_q + BR - 1) / BR, lin = rdna_block_id_x() + nqb * rdna_block_id_y();
+    const int nqb = (args.seq_q + BR - 1) / BR, lin = rdna_block_id_x() + nqb * rdna_block_id_y();
     const int h = lin % a.heads_q, q0 = (nqb - 1 - lin / a.heads_q) * BR;
     const int hkv = h / (a.heads_q / a.heads_kv);
+    if (q0 >= a.seq_q) return;
+    const float slope = fa2_bwd_slope(a, b, h);
     float acc[1][TK][4 * NCH] = {};  // dQ
     const int key_lo = mask.key_lo(q0), key_hi = mask.key_hi(rdna_min(a.seq_q, q0 + BR) - 1);
     const int k_first = key_lo / BC * BC;
@@ -413,7 +460,7 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& a, unsigned char* lds) {
       kr.template store<P, RS>(ks);
       vr.template store<P, RS>(vs);
       rdna_block_sync();
-      fa2_bwd_scores<D, BR, BC, RS, NT, TM, TN, true>(a, mask, qs, dos, ks, vs, lse2, dl, ps, dss, q0, k0);
+      fa2_bwd_scores<D, BR, BC, RS, NT, TM, TN, true>(a, mask, qs, dos, ks, vs, lse2, dl, ps, dss, q0, k0, slope);
       rdna_block_sync();
       if (k0 + BC < key_hi) {
         kr.load(kh, a.k_stride_s, k0 + BC, a.seq_k);
