@@ -195,6 +195,39 @@ def test_backward_through_autograd(gpu, dispatched, dtype):
     assert max(_grad_err([t.grad for t in leaves], refs)) <= GRAD_TOL[dtype]
 
 
+def test_the_packed_backward(gpu, dispatched):
+    """Packed sequences that require grad (flash_attn_varlen_func): the forward, then the
+    deterministic passes over the sequences (AMD's default), and the atomic passes of the same call
+    forced; each sequence against the oracle's gradients, a sequence without rows, one without
+    keys, and rows past the last sequence (zero)."""
+    lengths_q, lengths_k = [20, 0, 37, 6], [25, 4, 37, 0]
+    g = torch.Generator().manual_seed(21)
+    q, dout = (torch.randn(sum(lengths_q) + 2, 4, 64, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(sum(lengths_k), 2, 64, generator=g).half() for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32)
+                  for n in (lengths_q, lengths_k))
+    view = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731
+    refs = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
+    for b in range(len(lengths_q)):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if lengths_q[b] and lengths_k[b]:
+            parts = attention_gradients(view(q[qs]), view(k[ks]), view(v[ks]), view(dout[qs]), is_causal=True)
+            for r, part, rows in zip(refs, parts, (qs, ks, ks)):
+                r[rows] = part[0].transpose(0, 1)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    start = len(gpu.dispatches)
+    out, lse, _ = flash_attn_varlen_func(*leaves, cu_q, cu_k, 37, 37, causal=True, return_attn_probs=True)
+    out.backward(dout)
+    assert _families(gpu, start)[:3] == ["fa2_bwd", "fa2_bwddq", "fa2_bwdpre"]
+    assert max(_grad_err([t.grad for t in leaves], refs)) <= GRAD_TOL[torch.float16]
+    assert not leaves[0].grad[sum(lengths_q):].any()
+    start = len(gpu.dispatches)
+    grads = ops.backward(dout, q, k, v, out.detach(), lse.detach(), None, -1, 0, 64 ** -0.5, 0.0, atomic=True,
+                         packed=(cu_q, cu_k, 37, 37))
+    assert [d.kernel.split("_")[1] for d in gpu.dispatches[start:]] == ["bwdpre", "bwdatomic", "bwddqcast"]
+    assert max(_grad_err(grads, refs)) <= GRAD_TOL[torch.float16]
+
+
 def test_the_atomic_backward_passes(gpu, dispatched):
     """gfx1100's atomic passes (dQ added into an fp32 sum by global atomics: AMD takes them only when
     forced), beside the deterministic passes of the same tile, at head_dim 64 in fp16."""
@@ -289,16 +322,20 @@ def _backward_set(gpu, name):
               == (spec.head_dim, spec.tile, spec.option("dtype"))}
     sets = (((passes["pre"], name, passes["dq"]), False), ((passes["pre"], passes["atomic"], passes["dqcast"]), True))
     for case, (hq, sq, options) in enumerate(((4, 45, {"is_causal": True}),
-                                             (2, 33, {"is_causal": True, "window_size": (12, -1), "softcap": 2.0}))):
+                                             (2, 33, {"is_causal": True, "window_size": (12, -1), "softcap": 2.0}),
+                                             (2, 36, {"window_size": (11, 5),
+                                                      "alibi_slopes": torch.tensor([0.3, 0.05])}))):
         q, k, v = _inputs(1, hq, 2, sq, sq, spec.head_dim, seed=spec.head_dim + case, dtype=dtype)
         dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(case)).to(dtype)
         out, lse = attention_reference(q, k, v, return_lse=True, **options)
         refs = attention_gradients(q, k, v, dout, **options)
-        window = (options.get("window_size", (-1, -1))[0], 0)
+        left, right = options.get("window_size", (-1, -1))
+        window = (left, 0 if options.get("is_causal") else right)
         for kernels, atomic in sets:
             start = len(gpu.dispatches)
             grads = ops.backward(dout, q, k, v, out.to(dtype), lse.float(), None, *window, spec.head_dim ** -0.5,
-                                 options.get("softcap", 0.0), kernels=kernels, atomic=atomic)
+                                 options.get("softcap", 0.0), kernels=kernels, atomic=atomic,
+                                 alibi_slopes=options.get("alibi_slopes"))
             assert [d.kernel for d in gpu.dispatches[start:]] == list(kernels)
             assert max(_grad_err(grads, refs)) <= GRAD_TOL[dtype]
 
