@@ -3,9 +3,10 @@ names mapped to rdnattention's entry points, and the helpers flash-attn's test f
 (``bert_padding.pad_input``/``unpad_input``, ``layers.rotary.apply_rotary_emb``), written here in
 plain torch from their documented semantics.
 
-Gradients are rdnattention's own wherever it has them (``flash_attn_func`` and its packed forms,
-through autograd). Where a call with grad-requiring inputs is refused (packed sequences and
-``flash_attn_with_kvcache`` have no backward pass; a head_dim or dtype without a backward kernel),
+Gradients are rdnattention's own wherever it has them (``flash_attn_func``,
+``flash_attn_varlen_func`` and their packed forms, through autograd). Where a call with
+grad-requiring inputs is refused (``flash_attn_with_kvcache`` and paged packed sequences have no
+backward pass; a head_dim or dtype without a backward kernel),
 the shim records the refusal and runs the forward alone under ``torch.autograd.Function`` (grad
 mode off inside), whose backward returns NaN placeholders (PlaceholderGrad), so the forward checks
 of a test that also asks for gradients still run. The harness then tells a failed statement about

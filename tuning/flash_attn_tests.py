@@ -15,8 +15,8 @@ one bucket:
 * refused: an rdnattention UnsupportedError (dropout, a head_dim no kernel serves, ...), grouped by
   its message;
 * forward passed, backward not served: the call's gradients are rdnattention's own where it has
-  them; where a call with grad-requiring inputs is refused (no backward pass for packed sequences
-  or the KV cache, no backward kernel for the head_dim or dtype) but its forward is served, the
+  them; where a call with grad-requiring inputs is refused (no backward pass for the KV cache or
+  paged packed sequences, no backward kernel for the head_dim or dtype) but its forward is served, the
   shim runs the forward alone and its backward returns NaN placeholder gradients
   (flash_attn_shim.py). A case lands here when the statement that failed (an assertion, or any
   error such as a tolerance computed from a gradient) is about a placeholder gradient, so every

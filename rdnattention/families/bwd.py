@@ -91,6 +91,8 @@ ARGS = ArgStruct("Fa2BwdArgs", (
     # the tensors' sequence dimension (and the LSE's, delta's); seq_q and seq_k are then the longest.
     ("cu_seqlens_q", "const int*"),
     ("cu_seqlens_k", "const int*"),
+    ("total_q", "int"),  # the rows the offsets may address (q's, k's), which the kernels clamp them into
+    ("total_k", "int"),
     # ALiBi (null: none): fp32 slopes, batch b's query head h at [b * alibi_stride_b + h], as the
     # forward's (f16.SCORE_FIELDS)
     ("alibi_slopes", "const float*"),
@@ -160,7 +162,8 @@ def plan(table: TargetTable, *, dout, q, k, v, out, lse, dlse, delta, dq, dk, dv
     pre, dkdv, dq_pass = (table.select(NAME, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=seq_q,
                                        layout=layout, dtype=dtype, kernel=kernel)
                           for layout, kernel in zip(passes, kernels))
-    for name, value in (("batch", batch), ("heads_q", heads_q), ("seq_q", seq_q), ("seq_k", seq_k)):
+    for name, value in (("batch", batch), ("heads_q", heads_q), ("seq_q", seq_q), ("seq_k", seq_k),
+                        ("total_q", q.shape[2]), ("total_k", k.shape[2])):
         if value > _INT32_MAX:
             raise InvalidArgumentError(f"{name} = {value} does not fit the kernel's 32-bit field")
     fields = dict(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
@@ -169,7 +172,8 @@ def plan(table: TargetTable, *, dout, q, k, v, out, lse, dlse, delta, dq, dk, dv
                   lse_stride_h=lse.stride(1), delta=delta.data_ptr(), delta_stride_b=delta.stride(0),
                   delta_stride_h=delta.stride(1))
     if packed is not None:
-        fields.update(cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr())
+        fields.update(cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr(), total_q=q.shape[2],
+                      total_k=k.shape[2])
     if alibi_slopes is not None:
         fields.update(alibi_slopes=alibi_slopes.data_ptr(),
                       alibi_stride_b=alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)

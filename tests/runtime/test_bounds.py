@@ -199,6 +199,26 @@ CASES = {
     given = dict(q=q, pk=pk, pv=pv, cu_q=cu_q, cu_k=cu_k)
     call = lambda: flash_attn_varlen_func(q, pk, pv, cu_q, cu_k, 64, 64, causal=True, return_attn_probs=True)
 """,
+    # the backward of packed sequences (each pass moves its arguments to a sequence's clamped
+    # offsets): offsets below 0 and past the rows, decreasing, and a sequence longer than the
+    # longest the call names; the atomic passes (the host's default) and the deterministic ones
+    "cu-seqlens-backward": """
+    q, pk, pv, dout = rnd(100, 2, 64), rnd(120, 2, 64), rnd(120, 2, 64), rnd(100, 2, 64)
+    cu_q, cu_k = ints(5, 1, 10**6), ints(-100, 50, 2**31 - 1)
+    for t in (q, pk, pv):
+        t.requires_grad_()
+    given = dict(q=q, pk=pk, pv=pv, cu_q=cu_q, cu_k=cu_k, dout=dout)
+    call = lambda: flash_attn_varlen_func(q, pk, pv, cu_q, cu_k, 64, 64, causal=True).backward(dout)
+""",
+    "cu-seqlens-backward-deterministic": """
+    q, pk, pv, dout = rnd(100, 2, 64), rnd(120, 2, 64), rnd(120, 2, 64), rnd(100, 2, 64)
+    cu_q, cu_k = ints(0, 90, 100), ints(0, 2**31 - 1, 3)
+    for t in (q, pk, pv):
+        t.requires_grad_()
+    given = dict(q=q, pk=pk, pv=pv, cu_q=cu_q, cu_k=cu_k, dout=dout)
+    call = lambda: flash_attn_varlen_func(q, pk, pv, cu_q, cu_k, 64, 64, window_size=(7, 3),
+                                          deterministic=True).backward(dout)
+""",
     "varlen-seqused-k": _PACKED + """
     cu_q, cu_k, used = ints(0, 1, 5), ints(0, 30, 70), ints(31, 10**9)
     given = dict(q=q, pk=pk, pv=pv, cu_q=cu_q, cu_k=cu_k, used=used)

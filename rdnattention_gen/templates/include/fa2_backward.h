@@ -99,13 +99,17 @@ RDNA_DEVICE float fa2_bwd_slope(const Fa2BwdArgs& a, long long b, int h) {
 // Packed batches: the arguments of sequence b, its rows and keys moved to its first (the pointers of
 // rows by their sequence strides, the log-sum-exp, its gradient and the scratch along theirs), its
 // lengths its own, every batch stride unused (the caller's batch index becomes 0); the slopes keep
-// the sequence's row. Dense batches: the arguments as they are.
+// the sequence's row. The offsets are clamped into the tensors' rows (fa2_packed_span), as the
+// forward's: offsets that break the call's contract give nonsense within the tensors, never an
+// access outside them. Dense batches: the arguments as they are.
 RDNA_DEVICE Fa2BwdArgs fa2_bwd_sequence(const Fa2BwdArgs& args, long long b, int D) {
   Fa2BwdArgs a = args;
   if (!args.cu_seqlens_q) return a;
-  const long long q0 = args.cu_seqlens_q[b], k0 = args.cu_seqlens_k[b];
-  a.seq_q = args.cu_seqlens_q[b + 1] - (int)q0;
-  a.seq_k = args.cu_seqlens_k[b + 1] - (int)k0;
+  const Fa2Span qs = fa2_packed_span(args.cu_seqlens_q, b, args.total_q);
+  const Fa2Span ks = fa2_packed_span(args.cu_seqlens_k, b, args.total_k);
+  const long long q0 = qs.first, k0 = ks.first;
+  a.seq_q = qs.count;
+  a.seq_k = ks.count;
   a.q += q0 * a.q_stride_s;
   a.o += q0 * a.o_stride_s;
   a.dout += q0 * a.dout_stride_s;
