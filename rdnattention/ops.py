@@ -123,11 +123,11 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
     r = replay.cache.get(key)
     tokens_in = token_major and not views
     if r is None:  # a call that differs from a kept one in the keys' length alone follows its replay
-        free = length_free(key)
-        if free is None:
-            return None
-        r = replay.derived(free, key)  # derived for an earlier call of this length (the step's first layer)
+        r = replay.reused(key)  # derived for an earlier call of this length (the step's first layer)
         if r is None:
+            free = length_free(key)
+            if free is None:
+                return None
             r = replay.by_length.get(free)
             if r is None:
                 return None

@@ -65,6 +65,9 @@ def as_window(window_size: object) -> object:
     (UnsupportedError): its values choose the mask the kernels apply, and reading them would
     synchronise with the device on every call. Anything else is returned as it is, for
     check_window to name."""
+    if type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is type(window_size[1]) is int:
+        return window_size  # the common form, as it is (every call of an eager loop passes one)
+
     def integer(t: torch.Tensor) -> bool:
         return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 

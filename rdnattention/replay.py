@@ -46,6 +46,7 @@ class Step:
     fields: tuple[str, ...]
     function: object = None  # the kernel's handle on a GPU (the driver's function), loaded when kept
     index: int = 0  # the GPU it was loaded on
+    go: object = None  # on a GPU, the handle's launch over this grid (the driver's bound): go(args, stream)
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,40 +71,48 @@ cache: dict[tuple, Replay] = {}
 # otherwise be validated and planned at every step. The replay it derives for a new length
 # (relength) is kept under that call's own key, so that the other layers of the step replay it as it is.
 by_length: dict[tuple, Replay] = {}
-# The replay last derived from each by_length entry, by length_free(key): [the key of the call it was
-# derived for, the replay, the calls that reused it]. The other layers of a decode step (one key) reuse
-# it; the next step's length replaces it, so the replays of a cache that grows by a key per step are
-# freed as they go, rather than kept (kept ones pile up as objects the garbage collector scans: in a
-# loop of growing calls that cost more than the call itself). One reused PROMOTE times, a length
+# The replays last derived from by_length entries, by the key of the call each was derived for:
+# [the replay, the calls that reused it]. The other layers of a decode step (one key) reuse it, found
+# by their own key (length_free is not computed for them); the next step's length replaces it (one
+# recent replay per length-free key, _latest), so the replays of a cache that grows by a key per step
+# are freed as they go, rather than kept (kept ones pile up as objects the garbage collector scans:
+# in a loop of growing calls that cost more than the call itself). One reused PROMOTE times, a length
 # that stays, is kept under its key.
 recent: dict[tuple, list] = {}
+_latest: dict[tuple, tuple] = {}  # length_free(key) -> the key of its recent replay
 PROMOTE = 128
 
 
+# torch.jit.is_tracing() outside TorchScript (where this module never runs), without its Python frame
+_is_tracing = getattr(torch._C, "_is_tracing", None) or torch.jit.is_tracing
+_Tensor = torch.Tensor
+
+
 def tracing() -> bool:
-    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+    return torch.compiler.is_compiling() or _is_tracing()
 
 
 def key(kind: str, device: torch.device, tensors: tuple, options: tuple) -> tuple | None:
     """The key of a call of entry point ``kind`` on ``device`` with ``tensors`` (None where absent)
     and ``options`` (hashable, with their types where validation distinguishes them), or None
     where it may not replay: tensor subclasses, gradients, tracing, a device without kernels."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+    if torch.compiler.is_compiling() or _is_tracing():
         return None
     grad = torch.is_grad_enabled()
     parts: list = [kind, options]
+    add = parts.append
     for t in tensors:
         if t is None:
-            parts.append(None)
-            continue
-        if type(t) is not torch.Tensor or (grad and t.requires_grad):
+            add(None)
+        elif type(t) is _Tensor and not (grad and t.requires_grad):
+            add((t.shape, t.stride(), t.dtype, t.device))
+        else:
             return None
-        parts.append((t.shape, t.stride(), t.dtype, t.device))
     try:
         table = route.device_table(device)
     except RdnaAttentionError:
         return None  # the full path raises it
-    parts.append(id(table))
+    add(id(table))
     return tuple(parts)
 
 
@@ -129,14 +138,14 @@ def memory_ok(tensors: tuple, reach: tuple[tuple[int, int], ...], aligned: int) 
     """Every tensor has memory behind it (a non-null pointer, a storage covering the bytes its
     shape and strides reach, no lazy negation) and the first ``aligned`` of them start on 16
     bytes: what checks.check_memory and the planners check, per call."""
-    i = 0
-    for t, (span, size) in zip(tensors, reach):
-        if t is not None and span:
-            p = t.data_ptr()
-            if (not p or (i < aligned and p & 15) or t.is_neg()
-                    or t.storage_offset() * size + span > t.untyped_storage().nbytes()):
-                return False
-        i += 1
+    for i, t in enumerate(tensors):
+        if t is not None:
+            span, size = reach[i]
+            if span:
+                p = t.data_ptr()
+                if (not p or (i < aligned and p & 15) or t.is_neg()
+                        or t.storage_offset() * size + span > t.untyped_storage().nbytes()):
+                    return False
     return True
 
 
@@ -161,12 +170,13 @@ def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str
                        and (getattr(args, name) or (plan.scratch_bytes and name in SCRATCH_FIELDS)))
         if not all(f in roles or (plan.scratch_bytes and f in SCRATCH_FIELDS) for f in fields):
             return None
-        function = None
-        if index is not None and hasattr(driver, "function"):  # a GPU's: its handle, loaded once
+        function = go = None
+        if index is not None:  # a GPU's: its handle, loaded once, and its launch bound
             function = driver.function(plan.table.code_object, index, launch.kernel.name, launch.shared_bytes)
+            go = driver.DRIVER.bound(function, launch.kernel.name, launch.grid, launch.block, launch.shared_bytes)
         steps.append(Step(name=launch.kernel.name, grid=launch.grid, block=launch.block,
                           shared_bytes=launch.shared_bytes, args=type(args).from_buffer_copy(args), fields=fields,
-                          function=function, index=index or 0))
+                          function=function, index=index or 0, go=go))
     lengths = plan.lengths if free is not None and not before else None
     r = Replay(table=plan.table, driver=driver, steps=tuple(steps),
                scratch_bytes=plan.scratch_bytes, scratch_lse=plan.scratch_lse, counters=plan.counters,
@@ -189,10 +199,18 @@ def launch(r: Replay, pointers: dict[str, int], device: torch.device,
     the split-KV scratch, each field pointed at its offset there."""
     buffer = count = None
     extra = regions[0] if regions else 0
+    steps = r.steps
+    gpu = steps[0].go is not None
+    if gpu:  # the stream is looked up once, for the workspace and every launch
+        index = steps[0].index
+        stream = module_api.current_stream_handle(index)
     if r.scratch_bytes or extra:
         # held until the launches are enqueued
         start = workspace.align(r.scratch_bytes)
-        buffer, count = workspace.scratch(device, start + extra, r.counters)
+        if gpu and device.type != "cpu":  # (the RDNA3 emulator's stand-in serves CPU tensors through a GPU driver)
+            buffer, count = workspace.stream_scratch(index, stream, start + extra, r.counters)
+        else:
+            buffer, count = workspace.scratch(device, start + extra, r.counters)
         base = buffer.data_ptr()
         if r.scratch_bytes:
             pointers["part_o"], pointers["part_lse"], pointers["counters"] = \
@@ -200,18 +218,25 @@ def launch(r: Replay, pointers: dict[str, int], device: torch.device,
         if extra:
             for field, offset in regions[1]:
                 pointers[field] = base + start + offset
-    driver = r.driver
-    for step in r.steps:
+    if gpu and index != module_api.current_device():  # the launches go to the context of the tensors' device
+        with torch.cuda.device(index):
+            _launch_steps(r, steps, pointers, device, stream)
+    else:
+        _launch_steps(r, steps, pointers, device, stream if gpu else 0)
+    del buffer, count
+
+
+def _launch_steps(r: Replay, steps: tuple[Step, ...], pointers: dict[str, int], device: torch.device,
+                  stream: int) -> None:
+    for step in steps:
         args = type(step.args).from_buffer_copy(step.args)
         for field in step.fields:
             setattr(args, field, pointers[field])
-        if step.function is None:
-            driver.launch_kernel(r.table.code_object, step.name, step.grid, step.block, args, device,
-                                 step.shared_bytes)
+        if step.go is not None:
+            step.go(args, stream)
         else:
-            driver.launch_function(step.function, step.name, step.index, step.grid, step.block, args,
+            r.driver.launch_kernel(r.table.code_object, step.name, step.grid, step.block, args, device,
                                    step.shared_bytes)
-    del buffer, count
 
 
 def relength(r: Replay, seq_k: int, k_strides: tuple[int, int, int], v_strides: tuple[int, int, int],
@@ -237,27 +262,35 @@ def relength(r: Replay, seq_k: int, k_strides: tuple[int, int, int], v_strides: 
     args.seq_k, args.splits = seq_k, splits
     scratch_bytes, scratch_lse = lengths.scratch(splits)
     # Made field by field: dataclasses.replace reads the fields anew each call, a third of this function's time.
-    step = Step(step.name, grid, step.block, step.shared_bytes, args, step.fields, step.function, step.index)
+    go = None if step.go is None else r.driver.DRIVER.bound(step.function, step.name, grid, step.block,
+                                                             step.shared_bytes)
+    step = Step(step.name, grid, step.block, step.shared_bytes, args, step.fields, step.function, step.index, go)
     return Replay(r.table, r.driver, (step,), scratch_bytes, scratch_lse, r.counters, reach, r.extra, None)
 
 
-def derived(free: tuple, key: tuple) -> Replay | None:
-    """The replay last derived from by_length[free] where it was derived for ``key`` (recent), or None;
-    one reused PROMOTE times is kept under ``key`` from then on."""
-    last = recent.get(free)
-    if last is None or last[0] != key:
+def reused(key: tuple) -> Replay | None:
+    """The replay last derived for ``key`` (recent), or None; one reused PROMOTE times is kept under
+    ``key`` from then on."""
+    last = recent.get(key)
+    if last is None:
         return None
-    last[2] += 1
-    if last[2] >= PROMOTE:
-        keep(key, last[1])
-    return last[1]
+    last[1] += 1
+    if last[1] >= PROMOTE:
+        keep(key, last[0])
+    return last[0]
 
 
 def derive(free: tuple, key: tuple, r: Replay) -> None:
-    """Records ``r``, derived from by_length[free] for the calls of ``key`` (recent)."""
+    """Records ``r``, derived from by_length[free] for the calls of ``key`` (recent), in place of the
+    one derived from it before."""
+    before = _latest.get(free)
+    if before is not None:
+        recent.pop(before, None)
     if len(recent) >= CACHE_LIMIT:
         recent.clear()
-    recent[free] = [key, r, 0]
+        _latest.clear()
+    recent[key] = [r, 0]
+    _latest[free] = key
 
 
 def keep(key: tuple, r: Replay) -> None:

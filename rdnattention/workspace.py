@@ -56,19 +56,36 @@ def scratch(device: torch.device, nbytes: int, count: int) -> tuple[torch.Tensor
     of one call on ``device``'s current stream: that stream's workspace and counters (every launch
     leaves them zero), or, while a graph is being captured, fresh ones the caller holds until its
     launches are enqueued."""
-    if device.type == "cpu":
-        held = getattr(_host, "buffers", None)
-        if held is None:
-            held = _host.buffers = [None, None]
-        index = None
-    elif torch.cuda.is_current_stream_capturing():
-        return allocate(nbytes, device), allocate_counters(count, device)
-    else:
+    if device.type != "cpu":
         index = current_device() if device.index is None else device.index
-        stream = (index, current_stream_handle(index))
-        held = _gpu.get(stream)
-        if held is None:
-            held = _gpu[stream] = [None, None]
+        return stream_scratch(index, current_stream_handle(index), nbytes, count)
+    held = getattr(_host, "buffers", None)
+    if held is None:
+        held = _host.buffers = [None, None]
+    return _grown(held, None, device, nbytes, count)
+
+
+def stream_scratch(index: int, stream: int, nbytes: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scratch for GPU ``index`` whose current stream is ``stream`` (its handle), which the caller
+    looked up already."""
+    if _capturing():
+        where = torch.device("cuda", index)
+        with torch.cuda.device(index):
+            return allocate(nbytes, where), allocate_counters(count, where)
+    held = _gpu.get((index, stream))
+    if held is None:
+        held = _gpu[(index, stream)] = [None, None]
+    return _grown(held, index, None, nbytes, count)
+
+
+# torch's test of the current stream, without its Python wrapper (the public call where absent)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
+def _grown(held: list, index: int | None, device: torch.device | None, nbytes: int,
+           count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``held`` ([scratch, counters]), each grown to ``nbytes`` and ``count`` where smaller: on GPU
+    ``index`` (with it current, so on its current stream), or on ``device`` (the host's)."""
     buffer, counters = held
     if buffer is None or buffer.numel() < nbytes or counters is None or counters.numel() < count:
         with contextlib.nullcontext() if index is None else torch.cuda.device(index):  # on the stream's device

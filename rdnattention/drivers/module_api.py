@@ -68,6 +68,10 @@ class ModuleDriver:
         self._images: dict[tuple[Path, int], ctypes.Array] = {}
         self._functions: dict[tuple[Path, int, str, int], ctypes.c_void_p] = {}
         self._resident: dict[tuple[Path, int, str, int, int], int] = {}
+        self._raw_launch = None  # (library, its launch entry point without argument types): bound's
+        # bound's launches, by kernel handle, grid, threads and shared bytes (handles stay valid for
+        # as long as their modules, which are never unloaded)
+        self._bound: dict[tuple, Callable] = {}
 
     def library(self) -> ctypes.CDLL:
         """The runtime library with every symbol the driver uses bound; LaunchError names a missing one."""
@@ -174,11 +178,41 @@ class ModuleDriver:
                         args: ctypes.Structure, shared_bytes: int = 0) -> None:
         """Launches the kernel handle ``fn`` (``function``; ``name`` for messages) on torch's current
         stream of device ``index``, without synchronising."""
-        params = _ONE_PARAM(ctypes.addressof(args))
-        launch = getattr(self._lib, self.api.launch)
+        go = self.bound(fn, name, grid, threads, shared_bytes)
         if index == current_device():
-            rc = launch(fn, *grid, threads, 1, 1, shared_bytes, current_stream_handle(index), params, None)
+            go(args, current_stream_handle(index))
         else:  # the launch goes to the context of the tensors' device
             with torch.cuda.device(index):
-                rc = launch(fn, *grid, threads, 1, 1, shared_bytes, current_stream_handle(index), params, None)
-        self.check(rc, f"launching {name}")
+                go(args, current_stream_handle(index))
+
+    def bound(self, fn: ctypes.c_void_p, name: str, grid: tuple[int, int, int], threads: int,
+              shared_bytes: int = 0) -> Callable[[ctypes.Structure, int], None]:
+        """The launch of kernel handle ``fn`` over ``grid`` with its block and shared bytes converted
+        to the entry point's C types once: called with an argument struct and a stream handle of the
+        current device (the replays' launches: launch_function's work less what is fixed per step)."""
+        lib = self.library()
+        if self._raw_launch is None or self._raw_launch[0] is not lib:  # (a library replaced: none bound to it)
+            # A function pointer of its own, without argument types: every argument it is given is of
+            # its C type already (ctypes' conversion of eleven arguments by argtypes is most of a
+            # launch's Python cost); a stand-in runtime's entry points (tests) are prototyped pointers.
+            entry = lib[self.api.launch] if isinstance(lib, ctypes.CDLL) else getattr(lib, self.api.launch)
+            entry.restype = ctypes.c_int
+            self._raw_launch = (lib, entry)
+            self._bound = {}
+        handle = fn.value if isinstance(fn, ctypes.c_void_p) else fn
+        key = (handle, tuple(grid), threads, shared_bytes)
+        go = self._bound.get(key)
+        if go is not None:
+            return go
+        entry = self._raw_launch[1]
+        fixed = (ctypes.c_void_p(handle), *(ctypes.c_uint(n) for n in (*grid, threads, 1, 1, shared_bytes)))
+        check, addressof, pointer = self.check, ctypes.addressof, ctypes.c_void_p
+
+        def go(args: ctypes.Structure, stream: int) -> None:
+            rc = entry(*fixed, pointer(stream), _ONE_PARAM(addressof(args)), None)
+            if rc:
+                check(rc, f"launching {name}")
+        if len(self._bound) >= 4096:  # grids of many shapes: start again rather than grow without bound
+            self._bound.clear()
+        self._bound[key] = go
+        return go
