@@ -68,7 +68,7 @@ def scratch(device: torch.device, nbytes: int, count: int) -> tuple[torch.Tensor
 def stream_scratch(index: int, stream: int, nbytes: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """scratch for GPU ``index`` whose current stream is ``stream`` (its handle), which the caller
     looked up already."""
-    if _capturing():
+    if capturing():
         where = torch.device("cuda", index)
         with torch.cuda.device(index):
             return allocate(nbytes, where), allocate_counters(count, where)
@@ -78,8 +78,9 @@ def stream_scratch(index: int, stream: int, nbytes: int, count: int) -> tuple[to
     return _grown(held, index, None, nbytes, count)
 
 
-# torch's test of the current stream, without its Python wrapper (the public call where absent)
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+# Whether the current CUDA/HIP stream is being captured into a graph: torch's test without its Python
+# wrapper (the public call where absent)
+capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
 def _grown(held: list, index: int | None, device: torch.device | None, nbytes: int,

@@ -45,6 +45,7 @@ class Case:
     name: str
     call: str  # the entry point and what it is given, for the table
     build: Callable[[torch.device], tuple[Callable[[], object], Callable[[], object]]]
+    patched: bool = False  # ours is torch's function, timed inside rdnattention.sdpa_patched() (torch's outside)
 
 
 H, HKV, D = 32, 8, 128
@@ -81,12 +82,16 @@ def _flash_attn_func(rows: int, heads_kv: int, keys: int, causal: bool = False):
     return build
 
 
-def _sdpa_entry(rows: int, keys: int, causal: bool):
+def _sdpa_entry(rows: int, keys: int, causal: bool, patched: bool = False):
+    """rdnattention.scaled_dot_product_attention, or (``patched``) torch's function as programs call it,
+    which the case times inside sdpa_patched() (Case.patched)."""
     def build(device):
         import rdnattention
         q = _randn(1, H, rows, D, device=device)
         k, v = (_randn(1, HKV, keys, D, device=device) for _ in range(2))
         def ours():
+            if patched:  # looked up per call, as a program's call finds it: the patched function while timed
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
             return rdnattention.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
         return ours, _sdpa(q, k, v, is_causal=causal)
     return build
@@ -230,6 +235,11 @@ CASES = (
          _sdpa_entry(PREFILL, PREFILL, True)),
     Case("sdpa.decode", f"scaled_dot_product_attention q [1,{H},1,{D}] k/v [1,{HKV},{KEYS},{D}] enable_gqa",
          _sdpa_entry(1, KEYS, False)),
+    Case("sdpa.patched.prefill", f"torch's scaled_dot_product_attention inside sdpa_patched(), q [1,{H},{PREFILL},{D}] "
+                                 "enable_gqa, causal", _sdpa_entry(PREFILL, PREFILL, causal=True, patched=True),
+         patched=True),
+    Case("sdpa.patched.decode", f"the same, q [1,{H},1,{D}] k/v [1,{HKV},{KEYS},{D}]",
+         _sdpa_entry(1, KEYS, causal=False, patched=True), patched=True),
     Case("transformers.decode", f"transformers' attention function, q [1,{H},1,{D}] k/v [1,{HKV},2048,{D}] "
                                 "(beside its sdpa_attention_forward)", _transformers(2048, growing=False)),
     Case("transformers.decode.growing", "the same, the cache one key longer at every call (DynamicCache in "
@@ -289,8 +299,12 @@ def measure(cases, device: torch.device, budget_s: float, units: int) -> list[di
                 rows.append(dict(case=case, error=f"{type(e).__name__}: {str(e)[:120]}"))
                 continue
             stub = stubbed_launch(units) if device.type == "cpu" else contextlib.nullcontext()
+            patch = contextlib.nullcontext()
+            if case.patched:
+                import rdnattention
+                patch = rdnattention.sdpa_patched(devices=device.type, strict=True)
             try:
-                with stub:
+                with stub, patch:
                     ours_b2b = back_to_back_us(ours, sync, budget_s)
                     ours_one = one_call(ours, sync, budget_s / 2)
             except Exception as e:  # noqa: BLE001

@@ -3,6 +3,7 @@ the calls the kernels serve (masks read as bands and key lengths, is_causal, GQA
 autocast) equal to torch's in float32 within fp16 rounding, and every other call run by torch's
 own function with its arguments unchanged, counted by reason in stats() and logged once."""
 
+import contextlib
 import logging
 import subprocess
 import sys
@@ -531,3 +532,79 @@ def test_gpu_masks_are_read_on_the_device_once_and_capture_falls_back():
         with torch.cuda.graph(graph):
             F.scaled_dot_product_attention(q, k, v, is_causal=True)
         assert rdnattention.stats()["fallbacks"] == {"CUDA graph capture": 1}
+
+
+def test_a_served_call_without_a_mask_replays_before_the_checks(patched, monkeypatch):
+    """A second call of a geometry served before (no mask, positional q, k, v) runs its kept launch
+    without _decide, and gives the first call's result; a call whose keys are cut by torch's
+    top-left causal mask (seq_k > seq_q) replays on the same keys the first call used."""
+    decided = []
+    decide = patch._decide
+    monkeypatch.setattr(patch, "_decide", lambda *a, **kw: decided.append(1) or decide(*a, **kw))
+    for kw in ({}, {"is_causal": True}, {"is_causal": True, "scale": 0.3, "dropout_p": 0.0}):
+        q, k, v = _qkv(hq=4, hk=2, sq=8, sk=40)
+        decided.clear()
+        first = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+        again = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+        assert len(decided) == 1, kw
+        assert torch.equal(first, again)
+        torch.testing.assert_close(again.float(), _reference(q, k, v, enable_gqa=True, **kw), **TOL)
+    _served(6)
+
+
+def _dispatch_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    return Record()
+
+
+def _function_mode():
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    return Record()
+
+
+@pytest.mark.parametrize("state, fallbacks", [
+    ("dispatch mode", {"dispatch mode": 1}),
+    ("function mode", {}),  # the mode sees the function, which then serves (as without a replay)
+    ("autocast to bfloat16", {}),  # served in bfloat16, as torch would cast
+    ("dropout", {"dropout": 1}),
+    ("enable_gqa False", {"shapes": 1}),
+    ("other devices patched", {"device cpu": 1}),
+])
+def test_what_the_replay_key_does_not_hold_is_checked_as_without_it(patched, state, fallbacks):
+    """After a served call, the same geometry under a state the replay key does not hold takes the
+    path a first call would: the checks _decide makes, the same fallback and result."""
+    q, k, v = _qkv(hq=4, hk=2, sq=1, sk=40, d=64)  # (bf16 kernels are built at 64 on the host)
+    F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # kept
+    rdnattention.stats(reset=True)
+    want = _reference(q, k, v, enable_gqa=True)
+    kw = {"enable_gqa": True}
+    context = contextlib.nullcontext()
+    if state == "dispatch mode":
+        context = _dispatch_mode()
+    elif state == "function mode":
+        context = _function_mode()
+    elif state == "autocast to bfloat16":
+        context = torch.autocast("cpu", dtype=torch.bfloat16)
+    elif state == "dropout":
+        kw["dropout_p"] = 0.5
+    elif state == "enable_gqa False":
+        kw["enable_gqa"] = False
+    else:
+        rdnattention.patch_sdpa(devices="cuda", strict=True)
+    with context:
+        if state == "enable_gqa False":  # torch refuses 4 query heads over 2 key heads without enable_gqa
+            with pytest.raises(RuntimeError):
+                F.scaled_dot_product_attention(q, k, v, **kw)
+        elif state == "dropout":
+            assert F.scaled_dot_product_attention(q, k, v, **kw).shape == q.shape
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, **kw)
+            assert out.dtype == (torch.bfloat16 if "bfloat16" in state else torch.float16)
+            torch.testing.assert_close(out.float(), want, atol=3e-2 if "bfloat16" in state else 3e-3, rtol=0)
+    assert rdnattention.stats()["fallbacks"] == fallbacks
