@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from . import checks, decode, drivers, ops, padding, replay, route
+from . import checks, decode, drivers, ops, padding, replay, route, workspace
 from .families import append as append_family
 from .checks import TOKEN_MAJOR, check_fp16, check_int32, check_paged, check_same_dtype
 from .errors import InvalidArgumentError, RdnaAttentionError, UnsupportedError
@@ -287,22 +287,26 @@ def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqle
     if return_lse:
         lse = q.new_empty((batch, q.shape[2], q.shape[1]), dtype=torch.float32)
         pointers["lse"] = lse.data_ptr()
+    regions = None
     if kernel:
+        # What the append writes for the attention alone, in the stream's workspace (replay.launch's
+        # regions) rather than allocated per call: the lengths after it (int32 [batch]) and, with RoPE,
+        # the rotated queries (laid out as the planned call's torch.empty_like(q): dense, q's bytes).
         _count(q.device, True)
-        used = q.new_empty((batch,), dtype=torch.int32)  # written by the append
         pointers.update(k_new=k.data_ptr(), v_new=v.data_ptr(), cache_seqlens=lengths.data_ptr())
-        if cos is not None:  # the append writes the rotated queries the attention reads
-            q_in = torch.empty_like(q)
-            pointers.update(q=q_in.data_ptr(), q_src=q.data_ptr(), rotary_cos=cos.data_ptr(),
-                            rotary_sin=sin.data_ptr())
+        nbytes, fields = workspace.align(4 * batch), (("seqused_k", 0),)
+        if cos is not None:
+            fields += (("q", nbytes),)
+            nbytes += q.numel() * q.element_size()
+            pointers.update(q_src=q.data_ptr(), rotary_cos=cos.data_ptr(), rotary_sin=sin.data_ptr())
+        regions = (nbytes, fields)
     else:
-        used = lengths
-    pointers["seqused_k"] = used.data_ptr()
+        pointers["seqused_k"] = lengths.data_ptr()
     for name, t in (("cache_batch_idx", cache_batch_idx), ("block_table", block_table),
                     ("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
         if t is not None:
             pointers[name] = t.data_ptr()
-    replay.launch(r, pointers, q.device)
+    replay.launch(r, pointers, q.device, regions)
     return out, lse
 
 

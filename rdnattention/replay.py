@@ -195,8 +195,9 @@ def launch(r: Replay, pointers: dict[str, int], device: torch.device,
     """Runs ``r``'s launches with ``pointers`` (by field), on the scratch and counters of ``device``'s
     current stream: on a GPU through the kernel handles kept with the steps, on the host emulator
     through its launch_kernel. ``regions`` (bytes, ((field, offset), ...)): intermediates that only
-    the launches read (the INT8 entry's quantized inputs), placed in the stream's workspace after
-    the split-KV scratch, each field pointed at its offset there."""
+    the launches read (the INT8 entry's quantized inputs, the lengths and rotated queries
+    flash_attn_with_kvcache's append writes for its attention), placed in the stream's workspace
+    after the split-KV scratch, each field pointed at its offset there."""
     buffer = count = None
     extra = regions[0] if regions else 0
     steps = r.steps
