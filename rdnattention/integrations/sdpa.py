@@ -262,8 +262,9 @@ def _replayed(config: _Config, args: tuple, kwargs: dict) -> torch.Tensor | None
     strides, dtypes and devices, the window and the scale, and only calls that passed every check
     are kept under it; what it does not hold is checked here as _decide checks it: the keyword
     arguments' types and values, the patched device types, torch function and dispatch modes,
-    tracing, torch.func's tensors, graph capture and autocast. Gradients and tensor subclasses give
-    no key. On an eager decode step this is about a third of _decide's cost."""
+    tracing, nested, sparse and torch.func's tensors, graph capture and autocast. Gradients and
+    tensor subclasses give no key. (CPU, launch stubbed: a GQA decode step replayed here costs 15 us,
+    decided in full 36 to 60.)"""
     if len(args) != 3 or not _REPLAYED_KEYWORDS.issuperset(kwargs):
         return None
     q, k, v = args
