@@ -92,6 +92,12 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or _is_tracing()
 
 
+# Whether autocast is on for any device type, in one call (asking about one device costs its device
+# object, its type and the per-type query): the replays that run before their entry point's autocast
+# handling test it first. True where torch lacks it, so that the per-type query decides.
+autocast_on = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: True)
+
+
 def key(kind: str, device: torch.device, tensors: tuple, options: tuple) -> tuple | None:
     """The key of a call of entry point ``kind`` on ``device`` with ``tensors`` (None where absent)
     and ``options`` (hashable, with their types where validation distinguishes them), or None

@@ -251,8 +251,6 @@ def sdpa(*args, **kwargs):
 
 
 _REPLAYED_KEYWORDS = frozenset(_NAMES[3:])
-# Whether autocast is on for any device type: one call (True where torch lacks it: the full path decides)
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: True)
 
 
 def _replayed(config: _Config, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -273,7 +271,7 @@ def _replayed(config: _Config, args: tuple, kwargs: dict) -> torch.Tensor | None
     if (get("attn_mask") is not None or type(q) is not torch.Tensor or type(k) is not torch.Tensor
             or type(v) is not torch.Tensor or (type(dropout) is not float and type(dropout) is not int) or dropout
             or type(causal) is not bool or type(gqa) is not bool or (scale is not None and type(scale) is not float)
-            or _any_autocast() or torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
+            or replay.autocast_on() or torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
             or replay.tracing()):
         return None
     for t in (q, k, v):  # before any size is read: nested and sparse tensors have none to give

@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from .. import api, checks, ops, options, padding, route
+from .. import api, checks, ops, options, padding, replay, route
 from ..errors import InvalidArgumentError, KernelsNotBuiltError, UnsupportedError
 
 NAME = "rdnattention"
@@ -425,11 +425,6 @@ def _(query, key, value, mask, causal, scale, left=-1, softcap=0.0, sinks=None):
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
 
 
-# Whether autocast is on for any device type: one call, where asking about query's device costs four
-# (its device object, its type, the per-type query); True where torch lacks it, so the per-type query runs.
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: True)
-
-
 def _replayed(module, query, key, value, dropout, scaling, is_causal, kwargs: dict) -> torch.Tensor | None:
     """An eager call without a mask whose geometry was served before, replayed before any of
     attention_forward's checks (None where it was not, or where a check would read more than the
@@ -441,7 +436,7 @@ def _replayed(module, query, key, value, dropout, scaling, is_causal, kwargs: di
     if (kwargs.get("s_aux") is not None or kwargs.get("sliding_window") is not None
             or kwargs.get("position_bias") is not None or kwargs.get("output_attentions")
             or (dropout and module.training) or type(query) is not torch.Tensor
-            or (_any_autocast() and torch.is_autocast_enabled(query.device.type))):
+            or (replay.autocast_on() and torch.is_autocast_enabled(query.device.type))):
         return None
     softcap = kwargs.get("softcap")
     if softcap is not None and type(softcap) is not float and type(softcap) is not int:
