@@ -107,17 +107,23 @@ class Lengths:
         return lse + workspace.align(splits * self.rows * 4), lse
 
 
-# The most query rows a tile may hold to apply ALiBi (fa2_decode.h: FA2_DECODE_ALIBI_ROWS, the same):
-# its per-row slope takes a register that tiles of more rows do not have to spare (they spilled), so
-# ALiBi calls run tiles of at most this many rows (select), in more row chunks.
-ALIBI_ROWS = 2
+# The most query rows a split-KV tile may hold to apply ALiBi, per platform (the preludes'
+# FA2_DECODE_ALIBI_ROWS, the same): its slope and key distances cost AMD's four-row tiles three VGPRs,
+# a wave on RDNA2, so there ALiBi calls run tiles of at most two rows (select), in more row chunks;
+# NVIDIA's four-row tiles lose no occupancy to them, and the host emulator follows NVIDIA.
+ALIBI_ROWS = {"amdgcn": 2, "cuda": 4, "host": 4}
+
+
+def alibi_rows(table: TargetTable) -> int:
+    """The most query rows a split-KV tile of ``table``'s target applies ALiBi in."""
+    return ALIBI_ROWS[table.platform]
 
 
 def select(table: TargetTable, family: str, head_dim: int, rows: int, kernel: str | None = None,
            layout: str | None = None, most_rows: int | None = None, dtype: str | None = None) -> KernelEntry:
     """The entry of ``family`` (compiled for ``layout`` and ``dtype``) for ``rows`` query rows per K/V
     head (tiles for few rows say so with ``when: {rows: ...}``); rows beyond its br take several row
-    chunks. ``most_rows``: the tile may hold no more rows than that (ALiBi: ALIBI_ROWS), the entry for
+    chunks. ``most_rows``: the tile may hold no more rows than that (ALiBi: alibi_rows), the entry for
     fewer rows chosen where the one for ``rows`` holds more; UnsupportedError where none does."""
     def pick(n: int) -> KernelEntry:
         return table.select(family, layout=layout, head_dim=head_dim, heads_per_kv=1, causal=False, seq_q=n,
@@ -144,7 +150,7 @@ def plan(table: TargetTable, call, *, family: str, args_type: type[ctypes.Struct
     group = heads_q // heads_kv
     dtype = getattr(call, "dtype", None)  # an int8 call has none
     entry = select(table, family, head_dim, group * call.seq_q, kernel, layout,
-                   most_rows=ALIBI_ROWS if call.alibi_slopes is not None else None, dtype=dtype)
+                   most_rows=alibi_rows(table) if call.alibi_slopes is not None else None, dtype=dtype)
     chunks = -(-group * call.seq_q // entry.br)
     lengths = Lengths(chunks=chunks, keys_per_step=entry.bc, workgroups=chunks * heads_kv * call.batch,
                       units=units(q.device), per_unit=0 if call.num_splits else resident(table, entry, q.device),

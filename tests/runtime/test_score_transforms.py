@@ -215,13 +215,33 @@ def test_compiled_calls_take_the_transforms(host_build):
     assert _err(fn(q, k, v, sinks), ref) <= TOL
 
 
-def test_the_decode_kernels_and_the_planner_agree_on_alibi_tiles():
+@pytest.mark.parametrize("platform", ["amdgcn", "cuda", "host"])
+def test_the_decode_kernels_and_the_planner_agree_on_alibi_tiles(platform):
     from pathlib import Path
 
     from rdnattention.families import _splitkv
 
-    header = (Path(__file__).parents[2] / "rdnattention_gen/templates/include/fa2_decode.h").read_text()
-    assert f"#define FA2_DECODE_ALIBI_ROWS {_splitkv.ALIBI_ROWS}\n" in header
+    templates = Path(__file__).parents[2] / "rdnattention_gen/templates"
+    prelude = (templates / f"prelude_{platform}.h.j2").read_text()
+    assert f"#define FA2_DECODE_ALIBI_ROWS {_splitkv.ALIBI_ROWS[platform]}\n" in prelude
+    assert "#define FA2_DECODE_ALIBI_ROWS" not in (templates / "include/fa2_decode.h").read_text()
+
+
+def test_amd_targets_apply_alibi_in_tiles_of_two_rows(default_audit, build_dir, monkeypatch):
+    """On AMD targets the four-row decode tiles are compiled without ALiBi (a wave on RDNA2): an ALiBi
+    call of eight rows per K/V head takes the two-row tile, in four row chunks."""
+    from rdnattention import dispatch
+    from rdnattention.families import _splitkv
+
+    monkeypatch.setattr(dispatch, "search_path", lambda: [build_dir])
+    dispatch.table_for.cache_clear()
+    try:
+        table = dispatch.table_for("gfx1030")
+        assert table.platform == "amdgcn" and _splitkv.alibi_rows(table) == 2
+        assert _splitkv.select(table, "dec", D, 8).br == 4
+        assert _splitkv.select(table, "dec", D, 8, most_rows=_splitkv.alibi_rows(table)).br == 2
+    finally:
+        dispatch.table_for.cache_clear()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 8])  # GQA 8 (one row per query head of a group), decode
@@ -230,7 +250,7 @@ def test_alibi_decode_runs_tiles_that_apply_it(host_build, monkeypatch, rows):
 
     planned = []
     plan = route.plan
-    monkeypatch.setattr(route, "plan", lambda table, call: planned.append(plan(table, call)) or planned[-1])
+    monkeypatch.setattr(route, "plan", lambda table, call: planned.append((table, plan(table, call))) or planned[-1][1])
     monkeypatch.setattr(replay, "cache", {})
     g = torch.Generator().manual_seed(rows)
     q = torch.randn(2, rows, 1, D, generator=g).half()
@@ -238,5 +258,7 @@ def test_alibi_decode_runs_tiles_that_apply_it(host_build, monkeypatch, rows):
     slopes = torch.rand(rows, generator=g)
     out = rdnattention.flash_attn(q, k, v, alibi_slopes=slopes)
     assert _err(out, attention_reference(q, k, v, alibi_slopes=slopes)) <= TOL
-    dec = [launch.kernel for p in planned for launch in p.launches if launch.kernel.family == "dec"]
-    assert dec and all(e.br <= _splitkv.ALIBI_ROWS for e in dec)
+    dec = [(t, launch.kernel) for t, p in planned for launch in p.launches if launch.kernel.family == "dec"]
+    assert dec and all(e.br <= _splitkv.alibi_rows(t) for t, e in dec)
+    if rows == 8:  # the host applies ALiBi in the four-row tiles its plain calls run
+        assert {e.br for _, e in dec} == {_splitkv.alibi_rows(dec[0][0])} == {4}

@@ -175,8 +175,11 @@ RDNA_DEVICE void fa2_decode_zero_rows_past_sequences(const Args& a) {
   }
 }
 
-// The most rows a decode tile may hold to apply ALiBi (families/_splitkv.py: ALIBI_ROWS, the same).
-#define FA2_DECODE_ALIBI_ROWS 2
+// FA2_DECODE_ALIBI_ROWS, the most rows a decode tile may hold to apply ALiBi, is the platform's
+// (its prelude; families/_splitkv.py: ALIBI_ROWS, the same).
+#if !defined(FA2_DECODE_ALIBI_ROWS) || !defined(FA2_DECODE_XF_CASES)
+#error "the platform's prelude defines FA2_DECODE_ALIBI_ROWS and FA2_DECODE_XF_CASES"
+#endif
 
 template <class E, int D, int R, int BC, int NT, int LDS_BYTES, bool PAGED, class Args>
 RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
@@ -217,9 +220,9 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
                                  key0, head_kv);
   const WindowMask<Args, true, true> mask{a, n, sq};
   const typename E::Scales scales = E::scales(a, b, head_kv);
-  // ALiBi's per-row slope only where a workgroup holds at most FA2_DECODE_ALIBI_ROWS rows: tiles of
-  // more rows have no register to spare for it (they spilled), and the runtime gives ALiBi calls
-  // smaller tiles.
+  // ALiBi's per-row slope and distances only where a workgroup holds at most FA2_DECODE_ALIBI_ROWS
+  // rows: on AMD targets they cost the four-row tiles three VGPRs, a wave on RDNA2, and the runtime
+  // gives ALiBi calls smaller tiles there.
   const typename E::template Transform<Args, (R <= FA2_DECODE_ALIBI_ROWS)> xf{a};
 
   // This workgroup's rows: query head head_kv * group + r / sq at position r % sq. Rows past the
@@ -321,13 +324,31 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
       s[t] = whole || (key < s_hi && mask.visible(key, own_pos, mask.diag(own_pos))) ? mask.scale(score)
                                                                                       : -__builtin_inff();
     }
-    // The score transforms (a uniform branch) of the own row's visible scores.
+    // The score transforms of the own row's visible scores. With FA2_DECODE_XF_CASES (the platform's)
+    // in one copy per case, picked by uniform branches: ALiBi or not (a softcap alone computes no
+    // slope or distance), and a step whose keys every row sees (no masked score to keep at -inf) or
+    // not. Without, one copy for all (GCN's one-row tiles spilled SGPRs with the copies).
     if (xf.enabled()) {
-      const float slope = xf.slope(b, head_kv * group + own_r / sq);
-      const float dist0 = (float)(k0 + grp - mask.diag(own_pos));  // the key distances: dist0 plus a constant
+      auto transform = [&](auto alibi, auto checked) {
+        constexpr bool AL = decltype(alibi)::value, CHECKED = decltype(checked)::value;
+        const float slope = AL ? xf.slope(b, head_kv * group + own_r / sq) : 0.f;
+        const float dist0 = AL ? (float)(k0 + grp - mask.diag(own_pos)) : 0.f;  // the distances: dist0 plus a constant
 #pragma unroll
-      for (int t = 0; t < T; ++t)
-        if (s[t] != -__builtin_inff()) s[t] = xf.apply(s[t], slope, dist0 + (float)(t * NG));
+        for (int t = 0; t < T; ++t)
+          if (!CHECKED || s[t] != -__builtin_inff()) s[t] = xf.apply(s[t], slope, AL ? dist0 + (float)(t * NG) : 0.f);
+      };
+      if constexpr (!FA2_DECODE_XF_CASES) {
+        transform(rdna_bool<true>{}, rdna_bool<true>{});  // the slope is 0 without ALiBi
+      } else if (xf.alibi()) {
+        if (whole)
+          transform(rdna_bool<true>{}, rdna_bool<false>{});
+        else
+          transform(rdna_bool<true>{}, rdna_bool<true>{});
+      } else if (whole) {
+        transform(rdna_bool<false>{}, rdna_bool<false>{});
+      } else {
+        transform(rdna_bool<false>{}, rdna_bool<true>{});
+      }
     }
     // The own row's softmax step; every slot's rescale factor and probabilities come from the
     // lanes that own those rows. A maximum that did not grow rescales by exactly 1: skipped.

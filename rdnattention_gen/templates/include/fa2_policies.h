@@ -194,14 +194,20 @@ struct CapFma {
   }
 };
 // CapSymmetric, the split-KV kernels': C sign(s) (1 - t) / (1 + t), t = e^(-2|s|/C), which loses
-// nothing near 0 beyond t's rounding (sm_90's four-row tiles spilled with CapFma).
+// nothing near 0 beyond t's rounding (sm_90's four-row tiles spilled with CapFma). t may flush below
+// 2^-126, where (1 - t) / (1 + t) is 1 either way; the sign is copied from s (a sign bit: 0 keeps
+// its sign, NaN stays NaN), where comparisons and selects cost four instructions more per score.
 struct CapSymmetric {
   RDNA_METHOD float operator()(float s, float c, float inv) const {
-    const float x = s * inv;
-    const float t = rdna_exp2(-2.8853900817779268f * __builtin_fabsf(x));
-    const float r = (1.f - t) * rdna_rcp(1.f + t);
-    return c * (x < 0.f ? -r : x > 0.f ? r : x);  // x: 0 or NaN as it came
+    const float t = rdna_exp2_flush(__builtin_fabsf(s) * (-2.8853900817779268f * inv));
+    return __builtin_copysignf(rdna_fma(-c, t, c) * rdna_rcp(1.f + t), s);
   }
+};
+
+// A compile-time flag passed as a value (a generic lambda's argument picks its copy by it).
+template <bool V>
+struct rdna_bool {
+  static constexpr bool value = V;
 };
 
 // Which score transforms a copy of code applies, known at compile time (fa2_forward's row loop has

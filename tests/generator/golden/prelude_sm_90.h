@@ -34,6 +34,11 @@ RDNA_DEVICE int rdna_block_id_z() { return __nvvm_read_ptx_sreg_ctaid_z(); }
 // The block id read anew, not merged with the reads before: a value made from it can be made again
 // at a kernel's end instead of held in a register through its main loop (RowBlockSchedule::head0_anew).
 #define RDNA_BLOCK_ID_ANEW 1
+// The most query rows a split-KV decode tile may hold to apply ALiBi (fa2_decode.h): every tile
+// sm_90 builds (four rows). ALiBi there costs the four-row tiles no occupancy.
+#define FA2_DECODE_ALIBI_ROWS 4
+// The split-KV decode applies its score transforms in a copy of code per case (fa2_decode.h).
+#define FA2_DECODE_XF_CASES 1
 RDNA_DEVICE int rdna_block_id_x_anew() { int x; asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x)); return x; }
 RDNA_DEVICE int rdna_block_id_y_anew() { int y; asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y)); return y; }
 RDNA_DEVICE void rdna_block_sync() { __nvvm_barrier_sync(0); }
