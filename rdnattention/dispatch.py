@@ -228,6 +228,9 @@ def load_table(path: Path | str) -> TargetTable:
         isa_targets = data.get("isa_targets", [])
         if not isinstance(isa_targets, list) or not all(isinstance(t, str) for t in isa_targets):
             raise ValueError("isa_targets is not a list of target names")
+        decode_alibi_rows = data.get("decode_alibi_rows", 2)
+        if type(decode_alibi_rows) is not int or decode_alibi_rows < 1:
+            raise ValueError(f"decode_alibi_rows {decode_alibi_rows!r} is not a positive integer")
         code_object_version = data.get("code_object_version")
         if code_object_version is not None and type(code_object_version) is not int:
             raise ValueError(f"code_object_version {code_object_version!r} is not an integer or null")
@@ -241,7 +244,7 @@ def load_table(path: Path | str) -> TargetTable:
                             dynamic_lds=bool(data["dynamic_lds"]),
                             kernels=tuple(e for e in kernels if e.family in FAMILIES),
                             isa_targets=tuple(isa_targets), code_object_bytes=size, code_object_sha256=sha,
-                            code_object_version=code_object_version)
+                            code_object_version=code_object_version, decode_alibi_rows=decode_alibi_rows)
     except (OSError, ValueError, KeyError, TypeError) as e:
         if isinstance(e, StaleKernelsError):
             raise

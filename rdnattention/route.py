@@ -120,7 +120,7 @@ class Algorithm:
 # tiles registers they do not have (spills on RDNA1 and GCN, a wave on RDNA2), so the plain kernels
 # have none. Calls with them of few rows (split_kv_preferred), and those at head_dims without such
 # kernels, run the split-KV kernels, which read them from the arguments (ALiBi in tiles of at most
-# _splitkv.alibi_rows rows: two on AMD targets, four elsewhere; any number of rows in chunks).
+# _splitkv.alibi_rows rows, the target's decode_alibi_rows; any number of rows in chunks).
 SCORE_TRANSFORMS = (Option.SOFTCAP, Option.ALIBI, Option.SINKS)
 
 FP16_ROW_BLOCKS = Algorithm(

@@ -140,6 +140,9 @@ class TargetTable:
     # Targets of the same instruction set; their GPUs run this code object only when they report
     # ``target`` (HSA_OVERRIDE_GFX_VERSION), since HIP matches the exact ISA.
     isa_targets: tuple[str, ...] = ()
+    # The most query rows a split-KV tile of this target applies ALiBi in (its build's
+    # FA2_DECODE_ALIBI_ROWS); a table without it: 2, which every build's tiles of two rows apply.
+    decode_alibi_rows: int = 2
     code_object_bytes: int | None = None   # recorded at build time; None: not checked (tables made in code)
     code_object_sha256: str | None = None
     code_object_version: int | None = None  # the AMD code object ABI it is built for; None: not pinned

@@ -53,6 +53,8 @@ def table(target: Target, variants: list[Variant], code_object: Path, dynamic_ld
             # Targets of the same instruction set: their GPUs run this code object only when they report
             # this target (HSA_OVERRIDE_GFX_VERSION); the runtime names them when their own are missing.
             "isa": target.isa, "isa_targets": isa_targets,
+            # The most query rows a split-KV tile applies ALiBi in (the prelude's FA2_DECODE_ALIBI_ROWS).
+            "decode_alibi_rows": target.decode_alibi_rows,
             "generator_version": __version__, "toolchain": toolchain, "kernels": entries}
     problems = check_entries(variants)
     if problems:

@@ -218,7 +218,11 @@ def _target(name: str, node: object, parent: Node) -> Target:
         mirrors=tuple(node.take("mirrors", list, [])),
         head_dims=_head_dims(node),
         bf16_dot=node.take("bf16_dot", bool, False),
+        decode_alibi_rows=node.take("decode_alibi_rows", int, 2),
+        decode_xf_cases=node.take("decode_xf_cases", bool, False),
     )
+    if fields["decode_alibi_rows"] not in (1, 2, 4, 8):
+        raise node.fail("decode_alibi_rows", f"must be 1, 2, 4 or 8 (a decode tile's rows), got {fields['decode_alibi_rows']}")
     if fields["hw_tier"] not in (1, 2):
         raise node.fail("hw_tier", f"must be 1 or 2, got {fields['hw_tier']}")
     if fields["bf16_dot"] and platform != "amdgcn":

@@ -54,6 +54,12 @@ class Target:
     # v_dot2_f32_bf16 (gfx11+): bf16 pairs multiplied into an fp32 accumulator in one instruction,
     # the bf16 kernels' tier ``bf16_dot2`` (else ``shift_fma``).
     bf16_dot: bool = False
+    # The split-KV decode's score transforms (fa2_decode.h): the most query rows a tile applies ALiBi
+    # in (its tiles of more rows are compiled without it, and the runtime gives ALiBi calls smaller
+    # ones), and whether the transforms come in a copy of code per case. Both cost registers: the
+    # defaults are those every target's tiles afford.
+    decode_alibi_rows: int = 2
+    decode_xf_cases: bool = False
 
     def builds(self, family: str, head_dim: int) -> bool:
         """Whether this target builds kernels of ``family`` for ``head_dim`` (see ``head_dims``)."""

@@ -107,16 +107,12 @@ class Lengths:
         return lse + workspace.align(splits * self.rows * 4), lse
 
 
-# The most query rows a split-KV tile may hold to apply ALiBi, per platform (the preludes'
-# FA2_DECODE_ALIBI_ROWS, the same): its slope and key distances cost AMD's four-row tiles three VGPRs,
-# a wave on RDNA2, so there ALiBi calls run tiles of at most two rows (select), in more row chunks;
-# NVIDIA's four-row tiles lose no occupancy to them, and the host emulator follows NVIDIA.
-ALIBI_ROWS = {"amdgcn": 2, "cuda": 4, "host": 4}
-
-
 def alibi_rows(table: TargetTable) -> int:
-    """The most query rows a split-KV tile of ``table``'s target applies ALiBi in."""
-    return ALIBI_ROWS[table.platform]
+    """The most query rows a split-KV tile of ``table``'s target applies ALiBi in (variants.yaml's
+    ``decode_alibi_rows``, the build's FA2_DECODE_ALIBI_ROWS): its slope and key distances cost
+    registers that four-row tiles do not have to spare on AMD and Pascal targets (a wave), so there
+    ALiBi calls run tiles of at most two rows (select), in more row chunks."""
+    return table.decode_alibi_rows
 
 
 def select(table: TargetTable, family: str, head_dim: int, rows: int, kernel: str | None = None,

@@ -15,7 +15,7 @@ from ..plan import Plan
 from ..table import TargetTable
 from . import _splitkv, f16
 # The slice rules, under dec's name as before (_splitkv.py states them for every split-KV family).
-from ._splitkv import ALIBI_ROWS, MIN_SLICE_KEYS, alibi_rows, resident, slices, splits_for  # noqa: F401
+from ._splitkv import MIN_SLICE_KEYS, alibi_rows, resident, slices, splits_for  # noqa: F401
 
 NAME = "dec"
 # Strided caches, cache lengths and packed batches are read from the arguments; a paged cache by

@@ -215,31 +215,36 @@ def test_compiled_calls_take_the_transforms(host_build):
     assert _err(fn(q, k, v, sinks), ref) <= TOL
 
 
-@pytest.mark.parametrize("platform", ["amdgcn", "cuda", "host"])
-def test_the_decode_kernels_and_the_planner_agree_on_alibi_tiles(platform):
-    from pathlib import Path
+@pytest.mark.parametrize("target", ["gfx1030", "gfx906", "sm_90", "sm_61", "host", "host_f32"])
+def test_the_decode_kernels_and_the_planner_agree_on_alibi_tiles(matrix, target):
+    """The prelude a target's kernels are compiled with, and the dispatch table the runtime plans
+    from, give the same most rows for ALiBi (variants.yaml's decode_alibi_rows)."""
+    from rdnattention_gen import render
 
-    from rdnattention.families import _splitkv
+    t = matrix.target(target)
+    prelude = render.render_prelude(render.environment(), t)
+    assert f"#define FA2_DECODE_ALIBI_ROWS {t.decode_alibi_rows}\n" in prelude
+    assert f"#define FA2_DECODE_XF_CASES {int(t.decode_xf_cases)}\n" in prelude
+    # AMD and Pascal keep their four-row tiles without ALiBi (a wave), sm_90 and host_f32 take it
+    assert t.decode_alibi_rows == (4 if target in ("sm_90", "host_f32") else 2)
 
-    templates = Path(__file__).parents[2] / "rdnattention_gen/templates"
-    prelude = (templates / f"prelude_{platform}.h.j2").read_text()
-    assert f"#define FA2_DECODE_ALIBI_ROWS {_splitkv.ALIBI_ROWS[platform]}\n" in prelude
-    assert "#define FA2_DECODE_ALIBI_ROWS" not in (templates / "include/fa2_decode.h").read_text()
 
-
-def test_amd_targets_apply_alibi_in_tiles_of_two_rows(default_audit, build_dir, monkeypatch):
-    """On AMD targets the four-row decode tiles are compiled without ALiBi (a wave on RDNA2): an ALiBi
-    call of eight rows per K/V head takes the two-row tile, in four row chunks."""
+@pytest.mark.parametrize("target, plain, alibi", [("gfx1030", 4, 1), ("host_f32", 4, 4)])
+def test_alibi_calls_take_the_tiles_that_apply_it(default_audit, host_build, build_dir, monkeypatch, target, plain,
+                                                  alibi):
+    """An ALiBi decode of eight rows per K/V head takes the largest tile that applies ALiBi: on AMD
+    targets one of at most two rows (gfx1030 builds none of two at head_dim 64: its one-row tile, in
+    eight row chunks), on sm_90's configuration the four-row tile plain calls take."""
     from rdnattention import dispatch
     from rdnattention.families import _splitkv
 
     monkeypatch.setattr(dispatch, "search_path", lambda: [build_dir])
     dispatch.table_for.cache_clear()
     try:
-        table = dispatch.table_for("gfx1030")
-        assert table.platform == "amdgcn" and _splitkv.alibi_rows(table) == 2
-        assert _splitkv.select(table, "dec", D, 8).br == 4
-        assert _splitkv.select(table, "dec", D, 8, most_rows=_splitkv.alibi_rows(table)).br == 2
+        table = dispatch.table_for(target)
+        assert _splitkv.alibi_rows(table) == (2 if target == "gfx1030" else 4)
+        assert _splitkv.select(table, "dec", D, 8).br == plain
+        assert _splitkv.select(table, "dec", D, 8, most_rows=_splitkv.alibi_rows(table)).br == alibi
     finally:
         dispatch.table_for.cache_clear()
 
@@ -260,5 +265,3 @@ def test_alibi_decode_runs_tiles_that_apply_it(host_build, monkeypatch, rows):
     assert _err(out, attention_reference(q, k, v, alibi_slopes=slopes)) <= TOL
     dec = [(t, launch.kernel) for t, p in planned for launch in p.launches if launch.kernel.family == "dec"]
     assert dec and all(e.br <= _splitkv.alibi_rows(t) for t, e in dec)
-    if rows == 8:  # the host applies ALiBi in the four-row tiles its plain calls run
-        assert {e.br for _, e in dec} == {_splitkv.alibi_rows(dec[0][0])} == {4}

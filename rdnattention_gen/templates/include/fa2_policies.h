@@ -195,12 +195,15 @@ struct CapFma {
 };
 // CapSymmetric, the split-KV kernels': C sign(s) (1 - t) / (1 + t), t = e^(-2|s|/C), which loses
 // nothing near 0 beyond t's rounding (sm_90's four-row tiles spilled with CapFma). t may flush below
-// 2^-126, where (1 - t) / (1 + t) is 1 either way; the sign is copied from s (a sign bit: 0 keeps
-// its sign, NaN stays NaN), where comparisons and selects cost four instructions more per score.
+// 2^-126, where (1 - t) / (1 + t) is 1 either way; the sign is copied from x = s / C (a sign bit: 0
+// keeps its sign, NaN stays NaN), where comparisons and selects cost four instructions more per
+// score. (Copied from s, with 1 / C folded into t's constant, it is one multiply less, but it cost
+// AMD's decode tiles a VGPR: some lost a wave.)
 struct CapSymmetric {
   RDNA_METHOD float operator()(float s, float c, float inv) const {
-    const float t = rdna_exp2_flush(__builtin_fabsf(s) * (-2.8853900817779268f * inv));
-    return __builtin_copysignf(rdna_fma(-c, t, c) * rdna_rcp(1.f + t), s);
+    const float x = s * inv;
+    const float t = rdna_exp2_flush(-2.8853900817779268f * __builtin_fabsf(x));
+    return __builtin_copysignf(c * ((1.f - t) * rdna_rcp(1.f + t)), x);
   }
 };
 

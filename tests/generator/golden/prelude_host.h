@@ -35,13 +35,11 @@ RDNA_DEVICE int rdna_block_id_z() { return rdna_host::block_id(2); }
 // As cuda's (RDNA_BLOCK_ID_ANEW): host_f32's kernels make head0 again at their end as sm_90's do,
 // so that the emulator runs that arithmetic too.
 #define RDNA_BLOCK_ID_ANEW 1
-// The most query rows a split-KV decode tile may hold to apply ALiBi (fa2_decode.h): four, as on
-// NVIDIA targets, so that the emulator runs ALiBi in every tile it builds (AMD's two-row limit is
-// run by the tiles of two rows and by the RDNA3 emulator).
-#define FA2_DECODE_ALIBI_ROWS 4
-// The split-KV decode applies its score transforms in a copy of code per case, as on NVIDIA
-// targets, so that the emulator runs those copies.
-#define FA2_DECODE_XF_CASES 1
+// The split-KV decode's score transforms (fa2_decode.h; variants.yaml's decode_alibi_rows and
+// decode_xf_cases): host as the AMD targets build them (two rows, one copy), host_f32 as sm_90
+// (ALiBi in four-row tiles, a copy of code per case).
+#define FA2_DECODE_ALIBI_ROWS 2
+#define FA2_DECODE_XF_CASES 0
 RDNA_DEVICE int rdna_block_id_x_anew() { return rdna_host::block_id(0); }
 RDNA_DEVICE int rdna_block_id_y_anew() { return rdna_host::block_id(1); }
 RDNA_DEVICE void rdna_block_sync() { rdna_host::block_sync(); }
