@@ -175,8 +175,9 @@ RDNA_DEVICE void fa2_decode_zero_rows_past_sequences(const Args& a) {
   }
 }
 
-// FA2_DECODE_ALIBI_ROWS, the most rows a decode tile may hold to apply ALiBi, is the platform's
-// (its prelude; families/_splitkv.py: ALIBI_ROWS, the same).
+// FA2_DECODE_ALIBI_ROWS, the most rows a decode tile may hold to apply ALiBi, and FA2_DECODE_XF_CASES
+// are the target's (variants.yaml's decode_alibi_rows and decode_xf_cases, in its prelude); the
+// dispatch table carries the first to the runtime (families/_splitkv.py: alibi_rows).
 #if !defined(FA2_DECODE_ALIBI_ROWS) || !defined(FA2_DECODE_XF_CASES)
 #error "the platform's prelude defines FA2_DECODE_ALIBI_ROWS and FA2_DECODE_XF_CASES"
 #endif
@@ -221,8 +222,8 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   const WindowMask<Args, true, true> mask{a, n, sq};
   const typename E::Scales scales = E::scales(a, b, head_kv);
   // ALiBi's per-row slope and distances only where a workgroup holds at most FA2_DECODE_ALIBI_ROWS
-  // rows: on AMD targets they cost the four-row tiles three VGPRs, a wave on RDNA2, and the runtime
-  // gives ALiBi calls smaller tiles there.
+  // rows: on AMD and Pascal targets they cost the four-row tiles a wave, and the runtime gives ALiBi
+  // calls smaller tiles there.
   const typename E::template Transform<Args, (R <= FA2_DECODE_ALIBI_ROWS)> xf{a};
 
   // This workgroup's rows: query head head_kv * group + r / sq at position r % sq. Rows past the
@@ -324,7 +325,7 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
       s[t] = whole || (key < s_hi && mask.visible(key, own_pos, mask.diag(own_pos))) ? mask.scale(score)
                                                                                       : -__builtin_inff();
     }
-    // The score transforms of the own row's visible scores. With FA2_DECODE_XF_CASES (the platform's)
+    // The score transforms of the own row's visible scores. With FA2_DECODE_XF_CASES (the target's)
     // in one copy per case, picked by uniform branches: ALiBi or not (a softcap alone computes no
     // slope or distance), and a step whose keys every row sees (no masked score to keep at -inf) or
     // not. Without, one copy for all (GCN's one-row tiles spilled SGPRs with the copies).
