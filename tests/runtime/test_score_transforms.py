@@ -217,8 +217,8 @@ def test_compiled_calls_take_the_transforms(host_build):
 
 @pytest.mark.parametrize("target", ["gfx1030", "gfx906", "sm_90", "sm_61", "host", "host_f32"])
 def test_the_decode_kernels_and_the_planner_agree_on_alibi_tiles(matrix, target):
-    """The prelude a target's kernels are compiled with, and the dispatch table the runtime plans
-    from, give the same most rows for ALiBi (variants.yaml's decode_alibi_rows)."""
+    """The prelude a target's kernels are compiled with says what variants.yaml's decode_alibi_rows
+    and decode_xf_cases say (the dispatch table's copy: test_alibi_calls_take_the_tiles_that_apply_it)."""
     from rdnattention_gen import render
 
     t = matrix.target(target)

@@ -29,12 +29,12 @@ RDNA_DEVICE int rdna_block_id_z() { return (int)__builtin_amdgcn_workgroup_id_z(
 // Values made from the block id are uniform and stay in SGPRs, which the main loop does not run
 // short of: nothing is made again at a kernel's end (cuda's RDNA_BLOCK_ID_ANEW).
 #define RDNA_BLOCK_ID_ANEW 0
-// The most query rows a split-KV decode tile may hold to apply ALiBi (fa2_decode.h): two. Its slope
-// and key distances cost the four-row tiles three VGPRs, which took a wave from RDNA2's (the bf16
-// head_dim 64 and 128 kernels: 9 -> 8); ALiBi calls run two-row tiles in more row chunks.
+// The split-KV decode's score transforms (fa2_decode.h), variants.yaml's decode_alibi_rows and
+// decode_xf_cases for gfx1030: the most query rows a tile applies ALiBi in (its tiles of
+// more rows are compiled without it; the dispatch table tells the runtime), and whether the
+// transforms come in a copy of code per case. Both cost registers, which AMD's and Pascal's
+// four-row and one-row tiles do not have to spare (a wave, or SGPR spills); sm_90's do.
 #define FA2_DECODE_ALIBI_ROWS 2
-// The split-KV decode applies its score transforms in one copy of code (fa2_decode.h): a copy per
-// case spilled 2 SGPRs in GCN's one-row tiles.
 #define FA2_DECODE_XF_CASES 0
 
 RDNA_DEVICE void rdna_block_sync() {

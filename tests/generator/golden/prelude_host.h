@@ -35,9 +35,11 @@ RDNA_DEVICE int rdna_block_id_z() { return rdna_host::block_id(2); }
 // As cuda's (RDNA_BLOCK_ID_ANEW): host_f32's kernels make head0 again at their end as sm_90's do,
 // so that the emulator runs that arithmetic too.
 #define RDNA_BLOCK_ID_ANEW 1
-// The split-KV decode's score transforms (fa2_decode.h; variants.yaml's decode_alibi_rows and
-// decode_xf_cases): host as the AMD targets build them (two rows, one copy), host_f32 as sm_90
-// (ALiBi in four-row tiles, a copy of code per case).
+// The split-KV decode's score transforms (fa2_decode.h), variants.yaml's decode_alibi_rows and
+// decode_xf_cases for host: the most query rows a tile applies ALiBi in (its tiles of
+// more rows are compiled without it; the dispatch table tells the runtime), and whether the
+// transforms come in a copy of code per case. Both cost registers, which AMD's and Pascal's
+// four-row and one-row tiles do not have to spare (a wave, or SGPR spills); sm_90's do.
 #define FA2_DECODE_ALIBI_ROWS 2
 #define FA2_DECODE_XF_CASES 0
 RDNA_DEVICE int rdna_block_id_x_anew() { return rdna_host::block_id(0); }

@@ -34,9 +34,11 @@ RDNA_DEVICE int rdna_block_id_z() { return __nvvm_read_ptx_sreg_ctaid_z(); }
 // The block id read anew, not merged with the reads before: a value made from it can be made again
 // at a kernel's end instead of held in a register through its main loop (RowBlockSchedule::head0_anew).
 #define RDNA_BLOCK_ID_ANEW 1
-// The split-KV decode's score transforms (fa2_decode.h; variants.yaml's decode_alibi_rows and
-// decode_xf_cases): the most query rows a tile applies ALiBi in, and whether the transforms come in a
-// copy of code per case. sm_90's four-row tiles afford both at their occupancy; Pascal's lost a wave.
+// The split-KV decode's score transforms (fa2_decode.h), variants.yaml's decode_alibi_rows and
+// decode_xf_cases for sm_90: the most query rows a tile applies ALiBi in (its tiles of
+// more rows are compiled without it; the dispatch table tells the runtime), and whether the
+// transforms come in a copy of code per case. Both cost registers, which AMD's and Pascal's
+// four-row and one-row tiles do not have to spare (a wave, or SGPR spills); sm_90's do.
 #define FA2_DECODE_ALIBI_ROWS 4
 #define FA2_DECODE_XF_CASES 1
 RDNA_DEVICE int rdna_block_id_x_anew() { int x; asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x)); return x; }
