@@ -12,9 +12,11 @@ others through decode.py; route.py chooses the kernels of both: the split-KV dec
 paged caches, cache_batch_idx, explicit num_splits and calls with few query rows per K/V head, the
 fp16 row-block kernels with cache lengths (f16 of layout len) otherwise. The append (the new keys
 and values written, RoPE on them and on the queries in float64, rounded once to the dtype as
-reference.rotate rounds, the lengths bounded and the lengths after it) is one launch of the
-append family (families/append.py) before the attention's, or torch operations where the device's
-kernels have none (counted: counts()). Where torch traces or the tensors are
+reference.rotate rounds, the lengths bounded and the lengths after it) is done by the attention's
+own launch where that is one split-KV decode launch and the new keys are few (FUSE_MAX_NEW; the
+decode kernels' fa2_decode_append), else by one launch of the append family (families/append.py)
+before the attention's, or by torch operations where the device's kernels have none (counted:
+counts()). Where torch traces or the tensors are
 subclasses, a call that appends runs the custom op ``rdnattention::flash_attn_kvcache_fwd`` (it
 mutates the caches; its implementation is the eager path, checks included), one that does not
 the custom ops of ops.py and decode.py."""
@@ -252,7 +254,7 @@ def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqle
     allocated, and the launches (the append kernel's among them) replayed; a call that appends with
     torch operations (no append kernel built) runs _run's general path. None where its memory
     needs the full path."""
-    window_left, window_right, softmax_scale, local, cache_len, _ = r.extra
+    window_left, window_right, softmax_scale, local, cache_len, _, fused = r.extra
     new = 0 if k is None else k.shape[1]
     if cache_seqlens is None:
         lengths = torch.full((q.shape[0],), cache_len, dtype=torch.int32, device=q.device)
@@ -288,7 +290,12 @@ def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqle
         lse = q.new_empty((batch, q.shape[2], q.shape[1]), dtype=torch.float32)
         pointers["lse"] = lse.data_ptr()
     regions = None
-    if kernel:
+    if fused:  # the attention's launch appends (fa2_decode_append): it reads q and the lengths before the append
+        _count(q.device, True)
+        pointers.update(k_new=k.data_ptr(), v_new=v.data_ptr(), seqused_k=lengths.data_ptr())
+        if cos is not None:
+            pointers.update(rotary_cos=cos.data_ptr(), rotary_sin=sin.data_ptr())
+    elif kernel:
         # What the append writes for the attention alone, in the stream's workspace (replay.launch's
         # regions) rather than allocated per call: the lengths after it (int32 [batch]) and, with RoPE,
         # the rotated queries (laid out as the planned call's torch.empty_like(q): dense, q's bytes).
@@ -455,6 +462,34 @@ def _torch_append(k_cache, v_cache, k_in, v, positions, cache_batch_idx, block_t
         v_cache.index_put_((rows, positions), v)
 
 
+# The most new keys per sequence that the attention's launch appends itself, where it is one split-KV
+# decode launch: each of its workgroups writes every new key of its K/V head (fa2_decode.h), so a
+# longer append runs the append kernel's launch before the attention's instead.
+FUSE_MAX_NEW = 16
+
+
+def _fuse(plan: Plan | None, k: torch.Tensor, v: torch.Tensor, cos, sin, interleaved: bool, local: bool) -> bool:
+    """Gives the append to ``plan``'s launch where it is one split-KV decode launch (whose arguments
+    have the append's fields), planned on the queries as given and on the lengths before the append;
+    False (the plan unchanged) otherwise."""
+    if plan is None or len(plan.launches) != 1 or not hasattr(plan.launches[0].args, "append_rows"):
+        return False
+    args = plan.launches[0].args
+    args.append_rows = k.shape[1]
+    args.k_new, args.v_new = k.data_ptr(), v.data_ptr()
+    args.kn_stride_b, args.kn_stride_s, args.kn_stride_h = k.stride()[:3]
+    args.vn_stride_b, args.vn_stride_s, args.vn_stride_h = v.stride()[:3]
+    if cos is not None:
+        args.rope = 1 if interleaved else 2
+        args.rotary_cos, args.rotary_sin = cos.data_ptr(), sin.data_ptr()
+        args.cos_stride, args.cos_stride_c = cos.stride()
+        args.sin_stride, args.sin_stride_c = sin.stride()
+        args.positions, args.rotary_half = cos.shape[0], cos.shape[1]
+        args.rotary_dtype = append_family.TABLE_DTYPES[str(cos.dtype)]
+        args.q_local = int(local)
+    return True
+
+
 # The tensors a call reads, by name, in the order _run checks their memory; the pointer fields of
 # its launches, each filled by one tensor.
 _NAMES = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
@@ -511,7 +546,13 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
     kernel = None
     if k is not None:
         kernel = _append_kernel(q, cos, interleaved) if replayed is None else replayed.extra[5]
-    if kernel:
+    # The append fused into the attention's launch (fa2_decode.h's fa2_decode_append), where that is
+    # one split-KV decode launch: tried first for few new keys (every workgroup writes them), planned
+    # on q itself and the lengths before the append; a plan of another kind is planned again below.
+    fuse = bool(kernel) and replayed is None and leftpad is None and batch > 0 and 0 < new <= FUSE_MAX_NEW
+    if fuse:
+        used = lengths
+    elif kernel:
         used = q.new_empty((batch,), dtype=torch.int32)  # written by the append
         if cos is not None:
             q_in = torch.empty_like(q)
@@ -535,41 +576,52 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
         used = lengths
     if leftpad is not None and not checked:  # within [0, cache_seqlens]
         leftpad = torch.minimum(leftpad.clamp(min=0), lengths.clamp(0, cache_len))
-    launch = None  # the append's (a replay has it among its steps)
-    if kernel and batch and replayed is None:  # its grid checked now, before anything is written
-        launch = append_family.launch(route.device_table(q.device), k_new=k, v_new=v, k_cache=k_cache,
-                                      v_cache=v_cache, q=q, q_out=q_in, cache_seqlens=lengths, used=used,
-                                      cache_batch_idx=cache_batch_idx, block_table=block_table, cos=cos, sin=sin,
-                                      interleaved=interleaved, local=local,
-                                      dtype="bf16" if q.dtype == torch.bfloat16 else None)
-
     # Planned before the append: a call no kernel serves, or whose grid is beyond the launch
     # limits, is refused with the caches untouched.
     plain = block_table is None and cache_batch_idx is None and num_splits == 0
+
+    def planned(q_in: torch.Tensor, used: torch.Tensor):
+        if leftpad is not None:
+            return _leftpad_plan(q_in, k_cache, v_cache, used, leftpad, (window_left, window_right), softmax_scale,
+                                 return_lse, num_splits, cache_len, score)
+        if plain:
+            o = Options(window_left=window_left, window_right=window_right, softmax_scale=softmax_scale,
+                        rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_lse,
+                        seqused_k=used, score=score)
+            plan = ops.plan(q_in.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), o,
+                            token_major=True, values_checked=True)
+            out, lse = plan.outputs
+            return out.transpose(1, 2), lse, plan
+        return decode.prepare(q_in, k_cache, v_cache, window=(window_left, window_right),
+                              softmax_scale=softmax_scale, return_lse=return_lse,
+                              extents=decode.Extents(batch=batch, seq_q=seq_q, seq_k=cache_len), seqused_k=used,
+                              block_table=block_table, cache_batch_idx=cache_batch_idx, num_splits=num_splits,
+                              values_checked=True, score=score)
+
     plan = None
+    fused = replayed is not None and bool(replayed.extra[6])
     if replayed is not None:  # planned by an earlier call of its key
         if plain:
             out, lse = ops.allocate(q_in.transpose(1, 2), True, return_lse, empty_lse=False)
             out = out.transpose(1, 2)
         else:
             out, lse = decode.allocate(q_in, return_lse, False, empty_lse=False)
-    elif leftpad is not None:
-        out, lse, plan = _leftpad_plan(q_in, k_cache, v_cache, used, leftpad, (window_left, window_right),
-                                       softmax_scale, return_lse, num_splits, cache_len, score)
-    elif plain:
-        o = Options(window_left=window_left, window_right=window_right, softmax_scale=softmax_scale,
-                    rotary_cos=None, rotary_sin=None, rotary_interleaved=False, return_lse=return_lse,
-                    seqused_k=used, score=score)
-        plan = ops.plan(q_in.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), o, token_major=True,
-                        values_checked=True)
-        out, lse = plan.outputs
-        out = out.transpose(1, 2)
     else:
-        out, lse, plan = decode.prepare(q_in, k_cache, v_cache, window=(window_left, window_right),
-                                        softmax_scale=softmax_scale, return_lse=return_lse,
-                                        extents=decode.Extents(batch=batch, seq_q=seq_q, seq_k=cache_len),
-                                        seqused_k=used, block_table=block_table, cache_batch_idx=cache_batch_idx,
-                                        num_splits=num_splits, values_checked=True, score=score)
+        out, lse, plan = planned(q_in, used)
+        if fuse:
+            fused = _fuse(plan, k, v, cos, sin, interleaved, local)
+            if not fused:  # the attention is not one split-KV launch: the append runs before it
+                used = q.new_empty((batch,), dtype=torch.int32)
+                if cos is not None:
+                    q_in = torch.empty_like(q)
+                out, lse, plan = planned(q_in, used)
+    launch = None  # the append's own (a replay has it among its steps)
+    if kernel and batch and replayed is None and not fused:
+        launch = append_family.launch(route.device_table(q.device), k_new=k, v_new=v, k_cache=k_cache,
+                                      v_cache=v_cache, q=q, q_out=q_in, cache_seqlens=lengths, used=used,
+                                      cache_batch_idx=cache_batch_idx, block_table=block_table, cos=cos, sin=sin,
+                                      interleaved=interleaved, local=local,
+                                      dtype="bf16" if q.dtype == torch.bfloat16 else None)
 
     if k is not None:
         _count(q.device, bool(kernel))
@@ -594,7 +646,8 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
         replay.launch(replayed, pointers, q.device)
     elif plan is not None:
         replay.run(plan, key, tensors, ROLES, extra=(window_left, window_right, softmax_scale, local, cache_len,
-                                                    bool(kernel)), before=(launch,) if launch is not None else ())
+                                                    bool(kernel), fused),
+                   before=(launch,) if launch is not None else ())
     elif launch is not None:  # the attention launches nothing: the append alone
         table = route.device_table(q.device)
         drivers.for_platform(table.platform).launch(table.code_object, launch, q.device)

@@ -6,6 +6,7 @@ head_dim] views, packed batches as the padded batch, caches as their used keys).
     python -m tuning.overhead --device cpu     # the CPU alone: the emulator's launch stubbed
     python -m tuning.overhead --device cuda --only decode
     python -m tuning.overhead --device cpu --profile kvcache.paged.append
+    python -m tuning.overhead --device cuda --only kvcache --unfused   # the append in its own launch
 
 Two figures per call:
 - back-to-back: wall time per call of a loop of calls with one synchronisation at the end (the
@@ -347,9 +348,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="on the CPU, plan split-KV calls for a GPU of this many compute units (default 132, the "
                         "H200's), so that they take the launches they take there")
     p.add_argument("--profile", metavar="CASE", help="instead of the table: cProfile of CASE's calls on --device")
+    p.add_argument("--unfused", action="store_true",
+                   help="flash_attn_with_kvcache's append in its own launch before the attention's, never in the "
+                        "split-KV decode's (kvcache.FUSE_MAX_NEW = 0): the calls as they ran before the fusion")
     args = p.parse_args(argv)
     if args.check != "default":
         os.environ["RDNATTENTION_CHECK"] = args.check
+    if args.unfused:
+        from rdnattention import kvcache
+        kvcache.FUSE_MAX_NEW = 0
 
     prefixes = [s for s in args.only.split(",") if s]
     cases = [c for c in CASES if not prefixes or any(c.name.startswith(s) for s in prefixes)]

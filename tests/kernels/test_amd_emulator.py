@@ -234,14 +234,19 @@ def test_the_atomic_backward_passes(gpu, dispatched):
     _backward_set(gpu, next(n for n in _kernels() if n.startswith("fa2_bwd_hd64_")))
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "own_launch"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("rope", [None, True, False], ids=["copy", "rope", "ropehalf"])
-def test_the_append_kernel_is_the_torch_append(gpu, dispatched, monkeypatch, rope, dtype):
-    """flash_attn_with_kvcache's append kernel of each RoPE mode and dtype (the first launch of
-    the call; tests/kernels/test_append.py runs it on the host) against the torch operations it
-    replaces, byte for byte: a paged cache, causal query rotation, float64 RoPE rounded as torch
-    rounds it (float32, then the dtype)."""
+def test_the_append_kernel_is_the_torch_append(gpu, dispatched, monkeypatch, rope, dtype, fuse):
+    """flash_attn_with_kvcache's append of each RoPE mode and dtype, fused into the paged split-KV
+    decode's launch (its only launch) or as the append kernel's own launch before it
+    (tests/kernels/test_append.py runs both on the host), against the torch operations it replaces,
+    byte for byte: a paged cache, causal query rotation, float64 RoPE rounded as torch rounds it
+    (float32, then the dtype)."""
     from rdnattention import kvcache
+
+    if not fuse:
+        monkeypatch.setattr(kvcache, "FUSE_MAX_NEW", 0)
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 2, 4, 64, generator=g).to(dtype)
@@ -263,11 +268,16 @@ def test_the_append_kernel_is_the_torch_append(gpu, dispatched, monkeypatch, rop
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # the forced fallback's warning
                 out = flash_attn_with_kvcache(q, pk, pv, k, v, **kwargs)
-        results.append((gpu.dispatches[start].kernel, out, pk, pv))
-    (first, out, pk, pv), (t_first, t_out, t_pk, t_pv) = results
-    name = ("fa2_append" + {None: "", True: "_rope", False: "_ropehalf"}[rope]
-            + ("_bf16" if dtype == torch.bfloat16 else "") + "_upto512_")
-    assert first.startswith(name) and not t_first.startswith("fa2_append"), (first, t_first)
+        results.append(([d.kernel for d in gpu.dispatches[start:]], out, pk, pv))
+    (launched, out, pk, pv), (t_launched, t_out, t_pk, t_pv) = results
+    if fuse:
+        (first,) = launched
+        assert first.startswith("fa2_decpaged_" + ("bf16_" if dtype == torch.bfloat16 else "")), launched
+    else:
+        name = ("fa2_append" + {None: "", True: "_rope", False: "_ropehalf"}[rope]
+                + ("_bf16" if dtype == torch.bfloat16 else "") + "_upto512_")
+        assert launched[0].startswith(name) and len(launched) == 2, launched
+    assert not t_launched[0].startswith("fa2_append"), t_launched
     assert torch.equal(pk.view(torch.int16), t_pk.view(torch.int16))
     assert torch.equal(pv.view(torch.int16), t_pv.view(torch.int16))
     assert torch.equal(out.view(torch.int16), t_out.view(torch.int16))

@@ -3,7 +3,9 @@ after the append, the rotated queries and the output, byte for byte those of the
 it replaces (kvcache._torch_append, forced here), and the cache against the float64 oracle's
 rotation (reference.rotate, rounded as torch rounds float64: to float32, then to the dtype); plain
 caches, cache_batch_idx, paged caches, RoPE on pairs and on halves, causal (local) rotation, bf16,
-every RoPE table dtype, replays, and the counts of both paths."""
+every RoPE table dtype, replays, and the counts of both paths. The append runs fused into the
+split-KV decode's launch (fa2_decode.h's fa2_decode_append) where that is the attention and the new
+keys are few, else in its own launch first: each test says which it runs, most both."""
 
 import warnings
 
@@ -36,12 +38,15 @@ def _call(q, k_cache, v_cache, k, v, **kwargs):
     return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, return_softmax_lse=True, **kwargs)
 
 
-def _both(monkeypatch, inputs, **kwargs):
+def _both(monkeypatch, inputs, fuse=True, **kwargs):
     """The call with the append kernel and with the torch operations, each on its own copies:
-    (out, lse, k_cache, v_cache) of each."""
+    (out, lse, k_cache, v_cache) of each. ``fuse``: the append in the attention's launch where it
+    is one split-KV launch (kvcache.FUSE_MAX_NEW), else the append kernel's own launch first."""
     results = []
     for kernel in (True, False):
         with monkeypatch.context() as m:
+            if not fuse:
+                m.setattr(kvcache, "FUSE_MAX_NEW", 0)
             if not kernel:
                 m.setattr(kvcache, "_append_kernel", lambda *a: False)
             q, k_cache, v_cache, k, v = (t.clone() for t in inputs)
@@ -92,11 +97,13 @@ def _case(name, dtype, table_dtype=torch.float32):
     return (q, k_cache, v_cache, k, v), kwargs
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "own_launch"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_the_kernel_is_the_torch_append_byte_for_byte(host_build, monkeypatch, name, dtype):
+def test_the_kernel_is_the_torch_append_byte_for_byte(host_build, monkeypatch, name, dtype, fuse):
+    """Fused into the split-KV decode launch (these calls' attention) and in its own launch before it."""
     inputs, kwargs = _case(name, dtype)
-    (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, inputs, **kwargs)
+    (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, inputs, fuse=fuse, **kwargs)
     assert not torch.equal(kc, inputs[1]) or kc.numel() == 0  # something was appended
     assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
     assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
@@ -173,16 +180,25 @@ def test_rope_rounds_once_to_fp16(host_build):
     assert torch.equal(k_cache[0, 0, 0, 2:], k[0, 0, 0, 2:])  # past rotary_dim: copied
 
 
-def test_replays_run_the_append_kernel_with_their_own_tensors(host_build, monkeypatch):
-    """A second call of one geometry replays the plan (the append its first launch, its pointers
-    rewritten): the same bytes as the torch append on those tensors."""
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "own_launch"])
+def test_replays_run_the_append_kernel_with_their_own_tensors(host_build, monkeypatch, fuse):
+    """A second call of one geometry replays the plan (the append in the decode's launch, or its own
+    first launch, its pointers rewritten): the same bytes as the torch append on those tensors."""
+    if not fuse:
+        monkeypatch.setattr(kvcache, "FUSE_MAX_NEW", 0)
     inputs, kwargs = _case("paged_rope", torch.float16)
     replay.cache.clear()
     first = [t.clone() for t in inputs]
     _call(*first, **kwargs)
     assert len(replay.cache) == 1
-    (step, *_), = [r.steps for r in replay.cache.values()]
-    assert step.name.startswith("fa2_append_rope_")
+    steps, = [r.steps for r in replay.cache.values()]
+    if fuse:  # one launch: the decode's, which appends
+        (step,) = steps
+        assert step.name.startswith("fa2_decpaged_") and {"k_new", "v_new", "rotary_cos"} <= set(step.fields)
+        assert step.args.append_rows == 3 and step.args.rope == 1
+    else:
+        assert steps[0].name.startswith("fa2_append_rope_") and len(steps) == 2
+        assert "k_new" not in steps[1].fields
     second_inputs = [t.clone() for t in inputs]
     second_inputs[3].mul_(-0.5)  # other new keys, other tensors
     kwargs2 = {**kwargs, "cache_seqlens": torch.tensor([9, 31, 2], dtype=torch.int32)}
@@ -192,6 +208,29 @@ def test_replays_run_the_append_kernel_with_their_own_tensors(host_build, monkey
     assert len(replay.cache) == 1 and rdnattention.stats()["kvcache"]["append_kernel"] == counted + 1
     (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, second_inputs, **kwargs2)[1]
     assert _same_bytes(got[1], t_kc) and _same_bytes(got[2], t_vc) and _same_bytes(out, t_out)
+
+
+@pytest.mark.parametrize("what", ["many_new_keys", "row_blocks"])
+def test_the_append_runs_its_own_launch_where_it_is_not_fused(host_build, monkeypatch, what):
+    """More new keys than kvcache.FUSE_MAX_NEW, or an attention of row blocks (many query rows, not
+    one split-KV launch): the append kernel's launch, then the attention's; the bytes of the torch
+    append."""
+    if what == "many_new_keys":
+        q, k_cache, v_cache, k, v, _ = _inputs(torch.float16, new=kvcache.FUSE_MAX_NEW + 1, cache=64)
+        lengths = torch.tensor([5, 0, 47], dtype=torch.int32)
+    else:
+        q, k_cache, v_cache, k, v, _ = _inputs(torch.float16, sq=40, new=3, cache=96)
+        lengths = torch.tensor([5, 0, 50], dtype=torch.int32)
+    cos, sin = rotary_tables(96, 64)
+    kwargs = dict(cache_seqlens=lengths, rotary_cos=cos, rotary_sin=sin, causal=True)
+    replay.cache.clear()
+    _call(*[t.clone() for t in (q, k_cache, v_cache, k, v)], **kwargs)
+    steps, = [r.steps for r in replay.cache.values()]
+    assert steps[0].name.startswith("fa2_append_rope_") and len(steps) >= 2  # pairs: flash-attn's default
+    assert all("k_new" not in step.fields for step in steps[1:])
+    (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, (q, k_cache, v_cache, k, v), **kwargs)
+    assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
+    assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
 
 
 def test_without_an_append_kernel_the_torch_append_runs_counted_and_warned_once(host_build, monkeypatch):
@@ -233,12 +272,16 @@ def unchecked(monkeypatch):
     monkeypatch.setattr(checks, "_mode", None)
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "own_launch"])
 @pytest.mark.parametrize("layout", ["idx", "paged"])
-def test_unread_hostile_values_are_bounded_as_the_torch_append_bounds_them(host_build, monkeypatch, unchecked, layout):
+def test_unread_hostile_values_are_bounded_as_the_torch_append_bounds_them(host_build, monkeypatch, unchecked, layout,
+                                                                           fuse):
     """Lengths past the cache both ways, rows and pages past it both ways (distinct once bounded,
     so that no two sequences write one row), positions past the tables: the same bytes as the torch
     operations, which clamp them the same way (tests/runtime/test_bounds.py runs such values
-    between guard pages)."""
+    between guard pages). Fused, the caches are those bytes too; the output is not compared there:
+    these values make sequences read rows (row 0 of a row or page outside the cache) that others
+    write in the same launch, before or after the write (docs/api.md)."""
     q, k_cache, v_cache, k, v, table = _inputs(torch.bfloat16, paged=16 if layout == "paged" else None,
                                                rows=None if layout == "paged" else 5)
     cos, sin = rotary_tables(30, 32)
@@ -248,20 +291,26 @@ def test_unread_hostile_values_are_bounded_as_the_torch_append_bounds_them(host_
         kwargs["block_table"] = torch.tensor([[0, 1, 10**9], [-5, 3, 4], [5, 2**31 - 1, 7]], dtype=torch.int32)
     else:
         kwargs["cache_batch_idx"] = torch.tensor([10**9, -(2**31), 1], dtype=torch.int32)
-    (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, (q, k_cache, v_cache, k, v), **kwargs)
+    (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, (q, k_cache, v_cache, k, v), fuse=fuse,
+                                                           **kwargs)
     assert not torch.equal(kc, k_cache)
     assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
-    assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
+    if not fuse:
+        assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
+    assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "own_launch"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_gpu_the_kernel_is_the_torch_append_byte_for_byte(monkeypatch, name, dtype):
-    """On an NVIDIA GPU (sm_90's kernels built): the append kernel against torch's operations on the
-    GPU, the first call and a replay."""
+def test_gpu_the_kernel_is_the_torch_append_byte_for_byte(monkeypatch, name, dtype, fuse):
+    """On an NVIDIA GPU (sm_90's kernels built): the append kernel (fused into the decode's launch,
+    or its own) against torch's operations on the GPU, the first call and a replay."""
     if not torch.cuda.is_available() or torch.version.hip is not None:
         pytest.skip("needs an NVIDIA GPU")
+    if not fuse:
+        monkeypatch.setattr(kvcache, "FUSE_MAX_NEW", 0)
     inputs, kwargs = _case(name, dtype)
     inputs = tuple(t.cuda() for t in inputs)
     kwargs = {key: value.cuda() if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}

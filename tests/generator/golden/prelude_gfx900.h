@@ -69,6 +69,14 @@ RDNA_DEVICE void rdna_atomic_add_f32x4(float* p, const float* v) {
   const __attribute__((address_space(4))) type* const name =                                  \
       (const __attribute__((address_space(4))) type*)(name##_segment)
 
+// `name`: a pointer to `args` held in vector registers, so that the fields read through it are
+// loaded into vector registers: for code that runs once, outside the loops, whose uniform values
+// would otherwise take scalar registers from the ones the loops hold.
+#define RDNA_ARGS_VARYING(type, name, args)                                                    \
+  auto name##_segment = __builtin_amdgcn_kernarg_segment_ptr();                                \
+  asm volatile("" : "+v"(name##_segment));                                                     \
+  const type* const name = (const type*)(const __attribute__((address_space(4))) type*)(name##_segment)
+
 RDNA_DEVICE float rdna_shfl_xor(float v, int mask) {
   const int lane = rdna_thread_id() & (RDNA_WAVE_SIZE - 1);
   return __builtin_bit_cast(float, __builtin_amdgcn_ds_bpermute((lane ^ mask) << 2, __builtin_bit_cast(int, v)));

@@ -62,6 +62,7 @@ RDNA_DEVICE void rdna_atomic_add_f32x4(float* p, const float* v) {
 }
 // The kernel's argument struct where the AMD prelude reads it again (there, scalar registers): here `args` itself.
 #define RDNA_ARGS_AGAIN(type, name, args) const type* const name = &(args)
+#define RDNA_ARGS_VARYING(type, name, args) const type* const name = &(args)
 RDNA_DEVICE float rdna_shfl_xor(float v, int mask) { return rdna_host::shfl_xor(v, mask); }
 RDNA_DEVICE float rdna_exp2(float x) { return std::exp2(x); }
 RDNA_DEVICE float rdna_exp2_flush(float x) { return std::exp2(x); }  // exp2 where a result below 2^-126 may be 0

@@ -65,6 +65,7 @@ RDNA_DEVICE void rdna_atomic_add_f32x4(float* p, const float* v) {
 }
 // The kernel's argument struct where the AMD prelude reads it again (there, scalar registers): here `args` itself.
 #define RDNA_ARGS_AGAIN(type, name, args) const type* const name = &(args)
+#define RDNA_ARGS_VARYING(type, name, args) const type* const name = &(args)
 
 RDNA_DEVICE float rdna_shfl_xor(float v, int mask) {
   return __nvvm_shfl_sync_bfly_f32(0xffffffffu, v, mask, 0x1f);
