@@ -13,8 +13,8 @@ paged caches, cache_batch_idx, explicit num_splits and calls with few query rows
 fp16 row-block kernels with cache lengths (f16 of layout len) otherwise. The append (the new keys
 and values written, RoPE on them and on the queries in float64, rounded once to the dtype as
 reference.rotate rounds, the lengths bounded and the lengths after it) is done by the attention's
-own launch where that is one split-KV decode launch and the new keys are few (FUSE_MAX_NEW; the
-decode kernels' fa2_decode_append), else by one launch of the append family (families/append.py)
+own launch where that is one split-KV decode launch, the new keys are few (FUSE_MAX_NEW) and no
+RoPE tables are given (the decode kernels' fa2_decode_append), else by one launch of the append family (families/append.py)
 before the attention's, or by torch operations where the device's kernels have none (counted:
 counts()). Where torch traces or the tensors are
 subclasses, a call that appends runs the custom op ``rdnattention::flash_attn_kvcache_fwd`` (it
@@ -290,11 +290,9 @@ def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqle
         lse = q.new_empty((batch, q.shape[2], q.shape[1]), dtype=torch.float32)
         pointers["lse"] = lse.data_ptr()
     regions = None
-    if fused:  # the attention's launch appends (fa2_decode_append): it reads q and the lengths before the append
+    if fused:  # the attention's launch appends (fa2_decode_append) from the lengths before the append
         _count(q.device, True)
         pointers.update(k_new=k.data_ptr(), v_new=v.data_ptr(), seqused_k=lengths.data_ptr())
-        if cos is not None:
-            pointers.update(rotary_cos=cos.data_ptr(), rotary_sin=sin.data_ptr())
     elif kernel:
         # What the append writes for the attention alone, in the stream's workspace (replay.launch's
         # regions) rather than allocated per call: the lengths after it (int32 [batch]) and, with RoPE,
@@ -463,15 +461,16 @@ def _torch_append(k_cache, v_cache, k_in, v, positions, cache_batch_idx, block_t
 
 
 # The most new keys per sequence that the attention's launch appends itself, where it is one split-KV
-# decode launch: each of its workgroups writes every new key of its K/V head (fa2_decode.h), so a
-# longer append runs the append kernel's launch before the attention's instead.
+# decode launch and no RoPE tables are given: each of its workgroups writes every new key of its
+# K/V head (fa2_decode.h), so a longer append runs the append kernel's launch before the
+# attention's instead.
 FUSE_MAX_NEW = 16
 
 
-def _fuse(plan: Plan | None, k: torch.Tensor, v: torch.Tensor, cos, sin, interleaved: bool, local: bool) -> bool:
-    """Gives the append to ``plan``'s launch where it is one split-KV decode launch (whose arguments
-    have the append's fields), planned on the queries as given and on the lengths before the append;
-    False (the plan unchanged) otherwise."""
+def _fuse(plan: Plan | None, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Gives the append (no RoPE tables) to ``plan``'s launch where it is one split-KV decode launch
+    (whose arguments have the append's fields), planned on the lengths before the append; False
+    (the plan unchanged) otherwise."""
     if plan is None or len(plan.launches) != 1 or not hasattr(plan.launches[0].args, "append_rows"):
         return False
     args = plan.launches[0].args
@@ -479,14 +478,6 @@ def _fuse(plan: Plan | None, k: torch.Tensor, v: torch.Tensor, cos, sin, interle
     args.k_new, args.v_new = k.data_ptr(), v.data_ptr()
     args.kn_stride_b, args.kn_stride_s, args.kn_stride_h = k.stride()[:3]
     args.vn_stride_b, args.vn_stride_s, args.vn_stride_h = v.stride()[:3]
-    if cos is not None:
-        args.rope = 1 if interleaved else 2
-        args.rotary_cos, args.rotary_sin = cos.data_ptr(), sin.data_ptr()
-        args.cos_stride, args.cos_stride_c = cos.stride()
-        args.sin_stride, args.sin_stride_c = sin.stride()
-        args.positions, args.rotary_half = cos.shape[0], cos.shape[1]
-        args.rotary_dtype = append_family.TABLE_DTYPES[str(cos.dtype)]
-        args.q_local = int(local)
     return True
 
 
@@ -547,9 +538,11 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
     if k is not None:
         kernel = _append_kernel(q, cos, interleaved) if replayed is None else replayed.extra[5]
     # The append fused into the attention's launch (fa2_decode.h's fa2_decode_append), where that is
-    # one split-KV decode launch: tried first for few new keys (every workgroup writes them), planned
-    # on q itself and the lengths before the append; a plan of another kind is planned again below.
-    fuse = bool(kernel) and replayed is None and leftpad is None and batch > 0 and 0 < new <= FUSE_MAX_NEW
+    # one split-KV decode launch: tried first for few new keys (every workgroup writes them) without
+    # RoPE tables, planned on the lengths before the append; a plan of another kind is planned again
+    # below.
+    fuse = (bool(kernel) and replayed is None and leftpad is None and cos is None and batch > 0
+            and 0 < new <= FUSE_MAX_NEW)
     if fuse:
         used = lengths
     elif kernel:
@@ -609,11 +602,9 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
     else:
         out, lse, plan = planned(q_in, used)
         if fuse:
-            fused = _fuse(plan, k, v, cos, sin, interleaved, local)
+            fused = _fuse(plan, k, v)
             if not fused:  # the attention is not one split-KV launch: the append runs before it
                 used = q.new_empty((batch,), dtype=torch.int32)
-                if cos is not None:
-                    q_in = torch.empty_like(q)
                 out, lse, plan = planned(q_in, used)
     launch = None  # the append's own (a replay has it among its steps)
     if kernel and batch and replayed is None and not fused:

@@ -44,26 +44,16 @@ SPLIT_FIELDS = (("splits", "int"), ("part_o", "float*"), ("part_lse", "float*"),
 # packed offsets may address (f16.PACKED_BOUND_FIELDS).
 BOUND_FIELDS = (("kv_rows", "int"), *f16.PACKED_BOUND_FIELDS)
 
-# flash_attn_with_kvcache's append, in the launch that reads it (kvcache.py fuses them where the
-# attention is one launch of these kernels): with append_rows > 0, seqused_k points at cache_seqlens
-# (the lengths before the append), and sequence b's append_rows new keys and values (k_new, v_new
-# [batch, append_rows, heads_kv, head_dim]) are written at positions cache_seqlens[b] (bounded to
-# [0, seq_k - append_rows]) onwards, k rotated by RoPE there where rope is 1 (pairs) or 2 (halves);
-# the queries are then rotated too, at cache_seqlens[b] (+ their row with q_local). The fields
-# after rotary_sin are families/append.py's, by the same names.
+# flash_attn_with_kvcache's append without RoPE tables, in the launch that reads it (kvcache.py
+# fuses them where the attention is one launch of these kernels): with append_rows > 0, seqused_k
+# points at cache_seqlens (the lengths before the append), and sequence b's append_rows new keys and
+# values (k_new, v_new [batch, append_rows, heads_kv, head_dim]) are written at positions
+# cache_seqlens[b] (bounded to [0, seq_k - append_rows]) onwards.
 APPEND_FIELDS = (
     ("k_new", "const half_t*"), ("v_new", "const half_t*"),
-    ("rotary_cos", "const float*"), ("rotary_sin", "const float*"),
     ("kn_stride_b", "long long"), ("kn_stride_s", "long long"), ("kn_stride_h", "long long"),
     ("vn_stride_b", "long long"), ("vn_stride_s", "long long"), ("vn_stride_h", "long long"),
-    ("cos_stride", "long long"), ("cos_stride_c", "long long"),
-    ("sin_stride", "long long"), ("sin_stride_c", "long long"),
     ("append_rows", "int"),
-    ("rope", "int"),           # 0: no tables; 1: pairs (rotary_interleaved); 2: halves
-    ("positions", "int"),      # rows of the RoPE tables
-    ("rotary_half", "int"),    # rotary_dim / 2
-    ("rotary_dtype", "int"),   # append.TABLE_DTYPES
-    ("q_local", "int"),        # 1: query row i at cache_seqlens + i; 0: every row at cache_seqlens
 )
 
 ARGS = ArgStruct("Fa2DecArgs", (

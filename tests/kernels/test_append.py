@@ -4,8 +4,9 @@ it replaces (kvcache._torch_append, forced here), and the cache against the floa
 rotation (reference.rotate, rounded as torch rounds float64: to float32, then to the dtype); plain
 caches, cache_batch_idx, paged caches, RoPE on pairs and on halves, causal (local) rotation, bf16,
 every RoPE table dtype, replays, and the counts of both paths. The append runs fused into the
-split-KV decode's launch (fa2_decode.h's fa2_decode_append) where that is the attention and the new
-keys are few, else in its own launch first: each test says which it runs, most both."""
+split-KV decode's launch (fa2_decode.h's fa2_decode_append) where that is the attention, the new
+keys are few and no RoPE tables are given, else in its own launch first: the tests parametrized by
+``fuse`` run both where the call allows it."""
 
 import warnings
 
@@ -186,7 +187,7 @@ def test_replays_run_the_append_kernel_with_their_own_tensors(host_build, monkey
     first launch, its pointers rewritten): the same bytes as the torch append on those tensors."""
     if not fuse:
         monkeypatch.setattr(kvcache, "FUSE_MAX_NEW", 0)
-    inputs, kwargs = _case("paged_rope", torch.float16)
+    inputs, kwargs = _case("paged", torch.float16)
     replay.cache.clear()
     first = [t.clone() for t in inputs]
     _call(*first, **kwargs)
@@ -194,10 +195,10 @@ def test_replays_run_the_append_kernel_with_their_own_tensors(host_build, monkey
     steps, = [r.steps for r in replay.cache.values()]
     if fuse:  # one launch: the decode's, which appends
         (step,) = steps
-        assert step.name.startswith("fa2_decpaged_") and {"k_new", "v_new", "rotary_cos"} <= set(step.fields)
-        assert step.args.append_rows == 3 and step.args.rope == 1
+        assert step.name.startswith("fa2_decpaged_") and {"k_new", "v_new", "seqused_k"} <= set(step.fields)
+        assert step.args.append_rows == 3
     else:
-        assert steps[0].name.startswith("fa2_append_rope_") and len(steps) == 2
+        assert steps[0].name.startswith("fa2_append_upto") and len(steps) == 2
         assert "k_new" not in steps[1].fields
     second_inputs = [t.clone() for t in inputs]
     second_inputs[3].mul_(-0.5)  # other new keys, other tensors
@@ -210,17 +211,20 @@ def test_replays_run_the_append_kernel_with_their_own_tensors(host_build, monkey
     assert _same_bytes(got[1], t_kc) and _same_bytes(got[2], t_vc) and _same_bytes(out, t_out)
 
 
-@pytest.mark.parametrize("what", ["many_new_keys", "row_blocks"])
+@pytest.mark.parametrize("what", ["many_new_keys", "row_blocks", "rope"])
 def test_the_append_runs_its_own_launch_where_it_is_not_fused(host_build, monkeypatch, what):
-    """More new keys than kvcache.FUSE_MAX_NEW, or an attention of row blocks (many query rows, not
-    one split-KV launch): the append kernel's launch, then the attention's; the bytes of the torch
-    append."""
+    """More new keys than kvcache.FUSE_MAX_NEW, an attention of row blocks (many query rows, not one
+    split-KV launch), or RoPE tables: the append kernel's launch, then the attention's; the bytes of
+    the torch append."""
     if what == "many_new_keys":
         q, k_cache, v_cache, k, v, _ = _inputs(torch.float16, new=kvcache.FUSE_MAX_NEW + 1, cache=64)
         lengths = torch.tensor([5, 0, 47], dtype=torch.int32)
-    else:
+    elif what == "row_blocks":
         q, k_cache, v_cache, k, v, _ = _inputs(torch.float16, sq=40, new=3, cache=96)
         lengths = torch.tensor([5, 0, 50], dtype=torch.int32)
+    else:
+        q, k_cache, v_cache, k, v, _ = _inputs(torch.float16)
+        lengths = torch.tensor([5, 0, 45], dtype=torch.int32)
     cos, sin = rotary_tables(96, 64)
     kwargs = dict(cache_seqlens=lengths, rotary_cos=cos, rotary_sin=sin, causal=True)
     replay.cache.clear()

@@ -30,7 +30,6 @@
 #include "tiles.h"
 #include "pairs.h"
 #include "fa2_policies.h"
-#include "fa2_append.h"
 
 // Key rows of one (batch, K/V head) in any of the three layouts. Offsets in elements. PAGED: the
 // kernels of layout paged, compiled apart so that the others hold no page state.
@@ -185,44 +184,29 @@ RDNA_DEVICE int fa2_decode_appended(const Args& a) {
     return 0;
 }
 
-// One value of a 16-bit row (src) rotated at table position pos, in the call's RoPE mode (rope 1:
-// pairs, 2: halves), as the append kernel rotates it (fa2_append.h).
-template <bool BF16, class Args>
-RDNA_DEVICE unsigned short fa2_decode_rotated(const Args& a, const unsigned short* src, int d, int pos) {
-  return a.rope == 1 ? fa2_append_rotated<BF16, 1>(a, src, d, pos) : fa2_append_rotated<BF16, 2>(a, src, d, pos);
-}
-
-// Whether the launch's queries are rotated by its append (read from LDS, fa2_decode_append).
-template <class E, class Args>
-RDNA_DEVICE bool fa2_decode_rotates(const Args& a) {
-  if constexpr (E::LAYOUTS)
-    return a.append_rows && a.rope;
-  else
-    return false;
-}
-
-// flash_attn_with_kvcache's append, done by the decode launch that reads it (rdnattention/kvcache.py
-// fuses the two where the attention is one split-KV launch and the new keys are few): every
-// workgroup writes the new keys and values of its K/V head and sequence b into the cache at positions
-// [len, n) (k rotated by RoPE there where tables are given) before it reads any key, so that no
-// workgroup waits for another; a key written by several workgroups gets the same bits from each.
-// With tables, the workgroup's query rows (row i: r0 + i, the last repeated past it) are rotated
-// into LDS, as 16-bit values [R][D] (free until the waves meet after the key loop), where the
-// query loads read them. Bounded as the append kernel bounds them (fa2_append.h): lengths within
-// [0, positions - new], cache rows and pages clamped into the cache, table rows to the tables'. Only
-// bad values make the keys one sequence writes another's to read (the kernels read row 0 for a row
-// or page outside the cache); such a read sees them before or after the write.
-template <class E, int D, int R, int NT, bool PAGED, class Args>
-RDNA_DEVICE void fa2_decode_append(const Args& args, long long b, int head_kv, int r0, int rows, int sq,
-                                   long long q0, int len, int n, unsigned char* lds) {
-  RDNA_ARGS_VARYING(Args, ap, args);  // its fields in vector registers: the loop's scalars stay free
+// flash_attn_with_kvcache's append without RoPE tables, done by the decode launch that reads it
+// (rdnattention/kvcache.py fuses the two where the attention is one split-KV launch and the new keys
+// are few): every workgroup writes the new keys and values of its K/V head and sequence b into the
+// cache at positions [len, n) before it reads any key, so that no workgroup waits for another; a key
+// written by several workgroups gets the same bits from each. Bounded as the append kernel bounds
+// them (fa2_append.h): the length within [0, seq_k - new], cache rows and pages clamped into the
+// cache. Only bad values make the keys one sequence writes another's to read (the kernels read row 0
+// for a row or page outside the cache); such a read sees them before or after the write.
+// It runs first, before the kernel holds anything, and reads its arguments into vector registers
+// (RDNA_ARGS_VARYING), its lengths included: GCN's decode tiles have no scalar register to spare.
+// The runtime fuses only calls of neither packed queries nor packed keys. (Rotating the queries
+// here as well cost sm_90's four-row tiles a spill: with RoPE tables the append kernel runs first.)
+template <int D, int NT, bool PAGED, class Args>
+RDNA_DEVICE void fa2_decode_append(const Args& args) {
+  RDNA_ARGS_VARYING(Args, ap, args);
   const Args& a = *ap;
-  const int tid = rdna_thread_id();
-  const int last = a.positions - 1;  // the RoPE tables' last row
+  const int head_kv = rdna_block_id_y();
+  const long long b = rdna_block_id_z();
+  const int len = fa2_count(a.seqused_k[b], a.seq_k - a.append_rows), n = len + a.append_rows;
 #pragma unroll 1
-  for (int e = tid; e < (n - len) * D; e += NT) {
+  for (int e = rdna_thread_id(); e < (n - len) * D; e += NT) {
     const int i = e / D, d = e - i * D, p = len + i;
-    long long row, at;  // as the append kernel bounds them: the cache row or page clamped into the cache
+    long long row, at;  // the cache row or page clamped into the cache, and the position in it
     if (PAGED) {
       row = rdna_min(rdna_max(a.block_table[b * a.block_table_stride + (p >> a.page_shift)], 0), a.kv_rows - 1);
       at = p & ((1 << a.page_shift) - 1);
@@ -238,20 +222,8 @@ RDNA_DEVICE void fa2_decode_append(const Args& args, long long b, int head_kv, i
                                at * a.k_stride_s + head_kv * a.k_stride_h;
     unsigned short* const vc = reinterpret_cast<unsigned short*>(const_cast<half_t*>(a.v)) + row * a.v_stride_b +
                                at * a.v_stride_s + head_kv * a.v_stride_h;
-    kc[d] = a.rope ? fa2_decode_rotated<E::BF16>(a, kn, d, rdna_min(p, last)) : kn[d];
+    kc[d] = kn[d];
     vc[d] = vn[d];
-  }
-  if (a.rope) {
-    unsigned short* const ql = reinterpret_cast<unsigned short*>(lds);
-    const int group = a.heads_q / a.heads_kv;
-#pragma unroll 1
-    for (int e = tid; e < R * D; e += NT) {
-      const int i = e / D, d = e - i * D;
-      const int r = rdna_min(r0 + i, rows - 1), head = head_kv * group + r / sq, p = r % sq;
-      const unsigned short* const src =
-          reinterpret_cast<const unsigned short*>(a.q + b * a.q_stride_b + head * a.q_stride_h + (q0 + p) * a.q_stride_s);
-      ql[e] = fa2_decode_rotated<E::BF16>(a, src, d, rdna_min(len + (a.q_local ? p : 0), last));
-    }
   }
   rdna_fence_release();  // the new keys, visible to this workgroup's loads
   rdna_block_sync();
@@ -276,6 +248,10 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   static_assert(LDS_BYTES == NT / RDNA_WAVE_SIZE * R * (D + 2) * (int)sizeof(float), "LDS layout");
   static_assert(R >= 1 && R <= L && (R & (R - 1)) == 0, "rows: a power of two, at most the lanes per key");
 
+  // flash_attn_with_kvcache's append where this launch does it: first, while nothing else is held.
+  if constexpr (E::LAYOUTS) {
+    if (a.append_rows) fa2_decode_append<D, NT, PAGED>(a);
+  }
   const int tid = rdna_thread_id(), grp = tid / L, lane = tid % L;
   const bool holds = LD == L || lane < LD;  // the lane holds values (not padding)
   const int at = holds ? lane : LD - 1;      // the 16 bytes of each row the lane loads
@@ -306,10 +282,6 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   const int n = E::LAYOUTS && a.seqused_k ? fa2_count(a.seqused_k[b], cap - appended) + appended : cap;
   const DecodeKv<Args, PAGED> kv(a, E::LAYOUTS && !PAGED && a.cache_batch_idx ? fa2_row(a.cache_batch_idx[b], a.kv_rows) : b,
                                  key0, head_kv);
-  // The append first, while little else is held (its scalars cost RDNA's one-row tiles spills later).
-  if constexpr (E::LAYOUTS) {
-    if (appended) fa2_decode_append<E, D, R, NT, PAGED>(a, b, head_kv, r0, rows, sq, q0, n - appended, n, lds);
-  }
   const WindowMask<Args, true, true> mask{a, n, sq};
   const typename E::Scales scales = E::scales(a, b, head_kv);
   // ALiBi's per-row slope and distances only where a workgroup holds at most FA2_DECODE_ALIBI_ROWS
@@ -339,19 +311,14 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   const int own_pos = own_r % sq;
   const float own_qs = E::query_scale(a, b, head_kv * group + own_r / sq, q0 + own_pos);
 
-  // Each lane's CPL values of each row of Q, in the lane's order (rotated by the append: from LDS).
+  // Each lane's CPL values of each row of Q, in the lane's order.
   typename E::Q qf[R];
-  const bool rotated = fa2_decode_rotates<E>(a);
 #pragma unroll
   for (int d = 0; d < R; ++d) {
     const int r = rdna_min(r0 + (own ^ d), rows - 1), head = head_kv * group + r / sq;
     const auto* src = a.q + b * a.q_stride_b + head * a.q_stride_h + (q0 + r % sq) * a.q_stride_s;
-    qf[d] = E::query(!holds   ? u32x4{0u, 0u, 0u, 0u}
-                     : rotated ? *reinterpret_cast<const u32x4*>(__builtin_assume_aligned(
-                                     reinterpret_cast<const unsigned short*>(lds) + (own ^ d) * D + CPL * lane, 16))
-                               : rdna_load16(src + CPL * lane));
+    qf[d] = E::query(holds ? rdna_load16(src + CPL * lane) : u32x4{0u, 0u, 0u, 0u});
   }
-  if (rotated) rdna_block_sync();  // every wave holds its rows before LDS is written again
 
   // This slice of the keys the rows can see.
   const int lo = mask.key_lo(first), hi = mask.key_hi(last);
