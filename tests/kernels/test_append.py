@@ -50,7 +50,8 @@ def _both(monkeypatch, inputs, fuse=True, **kwargs):
                 m.setattr(kvcache, "FUSE_MAX_NEW", 0)
             if not kernel:
                 m.setattr(kvcache, "_append_kernel", lambda *a: False)
-            q, k_cache, v_cache, k, v = (t.clone() for t in inputs)
+            q, k_cache, v_cache = (t.clone() for t in inputs[:3])  # k and v are only read: as given
+            k, v = inputs[3:]
             replay.cache.clear()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
@@ -228,10 +229,26 @@ def test_the_append_runs_its_own_launch_where_it_is_not_fused(host_build, monkey
     cos, sin = rotary_tables(96, 64)
     kwargs = dict(cache_seqlens=lengths, rotary_cos=cos, rotary_sin=sin, causal=True)
     replay.cache.clear()
-    _call(*[t.clone() for t in (q, k_cache, v_cache, k, v)], **kwargs)
+    _call(q.clone(), k_cache.clone(), v_cache.clone(), k, v, **kwargs)
     steps, = [r.steps for r in replay.cache.values()]
     assert steps[0].name.startswith("fa2_append_rope_") and len(steps) >= 2  # pairs: flash-attn's default
     assert all("k_new" not in step.fields for step in steps[1:])
+    (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, (q, k_cache, v_cache, k, v), **kwargs)
+    assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
+    assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
+
+
+def test_the_fused_append_reads_new_rows_at_any_alignment(host_build, monkeypatch):
+    """New keys whose rows start 2 bytes past 16-byte boundaries (the fused append copies them value
+    by value): one launch, the bytes of the torch append."""
+    q, k_cache, v_cache, k, v, table = _inputs(torch.bfloat16, paged=16)
+    k = torch.cat([torch.zeros(*k.shape[:3], 1, dtype=k.dtype), k], dim=3)[..., 1:]
+    assert k.data_ptr() & 15 and k.stride(3) == 1
+    kwargs = dict(cache_seqlens=torch.tensor([5, 0, 45], dtype=torch.int32), block_table=table, causal=True)
+    replay.cache.clear()
+    _call(q.clone(), k_cache.clone(), v_cache.clone(), k, v, **kwargs)
+    (step,), = [r.steps for r in replay.cache.values()]
+    assert step.name.startswith("fa2_decpaged_bf16_") and step.args.append_rows == 3
     (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, (q, k_cache, v_cache, k, v), **kwargs)
     assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
     assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
