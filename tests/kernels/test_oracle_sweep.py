@@ -11,7 +11,7 @@ from cases import (DTYPES, INT8_LSE_TOL, INT8_REL_RMS, TOLS, TORCH_DTYPES, forwa
                    score_of, sweep, sweep_id)
 
 import rdnattention
-from rdnattention import replay, route
+from rdnattention import kvcache, replay, route
 from rdnattention.families import append, quant
 from rdnattention_gen.families import family
 from rdnattention_gen.matrix import load_matrix
@@ -70,9 +70,30 @@ def families_run(monkeypatch):
     return ran
 
 
+FUSED = [p for p in SWEEP if p[1] == "append" and p[3] == "append"]
+
+
+@pytest.mark.parametrize("target,fam,head_dim,case,dtype", FUSED, ids=[sweep_id(p) for p in FUSED])
+def test_the_fused_append_matches_oracle(host_build, monkeypatch, families_run, target, fam, head_dim, case, dtype):
+    """The append case without RoPE tables, appended by the split-KV decode's own launch
+    (fa2_decode_append; kvcache.FUSE_MAX_NEW): no append kernel runs, the cache holds the torch
+    append's bytes (tests/cases.py's _append checks them) and the output is the oracle's within the
+    dtype's tolerance."""
+    monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
+    out, lse, ref, ref_lse, _ = run_case(fam, case, head_dim, dtype)
+    assert families_run and all(ran and all(r[0] == "dec" for r in ran) for ran in families_run), families_run
+    tol, lse_tol = TOLS[dtype]
+    assert (out.double() - ref).abs().max().item() <= tol
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite) and finite.any()
+    assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() <= lse_tol
+
+
 @pytest.mark.parametrize("target,fam,head_dim,case,dtype", SWEEP, ids=IDS)
 def test_matches_oracle(host_build, monkeypatch, families_run, target, fam, head_dim, case, dtype):
     monkeypatch.setenv("RDNATTENTION_HOST_TARGET", target)
+    if fam == "append":  # the append kernel's own launch, where the decode's launch would append (below)
+        monkeypatch.setattr(kvcache, "FUSE_MAX_NEW", 0)
     out, lse, ref, ref_lse, int8 = run_case(fam, case, head_dim, dtype)
     want = (fam, layout_of(fam, case), DTYPES[dtype], score_of(fam, case))
     # A kvcache call with new keys runs the append kernel first, an INT8 call of fp16 inputs the quant
