@@ -592,7 +592,7 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
                               values_checked=True, score=score)
 
     plan = None
-    fused = replayed is not None and bool(replayed.extra[6])
+    fused = False  # _fuse's, below (a replayed call reaches here only to append with torch operations: _replayed)
     if replayed is not None:  # planned by an earlier call of its key
         if plain:
             out, lse = ops.allocate(q_in.transpose(1, 2), True, return_lse, empty_lse=False)
