@@ -123,6 +123,11 @@ class ModuleDriver:
             # torch's context on this device is made current; the module is loaded into it.
             with torch.cuda.device(device):
                 torch.cuda.init()
+                # The device's primary context made, if nothing has made it yet (torch makes it at its
+                # first allocation or launch; loading into none fails): a query of the stream, which
+                # waits for nothing. (Not where torch has no GPU: the emulator's stand-in.)
+                if torch.cuda.is_available():
+                    torch.cuda.current_stream(device).query()
                 module = ctypes.c_void_p()
                 self.check(getattr(self.library(), self.api.load)(ctypes.byref(module),
                                                                   ctypes.c_void_p(ctypes.addressof(image))),

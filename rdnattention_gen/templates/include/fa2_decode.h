@@ -237,7 +237,13 @@ RDNA_DEVICE void fa2_decode_append(const Args& args) {
 #error "the platform's prelude defines FA2_DECODE_ALIBI_ROWS and FA2_DECODE_XF_CASES"
 #endif
 
-template <class E, int D, int R, int BC, int NT, int LDS_BYTES, bool PAGED, class Args>
+// The type T where C, else F.
+template <bool C, class T, class F> struct rdna_if { using type = T; };
+template <class T, class F> struct rdna_if<false, T, F> { using type = F; };
+
+// XF: the score transforms' code compiled in (else the kernel serves calls without a softcap, ALiBi
+// slopes or sinks alone: fa2_decode_kernel picks the copy).
+template <class E, int D, int R, int BC, int NT, int LDS_BYTES, bool PAGED, bool XF = true, class Args>
 RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   constexpr int CPL = E::CPL;
   constexpr int LD = D / CPL;               // lanes holding values of a key: 16 bytes of its K and V each
@@ -249,7 +255,7 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   static_assert(R >= 1 && R <= L && (R & (R - 1)) == 0, "rows: a power of two, at most the lanes per key");
 
   // flash_attn_with_kvcache's append where this launch does it: first, while nothing else is held.
-  if constexpr (E::LAYOUTS) {
+  if constexpr (E::LAYOUTS && XF) {  // (the copy without transforms is entered after it: fa2_decode_kernel)
     if (a.append_rows) fa2_decode_append<D, NT, PAGED>(a);
   }
   const int tid = rdna_thread_id(), grp = tid / L, lane = tid % L;
@@ -287,7 +293,8 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   // ALiBi's per-row slope and distances only where a workgroup holds at most FA2_DECODE_ALIBI_ROWS
   // rows: on AMD and Pascal targets they cost the four-row tiles a wave, and the runtime gives ALiBi
   // calls smaller tiles there.
-  const typename E::template Transform<Args, (R <= FA2_DECODE_ALIBI_ROWS)> xf{a};
+  using Xf = typename E::template Transform<Args, (R <= FA2_DECODE_ALIBI_ROWS)>;
+  const typename rdna_if<XF, Xf, NoScoreTransform<Args>>::type xf{a};
 
   // This workgroup's rows: query head head_kv * group + r / sq at position r % sq. Rows past the
   // last (a short final chunk) repeat it; they are computed and never written.
@@ -577,4 +584,27 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
   float ref = mx == -__builtin_inff() ? 0.f : mx;
   if (xf.sinks()) fa2_join_sink(xf.sink(head), sum, ref, acc);  // the row's sink, once
   fa2_store_final_row<CPL, E::BF16>(a, b, head, q0 + p, c0, acc, sum, ref);
+}
+
+// A decode kernel's body. With FA2_DECODE_XF_CASES (the target's), in two copies picked once per
+// launch by a uniform branch: one for calls with a softcap, ALiBi slopes or sinks, and one compiled
+// without any transform code for the calls without (most calls). Measured on sm_90
+// (tuning/results/h200_decode.md): in the one copy, the transforms' code, unused, cost plain calls
+// of the four-row tiles 15-19% (GQA 32/8 at batch 8: 88.6 against 74.7 us), its one-row tiles
+// nothing. Where the cases are not split (the AMD and Pascal targets, whose timing is not measured
+// here), one copy serves every call, as the audit has it.
+template <class E, int D, int R, int BC, int NT, int LDS_BYTES, bool PAGED, class Args>
+RDNA_DEVICE void fa2_decode_kernel(const Args& a, unsigned char* lds) {
+  if constexpr (FA2_DECODE_XF_CASES && E::template Transform<Args, false>::ANY) {
+    if (a.softcap_log2 != 0.f || a.alibi_slopes || a.sinks) {
+      fa2_decode<E, D, R, BC, NT, LDS_BYTES, PAGED, true>(a, lds);
+    } else {
+      if constexpr (E::LAYOUTS) {
+        if (a.append_rows) fa2_decode_append<D, NT, PAGED>(a);
+      }
+      fa2_decode<E, D, R, BC, NT, LDS_BYTES, PAGED, false>(a, lds);
+    }
+  } else {
+    fa2_decode<E, D, R, BC, NT, LDS_BYTES, PAGED, true>(a, lds);
+  }
 }
