@@ -99,7 +99,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     r = replay.cache.get(plan_key) if plan_key is not None else None
     if r is not None:
         # The key holds the softcap's value and the slopes' and sinks' shapes, dtypes and devices.
-        score = ScoreOptions(softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks)
+        score = (NO_SCORE_OPTIONS if alibi_slopes is None and sinks is None and type(softcap) is float and not softcap
+                 else ScoreOptions(softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks))
         hit = _replayed(r, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                         block_table, rotary_interleaved, num_splits, return_softmax_lse, score)
         if hit is not None:
@@ -291,13 +292,13 @@ def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqle
         pointers["lse"] = lse.data_ptr()
     regions = None
     if fused:  # the attention's launch appends (fa2_decode_append) from the lengths before the append
-        _count(q.device, True)
-        pointers.update(k_new=k.data_ptr(), v_new=v.data_ptr(), seqused_k=lengths.data_ptr())
+        _count_kernel()
+        pointers["k_new"], pointers["v_new"], pointers["seqused_k"] = k.data_ptr(), v.data_ptr(), lengths.data_ptr()
     elif kernel:
         # What the append writes for the attention alone, in the stream's workspace (replay.launch's
         # regions) rather than allocated per call: the lengths after it (int32 [batch]) and, with RoPE,
         # the rotated queries (laid out as the planned call's torch.empty_like(q): dense, q's bytes).
-        _count(q.device, True)
+        _count_kernel()
         pointers.update(k_new=k.data_ptr(), v_new=v.data_ptr(), cache_seqlens=lengths.data_ptr())
         nbytes, fields = workspace.align(4 * batch), (("seqused_k", 0),)
         if cos is not None:
@@ -307,10 +308,11 @@ def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqle
         regions = (nbytes, fields)
     else:
         pointers["seqused_k"] = lengths.data_ptr()
-    for name, t in (("cache_batch_idx", cache_batch_idx), ("block_table", block_table),
-                    ("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
-        if t is not None:
-            pointers[name] = t.data_ptr()
+    if cache_batch_idx is not None or block_table is not None or score is not NO_SCORE_OPTIONS:
+        for name, t in (("cache_batch_idx", cache_batch_idx), ("block_table", block_table),
+                        ("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
+            if t is not None:
+                pointers[name] = t.data_ptr()
     replay.launch(r, pointers, q.device, regions)
     return out, lse
 
@@ -421,13 +423,18 @@ def _append_kernel(q: torch.Tensor, cos, interleaved: bool) -> bool:
     return True
 
 
+def _count_kernel() -> None:
+    """Counts a call that appends with the kernel (its own launch or the attention's)."""
+    global _appended
+    with _lock:
+        _appended += 1
+
+
 def _count(device: torch.device, kernel: bool) -> None:
     """Counts a call that appends, with the kernel or with torch operations; the first fallback of
     each reason warns."""
-    global _appended
     if kernel:
-        with _lock:
-            _appended += 1
+        _count_kernel()
         return
     reason = f"no append kernel for {route.device_table(device).target}"
     with _lock:
