@@ -161,9 +161,10 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
     pointers = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": out.data_ptr()}
     if lse is not None:
         pointers["lse"] = lse.data_ptr()
-    for name, t in (("seqused_k", seqused_k), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        if t is not None:
-            pointers[name] = t.data_ptr()
+    if seqused_k is not None or alibi_slopes is not None or sinks is not None:
+        for name, t in (("seqused_k", seqused_k), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+            if t is not None:
+                pointers[name] = t.data_ptr()
     if rotary_cos is not None:
         if rotary_cos.dtype != torch.float32:  # q's dtype: the kernel reads fp32 tables
             rotary_cos, rotary_sin = rotary_cos.float(), rotary_sin.float()
