@@ -35,7 +35,7 @@ from .families import append as append_family
 from .checks import TOKEN_MAJOR, check_fp16, check_int32, check_paged, check_same_dtype
 from .errors import InvalidArgumentError, RdnaAttentionError, UnsupportedError
 from .options import (NO_SCORE_OPTIONS, Options, ScoreOptions, as_window, check_score_options, check_seqused,
-                      validate)
+                      replayed_score, validate)
 from .plan import Plan
 from .reference import rotate
 
@@ -98,9 +98,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         softcap, alibi_slopes, sinks)
     r = replay.cache.get(plan_key) if plan_key is not None else None
     if r is not None:
-        # The key holds the softcap's value and the slopes' and sinks' shapes, dtypes and devices.
-        score = (NO_SCORE_OPTIONS if alibi_slopes is None and sinks is None and type(softcap) is float and not softcap
-                 else ScoreOptions(softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks))
+        score = replayed_score(softcap, alibi_slopes, sinks)
         hit = _replayed(r, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                         block_table, rotary_interleaved, num_splits, return_softmax_lse, score)
         if hit is not None:

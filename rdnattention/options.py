@@ -38,6 +38,15 @@ class ScoreOptions:
 
 
 NO_SCORE_OPTIONS = ScoreOptions()
+
+
+def replayed_score(softcap, alibi_slopes, sinks) -> ScoreOptions:
+    """The score transforms of a replayed call, which validation accepted when its key was planned
+    (the key holds the softcap's value and the slopes' and sinks' shapes, dtypes and devices):
+    NO_SCORE_OPTIONS for a call without any, built for no call."""
+    if alibi_slopes is None and sinks is None and type(softcap) is float and not softcap:
+        return NO_SCORE_OPTIONS
+    return ScoreOptions(softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks)
 @dataclass(frozen=True)
 class Options:
     """A validated call's options, in the kernel's terms."""

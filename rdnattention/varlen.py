@@ -16,7 +16,8 @@ import torch
 from . import decode, ops, padding, replay
 from .checks import check_dtype, check_int32, check_memory, check_paged, check_same_dtype
 from .errors import InvalidArgumentError, UnsupportedError
-from .options import ScoreOptions, as_window, check_scale, check_score_options, check_window, refuse_missing_features
+from .options import (as_window, check_scale, check_score_options, check_window, refuse_missing_features,
+                      replayed_score)
 
 
 def _check_packed(name: str, t: object, dims: int) -> torch.Tensor:
@@ -62,8 +63,7 @@ def _replayed(key, q, k, v, cu_q, cu_k, max_q: int, max_k: int, seqused_k, block
     """A call of a key planned before, replayed (decode.replayed), or None."""
     if key is None or key not in replay.cache:
         return None
-    # The key holds the softcap's value and the slopes' and sinks' shapes, dtypes and devices: valid.
-    score = ScoreOptions(softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks)
+    score = replayed_score(softcap, alibi_slopes, sinks)
     cu_k = None if block_table is not None else cu_k
 
     def check() -> None:  # the index values, where they are read: as decode.prepare checks them
