@@ -13,9 +13,9 @@ paged caches, cache_batch_idx, explicit num_splits and calls with few query rows
 fp16 row-block kernels with cache lengths (f16 of layout len) otherwise. The append (the new keys
 and values written, RoPE on them and on the queries in float64, rounded once to the dtype as
 reference.rotate rounds, the lengths bounded and the lengths after it) is done by the attention's
-own launch where that is one split-KV decode launch, the new keys are few (FUSE_MAX_NEW) and no
-RoPE tables are given (the decode kernels' fa2_decode_append), else by one launch of the append family (families/append.py)
-before the attention's, or by torch operations where the device's kernels have none (counted:
+own launch where that is one split-KV decode launch and the new keys are few (FUSE_MAX_NEW; the
+decode kernels' fa2_decode_append, which rotates the queries it reads too), else by one launch of the
+append family (families/append.py) before the attention's, or by torch operations where the device's kernels have none (counted:
 counts()). Where torch traces or the tensors are
 subclasses, a call that appends runs the custom op ``rdnattention::flash_attn_kvcache_fwd`` (it
 mutates the caches; its implementation is the eager path, checks included), one that does not
@@ -292,6 +292,9 @@ def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqle
     if fused:  # the attention's launch appends (fa2_decode_append) from the lengths before the append
         _count_kernel()
         pointers["k_new"], pointers["v_new"], pointers["seqused_k"] = k.data_ptr(), v.data_ptr(), lengths.data_ptr()
+        if cos is not None:  # and rotates the queries into the stream's workspace (the planned empty_like(q))
+            regions = (q.numel() * q.element_size(), (("q", 0),))
+            pointers.update(q_src=q.data_ptr(), rotary_cos=cos.data_ptr(), rotary_sin=sin.data_ptr())
     elif kernel:
         # What the append writes for the attention alone, in the stream's workspace (replay.launch's
         # regions) rather than allocated per call: the lengths after it (int32 [batch]) and, with RoPE,
@@ -466,16 +469,17 @@ def _torch_append(k_cache, v_cache, k_in, v, positions, cache_batch_idx, block_t
 
 
 # The most new keys per sequence that the attention's launch appends itself, where it is one split-KV
-# decode launch and no RoPE tables are given: each of its workgroups writes every new key of its
-# K/V head (fa2_decode.h), so a longer append runs the append kernel's launch before the
-# attention's instead.
+# decode launch: each of its workgroups writes every new key of its K/V head (fa2_decode.h), so a
+# longer append runs the append kernel's launch before the attention's instead.
 FUSE_MAX_NEW = 16
 
 
-def _fuse(plan: Plan | None, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Gives the append (no RoPE tables) to ``plan``'s launch where it is one split-KV decode launch
-    (whose arguments have the append's fields), planned on the lengths before the append; False
-    (the plan unchanged) otherwise."""
+def _fuse(plan: Plan | None, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, cos: torch.Tensor | None,
+          sin: torch.Tensor | None, interleaved: bool, local: bool) -> bool:
+    """Gives the append to ``plan``'s launch where it is one split-KV decode launch (whose arguments
+    have the append's fields), planned on the lengths before the append (with RoPE tables, on the
+    rotated queries' buffer, which the launch writes from ``q``); False (the plan unchanged)
+    otherwise."""
     if plan is None or len(plan.launches) != 1 or not hasattr(plan.launches[0].args, "append_rows"):
         return False
     args = plan.launches[0].args
@@ -483,6 +487,15 @@ def _fuse(plan: Plan | None, k: torch.Tensor, v: torch.Tensor) -> bool:
     args.k_new, args.v_new = k.data_ptr(), v.data_ptr()
     args.kn_stride_b, args.kn_stride_s, args.kn_stride_h = k.stride()[:3]
     args.vn_stride_b, args.vn_stride_s, args.vn_stride_h = v.stride()[:3]
+    if cos is not None:
+        args.rope = 1 if interleaved else 2
+        args.q_src, args.rotary_cos, args.rotary_sin = q.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        args.qs_stride_b, args.qs_stride_s, args.qs_stride_h = q.stride()[:3]
+        args.cos_stride, args.cos_stride_c = cos.stride()
+        args.sin_stride, args.sin_stride_c = sin.stride()
+        args.positions, args.rotary_half = cos.shape
+        args.rotary_dtype = append_family.TABLE_DTYPES[str(cos.dtype)]
+        args.q_local = int(local)
     return True
 
 
@@ -543,13 +556,14 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
     if k is not None:
         kernel = _append_kernel(q, cos, interleaved) if replayed is None else replayed.extra[5]
     # The append fused into the attention's launch (fa2_decode.h's fa2_decode_append), where that is
-    # one split-KV decode launch: tried first for few new keys (every workgroup writes them) without
-    # RoPE tables, planned on the lengths before the append; a plan of another kind is planned again
-    # below.
-    fuse = (bool(kernel) and replayed is None and leftpad is None and cos is None and batch > 0
-            and 0 < new <= FUSE_MAX_NEW)
+    # one split-KV decode launch: tried first for few new keys (every workgroup writes them), planned
+    # on the lengths before the append (and, with RoPE tables, on the rotated queries' buffer); a
+    # plan of another kind is planned again below.
+    fuse = bool(kernel) and replayed is None and leftpad is None and batch > 0 and 0 < new <= FUSE_MAX_NEW
     if fuse:
         used = lengths
+        if cos is not None:
+            q_in = torch.empty_like(q)
     elif kernel:
         used = q.new_empty((batch,), dtype=torch.int32)  # written by the append
         if cos is not None:
@@ -607,7 +621,7 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
     else:
         out, lse, plan = planned(q_in, used)
         if fuse:
-            fused = _fuse(plan, k, v)
+            fused = _fuse(plan, k, v, q, cos, sin, interleaved, local)
             if not fused:  # the attention is not one split-KV launch: the append runs before it
                 used = q.new_empty((batch,), dtype=torch.int32)
                 out, lse, plan = planned(q_in, used)

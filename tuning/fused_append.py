@@ -1,6 +1,6 @@
 """flash_attn_with_kvcache's append fused into the split-KV decode's launch, against the same call with
 the append in its own launch first (kvcache.FUSE_MAX_NEW = 0), the call without new keys, and torch's
-SDPA on the same shapes (overhead.py's kvcache cases), timed in turn round after round in one process,
+SDPA on the same shapes (overhead.py's kvcache cases, with and without RoPE tables), timed in turn round after round in one process,
 so that the machine's drift between runs falls on every column alike.
 
     python -m tuning.fused_append --rounds 9
@@ -23,6 +23,9 @@ CASES = {
     "kvcache.contiguous.append": dict(append=True),
     "kvcache.paged.append": dict(paged=True, append=True),
     "kvcache.batch8.append": dict(append=True, batch=8),
+    "kvcache.contiguous.rope": dict(append=True, rope=True),
+    "kvcache.paged.rope": dict(paged=True, append=True, rope=True),
+    "kvcache.batch8.rope": dict(append=True, rope=True, batch=8),
 }
 
 
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, kw in CASES.items():
         with torch.inference_mode():
             ours, sdpa = _kvcache(**kw)(device)
-            plain = {**kw, "append": False}
+            plain = {**kw, "append": False, "rope": False}
             without, _ = _kvcache(**plain)(device)
             runs = {"fused": (ours, limit), "own": (ours, 0), "none": (without, limit), "sdpa": (sdpa, limit)}
             best = {key: float("inf") for key in runs}

@@ -44,16 +44,24 @@ SPLIT_FIELDS = (("splits", "int"), ("part_o", "float*"), ("part_lse", "float*"),
 # packed offsets may address (f16.PACKED_BOUND_FIELDS).
 BOUND_FIELDS = (("kv_rows", "int"), *f16.PACKED_BOUND_FIELDS)
 
-# flash_attn_with_kvcache's append without RoPE tables, in the launch that reads it (kvcache.py
-# fuses them where the attention is one launch of these kernels): with append_rows > 0, seqused_k
-# points at cache_seqlens (the lengths before the append), and sequence b's append_rows new keys and
-# values (k_new, v_new [batch, append_rows, heads_kv, head_dim]) are written at positions
-# cache_seqlens[b] (bounded to [0, seq_k - append_rows]) onwards.
+# flash_attn_with_kvcache's append, in the launch that reads it (kvcache.py fuses them where the
+# attention is one launch of these kernels): with append_rows > 0, seqused_k points at cache_seqlens
+# (the lengths before the append), and sequence b's append_rows new keys and values (k_new, v_new
+# [batch, append_rows, heads_kv, head_dim]) are written at positions cache_seqlens[b] (bounded to
+# [0, seq_k - append_rows]) onwards. With RoPE tables (rope 1: pairs, 2: halves; 0: none), k is
+# rotated at its position and the queries are rotated from q_src [batch, seq_q, heads_q, head_dim]
+# into q (at cache_seqlens, + i for row i where q_local), as the append kernel rotates them
+# (append.py: the table fields mean what they mean there).
 APPEND_FIELDS = (
     ("k_new", "const half_t*"), ("v_new", "const half_t*"),
+    ("q_src", "const half_t*"), ("rotary_cos", "const float*"), ("rotary_sin", "const float*"),
     ("kn_stride_b", "long long"), ("kn_stride_s", "long long"), ("kn_stride_h", "long long"),
     ("vn_stride_b", "long long"), ("vn_stride_s", "long long"), ("vn_stride_h", "long long"),
+    ("qs_stride_b", "long long"), ("qs_stride_s", "long long"), ("qs_stride_h", "long long"),
+    ("cos_stride", "long long"), ("cos_stride_c", "long long"),
+    ("sin_stride", "long long"), ("sin_stride_c", "long long"),
     ("append_rows", "int"),
+    ("rope", "int"), ("positions", "int"), ("rotary_half", "int"), ("rotary_dtype", "int"), ("q_local", "int"),
 )
 
 ARGS = ArgStruct("Fa2DecArgs", (

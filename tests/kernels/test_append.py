@@ -4,9 +4,9 @@ it replaces (kvcache._torch_append, forced here), and the cache against the floa
 rotation (reference.rotate, rounded as torch rounds float64: to float32, then to the dtype); plain
 caches, cache_batch_idx, paged caches, RoPE on pairs and on halves, causal (local) rotation, bf16,
 every RoPE table dtype, replays, and the counts of both paths. The append runs fused into the
-split-KV decode's launch (fa2_decode.h's fa2_decode_append) where that is the attention, the new
-keys are few and no RoPE tables are given, else in its own launch first: the tests parametrized by
-``fuse`` run both where the call allows it."""
+split-KV decode's launch (fa2_decode.h's fa2_decode_append: with RoPE tables, the queries rotated
+there too) where that is the attention and the new keys are few, else in its own launch first: the
+tests parametrized by ``fuse`` run both where the call allows it."""
 
 import warnings
 
@@ -182,27 +182,33 @@ def test_rope_rounds_once_to_fp16(host_build):
     assert torch.equal(k_cache[0, 0, 0, 2:], k[0, 0, 0, 2:])  # past rotary_dim: copied
 
 
+@pytest.mark.parametrize("name", ["paged", "paged_rope", "cache_batch_idx_rope"])
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "own_launch"])
-def test_replays_run_the_append_kernel_with_their_own_tensors(host_build, monkeypatch, fuse):
+def test_replays_run_the_append_kernel_with_their_own_tensors(host_build, monkeypatch, fuse, name):
     """A second call of one geometry replays the plan (the append in the decode's launch, or its own
-    first launch, its pointers rewritten): the same bytes as the torch append on those tensors."""
+    first launch, its pointers rewritten; with RoPE tables, the rotated queries in the stream's
+    workspace): the same bytes as the torch append on those tensors."""
     if not fuse:
         monkeypatch.setattr(kvcache, "FUSE_MAX_NEW", 0)
-    inputs, kwargs = _case("paged", torch.float16)
+    inputs, kwargs = _case(name, torch.float16)
+    rope = "rotary_cos" in kwargs
     replay.cache.clear()
     first = [t.clone() for t in inputs]
     _call(*first, **kwargs)
     assert len(replay.cache) == 1
     steps, = [r.steps for r in replay.cache.values()]
-    if fuse:  # one launch: the decode's, which appends
+    if fuse:  # one launch: the decode's, which appends (and rotates)
         (step,) = steps
-        assert step.name.startswith("fa2_decpaged_") and {"k_new", "v_new", "seqused_k"} <= set(step.fields)
+        assert step.name.startswith("fa2_dec") and {"k_new", "v_new", "seqused_k"} <= set(step.fields)
         assert step.args.append_rows == 3
+        assert ({"q_src", "rotary_cos", "rotary_sin"} <= set(step.fields)) == rope
+        assert step.args.rope == (2 - kwargs["rotary_interleaved"] if rope else 0)
     else:
-        assert steps[0].name.startswith("fa2_append_upto") and len(steps) == 2
-        assert "k_new" not in steps[1].fields
+        assert steps[0].name.startswith("fa2_append_") and len(steps) == 2
+        assert "k_new" not in steps[1].fields and "q_src" not in steps[1].fields
     second_inputs = [t.clone() for t in inputs]
-    second_inputs[3].mul_(-0.5)  # other new keys, other tensors
+    second_inputs[3].mul_(-0.5)  # other new keys, other queries, other tensors
+    second_inputs[0].mul_(0.75)
     kwargs2 = {**kwargs, "cache_seqlens": torch.tensor([9, 31, 2], dtype=torch.int32)}
     got = [t.clone() for t in second_inputs]
     counted = rdnattention.stats()["kvcache"]["append_kernel"]
@@ -212,20 +218,17 @@ def test_replays_run_the_append_kernel_with_their_own_tensors(host_build, monkey
     assert _same_bytes(got[1], t_kc) and _same_bytes(got[2], t_vc) and _same_bytes(out, t_out)
 
 
-@pytest.mark.parametrize("what", ["many_new_keys", "row_blocks", "rope"])
+@pytest.mark.parametrize("what", ["many_new_keys", "row_blocks"])
 def test_the_append_runs_its_own_launch_where_it_is_not_fused(host_build, monkeypatch, what):
-    """More new keys than kvcache.FUSE_MAX_NEW, an attention of row blocks (many query rows, not one
-    split-KV launch), or RoPE tables: the append kernel's launch, then the attention's; the bytes of
-    the torch append."""
+    """More new keys than kvcache.FUSE_MAX_NEW, or an attention of row blocks (many query rows, not
+    one split-KV launch), with RoPE tables: the append kernel's launch, then the attention's; the
+    bytes of the torch append."""
     if what == "many_new_keys":
         q, k_cache, v_cache, k, v, _ = _inputs(torch.float16, new=kvcache.FUSE_MAX_NEW + 1, cache=64)
         lengths = torch.tensor([5, 0, 47], dtype=torch.int32)
-    elif what == "row_blocks":
+    else:
         q, k_cache, v_cache, k, v, _ = _inputs(torch.float16, sq=40, new=3, cache=96)
         lengths = torch.tensor([5, 0, 50], dtype=torch.int32)
-    else:
-        q, k_cache, v_cache, k, v, _ = _inputs(torch.float16)
-        lengths = torch.tensor([5, 0, 45], dtype=torch.int32)
     cos, sin = rotary_tables(96, 64)
     kwargs = dict(cache_seqlens=lengths, rotary_cos=cos, rotary_sin=sin, causal=True)
     replay.cache.clear()
@@ -233,6 +236,27 @@ def test_the_append_runs_its_own_launch_where_it_is_not_fused(host_build, monkey
     steps, = [r.steps for r in replay.cache.values()]
     assert steps[0].name.startswith("fa2_append_rope_") and len(steps) >= 2  # pairs: flash-attn's default
     assert all("k_new" not in step.fields for step in steps[1:])
+    (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, (q, k_cache, v_cache, k, v), **kwargs)
+    assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
+    assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
+
+
+@pytest.mark.parametrize("interleaved, causal, group", [(True, True, 2), (False, False, 4), (True, False, 1)])
+def test_rope_tables_rotate_in_the_decode_launch(host_build, monkeypatch, interleaved, causal, group):
+    """With RoPE tables the fused launch rotates the new keys and its own query rows (GQA groups of
+    1, 2 and 4 query heads per K/V head, two query rows each: one or several row chunks per head):
+    one launch, the bytes of the torch append, the queries left as given."""
+    q, k_cache, v_cache, k, v, _ = _inputs(torch.float16, hq=2 * group, hk=2)
+    q_given = q.clone()
+    cos, sin = rotary_tables(64, 48)
+    kwargs = dict(cache_seqlens=torch.tensor([5, 0, 45], dtype=torch.int32), rotary_cos=cos, rotary_sin=sin,
+                  rotary_interleaved=interleaved, causal=causal)
+    replay.cache.clear()
+    _call(q, k_cache.clone(), v_cache.clone(), k, v, **kwargs)
+    assert torch.equal(q, q_given)
+    (step,), = [r.steps for r in replay.cache.values()]
+    assert step.name.startswith("fa2_dec_") and step.args.rope == (1 if interleaved else 2)
+    assert step.args.q_local == int(causal) and step.args.positions == 64 and step.args.rotary_half == 24
     (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, (q, k_cache, v_cache, k, v), **kwargs)
     assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
     assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)

@@ -30,6 +30,7 @@
 #include "tiles.h"
 #include "pairs.h"
 #include "fa2_policies.h"
+#include "fa2_append.h"
 
 // Key rows of one (batch, K/V head) in any of the three layouts. Offsets in elements. PAGED: the
 // kernels of layout paged, compiled apart so that the others hold no page state.
@@ -184,25 +185,29 @@ RDNA_DEVICE int fa2_decode_appended(const Args& a) {
     return 0;
 }
 
-// flash_attn_with_kvcache's append without RoPE tables, done by the decode launch that reads it
-// (rdnattention/kvcache.py fuses the two where the attention is one split-KV launch and the new keys
-// are few): every workgroup writes the new keys and values of its K/V head and sequence b into the
-// cache at positions [len, n) before it reads any key, so that no workgroup waits for another; a key
-// written by several workgroups gets the same bits from each. Bounded as the append kernel bounds
-// them (fa2_append.h): the length within [0, seq_k - new], cache rows and pages clamped into the
-// cache. Only bad values make the keys one sequence writes another's to read (the kernels read row 0
-// for a row or page outside the cache); such a read sees them before or after the write.
+// flash_attn_with_kvcache's append, done by the decode launch that reads it (rdnattention/kvcache.py
+// fuses the two where the attention is one split-KV launch and the new keys are few): every
+// workgroup writes the new keys and values of its K/V head and sequence b into the cache at positions
+// [len, n) before it reads any key, so that no workgroup waits for another; a key written by several
+// workgroups gets the same bits from each. With RoPE tables (a.rope: 1 pairs, 2 halves), k is
+// rotated on its way into the cache and the workgroup's own query rows (those of its row chunk) are
+// rotated from q_src into q, the buffer its loads read, as the append kernel rotates them
+// (fa2_append.h): the chunk's other key slices write the same bits there. Bounded as the append
+// kernel bounds them: the length within [0, seq_k - new], cache rows and pages clamped into the
+// cache, table rows into the tables. Only bad values make the keys one sequence writes another's to
+// read (the kernels read row 0 for a row or page outside the cache); such a read sees them before or
+// after the write.
 // It runs first, before the kernel holds anything, and reads its arguments into vector registers
 // (RDNA_ARGS_VARYING), its lengths included: GCN's decode tiles have no scalar register to spare.
-// The runtime fuses only calls of neither packed queries nor packed keys. (Rotating the queries
-// here as well cost sm_90's four-row tiles a spill: with RoPE tables the append kernel runs first.)
-template <int D, int NT, bool PAGED, class Args>
+// The runtime fuses only calls of neither packed queries nor packed keys.
+template <int D, int R, int NT, bool PAGED, bool BF16, class Args>
 RDNA_DEVICE void fa2_decode_append(const Args& args) {
   RDNA_ARGS_VARYING(Args, ap, args);
   const Args& a = *ap;
   const int head_kv = rdna_block_id_y();
   const long long b = rdna_block_id_z();
   const int len = fa2_count(a.seqused_k[b], a.seq_k - a.append_rows), n = len + a.append_rows;
+  const int rope = a.rope, last = a.positions - 1;  // the RoPE mode and the tables' last row
 #pragma unroll 1
   for (int e = rdna_thread_id(); e < (n - len) * D; e += NT) {
     const int i = e / D, d = e - i * D, p = len + i;
@@ -222,10 +227,26 @@ RDNA_DEVICE void fa2_decode_append(const Args& args) {
                                at * a.k_stride_s + head_kv * a.k_stride_h;
     unsigned short* const vc = reinterpret_cast<unsigned short*>(const_cast<half_t*>(a.v)) + row * a.v_stride_b +
                                at * a.v_stride_s + head_kv * a.v_stride_h;
-    kc[d] = kn[d];
+    kc[d] = rope == 0   ? kn[d]
+            : rope == 1 ? fa2_append_rotated<BF16, 1>(a, kn, d, rdna_min(p, last))
+                        : fa2_append_rotated<BF16, 2>(a, kn, d, rdna_min(p, last));
     vc[d] = vn[d];
   }
-  rdna_fence_release();  // the new keys, visible to this workgroup's loads
+  if (rope) {  // this workgroup's query rows r0 + i (i < R): head head_kv * group + r / seq_q, position r % seq_q
+    const int sq = a.seq_q, group = a.heads_q / a.heads_kv, rows = group * sq;
+    const int r0 = rdna_block_id_x() % ((rows + R - 1) / R) * R, count = rdna_min(R, rows - r0);
+#pragma unroll 1
+    for (int e = rdna_thread_id(); e < count * D; e += NT) {
+      const int i = e / D, d = e - i * D, r = r0 + i, head = head_kv * group + r / sq, p = r % sq;
+      const unsigned short* const src = reinterpret_cast<const unsigned short*>(a.q_src) + b * a.qs_stride_b +
+                                        head * a.qs_stride_h + p * a.qs_stride_s;
+      unsigned short* const dst = reinterpret_cast<unsigned short*>(const_cast<half_t*>(a.q)) + b * a.q_stride_b +
+                                  head * a.q_stride_h + p * a.q_stride_s;
+      const int pos = rdna_min(len + (a.q_local ? p : 0), last);
+      dst[d] = rope == 1 ? fa2_append_rotated<BF16, 1>(a, src, d, pos) : fa2_append_rotated<BF16, 2>(a, src, d, pos);
+    }
+  }
+  rdna_fence_release();  // the new keys and rotated queries, visible to this workgroup's loads
   rdna_block_sync();
   rdna_fence_acquire();
 }
@@ -256,7 +277,7 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
 
   // flash_attn_with_kvcache's append where this launch does it: first, while nothing else is held.
   if constexpr (E::LAYOUTS && XF) {  // (the copy without transforms is entered after it: fa2_decode_kernel)
-    if (a.append_rows) fa2_decode_append<D, NT, PAGED>(a);
+    if (a.append_rows) fa2_decode_append<D, R, NT, PAGED, E::BF16>(a);
   }
   const int tid = rdna_thread_id(), grp = tid / L, lane = tid % L;
   const bool holds = LD == L || lane < LD;  // the lane holds values (not padding)
@@ -600,7 +621,7 @@ RDNA_DEVICE void fa2_decode_kernel(const Args& a, unsigned char* lds) {
       fa2_decode<E, D, R, BC, NT, LDS_BYTES, PAGED, true>(a, lds);
     } else {
       if constexpr (E::LAYOUTS) {
-        if (a.append_rows) fa2_decode_append<D, NT, PAGED>(a);
+        if (a.append_rows) fa2_decode_append<D, R, NT, PAGED, E::BF16>(a);
       }
       fa2_decode<E, D, R, BC, NT, LDS_BYTES, PAGED, false>(a, lds);
     }
