@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from . import checks, decode, drivers, ops, padding, replay, route, workspace
-from .families import append as append_family
+from .families import append as append_family, dec as dec_family
 from .checks import TOKEN_MAJOR, check_fp16, check_int32, check_paged, check_same_dtype
 from .errors import InvalidArgumentError, RdnaAttentionError, UnsupportedError
 from .options import (NO_SCORE_OPTIONS, Options, ScoreOptions, as_window, check_score_options, check_seqused,
@@ -477,11 +477,13 @@ FUSE_MAX_NEW = 16
 def _fuse(plan: Plan | None, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, cos: torch.Tensor | None,
           sin: torch.Tensor | None, interleaved: bool, local: bool) -> bool:
     """Gives the append to ``plan``'s launch where it is one split-KV decode launch (whose arguments
-    have the append's fields), planned on the lengths before the append (with RoPE tables, on the
-    rotated queries' buffer, which the launch writes from ``q``); False (the plan unchanged)
-    otherwise."""
+    have the append's fields and, with RoPE tables, whose kernel rotates: dec.ROPE_MIN_HEAD_DIM),
+    planned on the lengths before the append (with RoPE tables, on the rotated queries' buffer,
+    which the launch writes from ``q``); False (the plan unchanged) otherwise."""
     if plan is None or len(plan.launches) != 1 or not hasattr(plan.launches[0].args, "append_rows"):
         return False
+    if cos is not None and plan.launches[0].kernel.head_dim < dec_family.ROPE_MIN_HEAD_DIM:
+        return False  # compiled without the rotation (families/dec.py)
     args = plan.launches[0].args
     args.append_rows = k.shape[1]
     args.k_new, args.v_new = k.data_ptr(), v.data_ptr()

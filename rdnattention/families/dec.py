@@ -51,7 +51,11 @@ BOUND_FIELDS = (("kv_rows", "int"), *f16.PACKED_BOUND_FIELDS)
 # [0, seq_k - append_rows]) onwards. With RoPE tables (rope 1: pairs, 2: halves; 0: none), k is
 # rotated at its position and the queries are rotated from q_src [batch, seq_q, heads_q, head_dim]
 # into q (at cache_seqlens, + i for row i where q_local), as the append kernel rotates them
-# (append.py: the table fields mean what they mean there).
+# (append.py: the table fields mean what they mean there), in kernels of head_dim ROPE_MIN_HEAD_DIM and up.
+# The least kernel head_dim that rotates (fa2_decode.h's FA2_DECODE_ROPE_MIN_D): the head_dim 8 and
+# 16 tiles are compiled without the rotation, whose float64 registers cost them waves on every AMD
+# target; their calls with RoPE tables run the append kernel's launch first.
+ROPE_MIN_HEAD_DIM = 24
 APPEND_FIELDS = (
     ("k_new", "const half_t*"), ("v_new", "const half_t*"),
     ("q_src", "const half_t*"), ("rotary_cos", "const float*"), ("rotary_sin", "const float*"),

@@ -239,10 +239,10 @@ def test_the_atomic_backward_passes(gpu, dispatched):
 @pytest.mark.parametrize("rope", [None, True, False], ids=["copy", "rope", "ropehalf"])
 def test_the_append_kernel_is_the_torch_append(gpu, dispatched, monkeypatch, rope, dtype, fuse):
     """flash_attn_with_kvcache's append of each RoPE mode and dtype, fused into the paged split-KV
-    decode's launch (its only launch; without RoPE tables) or as the append kernel's own launch
-    before it (tests/kernels/test_append.py runs both on the host), against the torch operations it replaces,
-    byte for byte: a paged cache, causal query rotation, float64 RoPE rounded as torch rounds it
-    (float32, then the dtype)."""
+    decode's launch (its only launch; with RoPE tables it rotates the queries it reads too) or as the
+    append kernel's own launch before it (tests/kernels/test_append.py runs both on the host), against
+    the torch operations it replaces, byte for byte: a paged cache, causal query rotation, float64
+    RoPE rounded as torch rounds it (float32, then the dtype)."""
     from rdnattention import kvcache
 
     if not fuse:
@@ -270,7 +270,7 @@ def test_the_append_kernel_is_the_torch_append(gpu, dispatched, monkeypatch, rop
                 out = flash_attn_with_kvcache(q, pk, pv, k, v, **kwargs)
         results.append(([d.kernel for d in gpu.dispatches[start:]], out, pk, pv))
     (launched, out, pk, pv), (t_launched, t_out, t_pk, t_pv) = results
-    if fuse and rope is None:
+    if fuse:
         (first,) = launched
         assert first.startswith("fa2_decpaged_" + ("bf16_" if dtype == torch.bfloat16 else "")), launched
     else:

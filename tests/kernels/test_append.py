@@ -262,6 +262,29 @@ def test_rope_tables_rotate_in_the_decode_launch(host_build, monkeypatch, interl
     assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
 
 
+@pytest.mark.parametrize("head_dim", [8, 24])
+def test_rope_fuses_from_the_least_head_dim_that_rotates(host_build, monkeypatch, head_dim):
+    """The decode kernels below dec.ROPE_MIN_HEAD_DIM (24) are compiled without the rotation: a call
+    with RoPE tables there runs the append kernel's launch first; from it on, one launch. The bytes
+    of the torch append either way."""
+    from rdnattention.families import dec
+
+    q, k_cache, v_cache, k, v, _ = _inputs(torch.float16, d=head_dim)
+    cos, sin = rotary_tables(64, head_dim)
+    kwargs = dict(cache_seqlens=torch.tensor([5, 0, 45], dtype=torch.int32), rotary_cos=cos, rotary_sin=sin)
+    replay.cache.clear()
+    _call(q, k_cache.clone(), v_cache.clone(), k, v, **kwargs)
+    steps, = [r.steps for r in replay.cache.values()]
+    if head_dim < dec.ROPE_MIN_HEAD_DIM:
+        assert steps[0].name.startswith("fa2_append_rope_") and len(steps) == 2
+    else:
+        (step,) = steps
+        assert step.name.startswith(f"fa2_dec_hd{head_dim}_") and step.args.rope == 1
+    (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, (q, k_cache, v_cache, k, v), **kwargs)
+    assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
+    assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
+
+
 def test_the_fused_append_reads_new_rows_at_any_alignment(host_build, monkeypatch):
     """New keys whose rows start 2 bytes past 16-byte boundaries (the fused append copies them value
     by value): one launch, the bytes of the torch append."""

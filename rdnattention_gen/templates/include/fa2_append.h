@@ -57,15 +57,15 @@ RDNA_DEVICE double fa2_append_table(const void* t, long long stride, long long s
   return kind == 1 ? (double)__builtin_bit_cast(half_t, bits) : (double)rdna_bf16_lo(bits);
 }
 
-// Feature d of a row (src, 16-bit values) rotated at table position pos; ROPE 1: pairs (2j, 2j+1),
-// 2: halves (j, j + half).
-template <bool BF16, int ROPE, class Args>
-RDNA_DEVICE unsigned short fa2_append_rotated(const Args& a, const unsigned short* src, int d, int pos) {
+// Feature d of a row (src, 16-bit values) rotated at table position pos: pairs (2j, 2j+1) where
+// ``pairs``, else halves (j, j + half).
+template <bool BF16, class Args>
+RDNA_DEVICE unsigned short fa2_append_rotate(const Args& a, const unsigned short* src, int d, int pos, bool pairs) {
   const int half = a.rotary_half;
-  if (ROPE == 0 || d >= 2 * half) return src[d];
+  if (d >= 2 * half) return src[d];
   int j, other;
   bool first;
-  if (ROPE == 1) {
+  if (pairs) {
     j = d >> 1, first = (d & 1) == 0, other = first ? d + 1 : d - 1;
   } else {
     first = d < half, j = first ? d : d - half, other = first ? d + half : d - half;
@@ -75,6 +75,13 @@ RDNA_DEVICE unsigned short fa2_append_rotated(const Args& a, const unsigned shor
   const double x = fa2_append_widen<BF16>(src[d]), y = fa2_append_widen<BF16>(src[other]);
   // first: x * c - y * s (y the pair's second); second: x * c + y * s (y the pair's first).
   return fa2_append_narrow<BF16>(first ? x * c - y * s : x * c + y * s);
+}
+
+// The same in a compile-time mode: ROPE 0 copies, 1 rotates pairs, 2 halves.
+template <bool BF16, int ROPE, class Args>
+RDNA_DEVICE unsigned short fa2_append_rotated(const Args& a, const unsigned short* src, int d, int pos) {
+  if (ROPE == 0) return src[d];
+  return fa2_append_rotate<BF16>(a, src, d, pos, ROPE == 1);
 }
 
 template <int NT, bool BF16, int ROPE, class Args>

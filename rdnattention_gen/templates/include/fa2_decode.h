@@ -189,8 +189,8 @@ RDNA_DEVICE int fa2_decode_appended(const Args& a) {
 // fuses the two where the attention is one split-KV launch and the new keys are few): every
 // workgroup writes the new keys and values of its K/V head and sequence b into the cache at positions
 // [len, n) before it reads any key, so that no workgroup waits for another; a key written by several
-// workgroups gets the same bits from each. With RoPE tables (a.rope: 1 pairs, 2 halves), k is
-// rotated on its way into the cache and the workgroup's own query rows (those of its row chunk) are
+// workgroups gets the same bits from each. With RoPE tables (a.rope: 1 pairs, 2 halves; kernels
+// of head_dim FA2_DECODE_ROPE_MIN_D and up), k is rotated on its way into the cache and the workgroup's own query rows (those of its row chunk) are
 // rotated from q_src into q, the buffer its loads read, as the append kernel rotates them
 // (fa2_append.h): the chunk's other key slices write the same bits there. Bounded as the append
 // kernel bounds them: the length within [0, seq_k - new], cache rows and pages clamped into the
@@ -200,51 +200,66 @@ RDNA_DEVICE int fa2_decode_appended(const Args& a) {
 // It runs first, before the kernel holds anything, and reads its arguments into vector registers
 // (RDNA_ARGS_VARYING), its lengths included: GCN's decode tiles have no scalar register to spare.
 // The runtime fuses only calls of neither packed queries nor packed keys.
+// The least head_dim whose kernels rotate (rdnattention/families/dec.py's ROPE_MIN_HEAD_DIM, which
+// the runtime reads): the float64 rotation's registers cost the head_dim 8 and 16 tiles, whose own
+// are few, waves on every AMD target (GCN's head_dim 16 tile an SGPR spill); their calls with RoPE
+// tables run the append kernel's launch first.
+constexpr int FA2_DECODE_ROPE_MIN_D = 24;
+
 template <int D, int R, int NT, bool PAGED, bool BF16, class Args>
 RDNA_DEVICE void fa2_decode_append(const Args& args) {
   RDNA_ARGS_VARYING(Args, ap, args);
   const Args& a = *ap;
   const int head_kv = rdna_block_id_y();
   const long long b = rdna_block_id_z();
-  const int len = fa2_count(a.seqused_k[b], a.seq_k - a.append_rows), n = len + a.append_rows;
-  const int rope = a.rope, last = a.positions - 1;  // the RoPE mode and the tables' last row
-#pragma unroll 1
-  for (int e = rdna_thread_id(); e < (n - len) * D; e += NT) {
-    const int i = e / D, d = e - i * D, p = len + i;
-    long long row, at;  // the cache row or page clamped into the cache, and the position in it
-    if (PAGED) {
-      row = rdna_min(rdna_max(a.block_table[b * a.block_table_stride + (p >> a.page_shift)], 0), a.kv_rows - 1);
-      at = p & ((1 << a.page_shift) - 1);
-    } else {
-      row = a.cache_batch_idx ? rdna_min(rdna_max(a.cache_batch_idx[b], 0), a.kv_rows - 1) : b;
-      at = p;
-    }
-    const unsigned short* const kn =
-        reinterpret_cast<const unsigned short*>(a.k_new) + b * a.kn_stride_b + i * a.kn_stride_s + head_kv * a.kn_stride_h;
-    const unsigned short* const vn =
-        reinterpret_cast<const unsigned short*>(a.v_new) + b * a.vn_stride_b + i * a.vn_stride_s + head_kv * a.vn_stride_h;
-    unsigned short* const kc = reinterpret_cast<unsigned short*>(const_cast<half_t*>(a.k)) + row * a.k_stride_b +
-                               at * a.k_stride_s + head_kv * a.k_stride_h;
-    unsigned short* const vc = reinterpret_cast<unsigned short*>(const_cast<half_t*>(a.v)) + row * a.v_stride_b +
-                               at * a.v_stride_s + head_kv * a.v_stride_h;
-    kc[d] = rope == 0   ? kn[d]
-            : rope == 1 ? fa2_append_rotated<BF16, 1>(a, kn, d, rdna_min(p, last))
-                        : fa2_append_rotated<BF16, 2>(a, kn, d, rdna_min(p, last));
-    vc[d] = vn[d];
+  const int len = fa2_count(a.seqused_k[b], a.seq_k - a.append_rows);
+  const int rope = D >= FA2_DECODE_ROPE_MIN_D ? a.rope : 0;
+  // The values of the new keys (e < keys: value e of key e / D, written with its value's), then,
+  // with tables, those of this workgroup's query rows r0 + i (i < R, r0 + i < rows): head head_kv *
+  // group + r / seq_q, position r % seq_q. One rotation per value, whichever it is.
+  const int keys = a.append_rows * D;
+  int r0 = 0, count = 0;
+  if (rope) {
+    const int rows = a.heads_q / a.heads_kv * a.seq_q;
+    r0 = rdna_block_id_x() % ((rows + R - 1) / R) * R, count = rdna_min(R, rows - r0);
   }
-  if (rope) {  // this workgroup's query rows r0 + i (i < R): head head_kv * group + r / seq_q, position r % seq_q
-    const int sq = a.seq_q, group = a.heads_q / a.heads_kv, rows = group * sq;
-    const int r0 = rdna_block_id_x() % ((rows + R - 1) / R) * R, count = rdna_min(R, rows - r0);
 #pragma unroll 1
-    for (int e = rdna_thread_id(); e < count * D; e += NT) {
-      const int i = e / D, d = e - i * D, r = r0 + i, head = head_kv * group + r / sq, p = r % sq;
-      const unsigned short* const src = reinterpret_cast<const unsigned short*>(a.q_src) + b * a.qs_stride_b +
-                                        head * a.qs_stride_h + p * a.qs_stride_s;
-      unsigned short* const dst = reinterpret_cast<unsigned short*>(const_cast<half_t*>(a.q)) + b * a.q_stride_b +
-                                  head * a.q_stride_h + p * a.q_stride_s;
-      const int pos = rdna_min(len + (a.q_local ? p : 0), last);
-      dst[d] = rope == 1 ? fa2_append_rotated<BF16, 1>(a, src, d, pos) : fa2_append_rotated<BF16, 2>(a, src, d, pos);
+  for (int e = rdna_thread_id(); e < keys + count * D; e += NT) {
+    const unsigned short* src;
+    unsigned short* dst;
+    int d, pos;  // the feature, and the RoPE tables' row (clamped into them)
+    if (e < keys) {
+      const int i = e / D, p = len + i;
+      d = e - i * D;
+      long long row, at;  // the cache row or page clamped into the cache, and the position in it
+      if (PAGED) {
+        row = rdna_min(rdna_max(a.block_table[b * a.block_table_stride + (p >> a.page_shift)], 0), a.kv_rows - 1);
+        at = p & ((1 << a.page_shift) - 1);
+      } else {
+        row = a.cache_batch_idx ? rdna_min(rdna_max(a.cache_batch_idx[b], 0), a.kv_rows - 1) : b;
+        at = p;
+      }
+      src = reinterpret_cast<const unsigned short*>(a.k_new) + b * a.kn_stride_b + i * a.kn_stride_s +
+            head_kv * a.kn_stride_h;
+      const unsigned short* const vn =
+          reinterpret_cast<const unsigned short*>(a.v_new) + b * a.vn_stride_b + i * a.vn_stride_s + head_kv * a.vn_stride_h;
+      dst = reinterpret_cast<unsigned short*>(const_cast<half_t*>(a.k)) + row * a.k_stride_b + at * a.k_stride_s +
+            head_kv * a.k_stride_h;
+      unsigned short* const vc = reinterpret_cast<unsigned short*>(const_cast<half_t*>(a.v)) + row * a.v_stride_b +
+                                 at * a.v_stride_s + head_kv * a.v_stride_h;
+      vc[d] = vn[d];
+      pos = p;
+    } else {
+      const int i = (e - keys) / D, r = r0 + i, head = head_kv * (a.heads_q / a.heads_kv) + r / a.seq_q,
+                p = r % a.seq_q;
+      d = e - keys - i * D;
+      src = reinterpret_cast<const unsigned short*>(a.q_src) + b * a.qs_stride_b + head * a.qs_stride_h +
+            p * a.qs_stride_s;
+      dst = reinterpret_cast<unsigned short*>(const_cast<half_t*>(a.q)) + b * a.q_stride_b + head * a.q_stride_h +
+            p * a.q_stride_s;
+      pos = len + (a.q_local ? p : 0);
     }
+    dst[d] = rope ? fa2_append_rotate<BF16>(a, src, d, rdna_min(pos, a.positions - 1), rope == 1) : src[d];
   }
   rdna_fence_release();  // the new keys and rotated queries, visible to this workgroup's loads
   rdna_block_sync();
