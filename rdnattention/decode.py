@@ -264,23 +264,30 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.unserved = [name for name, present in (
         ("seqused_k", seqused_k is not None), ("block_table", block_table is not None),
         ("cache_batch_idx", cache_batch_idx is not None), ("cu_seqlens_q=None", cu_seqlens_q is None),
-        ("cu_seqlens_k=None", cu_seqlens_k is None), ("return_lse=False", not return_lse),
-        ("sinks that require grad", sinks is not None and sinks.requires_grad)) if present]
+        ("cu_seqlens_k=None", cu_seqlens_k is None), ("return_lse=False", not return_lse)) if present]
     ctx.options = (seq_q, seq_k, window_left, window_right, softmax_scale, softcap, deterministic)
     ctx.alibi = alibi_slopes is not None
+    ctx.sinks = sinks is not None
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                          *((alibi_slopes,) if alibi_slopes is not None else ()))
+                          *((alibi_slopes,) if alibi_slopes is not None else ()),
+                          *((sinks,) if sinks is not None else ()))
 
 
 def _backward(ctx, dout, dlse):
     if ctx.unserved:
         raise UnsupportedError(f"rdnattention::flash_attn_decode_fwd has a backward for packed sequences alone, not "
                                f"with {', '.join(ctx.unserved)}")
-    q, k, v, out, lse, cu_q, cu_k, *slopes = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, *rest = ctx.saved_tensors
+    slopes = rest.pop(0) if ctx.alibi else None
+    sinks = rest.pop(0) if ctx.sinks else None
     seq_q, seq_k, left, right, scale, softcap, deterministic = ctx.options
+    # With sinks, the log-sum-exp holds each row's sink: the kernels' gradients of q, k and v are
+    # those of the call as they are (ops._backward); the sinks' own is ops._sink_gradient's.
     dq, dk, dv = ops.flash_attn_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, seq_q, seq_k, left, right, scale,
-                                       softcap, deterministic, slopes[0] if slopes else None)
-    return (dq, dk, dv) + (None,) * 17
+                                       softcap, deterministic, slopes)
+    dsinks = (ops._sink_gradient(sinks, dout, out, lse, dlse, cu_seqlens_q=cu_q)
+              if ctx.sinks and ctx.needs_input_grad[18] else None)
+    return (dq, dk, dv) + (None,) * 15 + (dsinks, None)
 
 
 flash_attn_decode_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -395,15 +395,24 @@ def _backward(ctx, dout, dlse):
 
 
 def _sink_gradient(sinks: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   dlse: torch.Tensor | None) -> torch.Tensor:
-    """The gradient of a call's loss in its sinks (fp32 [heads_q]): the sink of head h has the
+                   dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
+    """The gradient of a call's loss in its sinks (fp32 [heads]): the sink of head h has the
     probability p = exp(sink_h - LSE) in each of its rows, and as a logit of no value its gradient
-    is -sum over rows of p * (rowsum(dO * O) - dLSE), in fp32 from the saved output and LSE."""
+    is -sum over rows of p * (rowsum(dO * O) - dLSE), in fp32 from the saved output and LSE. Dense:
+    dout and out [batch, heads, seq, head_dim], lse [batch, heads, seq]; packed (``cu_seqlens_q``):
+    dout and out [total_q, heads, head_dim], lse [heads, total_q], whose rows past the last sequence
+    (their LSE never written) count nothing."""
     delta = (dout.float() * out.float()).sum(-1)
+    if cu_seqlens_q is not None:
+        delta = delta.t()  # as the LSE: [heads, total_q]
     if dlse is not None:
         delta = delta - dlse.float()
-    p = torch.exp(sinks.detach().float()[None, :, None] - lse)
-    return -(p * delta).sum((0, 2))
+    if cu_seqlens_q is None:
+        p = torch.exp(sinks.detach().float()[None, :, None] - lse)
+        return -(p * delta).sum((0, 2))
+    live = torch.arange(lse.shape[1], device=lse.device) < cu_seqlens_q[-1]  # on the device: no synchronisation
+    p = torch.exp(sinks.detach().float()[:, None] - lse)
+    return -torch.where(live, p * delta, 0.0).sum(1)
 
 
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -129,14 +129,18 @@ def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_siz
     left, right = check_window(window_size)
     left, right = (-1 if left >= max(seq_k, 1) else left), (max_q if right >= max_q else right)
     scale = check_scale(scale, head_dim, n("scale"))
-    score = check_score_options(softcap, alibi_slopes, sinks, batch=batch, heads_q=heads_q, device=device)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        # Autograd records the call: the custom op, whose backward is the packed backward kernels'.
+    score = check_score_options(softcap, alibi_slopes, sinks, batch=batch, heads_q=heads_q, device=device,
+                                sinks_grad=True)
+    qkv_grad = q.requires_grad or k.requires_grad or v.requires_grad
+    if torch.is_grad_enabled() and (qkv_grad or (score.sinks is not None and score.sinks.requires_grad)):
+        # Autograd records the call: the custom op, whose backward is the packed backward kernels'
+        # (and, for learned sinks, ops._sink_gradient).
         for name, given in ((n("block_table"), paged), (n("seqused_k"), seqused_k is not None)):
             if given:
-                raise UnsupportedError(f"{n('query')}, {n('key')} or {n('value')} requires grad, and the backward "
-                                       f"pass of packed sequences does not take {name}: run the call under "
-                                       "torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+                who = f"{n('query')}, {n('key')} or {n('value')}" if qkv_grad else "sinks"
+                raise UnsupportedError(f"{who} requires grad, and the backward pass of packed sequences does not "
+                                       f"take {name}: run the call under torch.no_grad() or "
+                                       "torch.inference_mode(), or pass detached tensors")
         ops.check_backward_built(q)
         out, lse = decode.flash_attn_decode_fwd(q, k, v, None, None, None, cu_q, cu_k, batch, max_q, seq_k, left, right,
                                                 scale, True, num_splits, score.softcap, score.alibi_slopes,

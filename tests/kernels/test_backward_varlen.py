@@ -2,7 +2,7 @@
 with inputs that require grad; rdnattention::flash_attn_varlen_bwd): every host backward kernel
 set, both modes, against the float64 oracle's gradients taken sequence by sequence, with rows
 past the last sequence and sequences without keys or rows; ALiBi and the softcap through the
-packed passes; what packed calls with grad refuse; opcheck and torch.compile; marked gpu, the
+packed passes; learned sinks' gradient; what packed calls with grad refuse; opcheck and torch.compile; marked gpu, the
 same on an NVIDIA GPU."""
 
 import pytest
@@ -13,6 +13,7 @@ from test_backward import BUILT, PASS_NAMES, TORCH, ran  # noqa: F401 (ran: a fi
 import rdnattention
 from rdnattention import attention_gradients, flash_attn_varlen_func, ops, varlen_attn
 from rdnattention.errors import UnsupportedError
+from rdnattention.reference import _attention64
 
 # (lengths_q, lengths_k, rows past the last sequence, options): sequences cut partway through
 # row and key blocks, one without rows, one without keys (its rows see nothing: zero gradient).
@@ -98,6 +99,57 @@ def test_packed_alibi_and_softcap(host_build, deterministic):
     _check(grads, _oracle(q, k, v, dout, cu_q, cu_k, **options), torch.float16)
 
 
+def _packed_sinks_case(device: str, case: str, deterministic: bool, sinks_only: bool) -> None:
+    """Learned sinks through the packed backward on ``device``, against the float64 oracle."""
+    lengths_q, lengths_k, extra, options = CASES[case]
+    q, k, v, dout, cu_q, cu_k = _packed(lengths_q, lengths_k, extra, 4, 2, 64, torch.float16, 91)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(5)) + 0.5
+    x = [t.detach().to(device).requires_grad_(not sinks_only) for t in (q, k, v)]
+    x.append(sinks.to(device).requires_grad_())
+    out = flash_attn_varlen_func(*x[:3], cu_q.to(device), cu_k.to(device), max(lengths_q), max(lengths_k),
+                                 sinks=x[3], deterministic=deterministic, **options)
+    out.backward(dout.to(device))
+    # The oracle: each sequence's float64 attention with the sinks, differentiated.
+    leaves = [t.detach().to(torch.float64).requires_grad_() for t in (q, k, v, sinks)]
+    with torch.enable_grad():
+        loss = 0.0
+        for b in range(len(lengths_q)):
+            qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+            if qs.stop == qs.start or ks.stop == ks.start:  # no rows, or rows of zero output: nothing
+                continue
+            o = _attention64(_view(leaves[0][qs]), _view(leaves[1][ks]), _view(leaves[2][ks]), sinks=leaves[3],
+                             is_causal=options.get("causal", False), window_size=options.get("window_size", (-1, -1)))
+            loss = loss + (o[0].transpose(0, 1) * dout[qs].double()).sum()
+        refs = torch.autograd.grad(loss, leaves)
+    assert x[3].grad.dtype == torch.float32 and x[3].grad.shape == sinks.shape
+    err = (x[3].grad.double().cpu() - refs[3]).abs().max().item()
+    assert err <= GRAD_TOL[torch.float16] * max(refs[3].abs().max().item(), 1.0)
+    if sinks_only:
+        assert all(t.grad is None for t in x[:3])
+    else:
+        _check(tuple(t.grad for t in x[:3]), refs[:3], torch.float16)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("sinks_only", [False, True], ids=["with_qkv", "sinks_only"])
+@pytest.mark.parametrize("case", ["causal_ragged", "cross_window"])
+def test_packed_sinks_get_their_gradient(host_build, case, deterministic, sinks_only):
+    """Learned attention sinks (gpt-oss's) through the packed backward: the sinks' gradient, and q,
+    k and v's, against the float64 oracle's taken sequence by sequence; rows past the last
+    sequence (causal_ragged: their log-sum-exp never written) count nothing; the rows of a sequence
+    without keys (cross_window) are all sink, of zero output and zero gradient."""
+    _packed_sinks_case("cpu", case, deterministic, sinks_only)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("case", ["causal_ragged", "cross_window"])
+def test_cuda_packed_sinks_get_their_gradient(case, deterministic):
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        pytest.skip("needs an NVIDIA GPU")
+    _packed_sinks_case("cuda", case, deterministic, sinks_only=False)
+
+
 def test_varlen_attn_and_packed_forms_take_grad(host_build):
     """torch's varlen_attn (window (-1, 0): causal) and flash-attn's qkv-packed form record the
     same backward as flash_attn_varlen_func."""
@@ -122,8 +174,10 @@ def test_packed_calls_with_grad_refuse_what_the_backward_does_not_take(host_buil
     with pytest.raises(UnsupportedError, match="does not take block_table"):
         flash_attn_varlen_func(q, pool, pool, cu_q, cu_k, 10, 16,
                                block_table=torch.tensor([[0], [1]], dtype=torch.int32))
-    with pytest.raises(UnsupportedError, match="sinks requires grad"):
-        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 10, 10, sinks=torch.zeros(2, requires_grad=True))
+    with pytest.raises(UnsupportedError, match="sinks requires grad, and the backward pass of packed sequences does "
+                                               "not take seqused_k"):
+        varlen_attn(q.detach(), k, v, cu_q, cu_k, 10, 10, seqused_k=torch.tensor([5, 6], dtype=torch.int32),
+                    sinks=torch.zeros(2, requires_grad=True))
     assert q.grad is None and all(torch.equal(a, b) for a, b in zip((q, k, v), before))
 
 
@@ -138,12 +192,16 @@ def test_packed_backward_opcheck_and_compile(host_build):
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     torch.library.opcheck(torch.ops.rdnattention.flash_attn_decode_fwd.default,
                           (qg, kg, vg, None, None, None, cu_q, cu_k, 2, 30, 30, -1, 0, 0.125, True, 0))
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(1))
+    torch.library.opcheck(torch.ops.rdnattention.flash_attn_decode_fwd.default,  # learned sinks alone
+                          (q, k, v, None, None, None, cu_q, cu_k, 2, 30, 30, -1, 0, 0.125, True, 0, 0.0, None,
+                           sinks.clone().requires_grad_()))
 
-    def layer(q, k, v):
-        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, causal=True, deterministic=True)
+    def layer(q, k, v, sinks):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, causal=True, deterministic=True, sinks=sinks)
 
     def grads(fn):
-        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        x = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
         fn(*x).backward(dout)
         return [t.grad for t in x]
 
