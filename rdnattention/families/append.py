@@ -40,6 +40,23 @@ NAMES = NameSchema("fa2_append", (
 # Table dtypes (rotary_dtype): fp32, fp16, bf16.
 TABLE_DTYPES = {"torch.float32": 0, "torch.float16": 1, "torch.bfloat16": 2}
 
+# The fields the split-KV decode kernels share with these, to append in their own launch (dec.py):
+# the new rows' strides, the strides of the queries to rotate and of the RoPE tables, and the
+# tables' geometry.
+NEW_STRIDE_FIELDS = (
+    ("kn_stride_b", "long long"), ("kn_stride_s", "long long"), ("kn_stride_h", "long long"),
+    ("vn_stride_b", "long long"), ("vn_stride_s", "long long"), ("vn_stride_h", "long long"),
+)
+QUERY_SOURCE_STRIDE_FIELDS = (("qs_stride_b", "long long"), ("qs_stride_s", "long long"), ("qs_stride_h", "long long"))
+TABLE_STRIDE_FIELDS = (("cos_stride", "long long"), ("cos_stride_c", "long long"),
+                       ("sin_stride", "long long"), ("sin_stride_c", "long long"))
+TABLE_FIELDS = (
+    ("positions", "int"),   # rows of the RoPE tables
+    ("rotary_half", "int"),  # rotary_dim / 2
+    ("rotary_dtype", "int"),  # TABLE_DTYPES
+    ("q_local", "int"),     # 1: query row i at cache_seqlens + i; 0: every query row at cache_seqlens
+)
+
 # Pointer fields that the attention launches after it share read the same tensors by the same
 # names (k, v: the caches; seqused_k: the lengths after the append; q: the rotated queries;
 # cache_batch_idx, block_table), so that a replay rewrites each once.
@@ -56,14 +73,12 @@ ARGS = ArgStruct("Fa2AppendArgs", (
     ("block_table", "const int*"),      # int32 [batch, pages per sequence]; null: not paged
     ("rotary_cos", "const float*"),     # [positions, rotary_dim / 2] of rotary_dtype; null: no RoPE
     ("rotary_sin", "const float*"),
-    ("kn_stride_b", "long long"), ("kn_stride_s", "long long"), ("kn_stride_h", "long long"),
-    ("vn_stride_b", "long long"), ("vn_stride_s", "long long"), ("vn_stride_h", "long long"),
+    *NEW_STRIDE_FIELDS,
     ("kc_stride_b", "long long"), ("kc_stride_s", "long long"), ("kc_stride_h", "long long"),
     ("vc_stride_b", "long long"), ("vc_stride_s", "long long"), ("vc_stride_h", "long long"),
-    ("qs_stride_b", "long long"), ("qs_stride_s", "long long"), ("qs_stride_h", "long long"),
+    *QUERY_SOURCE_STRIDE_FIELDS,
     ("q_stride_b", "long long"), ("q_stride_s", "long long"), ("q_stride_h", "long long"),
-    ("cos_stride", "long long"), ("cos_stride_c", "long long"),
-    ("sin_stride", "long long"), ("sin_stride_c", "long long"),
+    *TABLE_STRIDE_FIELDS,
     ("block_table_stride", "long long"),
     ("batch", "int"),
     ("seq_new", "int"),
@@ -75,10 +90,7 @@ ARGS = ArgStruct("Fa2AppendArgs", (
     ("cache_len", "int"),   # positions per sequence (paged: pages per sequence * page_size)
     ("cache_rows", "int"),  # rows of the caches (paged: pages of the pool)
     ("page_shift", "int"),  # paged: log2(page_size)
-    ("positions", "int"),   # rows of the RoPE tables
-    ("rotary_half", "int"),  # rotary_dim / 2
-    ("rotary_dtype", "int"),  # TABLE_DTYPES
-    ("q_local", "int"),     # 1: query row i at cache_seqlens + i; 0: every query row at cache_seqlens
+    *TABLE_FIELDS,
 ))
 Fa2AppendArgs = ARGS.ctype
 

@@ -13,7 +13,7 @@ from ..call import Attention
 from ..names import NameSchema
 from ..plan import Plan
 from ..table import TargetTable
-from . import _splitkv, f16
+from . import _splitkv, append, f16
 # The slice rules, under dec's name as before (_splitkv.py states them for every split-KV family).
 from ._splitkv import MIN_SLICE_KEYS, alibi_rows, resident, slices, splits_for  # noqa: F401
 
@@ -59,13 +59,12 @@ ROPE_MIN_HEAD_DIM = 24
 APPEND_FIELDS = (
     ("k_new", "const half_t*"), ("v_new", "const half_t*"),
     ("q_src", "const half_t*"), ("rotary_cos", "const float*"), ("rotary_sin", "const float*"),
-    ("kn_stride_b", "long long"), ("kn_stride_s", "long long"), ("kn_stride_h", "long long"),
-    ("vn_stride_b", "long long"), ("vn_stride_s", "long long"), ("vn_stride_h", "long long"),
-    ("qs_stride_b", "long long"), ("qs_stride_s", "long long"), ("qs_stride_h", "long long"),
-    ("cos_stride", "long long"), ("cos_stride_c", "long long"),
-    ("sin_stride", "long long"), ("sin_stride_c", "long long"),
+    *append.NEW_STRIDE_FIELDS,
+    *append.QUERY_SOURCE_STRIDE_FIELDS,
+    *append.TABLE_STRIDE_FIELDS,
     ("append_rows", "int"),
-    ("rope", "int"), ("positions", "int"), ("rotary_half", "int"), ("rotary_dtype", "int"), ("q_local", "int"),
+    ("rope", "int"),  # 0: no tables; 1: pairs; 2: halves
+    *append.TABLE_FIELDS,
 )
 
 ARGS = ArgStruct("Fa2DecArgs", (
