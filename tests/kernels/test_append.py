@@ -241,21 +241,25 @@ def test_the_append_runs_its_own_launch_where_it_is_not_fused(host_build, monkey
     assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
 
 
-@pytest.mark.parametrize("interleaved, causal, group", [(True, True, 2), (False, False, 4), (True, False, 1)])
-def test_rope_tables_rotate_in_the_decode_launch(host_build, monkeypatch, interleaved, causal, group):
+@pytest.mark.parametrize("interleaved, causal, group, splits",
+                         [(True, True, 2, 0), (False, False, 4, 0), (True, False, 1, 0), (False, True, 4, 3)])
+def test_rope_tables_rotate_in_the_decode_launch(host_build, monkeypatch, interleaved, causal, group, splits):
     """With RoPE tables the fused launch rotates the new keys and its own query rows (GQA groups of
-    1, 2 and 4 query heads per K/V head, two query rows each: one or several row chunks per head):
-    one launch, the bytes of the torch append, the queries left as given."""
+    1, 2 and 4 query heads per K/V head, two query rows each: one or several row chunks per head,
+    with one key slice or three, each slice's workgroups rotating their chunk's rows): one launch,
+    the bytes of the torch append, the queries left as given."""
     q, k_cache, v_cache, k, v, _ = _inputs(torch.float16, hq=2 * group, hk=2)
     q_given = q.clone()
     cos, sin = rotary_tables(64, 48)
     kwargs = dict(cache_seqlens=torch.tensor([5, 0, 45], dtype=torch.int32), rotary_cos=cos, rotary_sin=sin,
-                  rotary_interleaved=interleaved, causal=causal)
+                  rotary_interleaved=interleaved, causal=causal, num_splits=splits)
     replay.cache.clear()
     _call(q, k_cache.clone(), v_cache.clone(), k, v, **kwargs)
     assert torch.equal(q, q_given)
     (step,), = [r.steps for r in replay.cache.values()]
     assert step.name.startswith("fa2_dec_") and step.args.rope == (1 if interleaved else 2)
+    if splits:
+        assert step.args.splits == splits and step.grid[0] == splits * 2  # three slices of two row chunks
     assert step.args.q_local == int(causal) and step.args.positions == 64 and step.args.rotary_half == 24
     (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, (q, k_cache, v_cache, k, v), **kwargs)
     assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
