@@ -283,8 +283,10 @@ def _backward(ctx, dout, dlse):
     seq_q, seq_k, left, right, scale, softcap, deterministic = ctx.options
     # With sinks, the log-sum-exp holds each row's sink: the kernels' gradients of q, k and v are
     # those of the call as they are (ops._backward); the sinks' own is ops._sink_gradient's.
-    dq, dk, dv = ops.flash_attn_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, seq_q, seq_k, left, right, scale,
-                                       softcap, deterministic, slopes)
+    dq = dk = dv = None
+    if any(ctx.needs_input_grad[:3]):  # (learned sinks alone need none of the passes)
+        dq, dk, dv = ops.flash_attn_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, seq_q, seq_k, left, right,
+                                           scale, softcap, deterministic, slopes)
     dsinks = (ops._sink_gradient(sinks, dout, out, lse, dlse, cu_seqlens_q=cu_q)
               if ctx.sinks and ctx.needs_input_grad[18] else None)
     return (dq, dk, dv) + (None,) * 15 + (dsinks, None)

@@ -389,7 +389,9 @@ def _backward(ctx, dout, dlse):
     slopes = rest.pop(0) if ctx.alibi else None
     # With sinks, the log-sum-exp holds each row's sink, so the kernels' P = exp(S - LSE) and
     # dS = P (dP - delta) are the gradients of q, k and v as they are (a sink adds no value to O).
-    dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.options, slopes)
+    dq = dk = dv = None
+    if any(ctx.needs_input_grad[:3]):  # (learned sinks alone need none of the passes)
+        dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.options, slopes)
     return (dq, dk, dv) + (None,) * 11 + (_sink_gradient(sinks, dout, out, lse, dlse)
                                           if ctx.sinks and ctx.needs_input_grad[14] else None, None)
 

@@ -340,14 +340,20 @@ def test_sinks_get_gradients_with_q_k_v(host_build, case, deterministic):
     assert err <= GRAD_TOL[torch.float16] * max(refs[3].abs().max().item(), 1.0)
 
 
-def test_sinks_alone_may_require_grad(host_build):
+def test_sinks_alone_may_require_grad(host_build, monkeypatch):
     """Frozen q, k and v with learned sinks: autograd records the call (no silent loss of the
-    gradient), and the sinks' gradient is the oracle's; a no_grad call is served as before."""
+    gradient), the sinks' gradient is the oracle's, and no backward pass runs (q, k and v need
+    none); a no_grad call is served as before."""
     b, hq, hk, sq, sk, options = CASES["causal_gqa"]
     q, k, v, dout = _inputs(b, hq, hk, sq, sk, 64, torch.float16, 82)
     sinks = torch.randn(hq).requires_grad_()
     out = flash_attn(q, k, v, sinks=sinks, **options)
     assert out.requires_grad
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a backward pass ran for gradients nobody asked for")
+
+    monkeypatch.setattr(rdnattention.ops, "flash_attn_bwd", no_pass)
     out.backward(dout)
     ref = _sink_oracle(q, k, v, dout, sinks, **options)[3]
     assert (sinks.grad.double() - ref).abs().max().item() <= GRAD_TOL[torch.float16] * max(ref.abs().max().item(), 1.0)
