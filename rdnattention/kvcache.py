@@ -14,12 +14,12 @@ fp16 row-block kernels with cache lengths (f16 of layout len) otherwise. The app
 and values written, RoPE on them and on the queries in float64, rounded once to the dtype as
 reference.rotate rounds, the lengths bounded and the lengths after it) is done by the attention's
 own launch where that is one split-KV decode launch and the new keys are few (FUSE_MAX_NEW; the
-decode kernels' fa2_decode_append, which rotates the queries it reads too), else by one launch of the
-append family (families/append.py) before the attention's, or by torch operations where the device's kernels have none (counted:
-counts()). Where torch traces or the tensors are
-subclasses, a call that appends runs the custom op ``rdnattention::flash_attn_kvcache_fwd`` (it
-mutates the caches; its implementation is the eager path, checks included), one that does not
-the custom ops of ops.py and decode.py."""
+decode kernels' fa2_decode_append, which rotates the queries it reads too), else by one launch of
+the append family (families/append.py) before the attention's, or by torch operations where the
+device's kernels have none (counted: counts()). Where torch traces or the tensors are subclasses,
+a call that appends runs the custom op ``rdnattention::flash_attn_kvcache_fwd`` (it mutates the
+caches; its implementation is the eager path, checks included), one that does not the custom ops
+of ops.py and decode.py."""
 
 from __future__ import annotations
 
