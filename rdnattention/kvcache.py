@@ -289,24 +289,25 @@ def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqle
         lse = q.new_empty((batch, q.shape[2], q.shape[1]), dtype=torch.float32)
         pointers["lse"] = lse.data_ptr()
     regions = None
-    if fused:  # the attention's launch appends (fa2_decode_append) from the lengths before the append
+    if kernel:  # the append: in the attention's launch (fused: fa2_decode_append) or its own first
+        # What it writes for the attention alone, in the stream's workspace (replay.launch's regions)
+        # rather than allocated per call: its own launch's lengths after it (int32 [batch]; fused, the
+        # attention reads the lengths before it) and, with RoPE, the rotated queries (laid out as the
+        # planned call's torch.empty_like(q): dense, q's bytes).
         _count_kernel()
-        pointers["k_new"], pointers["v_new"], pointers["seqused_k"] = k.data_ptr(), v.data_ptr(), lengths.data_ptr()
-        if cos is not None:  # and rotates the queries into the stream's workspace (the planned empty_like(q))
-            regions = (q.numel() * q.element_size(), (("q", 0),))
-            pointers.update(q_src=q.data_ptr(), rotary_cos=cos.data_ptr(), rotary_sin=sin.data_ptr())
-    elif kernel:
-        # What the append writes for the attention alone, in the stream's workspace (replay.launch's
-        # regions) rather than allocated per call: the lengths after it (int32 [batch]) and, with RoPE,
-        # the rotated queries (laid out as the planned call's torch.empty_like(q): dense, q's bytes).
-        _count_kernel()
-        pointers.update(k_new=k.data_ptr(), v_new=v.data_ptr(), cache_seqlens=lengths.data_ptr())
-        nbytes, fields = workspace.align(4 * batch), (("seqused_k", 0),)
+        pointers["k_new"], pointers["v_new"] = k.data_ptr(), v.data_ptr()
+        if fused:
+            pointers["seqused_k"] = lengths.data_ptr()
+            nbytes, fields = 0, ()
+        else:
+            pointers["cache_seqlens"] = lengths.data_ptr()
+            nbytes, fields = workspace.align(4 * batch), (("seqused_k", 0),)
         if cos is not None:
             fields += (("q", nbytes),)
             nbytes += q.numel() * q.element_size()
             pointers.update(q_src=q.data_ptr(), rotary_cos=cos.data_ptr(), rotary_sin=sin.data_ptr())
-        regions = (nbytes, fields)
+        if fields:
+            regions = (nbytes, fields)
     else:
         pointers["seqused_k"] = lengths.data_ptr()
     if cache_batch_idx is not None or block_table is not None or score is not NO_SCORE_OPTIONS:
@@ -485,19 +486,10 @@ def _fuse(plan: Plan | None, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, 
     if cos is not None and plan.launches[0].kernel.head_dim < dec_family.ROPE_MIN_HEAD_DIM:
         return False  # compiled without the rotation (families/dec.py)
     args = plan.launches[0].args
-    args.append_rows = k.shape[1]
-    args.k_new, args.v_new = k.data_ptr(), v.data_ptr()
-    args.kn_stride_b, args.kn_stride_s, args.kn_stride_h = k.stride()[:3]
-    args.vn_stride_b, args.vn_stride_s, args.vn_stride_h = v.stride()[:3]
-    if cos is not None:
-        args.rope = 1 if interleaved else 2
-        args.q_src, args.rotary_cos, args.rotary_sin = q.data_ptr(), cos.data_ptr(), sin.data_ptr()
-        args.qs_stride_b, args.qs_stride_s, args.qs_stride_h = q.stride()[:3]
-        args.cos_stride, args.cos_stride_c = cos.stride()
-        args.sin_stride, args.sin_stride_c = sin.stride()
-        args.positions, args.rotary_half = cos.shape
-        args.rotary_dtype = append_family.TABLE_DTYPES[str(cos.dtype)]
-        args.q_local = int(local)
+    args.append_rows, args.k_new, args.v_new = k.shape[1], k.data_ptr(), v.data_ptr()
+    args.rope = 0 if cos is None else 1 if interleaved else 2
+    for name, value in append_family.shared_fields(k, v, q, cos, sin, local).items():
+        setattr(args, name, value)
     return True
 
 

@@ -47,6 +47,8 @@ def replayed_score(softcap, alibi_slopes, sinks) -> ScoreOptions:
     if alibi_slopes is None and sinks is None and type(softcap) is float and not softcap:
         return NO_SCORE_OPTIONS
     return ScoreOptions(softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks)
+
+
 @dataclass(frozen=True)
 class Options:
     """A validated call's options, in the kernel's terms."""

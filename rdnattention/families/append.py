@@ -112,6 +112,22 @@ def select(table: TargetTable, interleaved: bool | None, dtype: str | None):
                         layout=rope_layout(interleaved), dtype=dtype)
 
 
+def shared_fields(k_new, v_new, q, cos, sin, local: bool) -> dict[str, int]:
+    """The values of the fields these kernels share with the split-KV decode's (NEW_STRIDE_FIELDS,
+    and with RoPE tables the queries' source, the tables, QUERY_SOURCE_STRIDE_FIELDS,
+    TABLE_STRIDE_FIELDS and TABLE_FIELDS) for a validated call."""
+    fields = {"q_local": int(local)}
+    fields["kn_stride_b"], fields["kn_stride_s"], fields["kn_stride_h"] = k_new.stride()[:3]
+    fields["vn_stride_b"], fields["vn_stride_s"], fields["vn_stride_h"] = v_new.stride()[:3]
+    if cos is not None:
+        fields.update(q_src=q.data_ptr(), rotary_cos=cos.data_ptr(), rotary_sin=sin.data_ptr(),
+                      cos_stride=cos.stride(0), cos_stride_c=cos.stride(1), sin_stride=sin.stride(0),
+                      sin_stride_c=sin.stride(1), positions=cos.shape[0], rotary_half=cos.shape[1],
+                      rotary_dtype=TABLE_DTYPES[str(cos.dtype)])
+        fields["qs_stride_b"], fields["qs_stride_s"], fields["qs_stride_h"] = q.stride()[:3]
+    return fields
+
+
 def launch(table: TargetTable, *, k_new, v_new, k_cache, v_cache, q, q_out, cache_seqlens, used, cache_batch_idx,
            block_table, cos, sin, interleaved: bool, local: bool, dtype: str | None) -> Launch:
     """The append launch of a validated call (shapes, strides and dtypes checked by kvcache.py):
@@ -126,8 +142,8 @@ def launch(table: TargetTable, *, k_new, v_new, k_cache, v_cache, q, q_out, cach
                   cache_seqlens=cache_seqlens.data_ptr(), seqused_k=used.data_ptr(), batch=batch, seq_new=seq_new,
                   seq_q=seq_q, heads_kv=heads_kv, heads_q=heads_q, head_dim=head_dim,
                   cache_len=block_table.shape[1] * page if paged else page, cache_rows=k_cache.shape[0],
-                  q_local=int(local))
-    for prefix, t in (("kn", k_new), ("vn", v_new), ("kc", k_cache), ("vc", v_cache)):
+                  **shared_fields(k_new, v_new, q, cos, sin, local))
+    for prefix, t in (("kc", k_cache), ("vc", v_cache)):
         fields[f"{prefix}_stride_b"], fields[f"{prefix}_stride_s"], fields[f"{prefix}_stride_h"] = t.stride()[:3]
     if cache_batch_idx is not None:
         fields["cache_batch_idx"] = cache_batch_idx.data_ptr()
@@ -137,11 +153,7 @@ def launch(table: TargetTable, *, k_new, v_new, k_cache, v_cache, q, q_out, cach
     rows = max(seq_new, 1)
     if cos is not None:
         rows = max(rows, seq_q)
-        fields.update(q_src=q.data_ptr(), q=q_out.data_ptr(), rotary_cos=cos.data_ptr(), rotary_sin=sin.data_ptr(),
-                      cos_stride=cos.stride(0), cos_stride_c=cos.stride(1), sin_stride=sin.stride(0),
-                      sin_stride_c=sin.stride(1), positions=cos.shape[0], rotary_half=cos.shape[1],
-                      rotary_dtype=TABLE_DTYPES[str(cos.dtype)])
-        fields["qs_stride_b"], fields["qs_stride_s"], fields["qs_stride_h"] = q.stride()[:3]
+        fields["q"] = q_out.data_ptr()
         fields["q_stride_b"], fields["q_stride_s"], fields["q_stride_h"] = q_out.stride()[:3]
     fields["rows"] = rows
     return Launch(kernel=entry, grid=(rows * batch, 1, 1), block=entry.threads, shared_bytes=table.shared_bytes(entry),

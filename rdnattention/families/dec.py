@@ -44,18 +44,19 @@ SPLIT_FIELDS = (("splits", "int"), ("part_o", "float*"), ("part_lse", "float*"),
 # packed offsets may address (f16.PACKED_BOUND_FIELDS).
 BOUND_FIELDS = (("kv_rows", "int"), *f16.PACKED_BOUND_FIELDS)
 
-# flash_attn_with_kvcache's append, in the launch that reads it (kvcache.py fuses them where the
-# attention is one launch of these kernels): with append_rows > 0, seqused_k points at cache_seqlens
-# (the lengths before the append), and sequence b's append_rows new keys and values (k_new, v_new
-# [batch, append_rows, heads_kv, head_dim]) are written at positions cache_seqlens[b] (bounded to
-# [0, seq_k - append_rows]) onwards. With RoPE tables (rope 1: pairs, 2: halves; 0: none), k is
-# rotated at its position and the queries are rotated from q_src [batch, seq_q, heads_q, head_dim]
-# into q (at cache_seqlens, + i for row i where q_local), as the append kernel rotates them
-# (append.py: the table fields mean what they mean there), in kernels of head_dim ROPE_MIN_HEAD_DIM and up.
 # The least kernel head_dim that rotates (fa2_decode.h's FA2_DECODE_ROPE_MIN_D): the head_dim 8 and
 # 16 tiles are compiled without the rotation, whose float64 registers cost them waves on every AMD
 # target; their calls with RoPE tables run the append kernel's launch first.
 ROPE_MIN_HEAD_DIM = 24
+
+# flash_attn_with_kvcache's append, in the launch that reads it (kvcache.py fuses them where the
+# attention is one launch of these kernels): with append_rows > 0, seqused_k points at cache_seqlens
+# (the lengths before the append), and sequence b's append_rows new keys and values (k_new, v_new
+# [batch, append_rows, heads_kv, head_dim]) are written at positions cache_seqlens[b] (bounded to
+# [0, seq_k - append_rows]) onwards. With RoPE tables (rope 1: pairs, 2: halves; 0: none), in kernels
+# of head_dim ROPE_MIN_HEAD_DIM and up, k is rotated at its position and the queries are rotated from
+# q_src [batch, seq_q, heads_q, head_dim] into q (at cache_seqlens, + i for row i where q_local), as
+# the append kernel rotates them (append.py: the shared fields mean what they mean there).
 APPEND_FIELDS = (
     ("k_new", "const half_t*"), ("v_new", "const half_t*"),
     ("q_src", "const half_t*"), ("rotary_cos", "const float*"), ("rotary_sin", "const float*"),
