@@ -29,9 +29,10 @@ written out in torch (softmax of the capped scores, the sinks in the denominator
 cannot express.
 
 Inputs that require grad (training, LoRA fine-tuning) run rdnattention's backward through
-autograd where it serves them (:func:`_trainable`: whole sequences, causal or full, sliding windows,
-softcaps and sinks (learned sinks get their gradient), a head_dim and dtype with backward kernels);
-padded batches fall back."""
+autograd where it serves them (:func:`_trainable`: whole sequences and padded batches, causal or
+full, sliding windows, softcaps and sinks (learned sinks get their gradient), a head_dim and dtype
+with backward kernels). A padded batch's valid rows are packed into sequences for
+flash_attn_varlen_func, whose backward takes per-sequence lengths (:func:`_packed_trainable`)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from .. import api, checks, ops, options, padding, replay, route
+from .. import api, checks, ops, options, padding, replay, route, varlen
 from ..errors import InvalidArgumentError, KernelsNotBuiltError, UnsupportedError
 
 NAME = "rdnattention"
@@ -280,9 +281,9 @@ def _trainable(query, key, value, mask, causal: bool, scale: float, left: int, k
     Served: whole sequences (no mask, or a mask that is causal or full over every position: batches
     of equal length, as training packs them), causal with queries at the end of the keys or full, a
     sliding window, a softcap, attention sinks (``s_aux``, learned or not: they get their gradient);
-    with a head_dim and dtype the device has backward kernels for. Padded batches (reading their mask
-    costs a synchronisation, and the backward takes no per-sequence lengths) run transformers' sdpa
-    attention."""
+    with a head_dim and dtype the device has backward kernels for. Padded batches (a mask of one run
+    of valid queries and keys per sequence, as _runs reads it; reading it costs a synchronisation,
+    as in inference) run packed (_packed_trainable)."""
     try:
         table = route.device_table(query.device)
     except (KernelsNotBuiltError, UnsupportedError) as e:
@@ -294,12 +295,14 @@ def _trainable(query, key, value, mask, causal: bool, scale: float, left: int, k
     if mask is not None:
         if not checks.can_read(mask):
             return "inputs that require grad, and reading the attention mask needs the device", None
+        checks.check_memory("attention_mask", mask)
         runs = _runs(_broadcast(mask, query, key), causal, left)
-        whole = runs is not None and bool((torch.stack(runs) == torch.tensor(
-            [[0], [seq_q], [0], [seq_k]], dtype=torch.int32, device=mask.device)).all())  # one read, not four
-        if not whole:
-            return ("inputs that require grad with a padded batch (the backward pass takes no per-sequence "
-                    "lengths)"), None
+        if runs is None:
+            return ("inputs that require grad, and an attention mask that is not causal or full over one run of "
+                    "valid positions per sequence"), None
+        out = _packed_trainable(query, key, value, runs, causal, scale, left, kwargs)
+        if out is not None:
+            return None, out
     elif causal and seq_q != seq_k and seq_q > 1:  # sdpa's is_causal without a mask is top-left
         return "inputs that require grad, is_causal and no mask with fewer queries than keys", None
     sinks = kwargs.get("s_aux")
@@ -307,6 +310,49 @@ def _trainable(query, key, value, mask, causal: bool, scale: float, left: int, k
                          softmax_scale=scale, softcap=float(kwargs.get("softcap") or 0.0),
                          sinks=None if sinks is None else sinks.to(torch.float32))  # the cast keeps its gradient
     return None, out.transpose(1, 2)
+
+
+def _packed_rows(first: torch.Tensor, count: torch.Tensor, per: int, total: int):
+    """The rows of each sequence's run in [batch * per] flat rows (sequence b's ``count[b]`` rows from
+    ``b * per + first[b]``), one after another as int64 indices, and the int32 offsets [batch + 1] of
+    the runs in that packed order; ``total``: the sum of ``count`` (so nothing is read back)."""
+    cu = torch.zeros(count.shape[0] + 1, dtype=torch.int32, device=count.device)
+    cu[1:] = count.cumsum(0)
+    base = torch.arange(count.shape[0], device=count.device) * per + first - cu[:-1]
+    rows = torch.repeat_interleave(base, count, output_size=total) + torch.arange(total, device=count.device)
+    return rows, cu
+
+
+def _packed_trainable(query, key, value, runs, causal: bool, scale: float, left: int, kwargs: dict):
+    """A padded batch that requires grad, as [batch, seq_q, heads, head_dim]: the run of valid query
+    rows and the run of valid keys of each sequence (``runs``, _runs') gathered into packed
+    sequences, as transformers' flash-attention path unpads them, run through
+    flash_attn_varlen_func (its autograd: the packed backward passes) and scattered back, padding
+    rows zero as in the forward. The gathers and the scatter are torch's differentiable indexing,
+    so the gradients reach the padded tensors. None where every sequence is whole (no copy needed:
+    the caller runs the batch as it is). One read of the run lengths (the packed sizes)."""
+    q0, sq, k0, n = runs
+    batch, heads, seq_q, head_dim = query.shape
+    seq_k = key.shape[2]
+    zero = sq.new_zeros(1)
+    whole = ((sq == seq_q) & (n == seq_k) & (q0 == 0) & (k0 == 0)).all().int()
+    whole, max_q, max_k, total_q, total_k = torch.stack(
+        [whole, torch.cat([sq, zero]).max(), torch.cat([n, zero]).max(), sq.sum(), n.sum()]).tolist()
+    if whole:
+        return None
+    rows_q, cu_q = _packed_rows(q0.long(), sq, seq_q, total_q)
+    rows_k, cu_k = _packed_rows(k0.long(), n, seq_k, total_k)
+
+    def packed(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # [batch, h, s, d] -> [total, h, d]
+        return t.transpose(1, 2).reshape(-1, t.shape[1], head_dim).index_select(0, rows)
+
+    sinks = kwargs.get("s_aux")
+    out = varlen.flash_attn_varlen_func(
+        packed(query, rows_q), packed(key, rows_k), packed(value, rows_k), cu_q, cu_k, max_q, max_k,
+        softmax_scale=scale, causal=causal, window_size=(left, 0 if causal else -1),
+        softcap=float(kwargs.get("softcap") or 0.0), sinks=None if sinks is None else sinks.to(torch.float32))
+    full = out.new_zeros(batch * seq_q, heads, head_dim).index_copy(0, rows_q, out)
+    return full.view(batch, seq_q, heads, head_dim)
 
 
 def _math(query, key, value, mask, causal: bool, scale: float, softcap: float, sinks) -> torch.Tensor:

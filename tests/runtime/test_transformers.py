@@ -365,26 +365,73 @@ def test_lora_fine_tuning_under_fp16_autocast_runs_the_backward_and_matches_sdpa
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), atol=5e-3, rtol=0)
 
 
-def test_training_on_a_padded_batch_falls_back_with_its_reason(device):
-    """The backward takes no per-sequence lengths: a padded batch that requires grad runs sdpa,
-    counted and warned once, with gradients equal to sdpa's."""
-    model = _model(device, dtype=torch.float16).train()
-    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6]], device=device)
+def _padded_grads(model, impl, ids, mask):
+    """The loss's gradients with respect to layer 0's q, k and v projections (and gpt-oss's sinks)
+    after one step on a padded batch under fp16 autocast, the padding positions out of the loss
+    (label -100, as a collator pads labels)."""
+    _use(model, impl)
+    model.zero_grad()
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.autocast(ids.device.type, dtype=torch.float16):
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    attn = model.model.layers[0].self_attn
+    grads = [attn.q_proj.weight.grad, attn.k_proj.weight.grad, attn.v_proj.weight.grad]
+    if getattr(attn, "sinks", None) is not None:
+        grads.append(attn.sinks.grad)
+    return [g.clone() for g in grads]
+
+
+@pytest.mark.parametrize("kind,padding", [("llama", "left"), ("llama", "right"), ("gpt_oss", "left")])
+def test_training_on_a_padded_batch_runs_the_kernels(device, kind, padding):
+    """A padded batch that requires grad (fine-tuning with a padding collator): every attention call
+    runs the kernels forward and backward, the valid rows packed into sequences
+    (flash_attn_varlen_func), and the gradients of the attention weights (and gpt-oss's learned
+    sinks) match sdpa's (eager's with sinks) within fp16 rounding; fp32 weights, fp16 autocast."""
+    model = (_model(device) if kind == "llama" else _score_model(kind, device)).float().train()
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 3], [1, 2, 3, 4, 5, 6, 7, 8], [0, 0, 0, 0, 0, 9, 4, 2]], device=device)
+    if padding == "right":
+        ids = torch.stack([torch.cat([r[r != 0], r[r == 0]]) for r in ids])
     mask = (ids != 0).long()
-    grads = {}
-    for impl in ("rdnattention", "sdpa"):
-        _use(model, impl)
-        model.zero_grad()
-        rt.counts(reset=True)
-        with warnings.catch_warnings(record=True):
-            warnings.simplefilter("always")
-            model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
-        grads[impl] = model.model.layers[0].self_attn.q_proj.weight.grad.clone()
-        if impl == "rdnattention":
-            c = rt.counts()
-            assert c["served"] == 0 and list(c["fallbacks"]) == [
-                "inputs that require grad with a padded batch (the backward pass takes no per-sequence lengths)"], c
-    assert torch.equal(grads["rdnattention"], grads["sdpa"])
+    rt.counts(reset=True)
+    ours = _padded_grads(model, "rdnattention", ids, mask)
+    c = rt.counts()
+    assert (c["served"], c["fallback"]) == (2, 0), c  # both layers, nothing fell back
+    ref = _padded_grads(model, "sdpa" if kind == "llama" else "eager", ids, mask)
+    for a, b in zip(ours, ref):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, atol=2e-2 * b.abs().max().item(), rtol=0)
+
+
+def test_padded_training_packs_only_the_valid_rows(host_build):
+    """The packed path itself, against the float64 oracle per sequence: a causal GQA batch of left
+    and right padding and a sequence with more keys than queries; the padding rows are zero, get no
+    gradient, and the gradients of the valid rows are the oracle's."""
+    from rdnattention import reference
+    torch.manual_seed(0)
+    batch, heads, heads_kv, seq_q, seq_k, d = 3, 4, 2, 5, 7, 64
+    q = torch.randn(batch, heads, seq_q, d, dtype=torch.float16, requires_grad=True)
+    k = torch.randn(batch, heads_kv, seq_k, d, dtype=torch.float16, requires_grad=True)
+    v = torch.randn(batch, heads_kv, seq_k, d, dtype=torch.float16, requires_grad=True)
+    # (first query row, query rows, first key, keys) per sequence
+    runs = [(2, 3, 3, 4), (0, 5, 0, 7), (0, 2, 0, 5)]
+    q0, sq, k0, n = (torch.tensor(c, dtype=torch.int32) for c in zip(*runs))
+    out = rt._packed_trainable(q, k, v, (q0, sq, k0, n), True, d ** -0.5, -1, {})
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    for b, (a, m, c, l) in enumerate(runs):
+        qs, ks, vs = q[b:b + 1, :, a:a + m], k[b:b + 1, :, c:c + l], v[b:b + 1, :, c:c + l]
+        dout = grad[b:b + 1, a:a + m].transpose(1, 2)
+        ref = reference.attention_reference(qs, ks, vs, is_causal=True, softmax_scale=d ** -0.5)
+        grads = reference.attention_gradients(qs, ks, vs, dout, is_causal=True, softmax_scale=d ** -0.5)
+        torch.testing.assert_close(out[b, a:a + m].double(), ref[0].transpose(0, 1), atol=2e-3, rtol=0)
+        for ours, theirs, lo, hi in zip((q, k, v), grads, (a, c, c), (a + m, c + l, c + l)):
+            torch.testing.assert_close(ours.grad[b, :, lo:hi].double(), theirs[0], atol=1e-2, rtol=0)
+            outside = torch.ones(ours.shape[2], dtype=torch.bool)
+            outside[lo:hi] = False
+            assert not ours.grad[b, :, outside].any()
+        padding_rows = torch.ones(seq_q, dtype=torch.bool)
+        padding_rows[a:a + m] = False
+        assert not out[b, padding_rows].any()
 
 
 def test_a_repeated_call_replays_and_what_its_key_does_not_hold_takes_the_full_path(host_build, monkeypatch):
