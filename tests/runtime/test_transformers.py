@@ -402,9 +402,11 @@ def test_training_on_a_padded_batch_runs_the_kernels(device, kind, padding):
         torch.testing.assert_close(a, b, atol=2e-2 * b.abs().max().item(), rtol=0)
 
 
-def test_padded_training_packs_only_the_valid_rows(host_build):
+@pytest.mark.parametrize("left,softcap", [(-1, 0.0), (2, 0.0), (-1, 3.0)])
+def test_padded_training_packs_only_the_valid_rows(host_build, left, softcap):
     """The packed path itself, against the float64 oracle per sequence: a causal GQA batch of left
-    and right padding and a sequence with more keys than queries; the padding rows are zero, get no
+    and right padding and a sequence with more keys than queries, plain, with a sliding window of
+    ``left`` keys before the diagonal, or with a softcap; the padding rows are zero, get no
     gradient, and the gradients of the valid rows are the oracle's."""
     from rdnattention import reference
     torch.manual_seed(0)
@@ -415,14 +417,15 @@ def test_padded_training_packs_only_the_valid_rows(host_build):
     # (first query row, query rows, first key, keys) per sequence
     runs = [(2, 3, 3, 4), (0, 5, 0, 7), (0, 2, 0, 5)]
     q0, sq, k0, n = (torch.tensor(c, dtype=torch.int32) for c in zip(*runs))
-    out = rt._packed_trainable(q, k, v, (q0, sq, k0, n), True, d ** -0.5, -1, {})
+    out = rt._packed_trainable(q, k, v, (q0, sq, k0, n), True, d ** -0.5, left, {"softcap": softcap})
     grad = torch.randn_like(out)
     out.backward(grad)
     for b, (a, m, c, l) in enumerate(runs):
         qs, ks, vs = q[b:b + 1, :, a:a + m], k[b:b + 1, :, c:c + l], v[b:b + 1, :, c:c + l]
         dout = grad[b:b + 1, a:a + m].transpose(1, 2)
-        ref = reference.attention_reference(qs, ks, vs, is_causal=True, softmax_scale=d ** -0.5)
-        grads = reference.attention_gradients(qs, ks, vs, dout, is_causal=True, softmax_scale=d ** -0.5)
+        opts = dict(is_causal=True, window_size=(left, 0), softmax_scale=d ** -0.5, softcap=softcap)
+        ref = reference.attention_reference(qs, ks, vs, **opts)
+        grads = reference.attention_gradients(qs, ks, vs, dout, **opts)
         torch.testing.assert_close(out[b, a:a + m].double(), ref[0].transpose(0, 1), atol=2e-3, rtol=0)
         for ours, theirs, lo, hi in zip((q, k, v), grads, (a, c, c), (a + m, c + l, c + l)):
             torch.testing.assert_close(ours.grad[b, :, lo:hi].double(), theirs[0], atol=1e-2, rtol=0)
