@@ -241,6 +241,31 @@ def test_gradients_run_rdnattentions_backward_where_it_has_one(patched, mask):
     _served(1)
 
 
+@pytest.mark.parametrize("lengths,seq_q,causal", [((24, 17, 0, 9), 24, False), ((24, 17, 5, 9), 4, True)])
+def test_gradients_of_a_key_padding_mask_run_one_packed_call(patched, monkeypatch, lengths, seq_q, causal):
+    """Key padding with gradients (each sequence's first keys, one window: none, or causal with the
+    queries at the end of the keys; a sequence may have no key): one call of the packed kernels on
+    the sequences' keys, no call per sequence; the output and the gradients are torch's float32
+    ones within fp16 rounding (its rows that see no key: zero), and the keys past each sequence's
+    length get none."""
+    batch, seq_k = len(lengths), 24
+    q, k, v = _qkv(b=batch, hq=4, hk=2, sq=seq_q, sk=seq_k, d=64)
+    n = torch.tensor(lengths)[:, None, None, None]
+    j, i = torch.arange(seq_k), torch.arange(seq_q)[:, None]
+    mask = (j < n) & ((j <= i + n - seq_q) if causal else True)  # [batch, 1, seq_q, seq_k]
+    monkeypatch.setattr(patch._Run, "_one", lambda *a: pytest.fail("a call per sequence"))
+    kw = {"attn_mask": mask, "enable_gqa": True}
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).half()
+    ours = _grads(F.scaled_dot_product_attention, q, k, v, g, **kw)
+    ref = _grads(_reference, q, k, v, g.float(), **kw)
+    for a, b in zip(ours, ref):
+        assert a.dtype == torch.float16
+        torch.testing.assert_close(a.float(), b.float().nan_to_num(0.0), atol=1e-2, rtol=1e-2)
+    for b, length in enumerate(lengths):
+        assert not ours[2][b, :, length:].any() and not ours[3][b, :, length:].any()
+    _served(1)
+
+
 def test_gradients_without_a_backward_kernel_run_torchs_function(patched):
     q, k, v = (t.requires_grad_() for t in _qkv())  # head_dim 32: no backward kernel on the host
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
