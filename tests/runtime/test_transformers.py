@@ -405,22 +405,25 @@ def test_training_on_a_padded_batch_runs_the_kernels(device, kind, padding):
 @pytest.mark.parametrize("left,softcap", [(-1, 0.0), (2, 0.0), (-1, 3.0)])
 def test_padded_training_packs_only_the_valid_rows(host_build, left, softcap):
     """The packed path itself, against the float64 oracle per sequence: a causal GQA batch of left
-    and right padding and a sequence with more keys than queries, plain, with a sliding window of
-    ``left`` keys before the diagonal, or with a softcap; the padding rows are zero, get no
-    gradient, and the gradients of the valid rows are the oracle's."""
+    and right padding, a sequence with more keys than queries and one of padding alone; plain, with
+    a sliding window of ``left`` keys before the diagonal, or with a softcap. The padding rows are
+    zero and get no gradient; the gradients of the valid rows are the oracle's."""
     from rdnattention import reference
     torch.manual_seed(0)
-    batch, heads, heads_kv, seq_q, seq_k, d = 3, 4, 2, 5, 7, 64
+    batch, heads, heads_kv, seq_q, seq_k, d = 4, 4, 2, 5, 7, 64
     q = torch.randn(batch, heads, seq_q, d, dtype=torch.float16, requires_grad=True)
     k = torch.randn(batch, heads_kv, seq_k, d, dtype=torch.float16, requires_grad=True)
     v = torch.randn(batch, heads_kv, seq_k, d, dtype=torch.float16, requires_grad=True)
     # (first query row, query rows, first key, keys) per sequence
-    runs = [(2, 3, 3, 4), (0, 5, 0, 7), (0, 2, 0, 5)]
+    runs = [(2, 3, 3, 4), (0, 5, 0, 7), (0, 0, 0, 0), (0, 2, 0, 5)]  # the third all padding
     q0, sq, k0, n = (torch.tensor(c, dtype=torch.int32) for c in zip(*runs))
     out = rt._packed_trainable(q, k, v, (q0, sq, k0, n), True, d ** -0.5, left, {"softcap": softcap})
     grad = torch.randn_like(out)
     out.backward(grad)
     for b, (a, m, c, l) in enumerate(runs):
+        if m == 0:
+            assert not out[b].any() and not q.grad[b].any() and not k.grad[b].any() and not v.grad[b].any()
+            continue
         qs, ks, vs = q[b:b + 1, :, a:a + m], k[b:b + 1, :, c:c + l], v[b:b + 1, :, c:c + l]
         dout = grad[b:b + 1, a:a + m].transpose(1, 2)
         opts = dict(is_causal=True, window_size=(left, 0), softmax_scale=d ** -0.5, softcap=softcap)
