@@ -22,7 +22,8 @@ kernel, dropout while training, attention outputs or position biases, tensors or
 take, any other mask (biases, sliding windows, document masks), and calls captured into a CUDA
 graph (reading the mask needs the device: transformers' compiled StaticCache generation captures
 its decode steps; eager generation with a StaticCache runs the kernels). Reading the mask costs
-one device synchronisation per call. Rows of padding queries are zero. A logit softcap (Gemma 2's
+one device synchronisation per call. Rows of padding queries are zero (eager attention averages
+every key there; docs/api.md says where that reaches a training loss). A logit softcap (Gemma 2's
 ``softcap``) and attention sinks (gpt-oss's ``s_aux``, one logit per query head) run in the kernels
 (rdnattention's ``softcap`` and ``sinks``); where such a call falls back, it runs the attention
 written out in torch (softmax of the capped scores, the sinks in the denominator), which sdpa

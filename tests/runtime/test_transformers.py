@@ -368,10 +368,14 @@ def test_lora_fine_tuning_under_fp16_autocast_runs_the_backward_and_matches_sdpa
 def _padded_grads(model, impl, ids, mask):
     """The loss's gradients with respect to layer 0's q, k and v projections (and gpt-oss's sinks)
     after one step on a padded batch under fp16 autocast, the padding positions out of the loss
-    (label -100, as a collator pads labels)."""
+    (label -100, as a collator pads labels). The causal loss predicts label t + 1 from position t,
+    so the first token after left padding is predicted from a padding row: its label is -100 too.
+    Padding rows see no key; what attention gives there is the implementation's (zero here and in
+    torch's CPU SDPA, an average over every key in eager attention and on CUDA's SDPA)."""
     _use(model, impl)
     model.zero_grad()
-    labels = ids.masked_fill(mask == 0, -100)
+    after_padding = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], 1) == 0
+    labels = ids.masked_fill((mask == 0) | after_padding, -100)
     with torch.autocast(ids.device.type, dtype=torch.float16):
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     attn = model.model.layers[0].self_attn
