@@ -95,6 +95,32 @@ def test_multihead_attention_is_served(patched, masks):
     _close_to_float32(ours[valid], fp16[valid], fp32[valid])
 
 
+def test_multihead_attention_trains_with_key_padding_in_one_packed_call(patched, monkeypatch):
+    """Training through nn.MultiheadAttention with a key padding mask (head_dim 64, which has backward
+    kernels; fp32 weights under fp16 autocast): one call of the packed kernels, forward and backward,
+    no call per sequence; the weights' gradients are as close to float32's as torch's own under
+    autocast, to fp16 rounding."""
+    dev = patched
+    monkeypatch.setattr(patch._Run, "_one", lambda *a: pytest.fail("a call per sequence"))
+    x = torch.randn(L, BATCH, 128, device=dev)
+    g = torch.randn(L, BATCH, 128, device=dev)
+    padding = PADDING.to(dev)
+
+    def grads(autocast: bool):
+        m = _mha(128, 2).to(dev).train()
+        with torch.autocast(dev.type, dtype=torch.float16, enabled=autocast):
+            out = m(x, x, x, need_weights=False, key_padding_mask=padding)[0]
+        out.float().backward(g)
+        return m.in_proj_weight.grad
+
+    ours = grads(True)
+    assert _counts() == (1, {})
+    fp16 = _unpatched(lambda: grads(True))
+    fp32 = _unpatched(lambda: grads(False))
+    assert fp32.abs().max() > 0
+    _close_to_float32(ours, fp16, fp32)
+
+
 def test_multihead_attention_of_head_dim_12_runs_torchs_function(patched):
     dev = patched
     m = _mha(48, 4).half().to(dev)  # head_dim 12: not a multiple of 8, no kernel on any target
