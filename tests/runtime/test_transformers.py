@@ -371,7 +371,7 @@ def _padded_grads(model, impl, ids, mask):
     (label -100, as a collator pads labels). The causal loss predicts label t + 1 from position t,
     so the first token after left padding is predicted from a padding row: its label is -100 too.
     Padding rows see no key; what attention gives there is the implementation's (zero here and in
-    torch's CPU SDPA, an average over every key in eager attention and on CUDA's SDPA)."""
+    torch's CPU SDPA, an average over every key in eager attention; on the H200 sdpa's differed)."""
     _use(model, impl)
     model.zero_grad()
     after_padding = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], 1) == 0
