@@ -39,6 +39,11 @@ SHAPES = [
     ("GQA 32/8 S2048 D128", 1, 32, 8, 2048, 128, True, torch.float16),
     ("1x32x2048x128 bf16", 1, 32, 32, 2048, 128, True, torch.bfloat16),
     ("4x16x1024x64", 4, 16, 16, 1024, 64, True, torch.float16),
+    # Stable Diffusion 1.5's UNet self-attention at 512x512 (latents 64x64, 32x32, 16x16; 8 heads of
+    # 40, 80, 160), batch 2: the shapes of LoRA training
+    ("SD 1.5 2x8x4096x40", 2, 8, 8, 4096, 40, False, torch.float16),
+    ("SD 1.5 2x8x1024x80", 2, 8, 8, 1024, 80, False, torch.float16),
+    ("SD 1.5 2x8x256x160", 2, 8, 8, 256, 160, False, torch.float16),
 ]
 GOAL_PEAK = 0.45   # of the FP32 FMA peak at [1,32,2048,128] causal
 GOAL_MATH = 2.0    # times faster than torch's fp32 math backward
