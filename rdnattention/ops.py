@@ -12,9 +12,13 @@ transforms (softcap, ALiBi slopes or None, sinks or None)."""
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections import Counter
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from . import checks, options, replay, route
 from .call import DTYPE_OPTIONS
@@ -229,14 +233,61 @@ def _(q, k, v, rotary_cos, rotary_sin, window_left, window_right, softmax_scale,
 # families/bwd.py) from the saved q, k, v, output and log-sum-exp. Calls whose options the backward
 # kernels do not take are refused when autograd records them (options.validate), naming the option.
 
+# A head_dim without backward kernels of its own runs those of the next head_dim built for its
+# dtype, on copies of q, k, v, the output and its gradient padded with zero columns: a zero column
+# adds nothing to a score, to rowsum(dO * O) or to any other column's gradient, and its own gradient
+# columns are sliced off. The call pays the copies and the wider kernel's work; each is counted by
+# (target, dtype, head_dims) (backward_counts, rdnattention.stats()["backward"]), and the first of
+# each logs one line.
+log = logging.getLogger("rdnattention")
+_padded: Counter = Counter()
+_padded_logged: set[str] = set()
+_padded_lock = threading.Lock()
+
+
+def backward_head_dim(table, head_dim: int, dtype: str | None, passes: tuple = bwd.DETERMINISTIC) -> int | None:
+    """The head_dim whose backward kernels (``passes``) serve a call of ``head_dim`` in ``dtype`` on
+    ``table``'s target: its own where they are built, else the next one built (the call padded to
+    it), or None where none is."""
+    if bwd.served(table, head_dim, dtype, passes):
+        return head_dim
+    return next((d for d in table.head_dims(bwd.NAME, None, dtype) if d > head_dim and bwd.served(table, d, dtype, passes)),
+                None)
+
+
 def backward_missing(table, q: torch.Tensor) -> str | None:
     """Why ``table``'s target cannot run the backward of a call on q (no backward kernel for its
-    head_dim and dtype), or None: the one check the entry points and the integrations share."""
+    head_dim and dtype, nor for a larger head_dim to pad it to), or None: the one check the entry
+    points and the integrations share."""
     dtype = DTYPE_OPTIONS.get(str(q.dtype))
-    if bwd.served(table, q.shape[-1], dtype):
+    if backward_head_dim(table, q.shape[-1], dtype) is not None:
         return None
     return (f"{table.target} has no backward kernel for {'bf16' if dtype else 'fp16'} head_dim {q.shape[-1]} "
-            f"(built head_dims: {table.head_dims(bwd.NAME, None, dtype)})")
+            f"or above (built head_dims: {table.head_dims(bwd.NAME, None, dtype)})")
+
+
+def backward_counts(*, reset: bool = False) -> dict:
+    """The backward calls run padded to a larger head_dim: ``{"padded": calls, "head_dims": {"<target>
+    <dtype> head_dim <d> -> <padded>": calls}}`` (a copy; also ``rdnattention.stats()["backward"]``).
+    With ``reset=True`` the counts start again from zero, and each logs again."""
+    with _padded_lock:
+        out = {"padded": sum(_padded.values()), "head_dims": dict(_padded)}
+        if reset:
+            _padded.clear()
+            _padded_logged.clear()
+    return out
+
+
+def _count_padded(table, dtype: str | None, head_dim: int, padded: int) -> None:
+    reason = f"{table.target} {'bf16' if dtype else 'fp16'} head_dim {head_dim} -> {padded}"
+    with _padded_lock:
+        _padded[reason] += 1
+        first = reason not in _padded_logged
+        _padded_logged.add(reason)
+    if first:
+        log.warning("rdnattention: no backward kernel for %s head_dim %d on %s; its backward runs the head_dim %d "
+                    "kernels on copies padded with zero columns", "bf16" if dtype else "fp16", head_dim, table.target,
+                    padded)
 
 
 def check_backward_built(q: torch.Tensor) -> None:
@@ -266,7 +317,7 @@ def atomic_backward(table, q: torch.Tensor, deterministic: bool) -> bool:
     torch.use_deterministic_algorithms asks for one order."""
     return (not deterministic and not torch.are_deterministic_algorithms_enabled()
             and table.platform != "amdgcn"
-            and bwd.served(table, q.shape[-1], DTYPE_OPTIONS.get(str(q.dtype)), bwd.ATOMIC))
+            and bwd.served(table, q.shape[-1], DTYPE_OPTIONS.get(str(q.dtype)), bwd.ATOMIC))  # (q as padded)
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -279,12 +330,23 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     deterministic as ``atomic`` says (None: atomic_backward's choice); ``kernels`` forces each pass's
     kernel by name (bwd.plan). ``alibi_slopes``: the forward's, or None. ``packed`` =
     (cu_seqlens_q, cu_seqlens_k, max_q, max_k): q, out, dout [total_q, heads_q, head_dim], k, v
-    [total_k, heads_kv, head_dim], lse and dlse [heads_q, total_q], as the varlen forward's."""
+    [total_k, heads_kv, head_dim], lse and dlse [heads_q, total_q], as the varlen forward's. A
+    head_dim without backward kernels runs the next built one's on padded copies (backward_head_dim)."""
     if q.numel() == 0 or k.numel() == 0:  # no rows or no keys: nothing depends on anything
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    head_dim = padded = q.shape[-1]
+    if kernels == (None, None, None):
+        table = route.device_table(q.device)
+        dtype = DTYPE_OPTIONS.get(str(q.dtype))
+        padded = backward_head_dim(table, head_dim, dtype) or head_dim  # None: bwd.plan names the missing kernel
+        if padded != head_dim and dout.shape == q.shape:  # (a dout of another shape: backward_plan's error)
+            _count_padded(table, dtype, head_dim, padded)
+            q, k, v, out, dout = (F.pad(t, (0, padded - head_dim)) for t in (q, k, v, out, dout))
     p = backward_plan(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap,
                       deterministic, kernels, atomic, alibi_slopes, packed)
     p.run()
+    if q.shape[-1] != head_dim:
+        return tuple(g[..., :head_dim].contiguous() for g in p.outputs)
     return p.outputs
 
 

@@ -150,8 +150,9 @@ def stats(*, reset: bool = False) -> dict:
     transformers integration (integrations/transformers.py: register()'s attention function), zeros
     where it was never imported; "kvcache" the appends of flash_attn_with_kvcache (kvcache.counts:
     run by the append kernel, or by torch operations where none is built, by reason); "int8" the
-    quantizations of the INT8 entry points (int8.counts: likewise, by the quant kernel). With ``reset=True`` the counts start again from zero, and each reason logs its line
-    again."""
+    quantizations of the INT8 entry points (int8.counts: likewise, by the quant kernel); "backward" the
+    backward calls run padded to a larger head_dim's kernels (ops.backward_counts). With
+    ``reset=True`` the counts start again from zero, and each reason logs its line again."""
     global _served
     _check_bool("reset", reset)
     with _lock:
@@ -170,6 +171,7 @@ def stats(*, reset: bool = False) -> dict:
     from .. import int8  # the INT8 entry points' quantizations: kernel or torch operations
 
     out["int8"] = int8.counts(reset=reset)
+    out["backward"] = ops.backward_counts(reset=reset)  # backward calls padded to a larger head_dim
     return out
 
 

@@ -382,10 +382,37 @@ def test_entries_without_a_backward_are_refused(host_build):
         rdnattention.flash_attn_int8qk_quantized(q, k, v)
 
 
-def test_a_head_dim_without_backward_kernels_is_refused(host_build):
-    q, k, v, _ = _inputs(1, 2, 2, 20, 20, 32, torch.float16, 61)
-    with pytest.raises(UnsupportedError, match="no backward kernel for fp16 head_dim 32"):
+def test_a_head_dim_above_every_backward_kernel_is_refused(host_build):
+    q, k, v, _ = _inputs(1, 2, 2, 20, 20, 288, torch.float16, 61)  # the forward is built at 288
+    with pytest.raises(UnsupportedError, match="no backward kernel for fp16 head_dim 288 or above"):
         flash_attn(q.requires_grad_(), k, v)
+
+
+# (head_dim, dtype, the head_dim whose kernels run it): the next one built on the host (fp16 backward:
+# 40, 64, 80, 96, 128, 160, 256), at head_dims whose forward the host builds (bf16's forward is built
+# only where its backward is)
+PADDED = [(8, "fp16", 40), (32, "fp16", 40), (200, "fp16", 256)]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("head_dim,dtype,padded", PADDED, ids=[f"{d}-{t}" for d, t, _ in PADDED])
+def test_a_head_dim_without_backward_kernels_runs_the_next_ones_padded(host_build, ran, head_dim, dtype, padded,
+                                                                       deterministic):
+    """A head_dim with no backward kernels of its own runs those of the next one built for its dtype,
+    on copies padded with zero columns: the gradients are the oracle's, every pass the padded
+    head_dim's, and the call is counted (stats()["backward"]) and logged once."""
+    rdnattention.stats(reset=True)
+    for case in ("causal_gqa", "alibi_batch_window_softcap"):
+        b, hq, hk, sq, sk, options = CASES[case]
+        q, k, v, dout = _inputs(b, hq, hk, sq, sk, head_dim, TORCH[dtype], head_dim)
+        if not _forward_served(q, k, v, options):
+            continue
+        grads = _grads(q, k, v, dout, deterministic=deterministic, **options)
+        assert all(g.shape == t.shape and g.is_contiguous() for g, t in zip(grads, (q, k, v)))
+        _check(grads, attention_gradients(q, k, v, dout, **options), TORCH[dtype])
+        assert ran and all(f"_hd{padded}_" in name for name in ran[-1])
+    counts = rdnattention.stats(reset=True)["backward"]
+    assert counts["padded"] >= 1 and set(counts["head_dims"]) == {f"host {dtype} head_dim {head_dim} -> {padded}"}
 
 
 def test_direct_op_call_without_lse_has_no_backward(host_build):

@@ -267,7 +267,7 @@ def test_gradients_of_a_key_padding_mask_run_one_packed_call(patched, monkeypatc
 
 
 def test_gradients_without_a_backward_kernel_run_torchs_function(patched):
-    q, k, v = (t.requires_grad_() for t in _qkv())  # head_dim 32: no backward kernel on the host
+    q, k, v = (t.requires_grad_() for t in _qkv(d=288))  # no backward kernel at 288 nor above on the host
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     out.float().sum().backward()
     assert q.grad is not None
@@ -275,6 +275,20 @@ def test_gradients_without_a_backward_kernel_run_torchs_function(patched):
     with torch.no_grad():
         F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert rdnattention.stats()["served"] == 1
+
+
+def test_gradients_of_a_head_dim_without_its_own_backward_kernels_run_the_next_ones(patched):
+    """head_dim 32 has no backward kernels on the host: its gradients run head_dim 40's on padded
+    copies, served and counted, as torch's float32 gradients to fp16 rounding."""
+    q, k, v = (t.requires_grad_() for t in _qkv())  # head_dim 32
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).half()
+    ours = _grads(F.scaled_dot_product_attention, q, k, v, g, is_causal=True)
+    ref = _grads(_reference, q, k, v, g.float(), is_causal=True)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+    s = rdnattention.stats()
+    assert (s["served"], s["fallbacks"]) == (1, {})
+    assert s["backward"] == {"padded": 1, "head_dims": {"host fp16 head_dim 32 -> 40": 1}}
 
 
 def test_calls_torch_may_refuse_get_torchs_answer(patched):
