@@ -210,7 +210,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                  seqused_k=lengths, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     if torch.is_grad_enabled():
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
-                        ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+                        ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("sinks", sinks)):
             if t is not None and t.requires_grad:
                 raise UnsupportedError(f"flash_attn_with_kvcache has no backward pass and {name} requires grad: run it "
                                        "under torch.no_grad() or torch.inference_mode(), or pass detached tensors")

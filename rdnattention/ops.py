@@ -324,14 +324,17 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              lse: torch.Tensor, dlse: torch.Tensor | None, window_left: int, window_right: int,
              softmax_scale: float, softcap: float, deterministic: bool = False,
              kernels: tuple = (None, None, None), atomic: bool | None = None, alibi_slopes=None,
-             packed: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             packed: tuple | None = None, seqused_k: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (each laid out as its input) of a forward call's output ``out`` and log-sum-exp
     ``lse`` against their gradients ``dout`` and ``dlse`` (None: none). The passes: atomic or
     deterministic as ``atomic`` says (None: atomic_backward's choice); ``kernels`` forces each pass's
     kernel by name (bwd.plan). ``alibi_slopes``: the forward's, or None. ``packed`` =
     (cu_seqlens_q, cu_seqlens_k, max_q, max_k): q, out, dout [total_q, heads_q, head_dim], k, v
-    [total_k, heads_kv, head_dim], lse and dlse [heads_q, total_q], as the varlen forward's. A
-    head_dim without backward kernels runs the next built one's on padded copies (backward_head_dim)."""
+    [total_k, heads_kv, head_dim], lse and dlse [heads_q, total_q], as the varlen forward's.
+    ``seqused_k``: the forward's (int32 [batch], or None); the keys past each sequence's get zero
+    gradients. A head_dim without backward kernels runs the next built one's on padded copies
+    (backward_head_dim)."""
     if q.numel() == 0 or k.numel() == 0:  # no rows or no keys: nothing depends on anything
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     head_dim = padded = q.shape[-1]
@@ -343,7 +346,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             _count_padded(table, dtype, head_dim, padded)
             q, k, v, out, dout = (F.pad(t, (0, padded - head_dim)) for t in (q, k, v, out, dout))
     p = backward_plan(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap,
-                      deterministic, kernels, atomic, alibi_slopes, packed)
+                      deterministic, kernels, atomic, alibi_slopes, packed, seqused_k)
     p.run()
     if q.shape[-1] != head_dim:
         return tuple(g[..., :head_dim].contiguous() for g in p.outputs)
@@ -359,7 +362,7 @@ def backward_plan(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   lse: torch.Tensor, dlse: torch.Tensor | None, window_left: int, window_right: int,
                   softmax_scale: float, softcap: float, deterministic: bool = False,
                   kernels: tuple = (None, None, None), atomic: bool | None = None, alibi_slopes=None,
-                  packed: tuple | None = None) -> Plan:
+                  packed: tuple | None = None, seqused_k: torch.Tensor | None = None) -> Plan:
     """backward's three launches, planned and not run (the tuner times them), on rows and keys
     that exist: its gradients and scratch allocated, the outputs the plan's (packed: in the packed
     layout, zero in the rows of no sequence)."""
@@ -375,7 +378,9 @@ def backward_plan(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         q, k, v, out, dout = (_sequence_view(t) for t in (q, k, v, out, dout))
         lse, dlse = lse.unsqueeze(0), None if dlse is None else dlse.unsqueeze(0)
     else:
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq = torch.empty_like(q)
+        # Keys past a sequence's seqused_k get no gradient from the kernels: zero.
+        dk, dv = (torch.empty_like(t) if seqused_k is None else torch.zeros_like(t) for t in (k, v))
     dout = _readable(dout)
     delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     table = route.device_table(q.device)
@@ -385,7 +390,7 @@ def backward_plan(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     p = bwd.plan(table, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, delta=delta, dq=dq, dk=dk, dv=dv,
                  window=(window_left, window_right), softmax_scale=softmax_scale, softcap=softcap,
                  dtype=DTYPE_OPTIONS.get(str(q.dtype)), dq_accum=dq_accum, alibi_slopes=alibi_slopes, packed=packed,
-                 kernels=kernels)
+                 seqused_k=seqused_k, kernels=kernels)
     if packed is not None:
         p.outputs = grads
     return p
@@ -395,14 +400,15 @@ def backward_plan(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 def flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, dlse: Optional[torch.Tensor], window_left: int, window_right: int,
                    softmax_scale: float, softcap: float = 0.0, deterministic: bool = False,
-                   alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   alibi_slopes: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return backward(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap, deterministic,
-                    alibi_slopes=alibi_slopes)
+                    alibi_slopes=alibi_slopes, seqused_k=seqused_k)
 
 
 @flash_attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap=0.0, deterministic=False,
-      alibi_slopes=None):
+      alibi_slopes=None, seqused_k=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -431,29 +437,31 @@ def _setup_context(ctx, inputs, output) -> None:
     out, lse = output
     # What the backward kernels do not take (options.validate refuses these calls up front; the op
     # called directly is refused here, when its gradient is asked for).
-    unserved = [name for name, present in (("rotary_cos", rotary_cos is not None), ("seqused_k", seqused_k is not None),
+    unserved = [name for name, present in (("rotary_cos", rotary_cos is not None),
                                            ("return_lse=False", not return_lse)) if present]
     ctx.unserved = unserved
     ctx.options = (window_left, window_right, softmax_scale, softcap, deterministic)
     ctx.sinks = sinks is not None
     ctx.alibi = alibi_slopes is not None
+    ctx.seqused = seqused_k is not None
     ctx.save_for_backward(q, k, v, out, lse, *((sinks,) if sinks is not None else ()),
-                          *((alibi_slopes,) if alibi_slopes is not None else ()))
+                          *((alibi_slopes,) if alibi_slopes is not None else ()),
+                          *((seqused_k,) if seqused_k is not None else ()))
 
 
 def _backward(ctx, dout, dlse):
     if ctx.unserved:
         raise UnsupportedError(f"rdnattention::flash_attn_fwd has no backward with {', '.join(ctx.unserved)}: the "
-                               "backward kernels recompute the probabilities from the log-sum-exp, without RoPE "
-                               "or cache lengths")
+                               "backward kernels recompute the probabilities from the log-sum-exp, without RoPE")
     q, k, v, out, lse, *rest = ctx.saved_tensors
     sinks = rest.pop(0) if ctx.sinks else None
     slopes = rest.pop(0) if ctx.alibi else None
+    seqused_k = rest.pop(0) if ctx.seqused else None
     # With sinks, the log-sum-exp holds each row's sink, so the kernels' P = exp(S - LSE) and
     # dS = P (dP - delta) are the gradients of q, k and v as they are (a sink adds no value to O).
     dq = dk = dv = None
     if any(ctx.needs_input_grad[:3]):  # (learned sinks alone need none of the passes)
-        dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.options, slopes)
+        dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.options, slopes, seqused_k)
     return (dq, dk, dv) + (None,) * 11 + (_sink_gradient(sinks, dout, out, lse, dlse)
                                           if ctx.sinks and ctx.needs_input_grad[14] else None, None)
 

@@ -218,10 +218,10 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: ob
     rope = check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, seq_k)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (isinstance(sinks, torch.Tensor) and sinks.requires_grad)):
-        # The backward kernels (ops.flash_attn_bwd) take the mask, the scale, GQA, the softcap and ALiBi;
-        # sinks need nothing of them (the log-sum-exp holds the sink) and get their gradient in
-        # ops._backward.
-        for name, given in (("rotary_cos", rope), ("seqused_k", seqused_k is not None)):
+        # The backward kernels (ops.flash_attn_bwd) take the mask, the scale, GQA, the softcap, ALiBi and
+        # seqused_k; sinks need nothing of them (the log-sum-exp holds the sink) and get their gradient
+        # in ops._backward.
+        for name, given in (("rotary_cos", rope),):
             if given:
                 who = "q, k or v" if q.requires_grad or k.requires_grad or v.requires_grad else "sinks"
                 raise UnsupportedError(f"{who} requires grad, and the backward pass does not take {name}: run "

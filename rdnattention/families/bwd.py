@@ -97,6 +97,9 @@ ARGS = ArgStruct("Fa2BwdArgs", (
     # forward's (f16.SCORE_FIELDS)
     ("alibi_slopes", "const float*"),
     ("alibi_stride_b", "long long"),
+    # Keys each sequence uses (null: all): int32 [batch], the first seqused_k[b] of its keys (clamped
+    # into them), as the forward's; the others get zero gradients (the caller's zeroed dK and dV rows).
+    ("seqused_k", "const int*"),
     ("batch", "int"),
     ("heads_q", "int"),
     ("heads_kv", "int"),
@@ -143,7 +146,7 @@ def served(table: TargetTable, head_dim: int, dtype: str | None, passes: tuple =
 
 def plan(table: TargetTable, *, dout, q, k, v, out, lse, dlse, delta, dq, dk, dv, window: tuple[int, int],
          softmax_scale: float, softcap: float, dtype: str | None, dq_accum=None, alibi_slopes=None,
-         packed: tuple | None = None,
+         packed: tuple | None = None, seqused_k=None,
          kernels: tuple[str | None, str | None, str | None] = (None, None, None)) -> Plan:
     """The three launches of a backward call: tensors [batch, heads, seq, head_dim] (lse, dlse and
     the scratch delta [batch, heads_q, seq_q], dlse None where the LSE got no gradient). With
@@ -152,7 +155,8 @@ def plan(table: TargetTable, *, dout, q, k, v, out, lse, dlse, delta, dq, dk, dv
     ``packed`` = (cu_seqlens_q, cu_seqlens_k, max_q, max_k): the tensors are [1, heads, total,
     head_dim] views of packed sequences (lse, dlse, delta [1, heads_q, total_q], dq_accum [1,
     heads_q, total_q, head_dim]), sequence b at the rows and keys the int32 offsets give.
-    ``kernels`` forces each pass's entry by name (None: the table's choice), alternates included."""
+    ``seqused_k`` (int32 [batch], or None): the keys each sequence uses, as the forward's; the rows
+    of dk and dv past them are not written (the caller zeroes them). ``kernels`` forces each pass's entry by name (None: the table's choice), alternates included."""
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
     if packed is not None:
@@ -177,6 +181,8 @@ def plan(table: TargetTable, *, dout, q, k, v, out, lse, dlse, delta, dq, dk, dv
     if alibi_slopes is not None:
         fields.update(alibi_slopes=alibi_slopes.data_ptr(),
                       alibi_stride_b=alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
+    if seqused_k is not None:
+        fields.update(seqused_k=seqused_k.data_ptr())
     if softcap:
         fields.update(softcap_log2=softcap * _LOG2E, softcap_inv=1.0 / (softcap * _LOG2E))
     if dlse is not None:
@@ -191,6 +197,6 @@ def plan(table: TargetTable, *, dout, q, k, v, out, lse, dlse, delta, dq, dk, dv
                 for e, grid in ((pre, (-(-seq_q // pre.br), heads_q, batch)),
                                 (dkdv, (-(-seq_k // dkdv.bc), heads_kv, batch)),
                                 (dq_pass, (-(-seq_q // dq_pass.br), heads_q, batch)))]
-    buffers = tuple(t for t in (dout, q, k, v, out, lse, dlse, delta, dq_accum, dq, dk, dv, alibi_slopes,
+    buffers = tuple(t for t in (dout, q, k, v, out, lse, dlse, delta, dq_accum, dq, dk, dv, alibi_slopes, seqused_k,
                                 *(packed[:2] if packed is not None else ())) if t is not None)
     return Plan(table=table, device=q.device, launches=launches, outputs=(dq, dk, dv), buffers=buffers)

@@ -195,6 +195,23 @@ def test_backward_through_autograd(gpu, dispatched, dtype):
     assert max(_grad_err([t.grad for t in leaves], refs)) <= GRAD_TOL[dtype]
 
 
+def test_backward_with_seqused_k(gpu, dispatched):
+    """Per-sequence key counts with grad (a cache of 60 keys, sequences using 37 and 0): the
+    backward's gfx1100 passes give each sequence the oracle's gradients on its own keys, and zero to
+    the keys past them."""
+    q, k, v = _inputs(2, 4, 2, 20, 60, 64, seed=12)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(13)).half()
+    used = (37, 0)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    start = len(gpu.dispatches)
+    flash_attn(*leaves, is_causal=True, seqused_k=torch.tensor(used, dtype=torch.int32)).backward(dout)
+    assert [f for f in _families(gpu, start) if f.startswith("fa2_bwd")] == ["fa2_bwd", "fa2_bwddq", "fa2_bwdpre"]
+    dq, dk, dv = (t.grad for t in leaves)
+    refs = attention_gradients(q[:1], k[:1, :, :37], v[:1, :, :37], dout[:1], is_causal=True)
+    assert max(_grad_err([dq[:1], dk[:1, :, :37], dv[:1, :, :37]], refs)) <= GRAD_TOL[torch.float16]
+    assert not dk[0, :, 37:].any() and not dv[0, :, 37:].any() and not dq[1].any() and not dk[1].any() and not dv[1].any()
+
+
 def test_the_packed_backward(gpu, dispatched):
     """Packed sequences that require grad (flash_attn_varlen_func): the forward, then the
     deterministic passes over the sequences (AMD's default), and the atomic passes of the same call

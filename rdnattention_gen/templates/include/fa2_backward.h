@@ -104,7 +104,12 @@ RDNA_DEVICE float fa2_bwd_slope(const Fa2BwdArgs& a, long long b, int h) {
 // access outside them. Dense batches: the arguments as they are.
 RDNA_DEVICE Fa2BwdArgs fa2_bwd_sequence(const Fa2BwdArgs& args, long long b, int D) {
   Fa2BwdArgs a = args;
-  if (!args.cu_seqlens_q) return a;
+  // Keys each sequence uses (seqused_k; null: all): its first seqused_k[b], clamped into its own, as
+  // the forward's (the queries align to the end of them; the others get no gradient).
+  if (!args.cu_seqlens_q) {
+    if (args.seqused_k) a.seq_k = fa2_count(args.seqused_k[b], a.seq_k);
+    return a;
+  }
   const Fa2Span qs = fa2_packed_span(args.cu_seqlens_q, b, args.total_q);
   const Fa2Span ks = fa2_packed_span(args.cu_seqlens_k, b, args.total_k);
   const long long q0 = qs.first, k0 = ks.first;
@@ -123,6 +128,7 @@ RDNA_DEVICE Fa2BwdArgs fa2_bwd_sequence(const Fa2BwdArgs& args, long long b, int
   a.delta += q0;
   if (a.dq_accum) a.dq_accum += q0 * D;
   if (a.alibi_slopes) a.alibi_slopes += b * a.alibi_stride_b;
+  if (args.seqused_k) a.seq_k = fa2_count(args.seqused_k[b], a.seq_k);
   return a;
 }
 
