@@ -25,9 +25,11 @@ their combinations. Reading a mask needs its values: a CPU mask is read directly
 one device synchronisation, once per mask tensor while it is unmodified (``device_masks=False``
 sends those calls to torch instead). Calls captured into a CUDA graph run torch's function.
 
-Inputs that require grad are served where the target has backward kernels for the head_dim and
-dtype (rdnattention's backward, through autograd: ops.flash_attn_fwd); elsewhere, and for a mask
-that requires grad, torch's function runs (reason ``requires grad``)."""
+Inputs that require grad are served where the target has backward kernels for the dtype at the
+head_dim or above it (rdnattention's backward, through autograd: ops.flash_attn_fwd; a head_dim
+without its own runs the next one's on padded copies, ops.backward_head_dim), key padding
+included (the backward takes the per-sequence key counts); above every built head_dim, and for a
+mask that requires grad, torch's function runs (reason ``requires grad``)."""
 
 from __future__ import annotations
 
@@ -365,14 +367,11 @@ class _Run:
     slices: list[_Slice | None]  # one per sequence, or one for all; None: the sequence sees no key
     seqused: bool  # one call with per-sequence key counts (the slices share k0 and the window)
     unbatched: int | None  # 3-D input: the dimension added to make it 4-D
-    packed: bool = False  # with gradients: one call on the sequences' keys packed (as seqused otherwise)
 
     def run(self) -> torch.Tensor:
         q, k, v = self.q, self.k, self.v
         if len(self.slices) == 1:
             out = self._one(q, k, v, self.slices[0])
-        elif self.packed:
-            out = self._packed(q, k, v)
         elif self.seqused:
             s = next(s for s in self.slices if s is not None)
             used = _lengths(tuple(0 if t is None else t.k1 - s.k0 for t in self.slices), q.device)
@@ -381,25 +380,6 @@ class _Run:
         else:
             out = torch.cat([self._one(q[b:b + 1], k[b:b + 1], v[b:b + 1], s) for b, s in enumerate(self.slices)])
         return out if self.unbatched is None else out.squeeze(self.unbatched)
-
-    def _packed(self, q, k, v) -> torch.Tensor:
-        """Sequences whose every query row sees keys from one k0 in one window, with gradients: each
-        sequence's keys ``[k0, k1)`` gathered into packed sequences (a sequence that sees no key holds
-        none: zero rows), all query rows as they are, one call of flash_attn_varlen_func (its autograd,
-        the packed backward passes, whose gradients reach q, k and v through the reshape and the
-        gather) instead of one call per sequence."""
-        s = next(s for s in self.slices if s is not None)
-        batch, heads, seq_q, head_dim = q.shape
-        counts = tuple(0 if t is None else t.k1 - s.k0 for t in self.slices)
-        rows, cu_q, cu_k = _packing(counts, s.k0, seq_q, k.shape[2], q.device)
-
-        def packed(t: torch.Tensor) -> torch.Tensor:  # [batch, h, s, d] -> [batch * s, h, d]
-            return t.transpose(1, 2).reshape(-1, t.shape[1], head_dim)
-
-        out = varlen.flash_attn_varlen_func(packed(q), packed(k).index_select(0, rows), packed(v).index_select(0, rows),
-                                            cu_q, cu_k, seq_q, max(counts), softmax_scale=self.scale,
-                                            window_size=s.window)
-        return out.view(batch, seq_q, heads, head_dim).transpose(1, 2)
 
     def _one(self, q, k, v, s: _Slice | None) -> torch.Tensor:
         if s is None:
@@ -413,25 +393,6 @@ class _Run:
 
 
 _lengths_cache: dict[tuple, torch.Tensor] = {}
-_packing_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-
-def _packing(counts: tuple[int, ...], k0: int, seq_q: int, seq_k: int, device: torch.device):
-    """_Run._packed's index tensors on ``device``, made once per distinct key counts: the rows of
-    [batch * seq_k] keys that hold sequence b's keys ``k0 .. k0 + counts[b] - 1``, one sequence
-    after another (int64), and the int32 offsets of the query rows (seq_q each) and of those keys."""
-    at = (counts, k0, seq_q, seq_k, device)
-    hit = _packing_cache.get(at)
-    if hit is None:
-        rows = torch.cat([torch.arange(b * seq_k + k0, b * seq_k + k0 + c) for b, c in enumerate(counts)])
-        cu_q = torch.arange(len(counts) + 1, dtype=torch.int32) * seq_q
-        cu_k = torch.tensor((0, *counts), dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        if len(_packing_cache) >= 64:
-            _packing_cache.clear()
-        hit = _packing_cache[at] = (rows.to(device), cu_q.to(device), cu_k.to(device))
-    return hit
-
-
 def _lengths(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """int32 key counts on ``device``, made once per distinct list (the kernels only read them)."""
     t = _lengths_cache.get((values, device))
@@ -562,14 +523,10 @@ def _decide(config: _Config, query, key, value, attn_mask, dropout_p, is_causal,
     if len(set(slices)) == 1:  # one slice and window for every sequence (or none sees a key)
         run.slices = slices[:1]
     elif all(s.k0 == live[0].k0 and s.window == live[0].window and s.rows == seq_q for s in live):
-        # One call with per-sequence key counts where kernels of that layout are built; with
-        # gradients (the backward takes no per-sequence key counts), one call on the sequences' keys
-        # packed where packed sequences are served (_Run._packed); else one call per sequence on
-        # the plain kernels.
-        layout = Layout.PACKED if grad else Layout.SEQUSED
-        served = not _choose(table, Request(precision=Precision.FP16, layout=layout, head_dim=head_dim, rows=rows,
-                                            seq_q=seq_q, dtype=dtype))
-        run.seqused, run.packed = served and not grad, served and grad
+        # One call with per-sequence key counts where kernels of that layout are built (its backward
+        # takes the counts too), else one call per sequence on the plain kernels.
+        run.seqused = not _choose(table, Request(precision=Precision.FP16, layout=Layout.SEQUSED, head_dim=head_dim,
+                                                 rows=rows, seq_q=seq_q, dtype=dtype))
     return run
 
 

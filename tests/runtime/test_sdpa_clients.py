@@ -95,10 +95,10 @@ def test_multihead_attention_is_served(patched, masks):
     _close_to_float32(ours[valid], fp16[valid], fp32[valid])
 
 
-def test_multihead_attention_trains_with_key_padding_in_one_packed_call(patched, monkeypatch):
+def test_multihead_attention_trains_with_key_padding_in_one_call(patched, monkeypatch):
     """Training through nn.MultiheadAttention with a key padding mask (head_dim 64, which has backward
-    kernels; fp32 weights under fp16 autocast): one call of the packed kernels, forward and backward,
-    no call per sequence; the weights' gradients are as close to float32's as torch's own under
+    kernels; fp32 weights under fp16 autocast): one call with the sequences' key counts, forward and
+    backward, no call per sequence; the weights' gradients are as close to float32's as torch's own under
     autocast, to fp16 rounding."""
     dev = patched
     monkeypatch.setattr(patch._Run, "_one", lambda *a: pytest.fail("a call per sequence"))

@@ -242,18 +242,26 @@ def test_gradients_run_rdnattentions_backward_where_it_has_one(patched, mask):
 
 
 @pytest.mark.parametrize("lengths,seq_q,causal", [((24, 17, 0, 9), 24, False), ((24, 17, 5, 9), 4, True)])
-def test_gradients_of_a_key_padding_mask_run_one_packed_call(patched, monkeypatch, lengths, seq_q, causal):
+def test_gradients_of_a_key_padding_mask_run_one_call_with_key_counts(patched, monkeypatch, lengths, seq_q, causal):
     """Key padding with gradients (each sequence's first keys, one window: none, or causal with the
-    queries at the end of the keys; a sequence may have no key): one call of the packed kernels on
-    the sequences' keys, no call per sequence; the output and the gradients are torch's float32
-    ones within fp16 rounding (its rows that see no key: zero), and the keys past each sequence's
-    length get none."""
+    queries at the end of the keys; a sequence may have no key): one forward and one backward, each
+    given the sequences' key counts (seqused_k), no call per sequence; the output and the gradients
+    are torch's float32 ones within fp16 rounding (its rows that see no key: zero), and the keys
+    past each sequence's length get none."""
     batch, seq_k = len(lengths), 24
     q, k, v = _qkv(b=batch, hq=4, hk=2, sq=seq_q, sk=seq_k, d=64)
     n = torch.tensor(lengths)[:, None, None, None]
     j, i = torch.arange(seq_k), torch.arange(seq_q)[:, None]
     mask = (j < n) & ((j <= i + n - seq_q) if causal else True)  # [batch, 1, seq_q, seq_k]
     monkeypatch.setattr(patch._Run, "_one", lambda *a: pytest.fail("a call per sequence"))
+    backwards = []
+    real_backward = ops.backward
+
+    def backward(*args, **kwargs):
+        backwards.append(kwargs.get("seqused_k"))
+        return real_backward(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "backward", backward)
     kw = {"attn_mask": mask, "enable_gqa": True}
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).half()
     ours = _grads(F.scaled_dot_product_attention, q, k, v, g, **kw)
@@ -263,6 +271,8 @@ def test_gradients_of_a_key_padding_mask_run_one_packed_call(patched, monkeypatc
         torch.testing.assert_close(a.float(), b.float().nan_to_num(0.0), atol=1e-2, rtol=1e-2)
     for b, length in enumerate(lengths):
         assert not ours[2][b, :, length:].any() and not ours[3][b, :, length:].any()
+    (counts,) = backwards
+    assert counts.tolist() == list(lengths)
     _served(1)
 
 
