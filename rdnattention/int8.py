@@ -14,9 +14,7 @@ P quantized to 0..127 inside the kernel (the accuracy this costs is in docs/api.
 
 from __future__ import annotations
 
-import threading
 import warnings
-from collections import Counter
 
 import torch
 
@@ -27,6 +25,7 @@ from .families import quant as quant_family
 from .options import NO_SCORE_OPTIONS, Options, check_rotary, validate
 from .plan import Launch, Plan
 from .reference import rotate
+from .tally import Tally
 
 _LEVELS = 127.0
 
@@ -76,10 +75,8 @@ def _torch_quantize(name: str, x: torch.Tensor, dim: int) -> tuple[torch.Tensor,
 # built before the family existed, a device without kernels, head_dim over the kernels'), by
 # reason; each reason warns once (counts()). Calls where torch traces run the torch formula by
 # design (the compiler fuses it) and are not counted.
-fallbacks: Counter[str] = Counter()
-_launched = 0  # launches of the quant kernel
-_warned: set[str] = set()
-_lock = threading.Lock()
+# The hits are the launches of the quant kernel.
+_tally = Tally()
 
 
 def counts(*, reset: bool = False) -> dict:
@@ -87,22 +84,12 @@ def counts(*, reset: bool = False) -> dict:
     "quantize_torch": tensors quantized by torch operations, "fallbacks": {reason: tensors}}`` (a
     copy; also ``rdnattention.stats()["int8"]``). With ``reset=True`` the counts start again from
     zero, and each reason warns again."""
-    global _launched
-    with _lock:
-        out = {"quantize_kernel": _launched, "quantize_torch": sum(fallbacks.values()), "fallbacks": dict(fallbacks)}
-        if reset:
-            _launched = 0
-            fallbacks.clear()
-            _warned.clear()
-    return out
+    launched, fallbacks = _tally.read(reset=reset)
+    return {"quantize_kernel": launched, "quantize_torch": sum(fallbacks.values()), "fallbacks": fallbacks}
 
 
 def _fallback(reason: str, tensors: int) -> None:
-    with _lock:
-        fallbacks[reason] += tensors
-        first = reason not in _warned
-        _warned.add(reason)
-    if first:
+    if _tally.add(reason, tensors):
         warnings.warn(f"rdnattention: {reason}; int8 quantization runs as torch operations there (the same "
                       "numbers, about ten launches a tensor instead of one launch a call)", RuntimeWarning, stacklevel=4)
 
@@ -154,15 +141,9 @@ def _quant_launch(table, q, k, v, outputs: dict) -> Launch:
 QUANT_ROLES = frozenset({"q_src", "k_src", "v_src", "q", "k", "v", "q_scale", "k_scale", "v_scale"})
 
 
-def _counted_launch() -> None:
-    global _launched
-    with _lock:
-        _launched += 1
-
-
 def _run_quant(table, device: torch.device, launch: Launch) -> None:
     drivers.for_platform(table.platform).launch(table.code_object, launch, device)
-    _counted_launch()
+    _tally.hit()
 
 
 def _check_finite(named: tuple[tuple[str, torch.Tensor, torch.Tensor], ...]) -> None:
@@ -186,7 +167,7 @@ def _quantize(name: str, x: torch.Tensor, dim: int, counted: bool = False) -> tu
         values, scale = _quant_outputs(x, per_channel)
         replay.launch(r, {f"{job}_src": x.data_ptr(), job: values.data_ptr(), f"{job}_scale": scale.data_ptr()},
                       x.device)
-        _counted_launch()
+        _tally.hit()
         _check_finite(((name, x, scale),))
         return values, scale
     if x.numel() == 0 and type(x) is torch.Tensor:  # nothing to launch: no value, and scale 1 for empty vectors
@@ -393,7 +374,7 @@ def flash_attn_int8qk_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             for name in "qkv":
                 pointers[name], pointers[f"{name}_scale"] = (t.data_ptr() for t in outputs[name])
         replay.launch(r, pointers, q.device, None if reads else r.extra)
-        _counted_launch()
+        _tally.hit()
         if reads:
             _check_finite(tuple((name, x, outputs[name][1]) for name, x in (("q", q), ("k", k), ("v", v))))
         return (out, lse) if return_lse else out

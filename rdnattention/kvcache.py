@@ -23,9 +23,7 @@ of ops.py and decode.py."""
 
 from __future__ import annotations
 
-import threading
 import warnings
-from collections import Counter
 from typing import Optional
 
 import torch
@@ -38,6 +36,7 @@ from .options import (NO_SCORE_OPTIONS, Options, ScoreOptions, as_window, check_
                       replayed_score, validate)
 from .plan import Plan
 from .reference import rotate
+from .tally import Tally
 
 
 def _check_tables(cos: object, sin: object, interleaved: object, q: torch.Tensor) -> None:
@@ -294,7 +293,7 @@ def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqle
         # rather than allocated per call: its own launch's lengths after it (int32 [batch]; fused, the
         # attention reads the lengths before it) and, with RoPE, the rotated queries (laid out as the
         # planned call's torch.empty_like(q): dense, q's bytes).
-        _count_kernel()
+        _tally.hit()  # (the attention's launch appends)
         pointers["k_new"], pointers["v_new"] = k.data_ptr(), v.data_ptr()
         if fused:
             pointers["seqused_k"] = lengths.data_ptr()
@@ -391,10 +390,8 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
 
 # Calls whose append ran as torch operations because the device's kernels have no append kernel
 # (kernels built before the family existed), by reason; each reason warns once (counts()).
-fallbacks: Counter[str] = Counter()
-_appended = 0  # calls whose append ran the kernel
-_warned: set[str] = set()
-_lock = threading.Lock()
+# The hits are the calls whose append ran the kernel.
+_tally = Tally()
 
 
 def counts(*, reset: bool = False) -> dict:
@@ -402,14 +399,8 @@ def counts(*, reset: bool = False) -> dict:
     "append_torch": calls that appended with torch operations, "fallbacks": {reason: calls}}`` (a
     copy; also ``rdnattention.stats()["kvcache"]``). With ``reset=True`` the counts start again
     from zero, and each reason warns again."""
-    global _appended
-    with _lock:
-        out = {"append_kernel": _appended, "append_torch": sum(fallbacks.values()), "fallbacks": dict(fallbacks)}
-        if reset:
-            _appended = 0
-            fallbacks.clear()
-            _warned.clear()
-    return out
+    appended, fallbacks = _tally.read(reset=reset)
+    return {"append_kernel": appended, "append_torch": sum(fallbacks.values()), "fallbacks": fallbacks}
 
 
 def _append_kernel(q: torch.Tensor, cos, interleaved: bool) -> bool:
@@ -425,25 +416,14 @@ def _append_kernel(q: torch.Tensor, cos, interleaved: bool) -> bool:
     return True
 
 
-def _count_kernel() -> None:
-    """Counts a call that appends with the kernel (its own launch or the attention's)."""
-    global _appended
-    with _lock:
-        _appended += 1
-
-
 def _count(device: torch.device, kernel: bool) -> None:
     """Counts a call that appends, with the kernel or with torch operations; the first fallback of
     each reason warns."""
     if kernel:
-        _count_kernel()
+        _tally.hit()
         return
     reason = f"no append kernel for {route.device_table(device).target}"
-    with _lock:
-        fallbacks[reason] += 1
-        first = reason not in _warned
-        _warned.add(reason)
-    if first:
+    if _tally.add(reason):
         warnings.warn(f"rdnattention: {reason} (its kernels were built without the append family); "
                       "flash_attn_with_kvcache appends with torch operations there (rebuild the kernels: "
                       "rdnattention-gen build)", RuntimeWarning, stacklevel=4)

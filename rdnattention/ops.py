@@ -13,8 +13,6 @@ transforms (softcap, ALiBi slopes or None, sinks or None)."""
 from __future__ import annotations
 
 import logging
-import threading
-from collections import Counter
 from typing import Optional
 
 import torch
@@ -26,6 +24,7 @@ from .errors import InvalidArgumentError, UnsupportedError
 from .families import bwd
 from .options import Options
 from .plan import Plan
+from .tally import Tally
 
 
 def allocate(q: torch.Tensor, token_major: bool, return_lse: bool,
@@ -240,9 +239,7 @@ def _(q, k, v, rotary_cos, rotary_sin, window_left, window_right, softmax_scale,
 # (target, dtype, head_dims) (backward_counts, rdnattention.stats()["backward"]), and the first of
 # each logs one line.
 log = logging.getLogger("rdnattention")
-_padded: Counter = Counter()
-_padded_logged: set[str] = set()
-_padded_lock = threading.Lock()
+_padded = Tally()
 
 
 def backward_head_dim(table, head_dim: int, dtype: str | None, passes: tuple = bwd.DETERMINISTIC) -> int | None:
@@ -270,21 +267,13 @@ def backward_counts(*, reset: bool = False) -> dict:
     """The backward calls run padded to a larger head_dim: ``{"padded": calls, "head_dims": {"<target>
     <dtype> head_dim <d> -> <padded>": calls}}`` (a copy; also ``rdnattention.stats()["backward"]``).
     With ``reset=True`` the counts start again from zero, and each logs again."""
-    with _padded_lock:
-        out = {"padded": sum(_padded.values()), "head_dims": dict(_padded)}
-        if reset:
-            _padded.clear()
-            _padded_logged.clear()
-    return out
+    _, head_dims = _padded.read(reset=reset)
+    return {"padded": sum(head_dims.values()), "head_dims": head_dims}
 
 
 def _count_padded(table, dtype: str | None, head_dim: int, padded: int) -> None:
     reason = f"{table.target} {'bf16' if dtype else 'fp16'} head_dim {head_dim} -> {padded}"
-    with _padded_lock:
-        _padded[reason] += 1
-        first = reason not in _padded_logged
-        _padded_logged.add(reason)
-    if first:
+    if _padded.add(reason):
         log.warning("rdnattention: no backward kernel for %s head_dim %d on %s; its backward runs the head_dim %d "
                     "kernels on copies padded with zero columns", "bf16" if dtype else "fp16", head_dim, table.target,
                     padded)

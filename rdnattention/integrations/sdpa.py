@@ -47,11 +47,12 @@ from typing import Iterable, Iterator
 import torch
 import torch.utils._python_dispatch
 
-from .. import ops, replay, route, varlen, workspace
+from .. import ops, replay, route, workspace
 from ..call import DTYPE_OPTIONS, Layout, Precision, Request
 from ..checks import FLOAT_DTYPES as SERVED_DTYPES  # float16, bfloat16
 from ..errors import InvalidArgumentError, KernelsNotBuiltError, UnsupportedError
 from ..options import FLOAT32_MAX, LOG2E, validate
+from ..tally import Tally
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,7 @@ class _Config:
 _lock = threading.Lock()
 _config: _Config | None = None  # None: not patched; sdpa passes every call on, uncounted
 _original = None  # the function patch_sdpa replaced, restored by unpatch_sdpa
-_served = 0
-_fallbacks: dict[str, int] = {}
-_logged: set[str] = set()
+_tally = Tally()  # hits: the calls the kernels served; by reason, the ones passed to torch
 _no_kernels: dict[torch.device, str] = {}  # devices found without kernels since patch_sdpa(), and why
 
 
@@ -155,15 +154,10 @@ def stats(*, reset: bool = False) -> dict:
     quantizations of the INT8 entry points (int8.counts: likewise, by the quant kernel); "backward" the
     backward calls run padded to a larger head_dim's kernels (ops.backward_counts). With
     ``reset=True`` the counts start again from zero, and each reason logs its line again."""
-    global _served
     _check_bool("reset", reset)
-    with _lock:
-        out = {"patched": _config is not None, "served": _served, "fallback": sum(_fallbacks.values()),
-               "fallbacks": dict(_fallbacks)}
-        if reset:
-            _served = 0
-            _fallbacks.clear()
-            _logged.clear()
+    served, fallbacks = _tally.read(reset=reset)
+    out = {"patched": _config is not None, "served": served, "fallback": sum(fallbacks.values()),
+           "fallbacks": fallbacks}
     integration = sys.modules.get("rdnattention.integrations.transformers")
     out["transformers"] = (integration.counts(reset=reset) if integration is not None
                            else {"served": 0, "fallback": 0, "fallbacks": {}})
@@ -226,9 +220,7 @@ def sdpa(*args, **kwargs):
         return _original_fn()(*args, **kwargs)
     out = _replayed(config, args, kwargs)
     if out is not None:
-        global _served
-        with _lock:
-            _served += 1
+        _tally.hit()
         return out
     bound = _bind(args, kwargs)
     if bound is None:
@@ -249,8 +241,7 @@ def sdpa(*args, **kwargs):
         return _fall_back(f"error: {type(e).__name__}", str(e), args, kwargs)
     if out is None:
         return _fall_back(*decision, args, kwargs)
-    with _lock:
-        _served += 1
+    _tally.hit()
     return out
 
 
@@ -332,11 +323,7 @@ def _bind(args: tuple, kwargs: dict) -> dict | None:
 
 
 def _fall_back(reason: str, detail: str, args: tuple, kwargs: dict):
-    with _lock:
-        _fallbacks[reason] = _fallbacks.get(reason, 0) + 1
-        first = reason not in _logged
-        _logged.add(reason)
-    if first:
+    if _tally.add(reason):
         log.warning("rdnattention.patch_sdpa: %s (%s); these calls run torch's scaled_dot_product_attention",
                     reason, detail)
     return _original_fn()(*args, **kwargs)

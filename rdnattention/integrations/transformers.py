@@ -38,23 +38,19 @@ flash_attn_varlen_func, whose backward takes per-sequence lengths (:func:`_packe
 from __future__ import annotations
 
 import math
-import threading
 import warnings
-from collections import Counter
 from typing import Optional
 
 import torch
 
 from .. import api, checks, ops, options, padding, replay, route, varlen
 from ..errors import InvalidArgumentError, KernelsNotBuiltError, UnsupportedError
+from ..tally import Tally
 
 NAME = "rdnattention"
-_warned: set[str] = set()
-# Calls that ran transformers' sdpa attention instead of the kernels, by reason (each reason warns
-# once; the counts go on).
-fallbacks: Counter[str] = Counter()
-_served = 0  # calls the kernels ran
-_lock = threading.Lock()
+# The calls the kernels ran (hits), and by reason those that ran transformers' sdpa attention instead
+# (each reason warns once; the counts go on).
+_tally = Tally()
 
 
 def counts(*, reset: bool = False) -> dict:
@@ -62,20 +58,8 @@ def counts(*, reset: bool = False) -> dict:
     run by transformers' sdpa attention, "fallbacks": {reason: calls}}`` (a copy; also
     ``rdnattention.stats()["transformers"]``). With ``reset=True`` the counts start again from
     zero, and each reason warns again."""
-    global _served
-    with _lock:
-        out = {"served": _served, "fallback": sum(fallbacks.values()), "fallbacks": dict(fallbacks)}
-        if reset:
-            _served = 0
-            fallbacks.clear()
-            _warned.clear()
-    return out
-
-
-def _count_served() -> None:
-    global _served
-    with _lock:
-        _served += 1
+    served, fallbacks = _tally.read(reset=reset)
+    return {"served": served, "fallback": sum(fallbacks.values()), "fallbacks": fallbacks}
 
 
 def register(name: str = NAME) -> str:
@@ -228,7 +212,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     if attention_mask is None:
         out = _replayed(module, query, key, value, dropout, scaling, is_causal, kwargs)
         if out is not None:
-            _count_served()
+            _tally.hit()
             return out, None
     query, key, value = _autocast(query, key, value)
     reason = _unsupported(module, query, key, value, dropout, kwargs)
@@ -259,7 +243,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         if reason:
             return _fallback(reason, module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                              is_causal=is_causal, **kwargs)
-        _count_served()
+        _tally.hit()
         return out, None
     softcap, sinks = float(kwargs.get("softcap") or 0.0), kwargs.get("s_aux")
     if sinks is not None:  # a parameter in the model's dtype: the kernels read fp32 logits
@@ -399,10 +383,7 @@ def _sdpa(query, key, value, mask, causal: bool, scale: float, left: int = -1, s
 
 def _fell_back(reason: str) -> None:
     """Counts a call that runs sdpa for ``reason``; the first of each reason warns."""
-    with _lock:
-        fallbacks[reason] += 1
-    if reason not in _warned:
-        _warned.add(reason)
+    if _tally.add(reason):
         warnings.warn(f"rdnattention: {reason}; these calls run transformers' sdpa attention instead",
                       RuntimeWarning, stacklevel=4)
 
@@ -443,13 +424,13 @@ def _padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     try:
         if unmasked and left < 0:
             out = _unmasked(query, key, value, causal and query.shape[2] > 1, scale, softcap, sinks)
-            _count_served()
+            _tally.hit()
             return out
         if unmasked:  # a sliding window over whole sequences: no mask to read
             batch, seq_q, seq_k = query.shape[0], query.shape[2], key.shape[2]
             runs = tuple(torch.full((batch,), x, dtype=torch.int32, device=query.device) for x in (0, seq_q, 0, seq_k))
             out = _padded(query, key, value, runs, causal, scale, left, softcap, sinks)
-            _count_served()
+            _tally.hit()
             return out
         if not checks.can_read(mask):
             _fell_back("a CUDA graph is being captured, and reading the attention mask needs the device")
@@ -460,7 +441,7 @@ def _padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             _fell_back("an attention mask that is not causal or full over one run of valid positions per sequence")
             return _sdpa(query, key, value, mask, causal, scale, *transforms)
         out = _padded(query, key, value, runs, causal, scale, left, softcap, sinks)
-        _count_served()
+        _tally.hit()
         return out
     except (UnsupportedError, KernelsNotBuiltError) as e:
         _fell_back(str(e))

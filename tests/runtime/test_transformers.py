@@ -108,7 +108,7 @@ def test_a_right_padded_forward_matches_sdpa_where_tokens_are(device):
 def test_what_the_kernels_do_not_cover_falls_back_with_one_warning(device, model_kw, reason):
     model = _model(device, **model_kw)
     ids = torch.tensor([[0, 5, 6, 7], [1, 2, 3, 4]], device=device)
-    rt._warned.clear()
+    rt.counts(reset=True)  # each reason warns again
     with pytest.warns(RuntimeWarning, match=f"rdnattention: .*{reason}") as record:
         ours = _generate(model, "rdnattention", ids, (ids != 0).long())
     assert sum(reason in str(w.message) for w in record) == 1
@@ -126,7 +126,7 @@ def test_compiled_static_generation_falls_back_under_capture():
     ids = torch.tensor([[0, 5, 6, 7], [1, 2, 3, 4]], device=device)
     mask = (ids != 0).long()
     ref = _generate(model, "sdpa", ids, mask, cache_implementation="static")
-    rt._warned.clear()
+    rt.counts(reset=True)  # each reason warns again
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         ours = _generate(model, "rdnattention", ids, mask, cache_implementation="static")
@@ -211,13 +211,12 @@ def test_a_mask_the_kernels_do_not_read_goes_to_sdpa_counted_and_warned_once(hos
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     module, q, k, v = _attention_inputs()
     bias = torch.randn(1, 1, 6, 6, generator=torch.Generator().manual_seed(1)).half()  # a bias, not a mask
-    rt._warned.clear()
-    rt.fallbacks.clear()
+    rt.counts(reset=True)
     reason = "an attention mask that is not causal or full over one run of valid positions per sequence"
     with pytest.warns(RuntimeWarning) as record:
         outs = [rt.attention_forward(module, q, k, v, bias)[0] for _ in range(3)]
     assert sum(reason in str(w.message) for w in record) == 1
-    assert rt.fallbacks[reason] == 3
+    assert rt.counts()["fallbacks"][reason] == 3
     ref = sdpa_attention_forward(module, q, k, v, bias)[0]
     assert all(torch.equal(out, ref) for out in outs)
     # a mask of a dtype sdpa refuses: sent to sdpa, which raises as it does
@@ -226,7 +225,7 @@ def test_a_mask_the_kernels_do_not_read_goes_to_sdpa_counted_and_warned_once(hos
     with pytest.warns(RuntimeWarning, match="an attention mask of dtype torch.int32"):
         with pytest.raises(RuntimeError, match="attn_mask dtype"):
             rt.attention_forward(module, q, k, v, torch.ones(1, 1, 6, 6, dtype=torch.int32))
-    assert rt.fallbacks["an attention mask of dtype torch.int32"] == 1
+    assert rt.counts()["fallbacks"]["an attention mask of dtype torch.int32"] == 1
 
 
 def _score_model(kind, device, sliding_window=None):
@@ -257,18 +256,18 @@ def test_softcap_and_sinks_run_the_kernels_and_match_eager(device, kind):
     model = _score_model(kind, device)
     ids = torch.tensor([[0, 0, 5, 6, 7, 9], [1, 2, 3, 4, 5, 6]], device=device)
     mask = (ids != 0).long()
-    rt.fallbacks.clear()
+    rt.counts(reset=True)
     with torch.no_grad():
         _use(model, "eager")
         ref = model(ids, attention_mask=mask).logits
         _use(model, "rdnattention")
         ours = model(ids, attention_mask=mask).logits
-    assert not rt.fallbacks, rt.fallbacks
+    assert not rt.counts()["fallbacks"], rt.counts()
     valid = mask.bool()
     torch.testing.assert_close(ours[valid], ref[valid], **TOL)
     ours_gen = _generate(model, "rdnattention", ids, mask)
     ref_gen = _generate(model, "eager", ids, mask)
-    assert not rt.fallbacks, rt.fallbacks
+    assert not rt.counts()["fallbacks"], rt.counts()
     assert torch.equal(ours_gen.sequences, ref_gen.sequences)
     for a, b in zip(ours_gen.logits, ref_gen.logits):
         torch.testing.assert_close(a, b, **TOL)
