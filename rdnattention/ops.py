@@ -12,6 +12,7 @@ transforms (softcap, ALiBi slopes or None, sinks or None)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -25,6 +26,8 @@ from .families import bwd
 from .options import Options
 from .plan import Plan
 from .tally import Tally
+
+log = logging.getLogger("rdnattention")
 
 
 def allocate(q: torch.Tensor, token_major: bool, return_lse: bool,
@@ -192,6 +195,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token
     grad = grad_needed(q, k, v, o.score.sinks)
     if grad and not torch.compiler.is_compiling():
         check_backward_built(q)
+    if grad and o.rotary_cos is not None:  # the backward kernels take no RoPE: q and k rotated before them
+        q, k, o = rotated(q, k, o)
     if (grad or torch.compiler.is_compiling() or torch.jit.is_tracing()
             or not (type(q) is type(k) is type(v) is torch.Tensor)):
         return flash_attn_fwd(q, k, v, o.rotary_cos, o.rotary_sin, o.window_left, o.window_right, o.softmax_scale,
@@ -201,6 +206,56 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token
     replay.run(p, key, (q, k, v, o.rotary_cos, o.rotary_sin, o.seqused_k, *o.score.tensors), ROLES,
                free=length_free(key))
     return p.outputs
+
+
+# RoPE with gradients: the backward kernels take no rotation, so a call that autograd records has q
+# and k rotated by torch operations (differentiable: autograd takes the gradients back through the
+# rotation) and runs the kernels without RoPE. It pays a rotated copy of q and k; each such call is
+# counted (backward_counts' "rotary") and the first logs one line.
+_rotary = Tally()
+
+
+def rotated(q: torch.Tensor, k: torch.Tensor, o: Options) -> tuple[torch.Tensor, torch.Tensor, Options]:
+    """q and k ([batch, heads, seq, head_dim] views) rotated as the kernels rotate them: keys at
+    positions 0 .. seq_k - 1, query i at i + n - seq_q where n is its sequence's key count (seq_k,
+    or seqused_k's; a query before the first key is not rotated); the first 2 * rotary_cos.shape[1]
+    features, interleaved pairs or halves as ``o.rotary_interleaved``; in fp32, rounded once to
+    q's dtype. Returns them with ``o`` without its RoPE tables."""
+    if not torch.compiler.is_compiling() and _rotary.add("rotary"):  # (traced calls are not counted)
+        log.warning("rdnattention: RoPE in a call that requires grad: q and k are rotated by torch operations "
+                    "before the kernels (the backward kernels take no rotation)")
+    cos, sin = o.rotary_cos.float(), o.rotary_sin.float()
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    queries = torch.arange(seq_q, device=q.device)
+    if o.seqused_k is None:
+        queries = queries + (seq_k - seq_q)  # [seq_q]
+    else:
+        queries = queries + (o.seqused_k.long()[:, None] - seq_q)  # [batch, seq_q]: each sequence's own
+    keys = torch.arange(seq_k, device=q.device)
+    q = _rope(q, cos, sin, queries, o.rotary_interleaved)
+    k = _rope(k, cos, sin, keys, o.rotary_interleaved)
+    return q, k, dataclasses.replace(o, rotary_cos=None, rotary_sin=None, rotary_interleaved=False)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+          interleaved: bool) -> torch.Tensor:
+    """x [batch, heads, seq, head_dim] rotated at ``positions`` ([seq], or [batch, seq]; below 0:
+    not rotated), differentiably."""
+    half = cos.shape[1]
+    before = positions < 0
+    c, s = cos[positions.clamp(min=0)], sin[positions.clamp(min=0)]  # [..., seq, half]
+    c = torch.where(before[..., None], 1.0, c)
+    s = torch.where(before[..., None], 0.0, s)
+    if positions.dim() == 2:
+        c, s = c[:, None], s[:, None]  # over the heads
+    xf = x.float()
+    if interleaved:
+        x1, x2 = xf[..., 0:2 * half:2], xf[..., 1:2 * half:2]
+        turned = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xf[..., :half], xf[..., half:2 * half]
+        turned = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return torch.cat((turned, xf[..., 2 * half:]), dim=-1).to(x.dtype)
 
 
 @torch.library.custom_op("rdnattention::flash_attn_fwd", mutates_args=())
@@ -238,7 +293,6 @@ def _(q, k, v, rotary_cos, rotary_sin, window_left, window_right, softmax_scale,
 # columns are sliced off. The call pays the copies and the wider kernel's work; each is counted by
 # (target, dtype, head_dims) (backward_counts, rdnattention.stats()["backward"]), and the first of
 # each logs one line.
-log = logging.getLogger("rdnattention")
 _padded = Tally()
 
 
@@ -264,11 +318,13 @@ def backward_missing(table, q: torch.Tensor) -> str | None:
 
 
 def backward_counts(*, reset: bool = False) -> dict:
-    """The backward calls run padded to a larger head_dim: ``{"padded": calls, "head_dims": {"<target>
-    <dtype> head_dim <d> -> <padded>": calls}}`` (a copy; also ``rdnattention.stats()["backward"]``).
-    With ``reset=True`` the counts start again from zero, and each logs again."""
+    """The backward calls that took a detour: ``{"padded": calls run padded to a larger head_dim,
+    "head_dims": {"<target> <dtype> head_dim <d> -> <padded>": calls}, "rotary": calls whose RoPE
+    torch operations applied (rotated)}`` (a copy; also ``rdnattention.stats()["backward"]``). With
+    ``reset=True`` the counts start again from zero, and each logs again."""
     _, head_dims = _padded.read(reset=reset)
-    return {"padded": sum(head_dims.values()), "head_dims": head_dims}
+    rotary = _rotary.read(reset=reset)[1].get("rotary", 0)
+    return {"padded": sum(head_dims.values()), "head_dims": head_dims, "rotary": rotary}
 
 
 def _count_padded(table, dtype: str | None, head_dim: int, padded: int) -> None:

@@ -216,15 +216,9 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: ob
     if not isinstance(return_lse, bool):
         raise InvalidArgumentError(f"return_lse must be a bool, got {return_lse!r}")
     rope = check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, seq_k)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or (isinstance(sinks, torch.Tensor) and sinks.requires_grad)):
-        # The backward kernels (ops.flash_attn_bwd) take the mask, the scale, GQA, the softcap, ALiBi and
-        # seqused_k; sinks need nothing of them (the log-sum-exp holds the sink) and get their gradient
-        # in ops._backward.
-        if rope:
-            who = "q, k or v" if q.requires_grad or k.requires_grad or v.requires_grad else "sinks"
-            raise UnsupportedError(f"{who} requires grad, and the backward pass does not take rotary_cos: run the "
-                                   "call under torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+    # Gradients: the backward kernels (ops.flash_attn_bwd) take the mask, the scale, GQA, the softcap,
+    # ALiBi and seqused_k; sinks need nothing of them (the log-sum-exp holds the sink) and get their
+    # gradient in ops._backward; RoPE is applied by torch operations before the kernels (ops.rotated).
     return Options(window_left=left, window_right=right, softmax_scale=softmax_scale,
                    rotary_cos=rotary_cos if rope else None, rotary_sin=rotary_sin if rope else None,
                    rotary_interleaved=bool(rotary_interleaved) if rope else False, return_lse=return_lse,

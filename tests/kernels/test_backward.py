@@ -1,8 +1,8 @@
 """The backward pass (the bwd family, autograd through rdnattention::flash_attn_fwd): every backward
 kernel the host targets build, fp16 and bf16, against the float64 oracle's gradients
 (attention_gradients) on causal, windowed, GQA, cross-length and softcapped calls; a
-finite-difference check of the same gradients; determinism; the calls whose options the backward
-does not take, refused before anything runs; torch.compile and opcheck; and, marked gpu, the
+finite-difference check of the same gradients; determinism; RoPE, applied by torch operations
+before the kernels; torch.compile and opcheck; and, marked gpu, the
 same on an NVIDIA GPU against the oracle and against torch's math backward."""
 
 import pytest
@@ -293,13 +293,6 @@ def test_head_dim_padded_by_flash_attn_func_takes_grad(host_build):
            torch.float16)
 
 
-def _refusals():
-    cos, sin = rotary_tables(40, 32)
-    return [
-        ({"rotary_cos": cos, "rotary_sin": sin}, "does not take rotary_cos"),
-    ]
-
-
 # (batch, heads_q, heads_kv, seq_q, seq_k, keys each sequence uses, options): a cache longer than its
 # keys, one sequence of none, queries aligned to the end of each sequence's keys.
 SEQUSED = {
@@ -331,17 +324,56 @@ def test_seqused_k_gradients_match_oracle(host_build, monkeypatch, ran, target, 
                TORCH[dtype])
 
 
-@pytest.mark.parametrize("i", range(1), ids=["rotary"])
-def test_options_the_backward_does_not_take_are_refused(host_build, i):
-    options, message = _refusals()[i]
-    q, k, v, _ = _inputs(1, 4, 2, 40, 40, 64, torch.float16, 51)
-    before = [t.clone() for t in (q, k, v)]
-    q.requires_grad_()
-    with pytest.raises(UnsupportedError, match=message):
-        flash_attn(q, k, v, **options)
-    assert q.grad is None and all(torch.equal(a, b) for a, b in zip((q, k, v), before))
-    with torch.no_grad():  # forward only: served
-        flash_attn(q, k, v, **options)
+# (batch, heads_q, heads_kv, seq_q, seq_k, rotary_dim, interleaved, options)
+ROTARY = {
+    "causal_gqa_halves": (2, 4, 2, 37, 37, 64, False, {"is_causal": True}),
+    "cross_interleaved_partial": (1, 2, 1, 21, 50, 32, True, {"is_causal": True}),
+    "window_softcap": (1, 2, 2, 40, 40, 48, False, {"window_size": (9, 4), "softcap": 3.0}),
+}
+
+
+@pytest.mark.parametrize("case", ROTARY)
+def test_rope_with_gradients_matches_the_oracle(host_build, ran, caplog, case):
+    """RoPE (rotary_cos/rotary_sin) in a call that requires grad: q and k rotated by torch
+    operations before the kernels, whose backward takes no rotation; the gradients reach the
+    unrotated inputs as the float64 oracle's (which rotates in float64), the forward runs the
+    kernels without RoPE, and the calls are counted, the first logged."""
+    b, hq, hk, sq, sk, rotary_dim, interleaved, options = ROTARY[case]
+    q, k, v, dout = _inputs(b, hq, hk, sq, sk, 64, torch.float16, 51 + sq)
+    cos, sin = rotary_tables(sk, rotary_dim)
+    rope = {"rotary_cos": cos, "rotary_sin": sin, "rotary_interleaved": interleaved}
+    rdnattention.stats(reset=True)
+    with caplog.at_level("WARNING", logger="rdnattention"):
+        grads = _grads(q, k, v, dout, **rope, **options)
+        assert torch.equal(_grads(q, k, v, dout, deterministic=True, **rope, **options)[2], grads[2])
+    assert len(ran) == 2
+    _check(grads, attention_gradients(q, k, v, dout, **rope, **options), torch.float16)
+    assert rdnattention.stats()["backward"]["rotary"] == 2
+    assert sum("RoPE in a call that requires grad" in r.getMessage() for r in caplog.records) == 1
+    with torch.no_grad():  # forward only: RoPE in the kernels, the same output to fp16 rounding
+        torch.testing.assert_close(flash_attn(q, k, v, **rope, **options), _forward(q, k, v, **rope, **options),
+                                   atol=2e-3, rtol=2e-3)
+
+
+def test_rope_with_gradients_and_seqused_k_rotates_each_sequence_at_its_own_positions(host_build):
+    """With seqused_k, each sequence's queries sit at the end of its own keys: their rotation, and
+    so their gradients, are the oracle's on that sequence's keys alone."""
+    used = (30, 12)
+    q, k, v, dout = _inputs(2, 2, 2, 8, 30, 64, torch.float16, 77)
+    cos, sin = rotary_tables(30, 64)
+    rope = {"rotary_cos": cos, "rotary_sin": sin, "is_causal": True}
+    grads = _grads(q, k, v, dout, seqused_k=torch.tensor(used, dtype=torch.int32), **rope)
+    for i, n in enumerate(used):
+        _check((grads[0][i:i + 1], grads[1][i:i + 1, :, :n], grads[2][i:i + 1, :, :n]),
+               attention_gradients(q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n], dout[i:i + 1], **rope),
+               torch.float16)
+
+
+def _forward(q, k, v, **options):
+    """The forward of a call whose inputs require grad (the path the gradients take), detached."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    with torch.enable_grad():
+        return flash_attn(q, k, v, **options).detach()
 
 
 def _sink_oracle(q, k, v, dout, sinks, **options):
@@ -456,11 +488,13 @@ def test_direct_op_call_without_lse_has_no_backward(host_build):
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_compile_traces_forward_and_backward(host_build, backend):
     q, k, v, dout = _inputs(1, 4, 2, 30, 30, 64, torch.float16, 81)
+    cos, sin = rotary_tables(30, 32)
 
     def layer(q, k, v):
         a = flash_attn(q, k, v, is_causal=True)
         b = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window_size=(8, 8))
-        return a * 2 + b.transpose(1, 2)
+        c = flash_attn(q, k, v, rotary_cos=cos, rotary_sin=sin)  # RoPE by torch operations, in the graph
+        return a * 2 + b.transpose(1, 2) - c
 
     def grads(fn):
         x = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -298,7 +298,7 @@ def test_gradients_of_a_head_dim_without_its_own_backward_kernels_run_the_next_o
         torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
     s = rdnattention.stats()
     assert (s["served"], s["fallbacks"]) == (1, {})
-    assert s["backward"] == {"padded": 1, "head_dims": {"host fp16 head_dim 32 -> 40": 1}}
+    assert s["backward"] == {"padded": 1, "head_dims": {"host fp16 head_dim 32 -> 40": 1}, "rotary": 0}
 
 
 def test_calls_torch_may_refuse_get_torchs_answer(patched):

@@ -53,16 +53,18 @@ def test_compile_fullgraph_has_no_graph_break(host_build):
 
 
 def test_inputs_that_require_grad_are_refused_where_the_backward_does_not_serve(host_build):
-    """RoPE in the kernel has no backward (tests/kernels/test_backward.py has the rest)."""
+    """ALiBi slopes that require grad get no gradient from the backward: refused, nothing written
+    (tests/kernels/test_backward.py has the rest)."""
     q, k, v = _qkv()
-    cos, sin = rotary_tables(50, 32)
-    q.requires_grad_(True)
-    with pytest.raises(UnsupportedError, match="requires grad, and the backward pass does not take rotary_cos"):
-        flash_attn(q, k, v, rotary_cos=cos, rotary_sin=sin)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], requires_grad=True)
+    before = [t.clone() for t in (q, k, v, slopes.detach())]
+    with pytest.raises(UnsupportedError, match="alibi_slopes requires grad, and the backward pass gives no gradient"):
+        flash_attn(q, k, v, alibi_slopes=slopes)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v, slopes.detach()), before))
     with torch.no_grad():
-        out = flash_attn(q, k, v, rotary_cos=cos, rotary_sin=sin)
+        out = flash_attn(q, k, v, alibi_slopes=slopes)
     with torch.inference_mode():
-        assert torch.equal(flash_attn(q, k, v, rotary_cos=cos, rotary_sin=sin), out)
+        assert torch.equal(flash_attn(q, k, v, alibi_slopes=slopes), out)
 
 
 def test_flash_attn_func_is_token_major(host_build):
