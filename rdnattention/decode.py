@@ -254,7 +254,8 @@ def _(q, k, v, seqused_k, block_table, cache_batch_idx, cu_seqlens_q, cu_seqlens
 
 # The backward of packed sequences (varlen.py records the op where autograd does): the bwd family's
 # passes over the sequences (ops.flash_attn_varlen_bwd), from the saved q, k, v, output and
-# log-sum-exp. The op's other uses (caches, pages, key counts) have none, and say so when asked.
+# log-sum-exp, with each sequence's key counts where given. The op's other uses (caches, pages)
+# have none, and say so when asked.
 
 def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, seqused_k, block_table, cache_batch_idx, cu_seqlens_q, cu_seqlens_k, batch, seq_q, seq_k,
@@ -262,15 +263,17 @@ def _setup_context(ctx, inputs, output) -> None:
      deterministic) = inputs
     out, lse = output
     ctx.unserved = [name for name, present in (
-        ("seqused_k", seqused_k is not None), ("block_table", block_table is not None),
+        ("block_table", block_table is not None),
         ("cache_batch_idx", cache_batch_idx is not None), ("cu_seqlens_q=None", cu_seqlens_q is None),
         ("cu_seqlens_k=None", cu_seqlens_k is None), ("return_lse=False", not return_lse)) if present]
     ctx.options = (seq_q, seq_k, window_left, window_right, softmax_scale, softcap, deterministic)
     ctx.alibi = alibi_slopes is not None
     ctx.sinks = sinks is not None
+    ctx.seqused = seqused_k is not None
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                           *((alibi_slopes,) if alibi_slopes is not None else ()),
-                          *((sinks,) if sinks is not None else ()))
+                          *((sinks,) if sinks is not None else ()),
+                          *((seqused_k,) if seqused_k is not None else ()))
 
 
 def _backward(ctx, dout, dlse):
@@ -280,13 +283,14 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, *rest = ctx.saved_tensors
     slopes = rest.pop(0) if ctx.alibi else None
     sinks = rest.pop(0) if ctx.sinks else None
+    seqused_k = rest.pop(0) if ctx.seqused else None
     seq_q, seq_k, left, right, scale, softcap, deterministic = ctx.options
     # With sinks, the log-sum-exp holds each row's sink: the kernels' gradients of q, k and v are
     # those of the call as they are (ops._backward); the sinks' own is ops._sink_gradient's.
     dq = dk = dv = None
     if any(ctx.needs_input_grad[:3]):  # (learned sinks alone need none of the passes)
         dq, dk, dv = ops.flash_attn_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, seq_q, seq_k, left, right,
-                                           scale, softcap, deterministic, slopes)
+                                           scale, softcap, deterministic, slopes, seqused_k)
     dsinks = (ops._sink_gradient(sinks, dout, out, lse, dlse, cu_seqlens_q=cu_q)
               if ctx.sinks and ctx.needs_input_grad[18] else None)
     return (dq, dk, dv) + (None,) * 15 + (dsinks, None)

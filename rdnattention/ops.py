@@ -462,17 +462,20 @@ def flash_attn_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, window_left: int,
                           window_right: int, softmax_scale: float, softcap: float = 0.0,
-                          deterministic: bool = False, alibi_slopes: Optional[torch.Tensor] = None
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          deterministic: bool = False, alibi_slopes: Optional[torch.Tensor] = None,
+                          seqused_k: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of packed sequences (flash_attn_varlen_func's layout): q, out, dout [total_q,
-    heads_q, head_dim], k, v [total_k, heads_kv, head_dim], lse and dlse [heads_q, total_q]."""
+    heads_q, head_dim], k, v [total_k, heads_kv, head_dim], lse and dlse [heads_q, total_q];
+    ``seqused_k`` (int32 [batch], or None): the keys each sequence uses, its first ones, as the
+    forward's (the others get zero gradients)."""
     return backward(dout, q, k, v, out, lse, dlse, window_left, window_right, softmax_scale, softcap, deterministic,
-                    alibi_slopes=alibi_slopes, packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                    alibi_slopes=alibi_slopes, packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                    seqused_k=seqused_k)
 
 
 @flash_attn_varlen_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left,
-      window_right, softmax_scale, softcap=0.0, deterministic=False, alibi_slopes=None):
+      window_right, softmax_scale, softcap=0.0, deterministic=False, alibi_slopes=None, seqused_k=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 

@@ -135,15 +135,14 @@ def _attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale, window_siz
     if torch.is_grad_enabled() and (qkv_grad or (score.sinks is not None and score.sinks.requires_grad)):
         # Autograd records the call: the custom op, whose backward is the packed backward kernels'
         # (and, for learned sinks, ops._sink_gradient).
-        for name, given in ((n("block_table"), paged), (n("seqused_k"), seqused_k is not None)):
-            if given:
-                who = f"{n('query')}, {n('key')} or {n('value')}" if qkv_grad else "sinks"
-                raise UnsupportedError(f"{who} requires grad, and the backward pass of packed sequences does not "
-                                       f"take {name}: run the call under torch.no_grad() or "
-                                       "torch.inference_mode(), or pass detached tensors")
+        if paged:
+            who = f"{n('query')}, {n('key')} or {n('value')}" if qkv_grad else "sinks"
+            raise UnsupportedError(f"{who} requires grad, and the backward pass of packed sequences does not "
+                                   f"take {n('block_table')}: run the call under torch.no_grad() or "
+                                   "torch.inference_mode(), or pass detached tensors")
         ops.check_backward_built(q)
-        out, lse = decode.flash_attn_decode_fwd(q, k, v, None, None, None, cu_q, cu_k, batch, max_q, seq_k, left, right,
-                                                scale, True, num_splits, score.softcap, score.alibi_slopes,
+        out, lse = decode.flash_attn_decode_fwd(q, k, v, seqused_k, None, None, cu_q, cu_k, batch, max_q, seq_k, left,
+                                                right, scale, True, num_splits, score.softcap, score.alibi_slopes,
                                                 score.sinks, deterministic)
         return out, lse
     # The index values (offsets, pages, key counts) are checked where the call is planned

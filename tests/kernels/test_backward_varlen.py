@@ -2,7 +2,7 @@
 with inputs that require grad; rdnattention::flash_attn_varlen_bwd): every host backward kernel
 set, both modes, against the float64 oracle's gradients taken sequence by sequence, with rows
 past the last sequence and sequences without keys or rows; ALiBi and the softcap through the
-packed passes; learned sinks' gradient; what packed calls with grad refuse; opcheck and torch.compile; marked gpu, the
+packed passes; learned sinks' gradient; key counts (seqused_k); what packed calls with grad refuse; opcheck and torch.compile; marked gpu, the
 same on an NVIDIA GPU."""
 
 import pytest
@@ -39,11 +39,13 @@ def _view(t):  # [total, heads, d] -> [1, heads, total, d]
     return t.unsqueeze(0).transpose(1, 2)
 
 
-def _oracle(q, k, v, dout, cu_q, cu_k, causal=False, window_size=(-1, -1), **options):
-    """The float64 gradients, each sequence on its own rows and keys; zero elsewhere."""
+def _oracle(q, k, v, dout, cu_q, cu_k, causal=False, window_size=(-1, -1), used=None, **options):
+    """The float64 gradients, each sequence on its own rows and keys (its first ``used[b]`` keys
+    where given); zero elsewhere."""
     grads = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
     for b in range(len(cu_q) - 1):
-        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        k1 = int(cu_k[b + 1]) if used is None else int(cu_k[b]) + used[b]
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), k1)
         if qs.stop == qs.start or ks.stop == ks.start:
             continue
         slopes = options.get("alibi_slopes")
@@ -169,20 +171,39 @@ def test_varlen_attn_and_packed_forms_take_grad(host_build):
     _check(qkv.grad.unbind(1), refs, torch.float16)
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_packed_gradients_with_seqused_k_are_each_sequences_on_its_used_keys(host_build, ran, causal, deterministic):
+    """varlen_attn with seqused_k and grad: each sequence attends to its first seqused_k[b] keys
+    (the queries aligned to the end of them), its gradients the oracle's on those keys, the
+    sequence's other keys zero gradients; the packed passes run, given the counts."""
+    lengths_q, lengths_k, used = [12, 30, 7], [40, 30, 25], (17, 30, 0)
+    q, k, v, dout, cu_q, cu_k = _packed(lengths_q, lengths_k, 0, 4, 2, 64, torch.float16, 23)
+    x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)  # (varlen_attn has no deterministic argument)
+    try:
+        out = varlen_attn(*x, cu_q, cu_k, 30, 40, seqused_k=torch.tensor(used, dtype=torch.int32),
+                          window_size=(-1, 0) if causal else (-1, -1), enable_gqa=True)
+        out.backward(dout)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    _check(tuple(t.grad for t in x), _oracle(q, k, v, dout, cu_q, cu_k, causal=causal, used=used), torch.float16)
+    assert len(ran) == 1 and [n.split("_")[1] for n in ran[0]] == PASS_NAMES[deterministic]
+
+
 def test_packed_calls_with_grad_refuse_what_the_backward_does_not_take(host_build):
     q, k, v, _, cu_q, cu_k = _packed([10, 6], [10, 6], 0, 2, 2, 64, torch.float16, 13)
     before = [t.clone() for t in (q, k, v)]
     q.requires_grad_()
-    with pytest.raises(UnsupportedError, match="does not take seqused_k"):
-        varlen_attn(q, k, v, cu_q, cu_k, 10, 10, seqused_k=torch.tensor([5, 6], dtype=torch.int32))
     pool = k.view(2, 8, 2, 64)
     with pytest.raises(UnsupportedError, match="does not take block_table"):
         flash_attn_varlen_func(q, pool, pool, cu_q, cu_k, 10, 16,
                                block_table=torch.tensor([[0], [1]], dtype=torch.int32))
     with pytest.raises(UnsupportedError, match="sinks requires grad, and the backward pass of packed sequences does "
-                                               "not take seqused_k"):
-        varlen_attn(q.detach(), k, v, cu_q, cu_k, 10, 10, seqused_k=torch.tensor([5, 6], dtype=torch.int32),
-                    sinks=torch.zeros(2, requires_grad=True))
+                                               "not take block_table"):
+        varlen_attn(q.detach(), pool, pool, cu_q, None, 10, 16, seqused_k=torch.tensor([5, 6], dtype=torch.int32),
+                    block_table=torch.tensor([[0], [1]], dtype=torch.int32), sinks=torch.zeros(2, requires_grad=True))
     assert q.grad is None and all(torch.equal(a, b) for a, b in zip((q, k, v), before))
 
 
@@ -220,7 +241,7 @@ def test_direct_decode_op_call_with_a_cache_has_no_backward(host_build):
     cache = torch.randn(1, 16, 2, 64, dtype=torch.float16)
     out, _ = torch.ops.rdnattention.flash_attn_decode_fwd(q, cache, cache, torch.tensor([9], dtype=torch.int32),
                                                           None, None, None, None, 1, 1, 16, -1, -1, 0.125, True, 0)
-    with pytest.raises(UnsupportedError, match="packed sequences alone, not with seqused_k, cu_seqlens_q=None"):
+    with pytest.raises(UnsupportedError, match="packed sequences alone, not with cu_seqlens_q=None"):
         out.backward(torch.ones_like(out))
 
 
