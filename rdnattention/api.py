@@ -221,7 +221,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         raise UnsupportedError("attn_mask: arbitrary masks are not supported; use is_causal, or "
                                "rdnattention.flash_attn with window_size for sliding windows")
     if dropout_p != 0.0:
-        raise UnsupportedError(f"dropout_p={dropout_p!r}: rdnattention has no dropout (inference only); pass 0.0")
+        raise UnsupportedError(f"dropout_p={dropout_p!r}: the kernels have no attention dropout; pass 0.0")
     if not isinstance(enable_gqa, bool) or not isinstance(is_causal, bool):
         raise InvalidArgumentError(f"is_causal and enable_gqa must be bools, got {is_causal!r} and {enable_gqa!r}")
     q, k, v = (check_fp16(n, t, NATIVE) for n, t in (("query", query), ("key", key), ("value", value)))

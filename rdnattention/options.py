@@ -230,7 +230,7 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: ob
 def refuse_missing_features(dropout_p: object) -> None:
     """flash-attn's options this library does not have: UnsupportedError naming each."""
     if dropout_p != 0.0:
-        raise UnsupportedError(f"dropout_p={dropout_p!r}: rdnattention has no dropout (inference only); pass 0.0")
+        raise UnsupportedError(f"dropout_p={dropout_p!r}: the kernels have no attention dropout; pass 0.0")
 
 
 # The least softcap whose 1 / (softcap * log2(e)), which the kernels multiply by, is a float32.

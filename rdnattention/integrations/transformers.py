@@ -102,7 +102,7 @@ def _unsupported(module, query, key, value, dropout: float, kwargs: dict) -> str
         return (f"dtype {query.dtype}: the kernels take float16 or bfloat16" if query.dtype == key.dtype == value.dtype
                 else f"dtypes {query.dtype}, {key.dtype}, {value.dtype}: the kernels take one dtype")
     if dropout and module.training:
-        return f"dropout {dropout} while training: the kernels are inference only"
+        return f"dropout {dropout} while training: the kernels have no attention dropout"
     if kwargs.get("position_bias") is not None:
         return "position_bias is not supported"
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")

@@ -78,7 +78,7 @@ def test_flash_attn_func_is_token_major(host_build):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"dropout_p": 0.1}, "dropout_p=0.1: rdnattention has no dropout"),
+    ({"dropout_p": 0.1}, "dropout_p=0.1: the kernels have no attention dropout"),
 ])
 def test_flash_attn_func_refuses_what_it_lacks(host_build, kwargs, message):
     q, k, v = (t.transpose(1, 2) for t in _qkv())

@@ -478,7 +478,7 @@ def test_a_repeated_call_replays_and_what_its_key_does_not_hold_takes_the_full_p
         rt.attention_forward(module, q, k, v, None, scaling=0.125, output_attentions=True)
     with pytest.warns(RuntimeWarning, match="softcap"):
         rt.attention_forward(module, q, k, v, None, scaling=0.125, softcap="5")
-    assert set(rt.counts()["fallbacks"]) == {"dropout 0.5 while training: the kernels are inference only",
+    assert set(rt.counts()["fallbacks"]) == {"dropout 0.5 while training: the kernels have no attention dropout",
                                              "output_attentions: the attention weights are never materialised",
                                              *(r for r in rt.counts()["fallbacks"] if "softcap" in r)}
     assert rt.counts()["served"] == 0 and not planned
