@@ -370,13 +370,31 @@ class _Run:
 
     def _one(self, q, k, v, s: _Slice | None) -> torch.Tensor:
         if s is None:
-            return q.new_zeros(q.shape)
+            return _NoKey.apply(q, k, v) if _grad(q, k, v) else q.new_zeros(q.shape)
         if s.rows == q.shape[2]:
             return _launch(q, k[:, :, s.k0:s.k1], v[:, :, s.k0:s.k1], s.window, self.scale, None)
         out = q.new_zeros(q.shape)
         out[:, :, :s.rows] = _launch(q[:, :, :s.rows], k[:, :, s.k0:s.k1], v[:, :, s.k0:s.k1], s.window, self.scale,
                                      None)
         return out
+
+
+class _NoKey(torch.autograd.Function):
+    """The output of queries that see no key, zero, as torch's function gives it, recorded by autograd
+    so that a loss of it alone backpropagates (to zero gradients) as torch's does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.inputs = [(t.shape, t.dtype, t.device) for t in (q, k, v)]
+        return q.new_zeros(q.shape)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs)
+
+
+def _grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 _lengths_cache: dict[tuple, torch.Tensor] = {}

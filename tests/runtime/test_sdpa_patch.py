@@ -276,6 +276,20 @@ def test_gradients_of_a_key_padding_mask_run_one_call_with_key_counts(patched, m
     _served(1)
 
 
+def test_gradients_of_a_call_where_no_query_sees_a_key(patched):
+    """A mask that hides every key: the output is zero, as torch's, and a loss of it alone
+    backpropagates to zero gradients, as torch's does (the output is recorded by autograd)."""
+    q, k, v = _qkv(d=64)
+    mask = torch.zeros(24, 40, dtype=torch.bool)
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).half()
+    ours = _grads(F.scaled_dot_product_attention, q, k, v, g, attn_mask=mask)
+    ref = _grads(_reference, q, k, v, g.float(), attn_mask=mask)
+    for a, b in zip(ours, ref):
+        assert a.dtype == torch.float16 and not a.any()
+        assert torch.equal(a.float(), b.nan_to_num(0.0))
+    _served(1)
+
+
 def test_gradients_without_a_backward_kernel_run_torchs_function(patched):
     q, k, v = (t.requires_grad_() for t in _qkv(d=288))  # no backward kernel at 288 nor above on the host
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
