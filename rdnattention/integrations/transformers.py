@@ -285,15 +285,20 @@ def _trainable(query, key, value, mask, causal: bool, scale: float, left: int, k
         if runs is None:
             return ("inputs that require grad, and an attention mask that is not causal or full over one run of "
                     "valid positions per sequence"), None
-        out = _packed_trainable(query, key, value, runs, causal, scale, left, kwargs)
-        if out is not None:
-            return None, out
     elif causal and seq_q != seq_k and seq_q > 1:  # sdpa's is_causal without a mask is top-left
         return "inputs that require grad, is_causal and no mask with fewer queries than keys", None
-    sinks = kwargs.get("s_aux")
-    out = api.flash_attn(query, key, value, is_causal=causal and seq_q > 1, window_size=(left, 0 if causal else -1),
-                         softmax_scale=scale, softcap=float(kwargs.get("softcap") or 0.0),
-                         sinks=None if sinks is None else sinks.to(torch.float32))  # the cast keeps its gradient
+    try:  # (a forward kernel the device lacks, such as a score option's at this head_dim: refused before any launch)
+        if mask is not None:
+            out = _packed_trainable(query, key, value, runs, causal, scale, left, kwargs)
+            if out is not None:
+                return None, out
+        sinks = kwargs.get("s_aux")
+        out = api.flash_attn(query, key, value, is_causal=causal and seq_q > 1,
+                             window_size=(left, 0 if causal else -1), softmax_scale=scale,
+                             softcap=float(kwargs.get("softcap") or 0.0),
+                             sinks=None if sinks is None else sinks.to(torch.float32))  # the cast keeps its gradient
+    except (UnsupportedError, KernelsNotBuiltError) as e:
+        return str(e), None
     return None, out.transpose(1, 2)
 
 
@@ -355,7 +360,10 @@ def _math(query, key, value, mask, causal: bool, scale: float, softcap: float, s
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), -math.inf)
     if sinks is not None:
         s = torch.cat([s, sinks.float().reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)[..., :key.shape[2]]
+    # A row that sees no key (and has no sink) gives zero, and zero gradients: its scores are made
+    # finite before the softmax, whose backward would otherwise be NaN, and its weights dropped.
+    seen = (s > -math.inf).any(dim=-1, keepdim=True)
+    p = (torch.softmax(torch.where(seen, s, 0.0), dim=-1) * seen)[..., :key.shape[2]]
     return (p.to(v.dtype) @ v).transpose(1, 2).contiguous()
 
 

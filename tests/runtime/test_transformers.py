@@ -228,6 +228,37 @@ def test_a_mask_the_kernels_do_not_read_goes_to_sdpa_counted_and_warned_once(hos
     assert rt.counts()["fallbacks"]["an attention mask of dtype torch.int32"] == 1
 
 
+def test_training_where_the_forward_has_no_kernel_falls_back_counted(host_build):
+    """Inputs that require grad, with backward kernels for the head_dim but no forward kernel of the
+    call's score option (the host build makes no bf16 softcap kernel at head_dim 96): the call falls
+    back, counted and warned, to the attention written out, rather than raising."""
+    module, q, k, v = _attention_inputs(d=96)
+    q, k, v = (t.bfloat16().requires_grad_() for t in (q, k, v))
+    module.train()
+    rt.counts(reset=True)
+    with pytest.warns(RuntimeWarning, match="no .*kernel for head_dim 96"):
+        out = rt.attention_forward(module, q, k, v, None, softcap=5.0)[0]
+    assert rt.counts()["fallback"] == 1 and rt.counts()["served"] == 0
+    ref = rt._math(q, k, v, q.new_empty(0, dtype=torch.bool), True, 96 ** -0.5, 5.0, None)
+    assert torch.equal(out, ref)
+    out.float().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_the_written_out_attention_gives_rows_that_see_no_key_zero_gradients():
+    """_math (the fallback of softcaps and sinks): a row that sees no key gives zero, and its query
+    zero gradient, never NaN (softmax's backward over a row of -inf is NaN)."""
+    module, q, k, v = _attention_inputs()
+    q, k, v = (t.float().requires_grad_() for t in (q, k, v))
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+    mask[3] = False  # query row 3 sees no key
+    out = rt._math(q, k, v, mask, True, 0.125, 5.0, None)
+    assert not out[:, 3].any()
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    assert not q.grad[:, :, 3].any() and q.grad[:, :, 2].any()
+
+
 def _score_model(kind, device, sliding_window=None):
     """A tiny Gemma 2 (logit softcap) or gpt-oss (attention sinks) from a config, its sinks (gpt-oss)
     made to weigh: head_dim 64, 2 query heads per K/V head."""
