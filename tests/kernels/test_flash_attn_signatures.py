@@ -110,19 +110,19 @@ def _leftpad_expected(q, k_cache, v_cache, k, v, lengths, leftpad, causal, windo
     new = 0 if k is None else k.shape[1]
     outs, lses = [], []
     for b, (n, lp) in enumerate(zip(lengths.tolist(), leftpad.tolist())):
-        qb = q[b:b + 1].transpose(1, 2).double()
+        qb = q[b:b + 1].transpose(1, 2)
         if k is not None:
-            kb = k[b:b + 1].transpose(1, 2).double()
-            if rope is not None:  # positions in the cache, as without left padding
+            kb = k[b:b + 1].transpose(1, 2)
+            if rope is not None:  # positions in the cache, as without left padding (16-bit: rounded once)
                 cos, sin, inter = rope
                 kb = rotate(kb, cos, sin, torch.arange(new) + n, inter)
                 local = causal or window != (-1, -1)
                 qb = rotate(qb, cos, sin, torch.arange(q.shape[1]) + n if local else torch.full((q.shape[1],), n),
                             inter)
-            kc[b, n:n + new] = kb[0].transpose(0, 1).half()
+            kc[b, n:n + new] = kb[0].transpose(0, 1)
             vc[b, n:n + new] = v[b]
         keys = slice(lp, n + new)
-        o, lse = attention_reference(qb.half(), kc[b:b + 1, keys].transpose(1, 2), vc[b:b + 1, keys].transpose(1, 2),
+        o, lse = attention_reference(qb, kc[b:b + 1, keys].transpose(1, 2), vc[b:b + 1, keys].transpose(1, 2),
                                      is_causal=causal, window_size=window, return_lse=True)
         outs.append(o.transpose(1, 2))
         lses.append(lse)

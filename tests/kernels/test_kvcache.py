@@ -26,19 +26,19 @@ def _expected(q, k_cache, v_cache, k, v, lengths, causal, window, rope):
     outs, lses = [], []
     new = 0 if k is None else k.shape[1]
     for b, n in enumerate(lengths.tolist()):
-        qb = q[b:b + 1].transpose(1, 2).double()
+        qb = q[b:b + 1].transpose(1, 2)
         if k is not None:
-            kb = k[b:b + 1].transpose(1, 2).double()
-            if rope is not None:
+            kb = k[b:b + 1].transpose(1, 2)
+            if rope is not None:  # (16-bit in, 16-bit out: rounded once, as the append kernels round)
                 cos, sin, inter = rope
                 kb = rotate(kb, cos, sin, torch.arange(new) + n, inter)
                 local = causal or window != (-1, -1)
                 qpos = torch.arange(q.shape[1]) + n if local else torch.full((q.shape[1],), n)
                 qb = rotate(qb, cos, sin, qpos, inter)
-            kc[b, n:n + new] = kb[0].transpose(0, 1).to(q.dtype)
+            kc[b, n:n + new] = kb[0].transpose(0, 1)
             vc[b, n:n + new] = v[b]
         used = n + new
-        o, lse = attention_reference(qb.to(q.dtype), kc[b:b + 1, :used].transpose(1, 2), vc[b:b + 1, :used].transpose(1, 2),
+        o, lse = attention_reference(qb, kc[b:b + 1, :used].transpose(1, 2), vc[b:b + 1, :used].transpose(1, 2),
                                      is_causal=causal, window_size=window, return_lse=True)
         outs.append(o.transpose(1, 2))
         lses.append(lse)
