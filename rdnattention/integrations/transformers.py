@@ -160,8 +160,9 @@ def _runs(mask: torch.Tensor, causal: bool, left: int = -1):
     ``mask`` [batch, 1 or heads, seq_q, seq_k] is the causal (or full) mask of one run of queries
     against one run of keys, the queries at the end of the keys, each causal query seeing at most
     ``left`` keys before its own (-1: all; a sliding window); else None. Rows outside the run are
-    padding: they see no key (left padding) or every valid key (right padding, where the run ends
-    at the first row that sees the last valid key); the kernels leave them zero."""
+    padding: they see no key (left padding) or every valid key, or with a sliding window its last
+    valid keys (right padding, where the run ends at the first row that sees the last valid key);
+    the kernels leave them zero."""
     if mask.dtype != torch.bool:
         if not bool(((mask == 0) | (mask == torch.finfo(mask.dtype).min) | torch.isneginf(mask)).all()):
             return None  # a bias, not a mask
@@ -184,12 +185,16 @@ def _runs(mask: torch.Tensor, causal: bool, left: int = -1):
     key = torch.arange(seq_k, device=m.device)[None, None, :] - k0[:, None, None]
     in_run = (p >= 0) & (p < sq[:, None, None])
     valid_key = (key >= 0) & (key < n[:, None, None])
-    expected = in_run & valid_key
+    allowed = valid_key  # the run's mask, as it goes on past the run's rows
     if causal:
-        expected &= key <= p + (n - sq)[:, None, None]
+        allowed = allowed & (key <= p + (n - sq)[:, None, None])
         if left >= 0:
-            expected &= key >= p + (n - sq)[:, None, None] - left
-    padding_row_ok = (counts == 0) | (counts == n[:, None])  # outside the run: no key, or all of them
+            allowed = allowed & (key >= p + (n - sq)[:, None, None] - left)
+    expected = in_run & allowed
+    # Outside the run: no key, all the valid keys, or, after the run (right padding), what the run's
+    # mask gives a row there (a sliding window's last valid keys).
+    after = (p >= sq[:, None, None])[..., 0] & (m == allowed).all(-1)
+    padding_row_ok = (counts == 0) | (counts == n[:, None]) | after
     ok = torch.where(in_run, expected == m[:, :, :], (padding_row_ok[:, :, None] & (~m | valid_key)))
     if not bool(ok.all()):
         return None

@@ -228,6 +228,35 @@ def test_a_mask_the_kernels_do_not_read_goes_to_sdpa_counted_and_warned_once(hos
     assert rt.counts()["fallbacks"]["an attention mask of dtype torch.int32"] == 1
 
 
+def test_right_padding_under_a_sliding_window_is_read_and_served(host_build):
+    """Right padding (training's batches) in a sliding-window layer (Gemma 2, Mistral): the padding
+    rows see the window's last valid keys, not all of them; the mask is still one run per sequence,
+    served forward and backward, the valid rows as sdpa gives them, the gradients of a loss of them
+    as sdpa's."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    module, q, k, v = _attention_inputs(batch=2, seq=8)
+    lengths = torch.tensor([5, 8])
+    j, i = torch.arange(8), torch.arange(8)[:, None]
+    mask = ((j < lengths[:, None, None]) & (j <= i) & (j > i - 3))[:, None]  # window of 3 keys
+    rows = (torch.arange(8) < lengths[:, None])[:, :, None, None]  # [batch, seq, 1, 1]
+    module.train()
+    g = torch.randn(2, 8, 4, 64, generator=torch.Generator().manual_seed(2)).half() * rows
+
+    def grads(fn):
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(module, *x, mask, sliding_window=3)[0]
+        (out.float() * g.float()).sum().backward()
+        return out.detach() * rows, [t.grad for t in x]
+
+    rt.counts(reset=True)
+    ours, ours_grads = grads(rt.attention_forward)
+    assert rt.counts()["served"] == 1 and not rt.counts()["fallbacks"]
+    ref, ref_grads = grads(sdpa_attention_forward)
+    torch.testing.assert_close(ours, ref, **TOL)
+    for a, b in zip(ours_grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+
+
 def test_training_where_the_forward_has_no_kernel_falls_back_counted(host_build):
     """Inputs that require grad, with backward kernels for the head_dim but no forward kernel of the
     call's score option (the host build makes no bf16 softcap kernel at head_dim 96): the call falls

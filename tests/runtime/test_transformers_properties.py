@@ -3,7 +3,8 @@ the masks transformers builds for padded batches (left or right padding, per-seq
 causal or not, sliding windows, queries at the end of a longer cache, softcaps and learned sinks
 (gpt-oss's s_aux), with and without gradients; the valid rows' output and the gradients (of a
 loss that ignores the padding rows, as training's labels do) against a float64 reference of the
-same attention, and the inputs left as they were given."""
+same attention, the inputs left as they were given, and every such mask read by the kernels'
+path (a fallback only where the host build has no kernel)."""
 
 import os
 
@@ -108,9 +109,12 @@ def test_attention_matches_a_float64_reference(host_build, call):
     if s_aux is not None:
         kwargs["s_aux"] = s_aux.clone().requires_grad_(grad)
     given_ = [t.clone() for t in (q, k, v, visible)]
+    rt.counts(reset=True)
     with torch.set_grad_enabled(grad):
         out, _ = rt.attention_forward(module, *leaves, mask, **kwargs)
     assert all(torch.equal(a, b) for a, b in zip((q, k, v, visible), given_))
+    # The masks transformers makes are read: a fallback is only a kernel the host build leaves out.
+    assert all(reason.startswith("no ") for reason in rt.counts()["fallbacks"]), rt.counts()
     assert out.dtype == DTYPES[dtype] and out.shape == (batch, seq_q, heads_q, head_dim)
 
     # The rows of valid query positions; the others are padding, whose output training ignores.
