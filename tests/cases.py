@@ -51,6 +51,18 @@ UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 GRAD_TOL = {torch.float16: LSE_TOL + 2 * UNIT[torch.float16], torch.bfloat16: BF16_LSE_TOL + 2 * UNIT[torch.bfloat16]}
 
 
+def cancellation_floor(q, k, v, dout) -> float:
+    """What fp32 arithmetic leaves of a backward gradient that is zero by cancellation (q, k, v,
+    dout [batch, heads, seq, head_dim], the default softmax scale): dS = P (dP - delta) with
+    dP = dO . V and delta = dO . O two head_dim-long fp32 sums that are equal where a row sees one
+    key (P = 1, O = V), each within head_dim u32 |dO| |V| of its value; dQ and dK add
+    softmax_scale |K| (|Q|) times that over the probabilities of a row (summing to 1) and of a key
+    (at most the rows of its GQA group, group x seq_q)."""
+    head_dim, rows = q.shape[3], q.shape[1] // k.shape[1] * q.shape[2]
+    top = lambda t: t.abs().max().item()  # noqa: E731
+    return 2 * head_dim ** -0.5 * head_dim * 2.0**-24 * top(dout) * top(v) * max(top(q), top(k)) * rows
+
+
 def host_head_dims(target: str, name: str, layout: str | None = None, dtype: str = "fp16",
                    score: str | None = None) -> list[int]:
     """The head_dims ``target`` builds kernels of family ``name`` compiled for ``layout``, ``dtype``

@@ -6,7 +6,7 @@ call's gradients against the float64 oracle's, and the inputs left as they were 
 import os
 
 import torch
-from cases import GRAD_TOL, TOLS, host_head_dims
+from cases import GRAD_TOL, TOLS, cancellation_floor, host_head_dims
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -85,20 +85,9 @@ def test_gradients_match_the_oracle(host_build, call):
         stored = out[b:b + 1].detach().double() - exact
         dlse = -(dout[b:b + 1].double() * stored).sum(-1)
         refs = attention_gradients(*inputs, dout[b:b + 1], dlse=dlse, **oracle_options)
-        floor = _cancellation(q, k, v, dout)
+        floor = cancellation_floor(q, k, v, dout)
         for name, got, ref in zip(("dq", "dk", "dv"), mine, refs):
             assert got.dtype == DTYPES[dtype] and torch.isfinite(got).all(), name
             err = (got.double() - ref).abs().max().item()
             bound = max(GRAD_TOL[DTYPES[dtype]] * ref.abs().max().item(), floor)
             assert err <= bound, f"{name}: {err:.2e}, bound {bound:.2e}"
-
-
-def _cancellation(q, k, v, dout) -> float:
-    """What fp32 arithmetic leaves of a gradient that is zero by cancellation: dS = P (dP - delta)
-    with dP = dO . V and delta = dO . O two head_dim-long fp32 sums that are equal where a row sees
-    one key (P = 1, O = V), each within head_dim u32 |dO| |V| of its value; dQ and dK add
-    softmax_scale |K| (|Q|) times that over the probabilities of a row (summing to 1) and of a key
-    (at most the rows of its GQA group, group x seq_q)."""
-    head_dim, rows = q.shape[3], q.shape[1] // k.shape[1] * q.shape[2]
-    top = lambda t: t.abs().max().item()  # noqa: E731
-    return 2 * head_dim ** -0.5 * head_dim * 2.0**-24 * top(dout) * top(v) * max(top(q), top(k)) * rows
