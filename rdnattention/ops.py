@@ -126,7 +126,10 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
     output is [batch, seq, heads, head_dim] where ``token_major``."""
     if key is None:
         return None
-    r = replay.cache.get(key)
+    try:
+        r = replay.cache.get(key)
+    except TypeError:  # an unhashable option (a list for a number): the full path names it
+        return None
     tokens_in = token_major and not views
     if r is None:  # a call that differs from a kept one in the keys' length alone follows its replay
         r = replay.reused(key)  # derived for an earlier call of this length (the step's first layer)

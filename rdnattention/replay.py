@@ -300,6 +300,15 @@ def derive(free: tuple, key: tuple, r: Replay) -> None:
     _latest[free] = key
 
 
+def kept(key: tuple | None) -> bool:
+    """Whether a plan is kept for ``key`` (False for None, and for a key holding an option that is
+    not hashable, such as a list given for a number: the full path names it)."""
+    try:
+        return key is not None and key in cache
+    except TypeError:
+        return False
+
+
 def keep(key: tuple, r: Replay) -> None:
     """Keeps ``r`` for later calls of ``key``."""
     if len(cache) >= CACHE_LIMIT:

@@ -642,3 +642,15 @@ def test_tiny_values_quantize_to_a_usable_scale(quantize):
     assert bool((scale >= torch.finfo(torch.float32).tiny).all()) and bool(torch.isfinite(scale).all())
     back = q.float() * (scale[..., None] if quantize == "quantize_per_token" else scale[:, :, None, :])
     assert (back - x).abs().max().item() <= torch.finfo(torch.float32).tiny * 127
+
+
+@pytest.mark.parametrize("entry", ["flash_attn", "flash_attn_func", "kvcache", "varlen"])
+@pytest.mark.parametrize("name", ["softmax_scale", "softcap"])
+def test_an_unhashable_option_after_a_replayed_call_is_a_typed_error(host_build, entry, name):
+    """A list given for a number, once the geometry is planned (the replay key holds the options):
+    the full path's typed error, not the replay lookup's TypeError."""
+    from test_refusal_properties import ENTRIES
+    fn, tensors, kwargs = ENTRIES[entry]()
+    fn(**tensors, **kwargs)
+    with pytest.raises(InvalidArgumentError, match=name):
+        fn(**tensors, **kwargs, **{name: [0.1]})
