@@ -120,13 +120,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         served = {}
         for name in ("ours", "patched"):
-            rt.fallbacks.clear()
+            rt.counts(reset=True)
             before = rdnattention.stats()
             runs[name]()
             after = rdnattention.stats()
-            served[name] = (before, after, sum(rt.fallbacks.values()))
+            fallbacks = rt.counts()["fallbacks"]
+            served[name] = (before, after, sum(fallbacks.values()))
             if name == "ours":
-                reasons = dict(rt.fallbacks)
+                reasons = fallbacks
         times: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(args.rounds):
             for name, fn in runs.items():

@@ -49,7 +49,7 @@ RANK_SCRIPT = textwrap.dedent("""
     rank = dist.get_rank() if tp else 0
     torch.save(logits, f"{out}.{rank}.pt")
     with open(f"{out}.{rank}.json", "w") as f:
-        json.dump({"served": served, "fallbacks": dict(rt.fallbacks)}, f)
+        json.dump({"served": served, "fallbacks": rt.counts()["fallbacks"]}, f)
     if tp:
         dist.destroy_process_group()
 """)
