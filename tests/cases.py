@@ -6,6 +6,7 @@ dtype, head_dim or case is swept without editing the tests. How a case becomes a
 that serves its family: ENTRY_POINTS, by family and layout."""
 
 import functools
+import os
 
 import torch
 
@@ -49,6 +50,24 @@ INT8_LSE_TOL = 1e-3
 # are fp32: nothing beside those.
 UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 GRAD_TOL = {torch.float16: LSE_TOL + 2 * UNIT[torch.float16], torch.bfloat16: BF16_LSE_TOL + 2 * UNIT[torch.bfloat16]}
+
+
+# Against torch's float32 results (the SDPA patch, the transformers integration): (output,
+# gradients), fp16 as tests/runtime/test_sdpa_patch.py compares them, bf16 8x (its unit roundoff's
+# ratio to fp16's).
+TORCH_TOLS = {"fp16": (3e-3, 1e-2), "bf16": (2.4e-2, 8e-2)}
+
+
+def property_examples(default: int = 40) -> int:
+    """Examples per property test (hypothesis): ``default`` in the suite, RDNATTENTION_PROPERTY_EXAMPLES
+    for a longer search."""
+    return int(os.environ.get("RDNATTENTION_PROPERTY_EXAMPLES", default))
+
+
+def small_head_dims(name: str, layout: str | None = None, limit: int = 128) -> dict[str, list[int]]:
+    """By dtype (fp16, bf16), the head_dims up to ``limit`` the host target builds kernels of family
+    ``name`` and ``layout`` for: the property tests' draws (the emulator runs every thread)."""
+    return {dtype: [d for d in host_head_dims("host", name, layout, dtype=dtype) if d <= limit] for dtype in DTYPES}
 
 
 def cancellation_floor(q, k, v, dout) -> float:

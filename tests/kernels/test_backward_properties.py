@@ -3,22 +3,21 @@ causal masks and windows, softcaps, ALiBi, per-sequence key counts, RoPE, head_d
 without backward kernels of their own, fp16 and bf16, atomic and deterministic passes; every
 call's gradients against the float64 oracle's, and the inputs left as they were given."""
 
-import os
 
 import torch
-from cases import GRAD_TOL, TOLS, cancellation_floor, host_head_dims
+from cases import GRAD_TOL, TOLS, TORCH_DTYPES, cancellation_floor, property_examples, small_head_dims
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from rdnattention import attention_gradients, attention_reference, flash_attn, rotary_tables
 from rdnattention.errors import UnsupportedError
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = TORCH_DTYPES
 # The forward's host head_dims up to 128 (the emulator runs every thread: keep cases quick); those
 # without backward kernels run the next built head_dim's on padded copies (ops.backward_head_dim).
-HEAD_DIMS = {name: [d for d in host_head_dims("host", "f16", dtype=name) if d <= 128] for name in DTYPES}
+HEAD_DIMS = small_head_dims("f16")
 # RDNATTENTION_PROPERTY_EXAMPLES raises the budget for a longer hunt outside the suite.
-EXAMPLES = int(os.environ.get("RDNATTENTION_PROPERTY_EXAMPLES", "40"))
+EXAMPLES = property_examples()
 
 
 @st.composite

@@ -4,10 +4,9 @@ paged and row-indexed caches, left padding, causal masks and windows, softcaps, 
 key slices; the output and LSE against the float64 oracle on the cache as it should be after the
 append, the cache written exactly there and nowhere else, a refused call writing nothing."""
 
-import os
 
 import torch
-from cases import host_head_dims
+from cases import TOLS, TORCH_DTYPES, property_examples, small_head_dims
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -15,10 +14,10 @@ from rdnattention import attention_reference, flash_attn_with_kvcache, rotary_ta
 from rdnattention.errors import UnsupportedError
 from rdnattention.reference import rotate
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-HEAD_DIMS = {name: [d for d in host_head_dims("host", "dec", dtype=name) if d <= 128] for name in DTYPES}
-TOL = {"fp16": (2e-3, 2e-3), "bf16": (1.6e-2, 1.6e-2)}  # tests/cases.py: TOL, LSE_TOL and their bf16 multiples
-EXAMPLES = int(os.environ.get("RDNATTENTION_PROPERTY_EXAMPLES", "40"))
+DTYPES = TORCH_DTYPES
+HEAD_DIMS = small_head_dims("dec")
+TOL = TOLS  # (output, LSE) by dtype
+EXAMPLES = property_examples()
 
 
 @st.composite

@@ -4,22 +4,20 @@ GQA, causal masks and windows, softcaps, ALiBi per head or per sequence, sinks, 
 counts, paged pools and key slices; each sequence's output and LSE against the float64 oracle on
 its own rows and keys, and the inputs left as they were given."""
 
-import os
 
 import torch
-from cases import host_head_dims
+from cases import TOLS, TORCH_DTYPES, property_examples, small_head_dims
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from rdnattention import attention_reference, flash_attn_varlen_func, varlen_attn
 from rdnattention.errors import UnsupportedError
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-HEAD_DIMS = {name: sorted(set(host_head_dims("host", "f16", "varlen", dtype=name))
-                          | set(host_head_dims("host", "dec", dtype=name))) for name in DTYPES}
-HEAD_DIMS = {name: [d for d in dims if d <= 128] for name, dims in HEAD_DIMS.items()}
-TOL = {"fp16": (2e-3, 2e-3), "bf16": (1.6e-2, 1.6e-2)}  # tests/cases.py: TOL, LSE_TOL and their bf16 multiples
-EXAMPLES = int(os.environ.get("RDNATTENTION_PROPERTY_EXAMPLES", "40"))
+DTYPES = TORCH_DTYPES
+HEAD_DIMS = {name: sorted(set(dims) | set(small_head_dims("dec")[name]))
+             for name, dims in small_head_dims("f16", "varlen").items()}
+TOL = TOLS  # (output, LSE) by dtype
+EXAMPLES = property_examples()
 
 
 class _Aux:  # torch.nn.attention.varlen.AuxRequest's field

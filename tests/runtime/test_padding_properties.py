@@ -4,18 +4,16 @@ kernels cannot read as they are (a strided last dimension, rows off 16-byte boun
 that are not multiples of 8 elements), with and without gradients; the output, the LSE and the
 gradients against the float64 oracle, and the inputs left as they were given."""
 
-import os
 
 import torch
-from cases import GRAD_TOL, cancellation_floor
+from cases import GRAD_TOL, TOL, cancellation_floor, property_examples
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from rdnattention import attention_gradients, attention_reference, flash_attn_func
 from rdnattention.errors import UnsupportedError
 
-TOL = 2e-3  # tests/cases.py TOL and LSE_TOL (fp16)
-EXAMPLES = int(os.environ.get("RDNATTENTION_PROPERTY_EXAMPLES", "40"))
+EXAMPLES = property_examples()
 
 
 @st.composite

@@ -4,17 +4,17 @@ made bad (a dtype, a shape, a device, a value out of range, a type) raises a typ
 once the call's geometry has been planned and is replayed, and leaves every tensor it was given
 byte-identical."""
 
-import os
 
 import pytest
 import torch
+from cases import property_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rdnattention import flash_attn, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, rotary_tables
 from rdnattention.errors import RdnaAttentionError
 
-EXAMPLES = int(os.environ.get("RDNATTENTION_PROPERTY_EXAMPLES", "40"))
+EXAMPLES = property_examples()
 NAN, INF = float("nan"), float("inf")
 
 

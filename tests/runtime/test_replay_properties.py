@@ -4,16 +4,15 @@ ones before in what a replay key must tell apart or must not (the softcap's valu
 window, causal, the output's layout, cache lengths, seqused_k's values, the keys' length, views
 of one buffer), every call checked against the float64 oracle."""
 
-import os
 
 import torch
+from cases import TOL, property_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rdnattention import attention_reference, flash_attn, flash_attn_func, flash_attn_with_kvcache
 
-TOL = 2e-3  # tests/cases.py TOL and LSE_TOL (fp16)
-EXAMPLES = int(os.environ.get("RDNATTENTION_PROPERTY_EXAMPLES", "25"))  # sequences of up to 8 calls each
+EXAMPLES = property_examples(25)  # sequences of up to 8 calls each
 
 
 @st.composite

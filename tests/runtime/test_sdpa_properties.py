@@ -4,24 +4,21 @@ no key), given as bool or additive masks, and masks that are not bands, with and
 gradients; each call's output and gradients against torch's own function in float32, the inputs
 left as they were given, and every band served by the kernels."""
 
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
-from cases import host_head_dims
+from cases import TORCH_DTYPES, TORCH_TOLS, property_examples, small_head_dims
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rdnattention
 
 ORIGINAL = F.scaled_dot_product_attention
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-HEAD_DIMS = {name: [d for d in host_head_dims("host", "f16", dtype=name) if d <= 128] for name in DTYPES}
-# Against torch's float32 results: the output to the dtype's rounding (the patch's fp16 tolerance of
-# test_sdpa_patch.py, 8x for bf16's unit roundoff), gradients as that file's (1e-2 for fp16).
-TOL = {"fp16": (3e-3, 1e-2), "bf16": (2.4e-2, 8e-2)}
-EXAMPLES = int(os.environ.get("RDNATTENTION_PROPERTY_EXAMPLES", "40"))
+DTYPES = TORCH_DTYPES
+HEAD_DIMS = small_head_dims("f16")
+TOL = TORCH_TOLS
+EXAMPLES = property_examples()
 
 
 @pytest.fixture(autouse=True)

@@ -6,23 +6,20 @@ loss that ignores the padding rows, as training's labels do) against a float64 r
 same attention, the inputs left as they were given, and every such mask read by the kernels'
 path (a fallback only where the host build has no kernel)."""
 
-import os
 
 import pytest
 import torch
-from cases import host_head_dims
+from cases import TORCH_DTYPES, TORCH_TOLS, property_examples, small_head_dims
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 import rdnattention.integrations.transformers as rt  # noqa: E402
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-HEAD_DIMS = {name: [d for d in host_head_dims("host", "f16", dtype=name) if d <= 128] for name in DTYPES}
-# Against float64: the output to the dtype's rounding, the gradients as test_sdpa_patch.py's (fp16
-# 1e-2; bf16 8x, its unit roundoff's ratio to fp16's).
-TOL = {"fp16": (3e-3, 1e-2), "bf16": (2.4e-2, 8e-2)}
-EXAMPLES = int(os.environ.get("RDNATTENTION_PROPERTY_EXAMPLES", "40"))
+DTYPES = TORCH_DTYPES
+HEAD_DIMS = small_head_dims("f16")
+TOL = TORCH_TOLS
+EXAMPLES = property_examples()
 
 
 @st.composite
