@@ -174,10 +174,7 @@ def replayed(key: tuple | None, q, k, v, *, seqused_k=None, block_table=None, ca
     checked as prepare checks it, and its index values by ``check()`` (the entry point's
     check_values) where they are read, and the slopes' and sinks' (``score``) likewise; None where
     it was not planned, or where its memory needs the full path (which raises the error)."""
-    try:
-        r = replay.cache.get(key) if key is not None else None
-    except TypeError:  # an unhashable option (a list for a number): the full path names it
-        return None
+    r = replay.lookup(key)
     tensors = (q, k, v, seqused_k, block_table, cache_batch_idx, cu_seqlens_q, cu_seqlens_k, *score.tensors)
     if r is None or not replay.memory_ok(tensors, r.reach, 3):
         return None

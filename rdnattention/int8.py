@@ -162,10 +162,7 @@ def _quantize(name: str, x: torch.Tensor, dim: int, counted: bool = False) -> tu
     per_channel = dim == 2
     job = "v" if per_channel else "q"  # the kernel's job that quantizes x
     key = replay.key("quantize", x.device, (x,), (per_channel,)) if type(x) is torch.Tensor and x.numel() else None
-    try:
-        r = replay.cache.get(key) if key is not None else None
-    except TypeError:  # an unhashable option (a list for a number): the full path names it
-        r = None
+    r = replay.lookup(key)
     if r is not None and replay.memory_ok((x,), r.reach, 0):  # a geometry seen before: its launch replayed
         values, scale = _quant_outputs(x, per_channel)
         replay.launch(r, {f"{job}_src": x.data_ptr(), job: values.data_ptr(), f"{job}_scale": scale.data_ptr()},
@@ -297,10 +294,7 @@ def flash_attn_int8qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale
             and type(window_size[1]) is int):
         key = replay.key("flash_attn_int8qk", q.device, tensors,
                          (is_causal, window_size, type(softmax_scale), softmax_scale, return_lse))
-    try:
-        r = replay.cache.get(key) if key is not None else None
-    except TypeError:  # an unhashable option (a list for a number): the full path names it
-        r = None
+    r = replay.lookup(key)
     if r is not None and replay.memory_ok(tensors, r.reach, 3):
         if checks.reads(q):
             _check_scales(q_scale, k_scale, v_scale)
@@ -368,10 +362,7 @@ def flash_attn_int8qk_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             and type(window_size[0]) is int and type(window_size[1]) is int and q.dtype == torch.float16):
         key = replay.key("flash_attn_int8qk_quantized", q.device, tensors,
                          (is_causal, window_size, type(softmax_scale), softmax_scale, return_lse))
-    try:
-        r = replay.cache.get(key) if key is not None else None
-    except TypeError:  # an unhashable option (a list for a number): the full path names it
-        r = None
+    r = replay.lookup(key)
     if r is not None and replay.memory_ok(tensors, r.reach, 0):
         out, lse = _allocate(q, return_lse, empty_lse=False)
         pointers = {"o": out.data_ptr(), "q_src": q.data_ptr(), "k_src": k.data_ptr(), "v_src": v.data_ptr()}

@@ -95,10 +95,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table,
         (softmax_scale, causal, window_size, rotary_interleaved, num_splits, return_softmax_lse),
         softcap, alibi_slopes, sinks)
-    try:
-        r = replay.cache.get(plan_key) if plan_key is not None else None
-    except TypeError:  # an unhashable option (a list for a number): the full path names it
-        r = None
+    r = replay.lookup(plan_key)
     if r is not None:
         score = replayed_score(softcap, alibi_slopes, sinks)
         hit = _replayed(r, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,

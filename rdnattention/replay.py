@@ -300,13 +300,13 @@ def derive(free: tuple, key: tuple, r: Replay) -> None:
     _latest[free] = key
 
 
-def kept(key: tuple | None) -> bool:
-    """Whether a plan is kept for ``key`` (False for None, and for a key holding an option that is
-    not hashable, such as a list given for a number: the full path names it)."""
+def lookup(key: tuple | None) -> Replay | None:
+    """The plan kept for ``key``, or None: for None, and for a key holding an option that is not
+    hashable, such as a list given for a number (the full path names it)."""
     try:
-        return key is not None and key in cache
+        return cache.get(key) if key is not None else None
     except TypeError:
-        return False
+        return None
 
 
 def keep(key: tuple, r: Replay) -> None:

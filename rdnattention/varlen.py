@@ -61,7 +61,7 @@ def _replayed(key, q, k, v, cu_q, cu_k, max_q: int, max_k: int, seqused_k, block
               names: dict[str, str], softcap=0.0, alibi_slopes=None,
               sinks=None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A call of a key planned before, replayed (decode.replayed), or None."""
-    if not replay.kept(key):
+    if replay.lookup(key) is None:
         return None
     score = replayed_score(softcap, alibi_slopes, sinks)
     cu_k = None if block_table is not None else cu_k
@@ -221,7 +221,7 @@ def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                     block_table, (window_size, type(softmax_scale), softmax_scale, type(causal), causal,
                                   type(deterministic), deterministic, type(return_attn_probs), return_attn_probs),
                     softcap, alibi_slopes, sinks)
-    if replay.kept(plan_key):
+    if replay.lookup(plan_key) is not None:
         lengths = None
         if block_table is not None:
             check_memory(names["cu_seqlens_k"], cu_seqlens_k)
