@@ -137,16 +137,17 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
             free = length_free(key)
             if free is None:
                 return None
-            r = replay.by_length.get(free)
-            if r is None:
+            entry = replay.by_length.get(free)
+            if entry is None:
                 return None
+            r = entry[0]
             ks, vs = k.stride(), v.stride()
             seq_k, order = (k.shape[1], (0, 2, 1)) if tokens_in else (k.shape[2], (0, 1, 2))
             reach = (r.reach[0], (checks.reach(k), r.reach[1][1]), (checks.reach(v), r.reach[2][1]), *r.reach[3:])
             r = replay.relength(r, seq_k, tuple(ks[i] for i in order), tuple(vs[i] for i in order), reach)
             if r is None:
                 return None  # planned in full
-            replay.derive(free, key, r)  # the next call of this length (the next layer's) replays it as it is
+            replay.derive(entry, key, r)  # the next call of this length (the next layer's) replays it as it is
     if not replay.memory_ok((q, k, v, rotary_cos, rotary_sin, seqused_k, alibi_slopes, sinks), r.reach, 3):
         return None
     if seqused_k is not None or alibi_slopes is not None or sinks is not None:

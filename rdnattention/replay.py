@@ -17,8 +17,8 @@ per code object and device)."""
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -33,8 +33,9 @@ CACHE_LIMIT = 1024
 SCRATCH_FIELDS = ("part_o", "part_lse", "counters")
 
 
-@dataclass(frozen=True, eq=False)
-class Step:
+# Step and Replay are named tuples: relength makes one of each at every new length of a growing
+# cache, and a frozen dataclass costs four times as much to make.
+class Step(NamedTuple):
     """One launch of a replay: its kernel, grid and planned arguments, and the pointer fields each
     call rewrites."""
 
@@ -49,8 +50,7 @@ class Step:
     go: object = None  # on a GPU, the handle's launch over this grid (the driver's bound): go(args, stream)
 
 
-@dataclass(frozen=True, eq=False)
-class Replay:
+class Replay(NamedTuple):
     """A plan kept for the calls of one key: everything but the pointers."""
 
     table: TargetTable  # kept alive, so that the id() in the key is never reused
@@ -68,18 +68,19 @@ class Replay:
 cache: dict[tuple, Replay] = {}
 # Replays that follow the keys' length, by length_free(key): a decode step on a cache that grows by
 # a key per step (transformers' DynamicCache in generate()) is a new key at every step, and would
-# otherwise be validated and planned at every step. The replay it derives for a new length
-# (relength) is kept under that call's own key, so that the other layers of the step replay it as it is.
-by_length: dict[tuple, Replay] = {}
+# otherwise be validated and planned at every step. Each entry is [the replay the next length derives
+# from (relength), the key of the call it was derived for or None]: the planned replay, then the
+# one last derived (a growing cache's key slices change every hundred keys or so, and relength keeps
+# the launch of a replay whose slices stay).
+by_length: dict[tuple, list] = {}
 # The replays last derived from by_length entries, by the key of the call each was derived for:
 # [the replay, the calls that reused it]. The other layers of a decode step (one key) reuse it, found
 # by their own key (length_free is not computed for them); the next step's length replaces it (one
-# recent replay per length-free key, _latest), so the replays of a cache that grows by a key per step
-# are freed as they go, rather than kept (kept ones pile up as objects the garbage collector scans:
-# in a loop of growing calls that cost more than the call itself). One reused PROMOTE times, a length
+# recent replay per length-free key), so the replays of a cache that grows by a key per step are
+# freed as they go, rather than kept (kept ones pile up as objects the garbage collector scans: in a
+# loop of growing calls that cost more than the call itself). One reused PROMOTE times, a length
 # that stays, is kept under its key.
 recent: dict[tuple, list] = {}
-_latest: dict[tuple, tuple] = {}  # length_free(key) -> the key of its recent replay
 PROMOTE = 128
 
 
@@ -135,8 +136,14 @@ def length_free(key: tuple | None, positions: tuple[int, ...], seq_dim: int) -> 
             return None
         shape, stride, dtype, device = parts[2 + i]
         per16 = 16 // dtype.itemsize
-        parts[2 + i] = (shape[:seq_dim] + shape[seq_dim + 1:], shape[seq_dim] > 0, stride[-1],
-                        tuple(s % per16 for s in stride[:-1]), dtype, device)
+        if len(shape) == 4 and seq_dim in (1, 2):  # every caller's K and V: unrolled, a fifth of the time
+            a, b, c, d = shape
+            w, x, y, z = stride
+            rest = (a, c, d, b > 0) if seq_dim == 1 else (a, b, d, c > 0)
+            parts[2 + i] = (rest, z, w % per16, x % per16, y % per16, dtype, device)
+        else:
+            parts[2 + i] = (shape[:seq_dim] + shape[seq_dim + 1:], shape[seq_dim] > 0, stride[-1],
+                            tuple(s % per16 for s in stride[:-1]), dtype, device)
     return tuple(parts)
 
 
@@ -192,7 +199,7 @@ def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str
     if lengths is not None:
         if len(by_length) >= CACHE_LIMIT:
             by_length.clear()
-        by_length[free] = r
+        by_length[free] = [r, None]
     return r
 
 
@@ -258,21 +265,25 @@ def relength(r: Replay, seq_k: int, k_strides: tuple[int, int, int], v_strides: 
     if seq_k >= 2**31:
         return None
     splits = lengths.splits(seq_k)
-    if (splits > 1) != (r.scratch_bytes > 0):
-        return None
     (step,) = r.steps  # a split-KV plan: one launch
-    grid = (lengths.chunks * splits, step.grid[1], step.grid[2])
-    check_grid(step.name, grid, step.block)
     args = type(step.args).from_buffer_copy(step.args)
     (args.k_stride_b, args.k_stride_h, args.k_stride_s), (args.v_stride_b, args.v_stride_h, args.v_stride_s) = \
         k_strides, v_strides
-    args.seq_k, args.splits = seq_k, splits
+    args.seq_k = seq_k
+    if splits == step.args.splits:  # r's slices (a cache that grows changes them rarely): its grid, launch, scratch
+        step = Step(step.name, step.grid, step.block, step.shared_bytes, args, step.fields, step.function, step.index,
+                    step.go)
+        return Replay(r.table, r.driver, (step,), r.scratch_bytes, r.scratch_lse, r.counters, reach, r.extra, lengths)
+    if (splits > 1) != (r.scratch_bytes > 0):
+        return None
+    args.splits = splits
+    grid = (lengths.chunks * splits, step.grid[1], step.grid[2])
+    check_grid(step.name, grid, step.block)
     scratch_bytes, scratch_lse = lengths.scratch(splits)
-    # Made field by field: dataclasses.replace reads the fields anew each call, a third of this function's time.
     go = None if step.go is None else r.driver.DRIVER.bound(step.function, step.name, grid, step.block,
                                                              step.shared_bytes)
     step = Step(step.name, grid, step.block, step.shared_bytes, args, step.fields, step.function, step.index, go)
-    return Replay(r.table, r.driver, (step,), scratch_bytes, scratch_lse, r.counters, reach, r.extra, None)
+    return Replay(r.table, r.driver, (step,), scratch_bytes, scratch_lse, r.counters, reach, r.extra, lengths)
 
 
 def reused(key: tuple) -> Replay | None:
@@ -287,17 +298,16 @@ def reused(key: tuple) -> Replay | None:
     return last[0]
 
 
-def derive(free: tuple, key: tuple, r: Replay) -> None:
-    """Records ``r``, derived from by_length[free] for the calls of ``key`` (recent), in place of the
-    one derived from it before."""
-    before = _latest.get(free)
-    if before is not None:
-        recent.pop(before, None)
+def derive(entry: list, key: tuple, r: Replay) -> None:
+    """Records ``r``, derived from ``entry`` (of by_length) for the calls of ``key``, as the recent
+    replay of ``key`` in place of the one derived from the entry before, and as the entry's: the next
+    length derives from it."""
+    if entry[1] is not None:
+        recent.pop(entry[1], None)
     if len(recent) >= CACHE_LIMIT:
         recent.clear()
-        _latest.clear()
     recent[key] = [r, 0]
-    _latest[free] = key
+    entry[0], entry[1] = r, key
 
 
 def lookup(key: tuple | None) -> Replay | None:

@@ -173,11 +173,11 @@ class _Module:
 GROWN = 8192  # distinct cache lengths a growing case cycles through: more than one figure's calls
 
 
-def _transformers(keys: int, growing: bool):
+def _transformers(keys: int, growing: bool, layers: int = 1):
     """transformers' attention function (``attn_implementation="rdnattention"``) beside its own sdpa
     attention, one decode step of a Llama layer (no mask, GQA H / HKV): on a cache of ``keys`` keys,
-    or (``growing``) one that holds one key more at every call, as DynamicCache's does during
-    generate(), each call a new length."""
+    or (``growing``) one that holds one key more every ``layers`` calls, as DynamicCache's does
+    during generate() (each layer's cache one key longer per step; one layer: each call a new length)."""
     def build(device):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -190,7 +190,7 @@ def _transformers(keys: int, growing: bool):
 
         def call(fn):
             def run():  # contiguous K/V of the length (views of one buffer), as DynamicCache's cat leaves them
-                n = lengths[at[0] % len(lengths)]
+                n = lengths[at[0] // layers % len(lengths)]
                 at[0] += 1
                 k, v = kb[:HKV * n * D].view(1, HKV, n, D), vb[:HKV * n * D].view(1, HKV, n, D)
                 return fn(_Module(), q, k, v, None, scaling=D ** -0.5)
@@ -245,6 +245,8 @@ CASES = (
                                 "(beside its sdpa_attention_forward)", _transformers(2048, growing=False)),
     Case("transformers.decode.growing", "the same, the cache one key longer at every call (DynamicCache in "
                                         "generate())", _transformers(2048, growing=True)),
+    Case("transformers.decode.step", "the same, 16 calls per length: a step of a 16-layer model, per layer",
+         _transformers(2048, growing=True, layers=16)),
 )
 
 

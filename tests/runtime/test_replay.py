@@ -326,7 +326,7 @@ def test_a_cache_growing_by_a_key_per_call_replays_without_planning(host_build, 
     q, kv = _growing(0, lengths, token_major)
     first = fn(q, *kv[0])
     assert len(replay.by_length) == 1
-    assert replay.by_length[next(iter(replay.by_length))].scratch_bytes  # several slices
+    assert replay.by_length[next(iter(replay.by_length))][0].scratch_bytes  # several slices
     planned = []
     plan = route.plan
     monkeypatch.setattr(route, "plan", lambda *a, **kw: planned.append(a) or plan(*a, **kw))
