@@ -185,15 +185,17 @@ def _transformers(keys: int, growing: bool, layers: int = 1):
         q = _randn(1, H, 1, D, device=device)
         most = keys + (GROWN if growing else 0)
         kb, vb = (_randn(HKV * most * D, device=device) for _ in range(2))
-        lengths = [keys + i for i in range(GROWN)] if growing else [keys]
-        at = [0]
+        # contiguous K/V of each length (views of one buffer), as DynamicCache's cat leaves them; made
+        # here, so that the figures are the attention functions' alone
+        caches = [(kb[:HKV * n * D].view(1, HKV, n, D), vb[:HKV * n * D].view(1, HKV, n, D))
+                  for n in ([keys + i for i in range(GROWN)] if growing else [keys])]
+        at, module = [0], _Module()
 
         def call(fn):
-            def run():  # contiguous K/V of the length (views of one buffer), as DynamicCache's cat leaves them
-                n = lengths[at[0] // layers % len(lengths)]
+            def run():
+                k, v = caches[at[0] // layers % len(caches)]
                 at[0] += 1
-                k, v = kb[:HKV * n * D].view(1, HKV, n, D), vb[:HKV * n * D].view(1, HKV, n, D)
-                return fn(_Module(), q, k, v, None, scaling=D ** -0.5)
+                return fn(module, q, k, v, None, scaling=D ** -0.5)
             return run
         return call(rt.attention_forward), call(sdpa_attention_forward)
     return build
