@@ -74,7 +74,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token_ma
                            heavy_first=heavy_first, kernel=kernel, softcap=o.score.softcap,
                            alibi_slopes=o.score.alibi_slopes, sinks=o.score.sinks)
     empty = out.numel() == 0 or k.shape[2] == 0
-    return route.plan(route.device_table(q.device), call).returning(out, lse, empty=empty)
+    return route.plan(route.device_table(q.device), call).returning(out, lse, empty=empty, sinks=o.score.sinks)
 
 
 # The pointer fields of a call's launches (f16 and dec structs), each filled by one tensor.

@@ -77,14 +77,19 @@ class Plan:
     # _splitkv.Lengths), so that a replay may follow it; None where they change otherwise.
     lengths: object = None
 
-    def returning(self, out: torch.Tensor, lse: torch.Tensor, *, empty: bool) -> Plan:
+    def returning(self, out: torch.Tensor, lse: torch.Tensor, *, empty: bool,
+                  sinks: torch.Tensor | None = None) -> Plan:
         """This plan, returning ``(out, lse)`` (lse an empty tensor where it was not asked for: a custom
         op returns tensors). An ``empty`` call (no output rows, or no keys) launches nothing: its rows
-        are zero and its LSE -inf."""
+        are zero and its LSE -inf, or with ``sinks`` (fp32 [heads]) each row's sink, as where the
+        kernels find no key (the sink alone is in the softmax's sum)."""
         self.outputs = (out, lse)
         if empty:
             out.zero_()
-            lse.fill_(-math.inf)
+            if sinks is not None and lse.dim() == 3:  # [batch, heads, seq]
+                lse.copy_(sinks[None, :, None].expand_as(lse))
+            else:
+                lse.fill_(-math.inf)
             self.launches.clear()
         return self
 

@@ -424,6 +424,24 @@ def test_sinks_alone_may_require_grad(host_build, monkeypatch):
         assert not flash_attn(q, k, v, sinks=sinks, **options).requires_grad
 
 
+def test_a_call_without_keys_has_its_sinks_as_log_sum_exp(host_build):
+    """No key at all (seq_k 0: nothing is launched): each row's log-sum-exp is its head's sink, as
+    where the kernels find no key and as the oracle has it, not -inf; through that LSE the sinks'
+    gradient is the LSE's (d lse / d sink = 1), not the NaN that exp(sink - -inf) made of it."""
+    q = torch.randn(2, 4, 3, 64, dtype=torch.float16)
+    k = v = torch.zeros(2, 2, 0, 64, dtype=torch.float16)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    for grad in (False, True):
+        leaf = sinks.clone().requires_grad_(grad)
+        out, lse = flash_attn(q, k, v, sinks=leaf, return_lse=True)
+        ref, ref_lse = attention_reference(q, k, v, sinks=sinks, return_lse=True)
+        assert not out.any() and torch.equal(lse.double(), ref_lse)
+        if grad:
+            weights = torch.randn(lse.shape)
+            (lse * weights).sum().backward()
+            assert torch.allclose(leaf.grad, weights.sum((0, 2)))
+
+
 def test_entries_without_a_backward_refuse_sinks_that_require_grad(host_build):
     """The cache and packed entries give sinks no gradient: a sinks tensor that requires grad is
     refused there (never a silently missing gradient)."""
