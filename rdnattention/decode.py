@@ -167,16 +167,15 @@ _POINTERS = ("q", "k", "v", "seqused_k", "block_table", "cache_batch_idx", "cu_s
              "alibi_slopes", "sinks")
 
 
-def replayed(key: tuple | None, q, k, v, *, seqused_k=None, block_table=None, cache_batch_idx=None,
+def replayed(r: replay.Replay, q, k, v, *, seqused_k=None, block_table=None, cache_batch_idx=None,
              cu_seqlens_q=None, cu_seqlens_k=None, return_lse: bool, check=None,
              score: ScoreOptions = NO_SCORE_OPTIONS) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The outputs of a call whose key was planned before (run's tensors), replayed: its memory
-    checked as prepare checks it, and its index values by ``check()`` (the entry point's
-    check_values) where they are read, and the slopes' and sinks' (``score``) likewise; None where
-    it was not planned, or where its memory needs the full path (which raises the error)."""
-    r = replay.lookup(key)
+    """The outputs of a call whose key was planned before (run's tensors), replayed on ``r`` (the
+    replay kept for it): its memory checked as prepare checks it, and its index values by
+    ``check()`` (the entry point's check_values) where they are read, and the slopes' and sinks'
+    (``score``) likewise; None where its memory needs the full path (which raises the error)."""
     tensors = (q, k, v, seqused_k, block_table, cache_batch_idx, cu_seqlens_q, cu_seqlens_k, *score.tensors)
-    if r is None or not replay.memory_ok(tensors, r.reach, 3):
+    if not replay.memory_ok(tensors, r.reach, 3):
         return None
     if check is not None and checks.reads(q):
         check()

@@ -57,11 +57,12 @@ def _key(entry: str, q, k, v, cu_q, cu_k, max_q, max_k, seqused_k, block_table, 
                       (max_q, max_k, *options, type(softcap), softcap))
 
 
-def _replayed(key, q, k, v, cu_q, cu_k, max_q: int, max_k: int, seqused_k, block_table, return_lse: bool,
-              names: dict[str, str], softcap=0.0, alibi_slopes=None,
+def _replayed(r: replay.Replay | None, q, k, v, cu_q, cu_k, max_q: int, max_k: int, seqused_k, block_table,
+              return_lse: bool, names: dict[str, str], softcap=0.0, alibi_slopes=None,
               sinks=None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A call of a key planned before, replayed (decode.replayed), or None."""
-    if replay.lookup(key) is None:
+    """A call whose key was planned before (``r``, the replay kept for it), replayed
+    (decode.replayed), or None (``r`` None: the key was not planned)."""
+    if r is None:
         return None
     score = replayed_score(softcap, alibi_slopes, sinks)
     cu_k = None if block_table is not None else cu_k
@@ -72,7 +73,7 @@ def _replayed(key, q, k, v, cu_q, cu_k, max_q: int, max_k: int, seqused_k, block
                             seqused_k=seqused_k, block_table=block_table, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                             names={**_NAMES, **names, **({"seq_k": "block_table's pages per sequence * page_size"}
                                                          if block_table is not None else {})})
-    return decode.replayed(key, q, k, v, seqused_k=seqused_k, block_table=block_table, cu_seqlens_q=cu_q,
+    return decode.replayed(r, q, k, v, seqused_k=seqused_k, block_table=block_table, cu_seqlens_q=cu_q,
                            cu_seqlens_k=cu_k, return_lse=return_lse, check=check, score=score)
 
 
@@ -172,8 +173,8 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     plan_key = _key("varlen_attn", query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table,
                     (window_size, type(scale), scale, enable_gqa, type(num_splits), num_splits, want_lse), softcap,
                     alibi_slopes, sinks)
-    hit = _replayed(plan_key, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table, want_lse,
-                    {}, softcap, alibi_slopes, sinks)
+    hit = _replayed(replay.lookup(plan_key), query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k,
+                    block_table, want_lse, {}, softcap, alibi_slopes, sinks)
     if hit is not None:
         out, lse = hit
         return (out, lse) if want_lse else out
@@ -221,12 +222,13 @@ def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                     block_table, (window_size, type(softmax_scale), softmax_scale, type(causal), causal,
                                   type(deterministic), deterministic, type(return_attn_probs), return_attn_probs),
                     softcap, alibi_slopes, sinks)
-    if replay.lookup(plan_key) is not None:
+    r = replay.lookup(plan_key)
+    if r is not None:
         lengths = None
         if block_table is not None:
             check_memory(names["cu_seqlens_k"], cu_seqlens_k)
             lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
-        hit = _replayed(plan_key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, lengths,
+        hit = _replayed(r, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, lengths,
                         block_table, return_attn_probs, names, softcap, alibi_slopes, sinks)
         if hit is not None:
             out, lse = hit
