@@ -534,6 +534,14 @@ def test_opcheck(host_build):
     out, lse = torch.ops.rdnattention.flash_attn_fwd(q, k, v, None, None, 10, 0, 0.125, False, True, False)
     torch.library.opcheck(torch.ops.rdnattention.flash_attn_bwd.default,
                           (dout, q, k, v, out, lse, None, 10, 0, 0.125, 0.0))
+    # flash_attn_func's token-major views at a head_dim whose gradients come from padded copies: laid
+    # out as the inputs, as the fake says (they were contiguous: compiled code read them by the fake's strides)
+    q8, k8, v8, dout8 = (t[..., :8].contiguous().transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout))
+    out8, lse8 = torch.ops.rdnattention.flash_attn_fwd(q8, k8, v8, None, None, -1, -1, 0.125, False, True, False)
+    grads = torch.ops.rdnattention.flash_attn_bwd(dout8, q8, k8, v8, out8, lse8, None, -1, -1, 0.125, 0.0)
+    assert [g.stride() for g in grads] == [t.stride() for t in (q8, k8, v8)]
+    torch.library.opcheck(torch.ops.rdnattention.flash_attn_bwd.default,
+                          (dout8, q8, k8, v8, out8, lse8, None, -1, -1, 0.125, 0.0), test_utils=("test_faketensor",))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     for token_major in (False, True):
         torch.library.opcheck(torch.ops.rdnattention.flash_attn_fwd.default,
