@@ -3,8 +3,9 @@ torch.export trace with) against the ops themselves: for random shapes (no zero-
 opcheck's copy of its arguments cannot make one, torch._dynamo.utils.clone_input),
 layouts (head-major, token-major views, rows inside wider buffers; either output layout), GQA ratios, windows and
 options, torch.library.opcheck's fake-tensor test finds the fake's outputs of the real ones'
-shapes, strides and dtypes: the dense forward and backward ops, and the packed forward (the
-decode op over cu_seqlens) and backward."""
+shapes, strides and dtypes: the dense forward and backward ops, the packed forward (the decode op
+over cu_seqlens) and backward, and flash_attn_with_kvcache's op (appending, with and without
+cache_leftpad; it writes the caches, which opcheck checks it says it does)."""
 
 import torch
 from cases import TORCH_DTYPES, property_examples, small_head_dims
@@ -119,3 +120,37 @@ def test_packed_forward_and_backward_fakes_match_the_ops(host_build, call, deter
     torch.library.opcheck(torch.ops.rdnattention.flash_attn_varlen_bwd.default,
                           (dout, q, k, v, out, lse, None, cu_q, cu_k, max_q, max_k, *window, 0.125, 0.0, deterministic),
                           test_utils=FAKE)
+
+
+@st.composite
+def cache_calls(draw):
+    dtype = draw(st.sampled_from(sorted(TORCH_DTYPES)))
+    head_dim = draw(st.sampled_from(HEAD_DIMS[dtype]))
+    heads_kv = draw(st.integers(1, 2))
+    heads_q = heads_kv * draw(st.integers(1, 2))
+    batch, seq_q, cache_len = draw(st.integers(1, 2)), draw(st.integers(1, 4)), draw(st.integers(8, 40))
+    new = draw(st.integers(1, seq_q))  # the op serves calls that append (or have cache_leftpad)
+    used = [draw(st.integers(0, cache_len - new)) for _ in range(batch)]
+    leftpad = [draw(st.integers(0, n)) for n in used] if draw(st.booleans()) else None
+    causal, return_lse = draw(st.booleans()), draw(st.booleans())
+    seed = draw(st.integers(0, 2**31 - 1))
+    return dtype, head_dim, heads_kv, heads_q, batch, seq_q, cache_len, new, used, leftpad, causal, return_lse, seed
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(cache_calls())
+def test_cache_op_fake_matches_the_op(host_build, call):
+    dtype, head_dim, heads_kv, heads_q, batch, seq_q, cache_len, new, used, leftpad, causal, return_lse, seed = call
+    g = torch.Generator().manual_seed(seed)
+    t = TORCH_DTYPES[dtype]
+    q = torch.randn(batch, seq_q, heads_q, head_dim, generator=g).to(t)
+    k_cache, v_cache = (torch.randn(batch, cache_len, heads_kv, head_dim, generator=g).to(t) for _ in range(2))
+    k, v = (torch.randn(batch, new, heads_kv, head_dim, generator=g).to(t) for _ in range(2))
+    lengths = torch.tensor(used, dtype=torch.int32)
+    pad = None if leftpad is None else torch.tensor(leftpad, dtype=torch.int32)
+    window = (-1, 0) if causal else (-1, -1)
+    args = (q, k_cache, v_cache, k, v, None, None, lengths, None, None, *window, 0.125, True, causal, return_lse, 0,
+            pad)
+    _served(torch.ops.rdnattention.flash_attn_kvcache_fwd, tuple(a.clone() if isinstance(a, torch.Tensor) else a
+                                                                 for a in args))
+    torch.library.opcheck(torch.ops.rdnattention.flash_attn_kvcache_fwd.default, args, test_utils=FAKE)
