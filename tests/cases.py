@@ -9,6 +9,7 @@ import functools
 import os
 
 import torch
+from hypothesis import strategies as st
 
 from rdnattention import (attention_reference, flash_attn, flash_attn_int8qk, flash_attn_int8qk_quantized,
                           flash_attn_varlen_func, flash_attn_with_kvcache, quantize_per_channel, quantize_per_token,
@@ -62,6 +63,15 @@ def property_examples(default: int = 40) -> int:
     """Examples per property test (hypothesis): ``default`` in the suite, RDNATTENTION_PROPERTY_EXAMPLES
     for a longer search."""
     return int(os.environ.get("RDNATTENTION_PROPERTY_EXAMPLES", default))
+
+
+def query_and_key_lengths(draw, most_keys: int = 700) -> tuple[int, int]:
+    """(seq_q, seq_k) for a property test's call (``draw``: hypothesis's): half the time decode, a
+    few queries on 100 to ``most_keys`` keys (the split-KV kernels), else up to 70 queries on up to
+    90 keys, zero included."""
+    if draw(st.booleans()):
+        return draw(st.integers(1, 4)), draw(st.integers(100, most_keys))
+    return draw(st.integers(0, 70)), draw(st.integers(0, 90))
 
 
 def small_head_dims(name: str, layout: str | None = None, limit: int = 128) -> dict[str, list[int]]:

@@ -6,7 +6,7 @@ decode shapes (a few queries on hundreds of keys: the split-KV kernels); every c
 float64 oracle, the log-sum-exp included, and the inputs left as they were given."""
 
 import torch
-from cases import TOLS, TORCH_DTYPES, property_examples
+from cases import TOLS, TORCH_DTYPES, property_examples, query_and_key_lengths
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
@@ -24,10 +24,7 @@ def calls(draw):
     heads_kv = draw(st.integers(1, 3))
     heads_q = heads_kv * draw(st.integers(1, 3))
     batch = draw(st.integers(0, 2))
-    if draw(st.booleans()):  # decode: a few queries on many keys
-        seq_q, seq_k = draw(st.integers(1, 4)), draw(st.integers(100, 700))
-    else:
-        seq_q, seq_k = draw(st.integers(0, 70)), draw(st.integers(0, 90))
+    seq_q, seq_k = query_and_key_lengths(draw)  # decode (split-KV) or prefill shapes
     layout = draw(st.sampled_from(["head_major", "token_major", "padded"]))
     options = {"is_causal": draw(st.booleans()),
                "window_size": (draw(st.integers(-1, 40)), draw(st.integers(-1, 40)))}
@@ -57,7 +54,8 @@ def _tensor(g, batch, heads, seq, dim, layout, dtype=torch.float16):
     return data
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(calls())
 def test_matches_the_oracle(host_build, call):
     dtype, head_dim, heads_kv, heads_q, batch, seq_q, seq_k, layout, options, used, rope, seed = call

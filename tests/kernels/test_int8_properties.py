@@ -6,7 +6,7 @@ unquantized P; flash_attn_int8qk_quantized (RoPE included) against flash_attn_in
 quantizers' output for the same (rotated) inputs; every input left as it was given."""
 
 import torch
-from cases import INT8_LSE_TOL, INT8_REL_RMS, host_head_dims, property_examples
+from cases import INT8_LSE_TOL, INT8_REL_RMS, host_head_dims, property_examples, query_and_key_lengths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,10 +25,7 @@ def calls(draw):
     heads_kv = draw(st.integers(1, 2))
     heads_q = heads_kv * draw(st.integers(1, 3))
     batch = draw(st.integers(0, 2))
-    if draw(st.booleans()):  # decode: a few queries on many keys
-        seq_q, seq_k = draw(st.integers(1, 4)), draw(st.integers(100, 600))
-    else:
-        seq_q, seq_k = draw(st.integers(0, 70)), draw(st.integers(0, 90))
+    seq_q, seq_k = query_and_key_lengths(draw, 600)  # decode (split-KV) or prefill shapes
     options = {"is_causal": draw(st.booleans()),
                "window_size": (draw(st.integers(-1, 40)), draw(st.integers(-1, 40)))}
     if draw(st.booleans()):

@@ -17,14 +17,21 @@ from rdnattention.errors import UnsupportedError
 HEAD_DIMS = small_head_dims("f16", limit=64)
 EXAMPLES = property_examples(25)
 FAKE = ("test_schema", "test_faketensor")
+# Every test's: draws the host build has no kernel for are set aside (_served)
+PROPERTY = settings(max_examples=EXAMPLES, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def _heads(draw) -> tuple[str, int, int, int]:
+    """(dtype, head_dim, K/V heads, query heads): the draws every op's calls start from."""
+    dtype = draw(st.sampled_from(sorted(TORCH_DTYPES)))
+    heads_kv = draw(st.integers(1, 2))
+    return dtype, draw(st.sampled_from(HEAD_DIMS[dtype])), heads_kv, heads_kv * draw(st.integers(1, 2))
 
 
 @st.composite
 def calls(draw):
-    dtype = draw(st.sampled_from(sorted(TORCH_DTYPES)))
-    head_dim = draw(st.sampled_from(HEAD_DIMS[dtype]))
-    heads_kv = draw(st.integers(1, 2))
-    heads_q = heads_kv * draw(st.integers(1, 2))
+    dtype, head_dim, heads_kv, heads_q = _heads(draw)
     batch = draw(st.integers(1, 2))
     seq_q, seq_k = draw(st.integers(1, 20)), draw(st.integers(1, 24))
     layouts = [draw(st.sampled_from(["head_major", "token_major", "padded"])) for _ in range(3)]
@@ -61,7 +68,7 @@ def _served(op, args):
         assume(False)
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@PROPERTY
 @given(calls(), st.booleans(), st.booleans())
 def test_forward_fake_matches_the_op(host_build, call, return_lse, token_major):
     q, k, v, seqused = _inputs(call)
@@ -70,7 +77,7 @@ def test_forward_fake_matches_the_op(host_build, call, return_lse, token_major):
     torch.library.opcheck(torch.ops.rdnattention.flash_attn_fwd.default, args, test_utils=FAKE)
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@PROPERTY
 @given(calls(), st.booleans())
 def test_backward_fake_matches_the_op(host_build, call, deterministic):
     q, k, v, seqused = _inputs(call)
@@ -85,10 +92,7 @@ def test_backward_fake_matches_the_op(host_build, call, deterministic):
 
 @st.composite
 def packed_calls(draw):
-    dtype = draw(st.sampled_from(sorted(TORCH_DTYPES)))
-    head_dim = draw(st.sampled_from(HEAD_DIMS[dtype]))
-    heads_kv = draw(st.integers(1, 2))
-    heads_q = heads_kv * draw(st.integers(1, 2))
+    dtype, head_dim, heads_kv, heads_q = _heads(draw)
     lengths_q = draw(st.lists(st.integers(0, 12), min_size=1, max_size=3))
     lengths_k = [draw(st.integers(0, 16)) for _ in lengths_q]
     assume(sum(lengths_q) and sum(lengths_k))  # opcheck cannot copy a zero-size argument
@@ -98,7 +102,7 @@ def packed_calls(draw):
     return dtype, head_dim, heads_kv, heads_q, lengths_q, lengths_k, wide, window, seed
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@PROPERTY
 @given(packed_calls(), st.booleans())
 def test_packed_forward_and_backward_fakes_match_the_ops(host_build, call, deterministic):
     dtype, head_dim, heads_kv, heads_q, lengths_q, lengths_k, wide, window, seed = call
@@ -124,10 +128,7 @@ def test_packed_forward_and_backward_fakes_match_the_ops(host_build, call, deter
 
 @st.composite
 def cache_calls(draw):
-    dtype = draw(st.sampled_from(sorted(TORCH_DTYPES)))
-    head_dim = draw(st.sampled_from(HEAD_DIMS[dtype]))
-    heads_kv = draw(st.integers(1, 2))
-    heads_q = heads_kv * draw(st.integers(1, 2))
+    dtype, head_dim, heads_kv, heads_q = _heads(draw)
     batch, seq_q, cache_len = draw(st.integers(1, 2)), draw(st.integers(1, 4)), draw(st.integers(8, 40))
     new = draw(st.integers(1, seq_q))  # the op serves calls that append (or have cache_leftpad)
     used = [draw(st.integers(0, cache_len - new)) for _ in range(batch)]
@@ -137,7 +138,7 @@ def cache_calls(draw):
     return dtype, head_dim, heads_kv, heads_q, batch, seq_q, cache_len, new, used, leftpad, causal, return_lse, seed
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@PROPERTY
 @given(cache_calls())
 def test_cache_op_fake_matches_the_op(host_build, call):
     dtype, head_dim, heads_kv, heads_q, batch, seq_q, cache_len, new, used, leftpad, causal, return_lse, seed = call
