@@ -250,8 +250,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     // Scale and mask in one place (in place where the products are fp32); masked scores are -inf.
     float s_int[INT_ACC ? TM : 1][TN];
     auto& s = rdna_pick<INT_ACC>(s_int, sa);
-    const bool whole = mask.template whole<BC>(k0, block_pos, last_pos);
-    if (whole) {
+    if (mask.template whole<BC>(k0, block_pos, last_pos)) {
 #pragma unroll
       for (int i = 0; i < TM; ++i)
 #pragma unroll
@@ -283,19 +282,9 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
           if constexpr (CAP || ALIBI) {
             const float slope = !ALIBI ? 0.f : ONE_HEAD ? thread_slope : xf.slope(b, head0 + (row0 + i) / RPH);
             const float dist0 = (float)(k0 + tx * CK - diag[i]);  // the key distances: dist0 plus a constant
-            // A softcap maps a masked score (-inf) to -C, so where the tile may hold one, the
-            // score is kept: in a whole tile there is none, and the row takes no select per score
-            // (a uniform branch per row, the transform's loop in two copies).
-            auto transform = [&](auto masked) {
 #pragma unroll
-              for (int j = 0; j < TN; ++j)
-                s[i][j] = xf.template apply_case<CAP, ALIBI, decltype(masked)::value>(
-                    s[i][j], slope, dist0 + (float)((j / CK) * TCW * CK + j % CK));
-            };
-            if (!CAP || whole)
-              transform(rdna_bool<false>{});
-            else
-              transform(rdna_bool<true>{});
+            for (int j = 0; j < TN; ++j)
+              s[i][j] = xf.template apply_case<CAP, ALIBI>(s[i][j], slope, dist0 + (float)((j / CK) * TCW * CK + j % CK));
           }
           const float alpha = fa2_row_softmax<E, TN, TD, TCW, TM, Pipe::SKIP_UNMOVED, INT_ACC>(s[i], m[i], l[i], lx[i], o[i], p, i);
           if constexpr (INT_ACC) o_alpha[i] = alpha;
