@@ -46,19 +46,26 @@ def device_table(device: torch.device) -> TargetTable:
 def _device_table(device: torch.device) -> TargetTable:
     driver = drivers.for_device(device)
     target = drivers.target_of(device, driver)
+    named = drivers.platform_named(target)
+    if named is not None and named != driver.PLATFORM:  # refused before its kernels are looked for
+        _refuse_platform(device, driver, target, named)
     try:
         table = dispatch.table_for(target)
     except KernelsNotBuiltError:
         if device.type != "cuda":
             raise
         table = dispatch.table_for(target, torch.cuda.get_device_name(device))
-    if table.platform != driver.PLATFORM:  # a forced target of another platform: its kernels cannot read these tensors
-        env = drivers.env_naming_target(device)
-        chosen = f"{env}={target}" if env else f"target {target}"
-        raise UnsupportedError(f"{chosen} names a target of platform {table.platform}, but tensors on {device} "
-                               f"run on {driver.PLATFORM} targets; unset {env or 'it'} or name a {driver.PLATFORM} "
-                               "target")
+    if table.platform != driver.PLATFORM:
+        _refuse_platform(device, driver, target, table.platform)
     return table
+
+
+def _refuse_platform(device: torch.device, driver, target: str, platform: str) -> None:
+    """A forced target of another platform: its kernels cannot read tensors on ``device``."""
+    env = drivers.env_naming_target(device)
+    chosen = f"{env}={target}" if env else f"target {target}"
+    raise UnsupportedError(f"{chosen} names a target of platform {platform}, but tensors on {device} run on "
+                           f"{driver.PLATFORM} targets; unset {env or 'it'} or name a {driver.PLATFORM} target")
 
 
 def _int8_call(a: Attention) -> i8.Call:

@@ -7,12 +7,17 @@ head_dim] views, packed batches as the padded batch, caches as their used keys).
     python -m tuning.overhead --device cuda --only decode
     python -m tuning.overhead --device cpu --profile kvcache.paged.append
     python -m tuning.overhead --device cuda --only kvcache --unfused   # the append in its own launch
+    python -m tuning.overhead --device cuda --only kvcache --stub-launch  # our Python alone, on CUDA tensors
+    python -m tuning.overhead --device cuda --only kvcache --kernel-time  # and the GPU's time per call
 
 Two figures per call:
 - back-to-back: wall time per call of a loop of calls with one synchronisation at the end (the
   least over rounds): the host's cost once it exceeds the kernels', else the kernels'.
 - one call: wall time of one call and a synchronisation, the GPU idle before it (median over
   calls): what a step that waits for its result pays.
+- with ``--kernel-time`` (a GPU), the GPU's time per call: every kernel the calls ran (ours,
+  launched through the driver, included), summed by torch.profiler's CUDA activity, over 50 calls.
+  Where the back-to-back figure is close to it, the GPU bounds it and the host's cost is hidden.
 
 On the CPU the host emulator's launch is replaced by a no-op (``stubbed_launch``), split-KV calls
 are planned for a GPU of ``--units`` compute units (the H200's 132) and torch runs its ops on one
@@ -270,6 +275,14 @@ def stubbed_launch(units: int):
         torch.set_num_threads(threads)
 
 
+def _stub_cuda_launch() -> None:
+    """The CUDA driver's launch entry point replaced by a Python no-op for the whole run (set before
+    any launch is bound: every launch is made through ModuleDriver.bound)."""
+    from rdnattention.drivers import cuda
+    cuda.DRIVER._raw_launch = (cuda.DRIVER.library(), lambda *args: 0)
+    cuda.DRIVER._bound = {}
+
+
 def back_to_back_us(fn, sync, budget_s: float, rounds: int = 7) -> float:
     """The least over ``rounds`` of timing.host_us (a loop of calls, one ``sync()`` at the end), each
     loop about ``budget_s / rounds`` long: the round the machine's other work disturbed least."""
@@ -292,8 +305,23 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}x"
 
 
-def measure(cases, device: torch.device, budget_s: float, units: int) -> list[dict]:
-    """Each case's four figures on ``device`` (on the CPU: ours with the launch stubbed)."""
+def kernel_us(fn, calls: int = 50) -> float:
+    """Microseconds of GPU time per call of ``fn``: every kernel its calls ran, as torch.profiler's
+    CUDA activity (CUPTI) records them, kernels launched through the driver API included."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls
+
+
+def measure(cases, device: torch.device, budget_s: float, units: int, kernel_time: bool = False) -> list[dict]:
+    """Each case's four figures on ``device`` (on the CPU: ours with the launch stubbed), and with
+    ``kernel_time`` on a GPU each one's GPU time per call (kernel_us)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     for case in cases:
@@ -317,25 +345,33 @@ def measure(cases, device: torch.device, budget_s: float, units: int) -> list[di
                 continue
             sdpa_b2b = back_to_back_us(sdpa, sync, budget_s, rounds=3)
             sdpa_one = one_call(sdpa, sync, budget_s / 2)
-        rows.append(dict(case=case, ours_b2b=ours_b2b, ours_one=ours_one, sdpa_b2b=sdpa_b2b, sdpa_one=sdpa_one))
+            row = dict(case=case, ours_b2b=ours_b2b, ours_one=ours_one, sdpa_b2b=sdpa_b2b, sdpa_one=sdpa_one)
+            if kernel_time and device.type == "cuda":
+                with patch:
+                    row["ours_gpu"] = kernel_us(ours)
+                row["sdpa_gpu"] = kernel_us(sdpa)
+        rows.append(row)
         del ours, sdpa
     return rows
 
 
 def table(rows: list[dict], device: torch.device) -> str:
     cpu = device.type == "cpu"
+    gpu_time = any("ours_gpu" in r for r in rows)
     ours = "ours, launch stubbed" if cpu else "ours"
     sdpa = "torch sdpa (runs the math)" if cpu else "torch sdpa"
+    extra = " ours: GPU us | sdpa: GPU us |" if gpu_time else ""
     lines = [f"| path | call | {ours}: back-to-back us | one call us | {sdpa}: back-to-back us | one call us | "
-             "back-to-back ratio | one-call ratio |", "|---|---|---|---|---|---|---|---|"]
+             "back-to-back ratio | one-call ratio |" + extra, "|---|---|---|---|---|---|---|---|" + "---|" * (2 * gpu_time)]
     for r in rows:
         case = r["case"]
         if "error" in r:
-            lines.append(f"| {case.name} | {case.call} | {r['error']} | | | | | |")
+            lines.append(f"| {case.name} | {case.call} | {r['error']} | | | | | |" + " |" * (2 * gpu_time))
             continue
         ratios = ("-", "-") if cpu else (_ratio(r["ours_b2b"], r["sdpa_b2b"]), _ratio(r["ours_one"], r["sdpa_one"]))
+        gpu = f" {_fmt(r.get('ours_gpu'))} | {_fmt(r.get('sdpa_gpu'))} |" if gpu_time else ""
         lines.append(f"| {case.name} | {case.call} | {_fmt(r['ours_b2b'])} | {_fmt(r['ours_one'])} | "
-                     f"{_fmt(r['sdpa_b2b'])} | {_fmt(r['sdpa_one'])} | {ratios[0]} | {ratios[1]} |")
+                     f"{_fmt(r['sdpa_b2b'])} | {_fmt(r['sdpa_one'])} | {ratios[0]} | {ratios[1]} |" + gpu)
     return "\n".join(lines)
 
 
@@ -355,7 +391,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unfused", action="store_true",
                    help="flash_attn_with_kvcache's append in its own launch before the attention's, never in the "
                         "split-KV decode's (kvcache.FUSE_MAX_NEW = 0): the calls as they ran before the fusion")
+    p.add_argument("--stub-launch", action="store_true",
+                   help="on cuda: the driver's launch call (cuLaunchKernel) replaced by a no-op in our calls, so "
+                        "that our figures are the Python around it on this machine's CPU (their difference from a "
+                        "run without: what the launches cost); torch's figures are unchanged")
+    p.add_argument("--kernel-time", action="store_true",
+                   help="on cuda: two more columns, ours' and torch's GPU time per call (torch.profiler)")
     args = p.parse_args(argv)
+    if args.stub_launch:
+        _stub_cuda_launch()
     if args.check != "default":
         os.environ["RDNATTENTION_CHECK"] = args.check
     if args.unfused:
@@ -376,9 +420,10 @@ def main(argv: list[str] | None = None) -> int:
         return _profile(next(c for c in CASES if c.name == args.profile), devices[0], args.units)
     print(f"torch {torch.__version__}, RDNATTENTION_CHECK={os.environ.get('RDNATTENTION_CHECK', '(unset)')}")
     for device in devices:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (host emulator, launch stubbed)"
+        name = (torch.cuda.get_device_name(device) + (" (our launches stubbed)" if args.stub_launch else "")
+                if device.type == "cuda" else "CPU (host emulator, launch stubbed)")
         print(f"\n{name}\n")
-        print(table(measure(cases, device, args.budget, args.units), device))
+        print(table(measure(cases, device, args.budget, args.units, args.kernel_time), device))
     return 0
 
 

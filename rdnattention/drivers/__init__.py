@@ -87,6 +87,18 @@ def target_token(device: torch.device) -> tuple:
     return driver, env_token(TARGET_ENV), env_token("HSA_OVERRIDE_GFX_VERSION")
 
 
+_PLATFORM_OF_PREFIX = (("host", host.PLATFORM), ("sm_", cuda.PLATFORM), ("gfx", hip.PLATFORM))
+
+
+def platform_named(target: str) -> str | None:
+    """The platform a target's name says it belongs to (host*, sm_*, gfx*), or None for a name of
+    no known kind: its table, once built, says."""
+    for prefix, platform in _PLATFORM_OF_PREFIX:
+        if target.startswith(prefix):
+            return platform
+    return None
+
+
 def env_naming_target(device: torch.device) -> str | None:
     """The environment variable that chose ``device``'s target, if one did."""
     driver = for_device(device)
