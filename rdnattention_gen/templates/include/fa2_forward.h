@@ -250,7 +250,8 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     // Scale and mask in one place (in place where the products are fp32); masked scores are -inf.
     float s_int[INT_ACC ? TM : 1][TN];
     auto& s = rdna_pick<INT_ACC>(s_int, sa);
-    if (mask.template whole<BC>(k0, block_pos, last_pos)) {
+    const bool whole = mask.template whole<BC>(k0, block_pos, last_pos);
+    if (whole) {
 #pragma unroll
       for (int i = 0; i < TM; ++i)
 #pragma unroll
@@ -275,8 +276,11 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
       // block the compiler schedules across rows. A branch per row (below) kept them apart and cost
       // sm_90's prefill 19-33% for a softcap and 7-8% for sinks alone, which only the epilogue applies
       // (tuning/results/h200_score.md).
+      // A softcap maps a masked score (-inf) to -C, so it keeps such scores by a select; a whole
+      // tile holds none, and in the kernels without ALiBi takes a copy of the capped rows without it
+      // (picked here, once per tile: a branch per row cost more than the selects it saved).
       auto softmax_rows = [&](auto which) {
-        constexpr bool CAP = decltype(which)::CAP, ALIBI = decltype(which)::ALIBI;
+        constexpr bool CAP = decltype(which)::CAP, ALIBI = decltype(which)::ALIBI, MASKED = decltype(which)::MASKED;
 #pragma unroll
         for (int i = 0; i < TM; ++i) {
           if constexpr (CAP || ALIBI) {
@@ -284,7 +288,8 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
             const float dist0 = (float)(k0 + tx * CK - diag[i]);  // the key distances: dist0 plus a constant
 #pragma unroll
             for (int j = 0; j < TN; ++j)
-              s[i][j] = xf.template apply_case<CAP, ALIBI>(s[i][j], slope, dist0 + (float)((j / CK) * TCW * CK + j % CK));
+              s[i][j] = xf.template apply_case<CAP, ALIBI, MASKED>(
+                  s[i][j], slope, dist0 + (float)((j / CK) * TCW * CK + j % CK));
           }
           const float alpha = fa2_row_softmax<E, TN, TD, TCW, TM, Pipe::SKIP_UNMOVED, INT_ACC>(s[i], m[i], l[i], lx[i], o[i], p, i);
           if constexpr (INT_ACC) o_alpha[i] = alpha;
@@ -293,6 +298,8 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
       if (xf.capped()) {
         if (xf.alibi())
           softmax_rows(XfCase<true, true>{});
+        else if (!Xf::HAS_ALIBI && whole)  // (in the ALiBi kernels, the copy cost their ALiBi case 2-3 points)
+          softmax_rows(XfCase<true, false, false>{});
         else
           softmax_rows(XfCase<true, false>{});
       } else if (xf.alibi()) {

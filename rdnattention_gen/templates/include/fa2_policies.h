@@ -214,10 +214,11 @@ struct rdna_bool {
 };
 
 // Which score transforms a copy of code applies, known at compile time (fa2_forward's row loop has
-// one copy per case and picks one per tile): the softcap (CAP) and ALiBi (ALIBI).
-template <bool C, bool A>
+// one copy per case and picks one per tile): the softcap (CAP) and ALiBi (ALIBI); MASKED: the tile
+// may hold masked scores (false: a whole tile, where a softcap needs no select to keep them).
+template <bool C, bool A, bool M = true>
 struct XfCase {
-  static constexpr bool CAP = C, ALIBI = A;
+  static constexpr bool CAP = C, ALIBI = A, MASKED = M;
 };
 
 // ALIBI: the kernel applies ALiBi (the split-KV kernels of at most FA2_DECODE_ALIBI_ROWS rows, and the
@@ -246,15 +247,16 @@ struct ScoreTransform {
   // The case (XfCase) the arguments ask for: a softcap; ALiBi slopes (only where the kernel has ALIBI).
   RDNA_METHOD bool capped() const { return a.softcap_log2 != 0.f; }
   RDNA_METHOD bool alibi() const { return ALIBI && a.alibi_slopes; }
-  // apply for case (CAP, AL): a masked score (-inf) stays masked. ALiBi alone keeps it without a
-  // select: -inf minus a finite bias is -inf (slopes are finite where checked; a slope that is not
-  // makes the row's visible scores NaN or inf, so its output is NaN either way).
-  template <bool CAP, bool AL>
+  // apply for case (CAP, AL); MASKED: the score may be masked (-inf), and stays so. ALiBi alone
+  // keeps it without a select: -inf minus a finite bias is -inf (slopes are finite where checked; a
+  // slope that is not makes the row's visible scores NaN or inf, so its output is NaN either way). A
+  // softcap maps -inf to -C: it takes a select, but not where no score is masked (a whole tile).
+  template <bool CAP, bool AL, bool MASKED = true>
   RDNA_METHOD float apply_case(float s, float slope, float dist) const {
     float t = s;
     if constexpr (CAP) t = Cap{}(t, a.softcap_log2, a.softcap_inv);
     if constexpr (AL) t -= slope * __builtin_fabsf(dist);
-    if constexpr (!CAP) return t;
+    if constexpr (!CAP || !MASKED) return t;
     return s != -__builtin_inff() ? t : s;
   }
   RDNA_METHOD bool sinks() const { return a.sinks; }
@@ -272,7 +274,7 @@ struct NoScoreTransform {
   RDNA_METHOD float apply(float s, float, float) const { return s; }
   RDNA_METHOD constexpr bool capped() const { return false; }
   RDNA_METHOD constexpr bool alibi() const { return false; }
-  template <bool, bool>
+  template <bool, bool, bool = true>
   RDNA_METHOD float apply_case(float s, float, float) const { return s; }
   RDNA_METHOD constexpr bool sinks() const { return false; }
   RDNA_METHOD float sink(int) const { return 0.f; }
