@@ -10,6 +10,7 @@ and the FMAs, and the largest error against the float64 oracle.
 
     RDNATTENTION_TINYGRAD=../shared/third_party/tinygrad python -m tuning.amd_counts \\
         fa2_f16_bf16_hd64_g2_ fa2_dec_bf16_hd128_g1_br4_ [--build-dir build]
+    RDNATTENTION_TINYGRAD=... python -m tuning.amd_counts fa2_f16_xf_hd64_g2_ --score softcap --rows 256 --keys 256
 
 To compare two revisions, run it in each checkout (each with its own build) on the same prefixes.
 """
@@ -74,30 +75,54 @@ def counted(mp: pytest.MonkeyPatch, emu) -> collections.Counter:
     return counts
 
 
-def run_one(name: str) -> float:
-    """Runs kernel ``name`` on its call; the largest error against the oracle."""
+SCORES = ("plain", "softcap", "alibi", "sinks")
+
+
+def score_options(score: str, heads: int, g: torch.Generator) -> dict:
+    """The call's score transform (flash_attn's arguments): a softcap of 30, ALiBi slopes or sinks per head."""
+    if score == "softcap":
+        return {"softcap": 30.0}
+    if score == "alibi":
+        return {"alibi_slopes": torch.rand(heads, generator=g) * 0.1}
+    if score == "sinks":
+        return {"sinks": torch.randn(heads, generator=g)}
+    return {}
+
+
+def run_one(name: str, score: str = "plain", rows: int = 80, keys: int = 77) -> float:
+    """Runs kernel ``name`` on its call (a row-block kernel: ``rows`` query rows per K/V head over
+    ``keys`` keys, causal; ``score``: the transform the call asks for); the largest error against the
+    oracle."""
     spec = spec_from_name(name)
     decoding = spec.family == "dec"
-    rows = spec.tile.br if decoding else 80
-    keys = max(77, 2 * spec.tile.bc + 13) if decoding else 77
+    rows = spec.tile.br if decoding else rows
+    keys = max(77, 2 * spec.tile.bc + 13) if decoding else keys
     dtype = torch.bfloat16 if spec.option("dtype") == "bf16" else torch.float16
     g = torch.Generator().manual_seed(spec.head_dim)
     q, k, v = (torch.randn(1, h, n, spec.head_dim, generator=g).to(dtype)
                for h, n in ((2 if rows == 1 else 4, max(1, rows // 2)), (2, keys), (2, keys)))
+    options = score_options(score, q.shape[1], g)
     if decoding:
         call = dec.Call(q=q, k=k, v=v, out=torch.empty_like(q), lse=torch.empty(q.shape[:3]), window=(-1, 0),
-                        softmax_scale=spec.head_dim ** -0.5, batch=1, seq_q=q.shape[2], seq_k=k.shape[2], num_splits=3)
+                        softmax_scale=spec.head_dim ** -0.5, batch=1, seq_q=q.shape[2], seq_k=k.shape[2], num_splits=3,
+                        **options)
         plan = dec.plan(route.device_table(torch.device("cpu")), call, kernel=name)
     else:
-        plan = plan_flash_attn(q, k, v, is_causal=True, kernel=name)
+        plan = plan_flash_attn(q, k, v, is_causal=True, kernel=name, **options)
     plan.run()
-    return (plan.outputs[0].double() - attention_reference(q, k, v, is_causal=True)).abs().max().item()
+    ref = attention_reference(q, k, v, is_causal=True, **options)
+    return (plan.outputs[0].double() - ref).abs().max().item()
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prefixes", nargs="+", help="kernel names or prefixes of them (f16 and dec families)")
     parser.add_argument("--build-dir", type=Path, default=Path(os.environ.get("RDNATTENTION_BUILD_DIR", ROOT / "build")))
+    parser.add_argument("--score", choices=SCORES, default="plain",
+                        help="the call's score transform (name a kernel that serves it: score option xf for a "
+                             "softcap or sinks, alibi for ALiBi, or a split-KV kernel)")
+    parser.add_argument("--rows", type=int, default=80, help="row-block kernels: query rows per K/V head (default 80)")
+    parser.add_argument("--keys", type=int, default=77, help="row-block kernels: keys (default 77)")
     args = parser.parse_args(argv)
     with pytest.MonkeyPatch.context() as mp:
         emu, matrix = serve_on_emulator(mp, args.build_dir.resolve())
@@ -105,13 +130,14 @@ def main(argv=None) -> int:
                        if s.family in ("f16", "dec") and any(s.name.startswith(p) for p in args.prefixes))
         if not names:
             raise SystemExit(f"no f16 or dec kernel of {TARGET} starts with {', '.join(args.prefixes)}")
-        print(f"{TARGET} kernels executed on the RDNA3 emulator (instruction words of all waves, one call each)\n")
+        print(f"{TARGET} kernels executed on the RDNA3 emulator (instruction words of all waves, one call each; "
+              f"score transform: {args.score}; row-block calls: {args.rows} rows per K/V head, {args.keys} keys)\n")
         print("| kernel | executed | VALU | V_DOT2 | FMA | max error |")
         print("|---|---|---|---|---|---|")
         for name in names:
             with pytest.MonkeyPatch.context() as inner:
                 counts = counted(inner, emu)
-                err = run_one(name)
+                err = run_one(name, args.score, args.rows, args.keys)
             print(f"| `{name}` | {counts['all']} | {counts['valu']} | {counts['dot2']} | {counts['fma']} | {err:.1e} |",
                   flush=True)
     return 0
