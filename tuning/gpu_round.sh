@@ -8,8 +8,9 @@
 #
 # Steps: install, score (softcap/ALiBi/sinks cost), bwd (backward vs torch), tests (GPU tests of the
 # backward, score transforms and integrations), generate (HF generate() beside sdpa), overhead
-# (eager host cost of the decode and kvcache paths beside SDPA). Each step may take minutes (its
-# limit is below): where a command's time is limited, run the steps in separate commands, each with
+# (eager host cost of the decode and kvcache paths beside SDPA, with each one's GPU time). Each step
+# may take minutes (its limit is below): where a command's time is limited, run the steps in separate
+# commands, each with
 # its own OUT (OUT/steps.txt is started afresh), e.g. `bash tuning/gpu_round.sh out/a install tests`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +40,7 @@ for step in "${STEPS[@]}"; do
              tests/kernels/test_backward_varlen.py tests/gpu/test_cuda.py tests/runtime/test_transformers.py \
              tests/runtime/test_sdpa_clients.py tests/runtime/test_sdpa_patch.py ;;
     generate) run generate 900 "$PYTHON" -m tuning.generate --rounds 2 ;;
-    overhead) run overhead 600 "$PYTHON" -m tuning.overhead --device cuda --only kvcache,decode,transformers ;;
+    overhead) run overhead 600 "$PYTHON" -m tuning.overhead --device cuda --only kvcache,decode,transformers --kernel-time ;;
     *) echo "unknown step $step (install score bwd tests generate overhead)" | tee -a "$OUT/steps.txt" ;;
   esac
 done
