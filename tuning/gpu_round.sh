@@ -10,8 +10,7 @@
 # backward, score transforms and integrations), generate (HF generate() beside sdpa), overhead
 # (eager host cost of the decode and kvcache paths beside SDPA, with each one's GPU time). Each step
 # may take minutes (its limit is below): where a command's time is limited, run the steps in separate
-# commands, each with
-# its own OUT (OUT/steps.txt is started afresh), e.g. `bash tuning/gpu_round.sh out/a install tests`.
+# commands, each with its own OUT (OUT/steps.txt is started afresh), e.g. `bash tuning/gpu_round.sh out/a install tests`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:?usage: bash tuning/gpu_round.sh OUT [STEP ...]}"
