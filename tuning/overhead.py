@@ -7,7 +7,6 @@ head_dim] views, packed batches as the padded batch, caches as their used keys).
     python -m tuning.overhead --device cuda --only decode
     python -m tuning.overhead --device cpu --profile kvcache.paged.append
     python -m tuning.overhead --device cuda --only kvcache --unfused   # the append in its own launch
-    python -m tuning.overhead --device cuda --only kvcache --stub-launch  # our Python alone, on CUDA tensors
     python -m tuning.overhead --device cuda --only kvcache --kernel-time  # and the GPU's time per call
 
 Two figures per call:
@@ -275,14 +274,6 @@ def stubbed_launch(units: int):
         torch.set_num_threads(threads)
 
 
-def _stub_cuda_launch() -> None:
-    """The CUDA driver's launch entry point replaced by a Python no-op for the whole run (set before
-    any launch is bound: every launch is made through ModuleDriver.bound)."""
-    from rdnattention.drivers import cuda
-    cuda.DRIVER._raw_launch = (cuda.DRIVER.library(), lambda *args: 0)
-    cuda.DRIVER._bound = {}
-
-
 def back_to_back_us(fn, sync, budget_s: float, rounds: int = 7) -> float:
     """The least over ``rounds`` of timing.host_us (a loop of calls, one ``sync()`` at the end), each
     loop about ``budget_s / rounds`` long: the round the machine's other work disturbed least."""
@@ -391,15 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unfused", action="store_true",
                    help="flash_attn_with_kvcache's append in its own launch before the attention's, never in the "
                         "split-KV decode's (kvcache.FUSE_MAX_NEW = 0): the calls as they ran before the fusion")
-    p.add_argument("--stub-launch", action="store_true",
-                   help="on cuda: the driver's launch call (cuLaunchKernel) replaced by a no-op in our calls, so "
-                        "that our figures are the Python around it on this machine's CPU (their difference from a "
-                        "run without: what the launches cost); torch's figures are unchanged")
     p.add_argument("--kernel-time", action="store_true",
                    help="on cuda: two more columns, ours' and torch's GPU time per call (torch.profiler)")
     args = p.parse_args(argv)
-    if args.stub_launch:
-        _stub_cuda_launch()
     if args.check != "default":
         os.environ["RDNATTENTION_CHECK"] = args.check
     if args.unfused:
@@ -420,8 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         return _profile(next(c for c in CASES if c.name == args.profile), devices[0], args.units)
     print(f"torch {torch.__version__}, RDNATTENTION_CHECK={os.environ.get('RDNATTENTION_CHECK', '(unset)')}")
     for device in devices:
-        name = (torch.cuda.get_device_name(device) + (" (our launches stubbed)" if args.stub_launch else "")
-                if device.type == "cuda" else "CPU (host emulator, launch stubbed)")
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (host emulator, launch stubbed)"
         print(f"\n{name}\n")
         print(table(measure(cases, device, args.budget, args.units, args.kernel_time), device))
     return 0
