@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .timing import host_us, one_call_us
+from .timing import host_us, kernel_us, one_call_us
 
 
 @dataclass(frozen=True)
@@ -294,20 +294,6 @@ def _fmt(x: float | None) -> str:
 
 def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}x"
-
-
-def kernel_us(fn, calls: int = 50) -> float:
-    """Microseconds of GPU time per call of ``fn``: every kernel its calls ran, as torch.profiler's
-    CUDA activity (CUPTI) records them, kernels launched through the driver API included."""
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / calls
 
 
 def measure(cases, device: torch.device, budget_s: float, units: int, kernel_time: bool = False) -> list[dict]:

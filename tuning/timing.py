@@ -7,7 +7,9 @@ rdnattention/peak.py, which cannot import tuning/; everything here builds on the
 - ``graph_ms``: plans replayed from CUDA graphs, timed in turn: kernel time, no launch overhead.
 - ``interleaved_ms``: plans timed in turn with ``call_ms``, round after round (A B A B ...).
 - ``host_us``: the wall clock around a loop of calls: the host's cost per call.
-- ``one_call_us``: the wall clock around one call and a synchronisation, the device idle before it."""
+- ``one_call_us``: the wall clock around one call and a synchronisation, the device idle before it.
+- ``kernel_us``: the GPU's time per call, every kernel a call ran, from torch.profiler: calls that
+  cannot be replayed from a graph (their inputs change per call) and torch's own kernels alike."""
 
 from __future__ import annotations
 
@@ -93,3 +95,17 @@ def one_call_us(fn, sync, reps: int = 200, warmup: int = 5) -> float:
         sync()
         times.append((time.perf_counter() - start) * 1e6)
     return statistics.median(times)
+
+
+def kernel_us(fn, calls: int = 50) -> float:
+    """Microseconds of GPU time per call of ``fn``: every kernel its calls ran, as torch.profiler's
+    CUDA activity (CUPTI) records them, kernels launched through the driver API included."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls
