@@ -89,14 +89,16 @@ def score_options(score: str, heads: int, g: torch.Generator) -> dict:
     return {}
 
 
-def run_one(name: str, score: str = "plain", rows: int = 80, keys: int = 77) -> float:
+def run_one(name: str, score: str = "plain", rows: int = 80, keys: int | None = None) -> float:
     """Runs kernel ``name`` on its call (a row-block kernel: ``rows`` query rows per K/V head over
-    ``keys`` keys, causal; ``score``: the transform the call asks for); the largest error against the
-    oracle."""
+    ``keys`` keys (default 77), causal; a decode kernel: the rows its tile takes over ``keys`` keys
+    (default: two steps of its tile and 13 more, at least 77) in three slices; ``score``: the
+    transform the call asks for); the largest error against the oracle."""
     spec = spec_from_name(name)
     decoding = spec.family == "dec"
     rows = spec.tile.br if decoding else rows
-    keys = max(77, 2 * spec.tile.bc + 13) if decoding else keys
+    if keys is None:
+        keys = max(77, 2 * spec.tile.bc + 13) if decoding else 77
     dtype = torch.bfloat16 if spec.option("dtype") == "bf16" else torch.float16
     g = torch.Generator().manual_seed(spec.head_dim)
     q, k, v = (torch.randn(1, h, n, spec.head_dim, generator=g).to(dtype)
@@ -122,7 +124,8 @@ def main(argv=None) -> int:
                         help="the call's score transform (name a kernel that serves it: score option xf for a "
                              "softcap or sinks, alibi for ALiBi, or a split-KV kernel)")
     parser.add_argument("--rows", type=int, default=80, help="row-block kernels: query rows per K/V head (default 80)")
-    parser.add_argument("--keys", type=int, default=77, help="row-block kernels: keys (default 77)")
+    parser.add_argument("--keys", type=int, default=None,
+                        help="keys (row-block kernels: default 77; decode kernels: two steps of the tile and 13 more)")
     args = parser.parse_args(argv)
     with pytest.MonkeyPatch.context() as mp:
         emu, matrix = serve_on_emulator(mp, args.build_dir.resolve())
@@ -131,7 +134,7 @@ def main(argv=None) -> int:
         if not names:
             raise SystemExit(f"no f16 or dec kernel of {TARGET} starts with {', '.join(args.prefixes)}")
         print(f"{TARGET} kernels executed on the RDNA3 emulator (instruction words of all waves, one call each; "
-              f"score transform: {args.score}; row-block calls: {args.rows} rows per K/V head, {args.keys} keys)\n")
+              f"score transform: {args.score}; row-block calls: {args.rows} rows per K/V head; keys: {args.keys or 'the default'})\n")
         print("| kernel | executed | VALU | V_DOT2 | FMA | max error |")
         print("|---|---|---|---|---|---|")
         for name in names:

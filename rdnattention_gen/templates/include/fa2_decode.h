@@ -125,6 +125,17 @@ struct DecodeBF16 : DecodeF16<P> {
   }
 };
 
+// A row's reference (the value its probabilities are exponentiated against) need not be its exact
+// running maximum: any reference at or below it gives the same sums and outputs but for rounding,
+// with probabilities up to 2^(maximum - reference). The decode loop moves a row's reference only
+// where a score passes it by more than FA2_RESCALE_SLACK (log2 domain): probabilities stay at most
+// 2^8 = 256, which fp32 sums hold without loss that matters, and the rescale of the values, which
+// a step of few keys otherwise pays at most steps (a lane rescales all of its R rows where any one's
+// maximum grew), is paid a few times per row. A reference at -inf (no key yet) moves to the first
+// score that is not -inf; a NaN score moves nothing (it makes the row's sum NaN either way).
+#define FA2_RESCALE_SLACK 8.f
+RDNA_DEVICE bool fa2_reference_moves(float ref, float tile_max) { return tile_max > ref + FA2_RESCALE_SLACK; }
+
 // Merging partial results of one row (the decode kernel's waves, the merge's thread groups): n
 // (maximum, sum) pairs at stat[0], stat[step], ... (log2 domain; maximum -inf: no key, sum 0) and
 // their values at vals[0], vals[vstep], ..., each against its own maximum. acc receives the values
@@ -458,11 +469,13 @@ RDNA_DEVICE void fa2_decode(const Args& a, unsigned char* lds) {
       }
     }
     // The own row's softmax step; every slot's rescale factor and probabilities come from the
-    // lanes that own those rows. A maximum that did not grow rescales by exactly 1: skipped.
+    // lanes that own those rows. The reference m moves only where a score passes it by more than
+    // FA2_RESCALE_SLACK (fa2_reference_moves); a reference that did not move rescales by exactly 1:
+    // skipped.
     float tile_max = -__builtin_inff();
 #pragma unroll
     for (int t = 0; t < T; ++t) tile_max = rdna_fmax(tile_max, s[t]);
-    const float m_new = rdna_fmax(m, tile_max);
+    const float m_new = fa2_reference_moves(m, tile_max) ? tile_max : m;
     const float m_ref = m_new == -__builtin_inff() ? 0.f : m_new;
     float alpha[R];
     alpha[0] = rdna_exp2(m - m_ref);
