@@ -51,6 +51,7 @@ print("AB_RESULT " + json.dumps(out))
 # (label, batch, heads_q, heads_kv, seq_q, seq_k, head_dim, the score transforms timed too)
 _DECODE = [("GQA 32/8 Sk32768 D128", 1, 32, 8, 1, 32768, 128, False),
            ("GQA 32/8 Sk8192 D128", 1, 32, 8, 1, 8192, 128, False),
+           ("GQA 32/8 Sk512 D128", 1, 32, 8, 1, 512, 128, False),
            ("GQA 32/8 Sk8192 D128 batch 8", 8, 32, 8, 1, 8192, 128, True),
            ("Sq4 H32 Sk8192 D128", 1, 32, 32, 4, 8192, 128, False),
            ("H32 Sk8192 D128", 1, 32, 32, 1, 8192, 128, False),
