@@ -248,10 +248,40 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
     }
 
     // Scale and mask in one place (in place where the products are fp32); masked scores are -inf.
+    // Where the transforms are not copied per case (!Pipe::XF_CASES: the AMD kernels), a softcap is
+    // applied here, to each visible score as it is made: the mask's own select keeps masked scores
+    // at -inf (the softcap would map them to -C), a whole tile needs none, and the rows below keep no
+    // softcap code of their own.
     float s_int[INT_ACC ? TM : 1][TN];
     auto& s = rdna_pick<INT_ACC>(s_int, sa);
     const bool whole = mask.template whole<BC>(k0, block_pos, last_pos);
-    if (whole) {
+    auto make_scores = [&](auto capped) {
+      constexpr bool CAP = decltype(capped)::value;
+      if (whole) {
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+          for (int j = 0; j < TN; ++j) {
+            const float x = scales.score(mask, sa[i][j], rs[i], kscale[j]);
+            s[i][j] = CAP ? xf.cap(x) : x;
+          }
+      } else {
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+          for (int j = 0; j < TN; ++j) {
+            const int key = k0 + ((j / CK) * TCW + tx) * CK + j % CK;
+            const float x = scales.score(mask, sa[i][j], rs[i], kscale[j]);
+            s[i][j] = mask.visible(key, pos[i], diag[i]) ? (CAP ? xf.cap(x) : x) : -__builtin_inff();
+          }
+      }
+    };
+    if constexpr (Xf::ANY && !Pipe::XF_CASES) {
+      if (xf.capped())
+        make_scores(rdna_bool<true>{});
+      else
+        make_scores(rdna_bool<false>{});
+    } else if (whole) {  // (the lambda's uncapped copy, written out: the plain kernels compile as they did)
 #pragma unroll
       for (int i = 0; i < TM; ++i)
 #pragma unroll
@@ -308,16 +338,19 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
         softmax_rows(XfCase<false, false>{});
       }
     } else {
-      // The transforms under a uniform branch per row: the AMD kernels, as audited (the copies per
-      // case spilled GCN's and RDNA2's tightest tiles).
+      // ALiBi under a uniform branch per row: the AMD kernels, as audited (the copies per case
+      // spilled GCN's and RDNA2's tightest tiles). The softcap was applied as the scores were made;
+      // ALiBi keeps a masked score at -inf without a select (-inf minus a finite bias).
 #pragma unroll
       for (int i = 0; i < TM; ++i) {
-        if (xf.enabled()) {
-          const float slope = !Xf::HAS_ALIBI ? 0.f : ONE_HEAD ? thread_slope : xf.slope(b, head0 + (row0 + i) / RPH);
+        if constexpr (Xf::HAS_ALIBI) {
+          if (xf.alibi()) {
+            const float slope = ONE_HEAD ? thread_slope : xf.slope(b, head0 + (row0 + i) / RPH);
 #pragma unroll
-          for (int j = 0; j < TN; ++j) {
-            const int key = k0 + ((j / CK) * TCW + tx) * CK + j % CK;
-            if (s[i][j] != -__builtin_inff()) s[i][j] = xf.apply(s[i][j], slope, (float)(key - diag[i]));
+            for (int j = 0; j < TN; ++j) {
+              const int key = k0 + ((j / CK) * TCW + tx) * CK + j % CK;
+              s[i][j] = xf.template apply_case<false, true>(s[i][j], slope, (float)(key - diag[i]));
+            }
           }
         }
         const float alpha = fa2_row_softmax<E, TN, TD, TCW, TM, Pipe::SKIP_UNMOVED, INT_ACC>(s[i], m[i], l[i], lx[i], o[i], p, i);

@@ -231,8 +231,8 @@ struct ScoreTransform {
   static constexpr bool ANY = true;  // compiled with score transforms
   static constexpr bool HAS_ALIBI = ALIBI;
 
-  // Without ALIBI, slopes never reach the kernel (the runtime's route): the test of them stays, since
-  // the branch it makes keeps the softcap's code from spreading over RDNA2's tiles (a wave lost).
+  // A softcap or ALiBi slopes (the split-KV kernels' test, once per step). Without ALIBI, slopes never
+  // reach the kernel (the runtime's route).
   RDNA_METHOD bool enabled() const { return a.softcap_log2 != 0.f || a.alibi_slopes; }
   // The ALiBi slope of batch b's query head, log2 domain (0 without ALiBi).
   RDNA_METHOD float slope(long long b, int head) const {
@@ -244,6 +244,8 @@ struct ScoreTransform {
     if (a.softcap_log2 != 0.f) s = Cap{}(s, a.softcap_log2, a.softcap_inv);
     return ALIBI ? s - slope * __builtin_fabsf(dist) : s;
   }
+  // The softcap alone, of a visible score (the caller keeps masked ones).
+  RDNA_METHOD float cap(float s) const { return Cap{}(s, a.softcap_log2, a.softcap_inv); }
   // The case (XfCase) the arguments ask for: a softcap; ALiBi slopes (only where the kernel has ALIBI).
   RDNA_METHOD bool capped() const { return a.softcap_log2 != 0.f; }
   RDNA_METHOD bool alibi() const { return ALIBI && a.alibi_slopes; }
@@ -272,6 +274,7 @@ struct NoScoreTransform {
   RDNA_METHOD constexpr bool enabled() const { return false; }
   RDNA_METHOD float slope(long long, int) const { return 0.f; }
   RDNA_METHOD float apply(float s, float, float) const { return s; }
+  RDNA_METHOD float cap(float s) const { return s; }
   RDNA_METHOD constexpr bool capped() const { return false; }
   RDNA_METHOD constexpr bool alibi() const { return false; }
   template <bool, bool, bool = true>

@@ -22,9 +22,10 @@
 // row of them.
 // XF_CASES: the score transforms' row loop in one copy per case (softcap, ALiBi, both, neither),
 // picked once per tile (fa2_forward.h): on sm_90 the softcap's cost over plain causal fell from
-// 19-33% to 5-10%, ALiBi's from 14-25% to 2-7% and sinks' from 7-8% to 2-4%. The AMD kernels keep a
-// branch per row: the copies spilled GCN's and RDNA2's tightest tiles (31 VGPRs on gfx90c's ALiBi
-// head_dim 64).
+// 19-33% to 5-10%, ALiBi's from 14-25% to 2-7% and sinks' from 7-8% to 2-4%. The AMD kernels take no
+// copies (they spilled GCN's and RDNA2's tightest tiles: 31 VGPRs on gfx90c's ALiBi head_dim 64):
+// their softcap is applied where the scores are made, ALiBi under a branch per row
+// (tuning/results/amd_score_counts.md).
 // TILE: the LDS layout of the element type's packs (pairs.h): planar fp32 pairs on sm_90.
 template <bool PREFETCH_, bool K_RUNS_, bool SKIP_UNMOVED_, int P_ROW_PAIR_GAP_, template <class> class TILE,
           bool XF_CASES_ = false>
