@@ -175,7 +175,8 @@ def replayed(r: replay.Replay, q, k, v, *, seqused_k=None, block_table=None, cac
     ``check()`` (the entry point's check_values) where they are read, and the slopes' and sinks'
     (``score``) likewise; None where its memory needs the full path (which raises the error)."""
     tensors = (q, k, v, seqused_k, block_table, cache_batch_idx, cu_seqlens_q, cu_seqlens_k, *score.tensors)
-    if not replay.memory_ok(tensors, r.reach, 3):
+    found = replay.pointers(tensors, r.reach, 3)
+    if found is None:
         return None
     if check is not None and checks.reads(q):
         check()
@@ -184,13 +185,19 @@ def replayed(r: replay.Replay, q, k, v, *, seqused_k=None, block_table=None, cac
         for name, t in (("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
             values.finite(name, t)
         values.check()
-    out, lse = allocate(q, return_lse, cu_seqlens_q is not None, empty_lse=False, paged=block_table is not None)
-    pointers = {"o": out.data_ptr()}
+    packed = cu_seqlens_q is not None
+    out = (torch.zeros_like if packed and block_table is not None else torch.empty_like)(q, memory_format=replay.CONTIGUOUS)
+    lse = None
+    if return_lse:  # as allocate's
+        like = r.like
+        if not like:
+            shape = (q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
+            like = r.like = (replay.stand_in(shape, torch.float32, q.device),)
+        lse = torch.empty_like(like[0], memory_format=replay.CONTIGUOUS)
+    pointers = dict(zip(_POINTERS, found))  # (absent ones are no field of the launches)
+    pointers["o"] = out.data_ptr()
     if lse is not None:
         pointers["lse"] = lse.data_ptr()
-    for name, t in zip(_POINTERS, tensors):
-        if t is not None:
-            pointers[name] = t.data_ptr()
     replay.launch(r, pointers, q.device)
     return out, lse
 

@@ -163,7 +163,7 @@ def _quantize(name: str, x: torch.Tensor, dim: int, counted: bool = False) -> tu
     job = "v" if per_channel else "q"  # the kernel's job that quantizes x
     key = replay.key("quantize", x.device, (x,), (per_channel,)) if type(x) is torch.Tensor and x.numel() else None
     r = replay.lookup(key)
-    if r is not None and replay.memory_ok((x,), r.reach, 0):  # a geometry seen before: its launch replayed
+    if r is not None and replay.pointers((x,), r.reach, 0) is not None:  # a geometry seen before: its launch replayed
         values, scale = _quant_outputs(x, per_channel)
         replay.launch(r, {f"{job}_src": x.data_ptr(), job: values.data_ptr(), f"{job}_scale": scale.data_ptr()},
                       x.device)
@@ -251,6 +251,18 @@ def _allocate(q: torch.Tensor, return_lse: bool, empty_lse: bool = True) -> tupl
     return out, lse
 
 
+def _replayed_outputs(r: replay.Replay, q: torch.Tensor, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """_allocate's outputs of a replayed call (empty_lse False), from ``r``'s stand-ins (made at its
+    first replay: replay.stand_in)."""
+    like = r.like
+    if not like:
+        batch, heads_q, seq_q, head_dim = q.shape
+        like = r.like = (replay.stand_in((batch, heads_q, seq_q, head_dim), torch.float16, q.device),
+                         replay.stand_in((batch, heads_q, seq_q), torch.float32, q.device))
+    out = torch.empty_like(like[0], memory_format=replay.CONTIGUOUS)
+    return out, torch.empty_like(like[1], memory_format=replay.CONTIGUOUS) if return_lse else None
+
+
 # The pointer fields of a call's launches (i8 and i8dec structs), each filled by one tensor.
 ROLES = frozenset({"q", "k", "v", "o", "lse", "q_scale", "k_scale", "v_scale"})
 
@@ -295,15 +307,15 @@ def flash_attn_int8qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale
         key = replay.key("flash_attn_int8qk", q.device, tensors,
                          (is_causal, window_size, type(softmax_scale), softmax_scale, return_lse))
     r = replay.lookup(key)
-    if r is not None and replay.memory_ok(tensors, r.reach, 3):
+    found = None if r is None else replay.pointers(tensors, r.reach, 3)
+    if found is not None:
         if checks.reads(q):
             _check_scales(q_scale, k_scale, v_scale)
-        out, lse = _allocate(q, return_lse, empty_lse=False)
-        pointers = {"o": out.data_ptr()}
+        out, lse = _replayed_outputs(r, q, return_lse)
+        pointers = dict(zip(("q", "k", "v", "q_scale", "k_scale", "v_scale"), found))
+        pointers["o"] = out.data_ptr()
         if lse is not None:
             pointers["lse"] = lse.data_ptr()
-        for name, t in zip(("q", "k", "v", "q_scale", "k_scale", "v_scale"), tensors):
-            pointers[name] = t.data_ptr()
         replay.launch(r, pointers, q.device)
         return (out, lse) if return_lse else out
     o = _validate(q, k, v, q_scale, k_scale, v_scale, is_causal=is_causal, window_size=window_size,
@@ -363,9 +375,11 @@ def flash_attn_int8qk_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         key = replay.key("flash_attn_int8qk_quantized", q.device, tensors,
                          (is_causal, window_size, type(softmax_scale), softmax_scale, return_lse))
     r = replay.lookup(key)
-    if r is not None and replay.memory_ok(tensors, r.reach, 0):
-        out, lse = _allocate(q, return_lse, empty_lse=False)
-        pointers = {"o": out.data_ptr(), "q_src": q.data_ptr(), "k_src": k.data_ptr(), "v_src": v.data_ptr()}
+    found = None if r is None else replay.pointers(tensors, r.reach, 0)
+    if found is not None:
+        out, lse = _replayed_outputs(r, q, return_lse)
+        pointers = dict(zip(("q_src", "k_src", "v_src"), found))
+        pointers["o"] = out.data_ptr()
         if lse is not None:
             pointers["lse"] = lse.data_ptr()
         reads = checks.reads(q)

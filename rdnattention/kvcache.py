@@ -24,6 +24,7 @@ of ops.py and decode.py."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -244,6 +245,51 @@ def _key(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, bl
                        given, type(softcap), softcap))
 
 
+# The launch fields of _replayed's tensors but the lengths (whose field is Kept.lengths), in its order.
+_REPLAYED = ("q", "k", "v", "k_new", "v_new", "rotary_cos", "rotary_sin", "", "cache_batch_idx", "block_table",
+             "alibi_slopes", "sinks")
+
+
+@dataclass(eq=False, slots=True)
+class Kept:
+    """What a planned call fixed for the later calls of its key (replay.Replay.extra): validation's
+    options, the cache's length, how the append runs, and what follows from the key's shapes: the
+    launch field that takes the lengths, the workspace regions of the append's intermediates
+    (replay.launch's ``regions``), and whether q is contiguous (its output allocated as q is)."""
+
+    window_left: int
+    window_right: int
+    softmax_scale: float
+    local: bool
+    cache_len: int
+    kernel: bool  # an append kernel is built (else the append runs as torch operations: _run)
+    fused: bool  # the append in the attention's launch
+    lengths: str = "seqused_k"
+    regions: tuple | None = None
+    contiguous: bool = False
+
+    @classmethod
+    def of(cls, q: torch.Tensor, rope: bool, appends: bool, **options) -> Kept:
+        """The record of a call planned on q; ``rope``: it has RoPE tables; ``appends``: it appends
+        with the kernels (the fused decode's or the append family's)."""
+        kept = cls(**options, contiguous=q.is_contiguous())
+        if appends:
+            # What the append writes for the attention alone, in the stream's workspace rather than
+            # allocated per call: its own launch's lengths after it (int32 [batch]; fused, the
+            # attention reads the lengths before it) and, with RoPE, the rotated queries (laid out as
+            # the planned call's torch.empty_like(q): dense, q's bytes), which the attention reads as
+            # q, the append reading q_src.
+            nbytes, fields = 0, ()
+            if not kept.fused:
+                kept.lengths = "cache_seqlens"
+                nbytes, fields = workspace.align(4 * q.shape[0]), (("seqused_k", 0),)
+            if rope:
+                fields += (("q", nbytes),)
+                nbytes += q.numel() * q.element_size()
+            kept.regions = (nbytes, fields) if fields else None
+        return kept
+
+
 def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, block_table,
               interleaved: bool, num_splits: int, return_lse: bool,
               score: ScoreOptions) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -252,70 +298,56 @@ def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqle
     allocated, and the launches (the append kernel's among them) replayed; a call that appends with
     torch operations (no append kernel built) runs _run's general path. None where its memory
     needs the full path."""
-    window_left, window_right, softmax_scale, local, cache_len, _, fused = r.extra
-    new = 0 if k is None else k.shape[1]
-    if cache_seqlens is None:
-        lengths = torch.full((q.shape[0],), cache_len, dtype=torch.int32, device=q.device)
-    elif type(cache_seqlens) is int:
-        if not 0 <= cache_seqlens <= cache_len - new:
+    kept: Kept = r.extra
+    if cache_seqlens is None or type(cache_seqlens) is int:
+        new = 0 if k is None else k.shape[1]
+        if cache_seqlens is not None and not 0 <= cache_seqlens <= kept.cache_len - new:
             return None  # the full path raises the error
-        lengths = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+        lengths = torch.full((q.shape[0],), kept.cache_len if cache_seqlens is None else cache_seqlens,
+                             dtype=torch.int32, device=q.device)
     else:
         lengths = cache_seqlens
-    kernel = k is not None and r.extra[5]
-    if k is not None and not kernel:  # the append as torch operations: _run's general path
-        return _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left,
-                    window_right, softmax_scale, interleaved, local, return_lse, num_splits, replayed=r, score=score)
+    if k is not None and not kept.kernel:  # the append as torch operations: _run's general path
+        return _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, kept.window_left,
+                    kept.window_right, kept.softmax_scale, interleaved, kept.local, return_lse, num_splits,
+                    replayed=r, score=score)
     # _run's steps that read more than the key holds (its shape checks passed when the key was planned)
-    tensors = (q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, *score.tensors)
-    if not replay.memory_ok(tensors, r.reach, 3):
+    found = replay.pointers((q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table,
+                             *score.tensors), r.reach, 3)
+    if found is None:
         return None
-    batch = q.shape[0]
     if checks.reads(lengths):
+        new = 0 if k is None else k.shape[1]
         paged = block_table is not None
-        check_values(lengths, new, cache_len, k_cache.shape[0], cache_batch_idx, block_table,
+        check_values(lengths, new, kept.cache_len, k_cache.shape[0], cache_batch_idx, block_table,
                      k_cache.shape[0] if paged else 0, cos.shape[0] if cos is not None else None,
-                     max(new, q.shape[1] if local else min(q.shape[1], 1)), None)
+                     max(new, q.shape[1] if kept.local else min(q.shape[1], 1)), None)
     if score.alibi_slopes is not None or score.sinks is not None:
         values = checks.Values()
         for name, t in (("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
             values.finite(name, t)
         values.check()
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [batch, seq_q, heads, head_dim]
-    pointers = {"q": q.data_ptr(), "k": k_cache.data_ptr(), "v": v_cache.data_ptr(), "o": out.data_ptr()}
+    # [batch, seq_q, heads, head_dim]; empty_like keeps a contiguous q's strides, and costs less so
+    out = torch.empty_like(q) if kept.contiguous else torch.empty_like(q, memory_format=torch.contiguous_format)
+    pointers = dict(zip(_REPLAYED, found))  # (absent ones are no field of the launches)
+    pointers["o"] = out.data_ptr()
+    pointers[kept.lengths] = found[7]
     lse = None
-    if return_lse:
-        lse = q.new_empty((batch, q.shape[2], q.shape[1]), dtype=torch.float32)
+    if return_lse:  # [batch, heads, seq_q]
+        like = r.like or _stand_ins(r, q)
+        lse = torch.empty_like(like[0], memory_format=replay.CONTIGUOUS)
         pointers["lse"] = lse.data_ptr()
-    regions = None
-    if kernel:  # the append: in the attention's launch (fused: fa2_decode_append) or its own first
-        # What it writes for the attention alone, in the stream's workspace (replay.launch's regions)
-        # rather than allocated per call: its own launch's lengths after it (int32 [batch]; fused, the
-        # attention reads the lengths before it) and, with RoPE, the rotated queries (laid out as the
-        # planned call's torch.empty_like(q): dense, q's bytes).
-        _tally.hit()  # (the attention's launch appends)
-        pointers["k_new"], pointers["v_new"] = k.data_ptr(), v.data_ptr()
-        if fused:
-            pointers["seqused_k"] = lengths.data_ptr()
-            nbytes, fields = 0, ()
-        else:
-            pointers["cache_seqlens"] = lengths.data_ptr()
-            nbytes, fields = workspace.align(4 * batch), (("seqused_k", 0),)
-        if cos is not None:
-            fields += (("q", nbytes),)
-            nbytes += q.numel() * q.element_size()
-            pointers.update(q_src=q.data_ptr(), rotary_cos=cos.data_ptr(), rotary_sin=sin.data_ptr())
-        if fields:
-            regions = (nbytes, fields)
-    else:
-        pointers["seqused_k"] = lengths.data_ptr()
-    if cache_batch_idx is not None or block_table is not None or score is not NO_SCORE_OPTIONS:
-        for name, t in (("cache_batch_idx", cache_batch_idx), ("block_table", block_table),
-                        ("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
-            if t is not None:
-                pointers[name] = t.data_ptr()
-    replay.launch(r, pointers, q.device, regions)
+    if k is not None:  # the append: in the attention's launch (fused: fa2_decode_append) or its own first
+        _tally.hit()
+        pointers["q_src"] = found[0]
+    replay.launch(r, pointers, q.device, kept.regions)
     return out, lse
+
+
+def _stand_ins(r: replay.Replay, q: torch.Tensor) -> tuple[torch.Tensor]:
+    """The LSE's stand-in for ``r``'s calls (kept there: replay.stand_in)."""
+    r.like = (replay.stand_in((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device),)
+    return r.like
 
 
 def _traced(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left: int,
@@ -504,7 +536,7 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
                 checks.check_memory(name, t)
         if leftpad is not None:
             checks.check_memory("cache_leftpad", leftpad)
-    elif not replay.memory_ok(tensors, replayed.reach, 3):
+    elif replay.pointers(tensors, replayed.reach, 3) is None:
         return None
     rotated = max(new, seq_q if local else min(seq_q, 1))
     if cos is not None and cos.shape[0] < rotated:
@@ -528,7 +560,7 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
     q_in, k_in = q, k
     kernel = None
     if k is not None:
-        kernel = _append_kernel(q, cos, interleaved) if replayed is None else replayed.extra[5]
+        kernel = _append_kernel(q, cos, interleaved) if replayed is None else replayed.extra.kernel
     # The append fused into the attention's launch (fa2_decode.h's fa2_decode_append), where that is
     # one split-KV decode launch: tried first for few new keys (every workgroup writes them), planned
     # on the lengths before the append (and, with RoPE tables, on the rotated queries' buffer); a
@@ -629,8 +661,10 @@ def _run(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_ta
                 pointers.update(q_src=q.data_ptr(), rotary_cos=cos.data_ptr(), rotary_sin=sin.data_ptr())
         replay.launch(replayed, pointers, q.device)
     elif plan is not None:
-        replay.run(plan, key, tensors, ROLES, extra=(window_left, window_right, softmax_scale, local, cache_len,
-                                                    bool(kernel), fused),
+        kept = Kept.of(q, cos is not None, bool(kernel) and batch > 0, window_left=window_left,
+                       window_right=window_right, softmax_scale=softmax_scale, local=local, cache_len=cache_len,
+                       kernel=bool(kernel), fused=fused)
+        replay.run(plan, key, tensors, ROLES, extra=kept,
                    before=(launch,) if launch is not None else ())
     elif launch is not None:  # the attention launches nothing: the append alone
         table = route.device_table(q.device)

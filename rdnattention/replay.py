@@ -5,7 +5,7 @@ An entry point keys its calls (:func:`key`): everything validation and planning 
 the target's table, the shapes, strides, dtypes and devices of its tensors, and its options with
 their types (so that True and 1 stay different keys). A call whose key was seen runs the
 remembered :class:`Replay`: per call it checks only what can change between calls of one key,
-the data pointers and the memory behind them (:func:`memory_ok`; anything wrong sends the call
+the data pointers and the memory behind them (:func:`pointers`; anything wrong sends the call
 down the full path, which raises the error), and the index values where they are read
 (checks.reads); then it allocates its outputs and launches. Each launch's argument struct is a
 copy of the planned one with its pointer fields rewritten: the entry point supplies each tensor
@@ -62,9 +62,10 @@ class Replay:
     scratch_bytes: int  # split-KV scratch of one call; 0: none
     scratch_lse: int
     counters: int  # split-KV counters of one call (workspace.scratch)
-    reach: tuple[tuple[int, int], ...]  # (bytes spanned, element size) of each checked tensor (memory_ok)
+    reach: tuple[tuple[int, int], ...]  # (bytes spanned, element size) of each checked tensor (pointers)
     extra: object = None  # what the entry point keeps beside: what validation made of the options
     lengths: object = None  # how its launches follow the keys' length (Plan.lengths), or None
+    like: tuple = ()  # stand-ins of a call's outputs (stand_in), made by the entry point at the first replay
 
 
 # Calls already validated and planned, by key().
@@ -100,6 +101,17 @@ def tracing() -> bool:
 # object, its type and the per-type query): the replays that run before their entry point's autocast
 # handling test it first. True where torch lacks it, so that the per-type query decides.
 autocast_on = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: True)
+
+
+CONTIGUOUS = torch.contiguous_format
+
+
+def stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape``, ``dtype`` and ``device`` with one element of memory (expanded), whose
+    ``torch.empty_like(stand_in, memory_format=CONTIGUOUS)`` is a new contiguous tensor like it: the
+    cheapest allocation of a replayed call's outputs (half what torch.empty or Tensor.new_empty cost,
+    which parse their arguments per call). A replay keeps its outputs' (Replay.like)."""
+    return torch.empty((), dtype=dtype, device=device).expand(shape)
 
 
 def key(kind: str, device: torch.device, tensors: tuple, options: tuple) -> tuple | None:
@@ -150,24 +162,26 @@ def length_free(key: tuple | None, positions: tuple[int, ...], seq_dim: int) -> 
     return tuple(parts)
 
 
-def memory_ok(tensors: tuple, reach: tuple[tuple[int, int], ...], aligned: int) -> bool:
-    """Every tensor has memory behind it (a non-null pointer, a storage covering the bytes its
-    shape and strides reach, no lazy negation) and the first ``aligned`` of them start on 16
-    bytes: what checks.check_memory and the planners check, per call."""
+def pointers(tensors: tuple, reach: tuple[tuple[int, int], ...], aligned: int) -> list[int] | None:
+    """Each tensor's data pointer (0 where absent), in ``tensors``' order, where every tensor has
+    memory behind it (a non-null pointer, a storage covering the bytes its shape and strides reach,
+    no lazy negation) and the first ``aligned`` of them start on 16 bytes: what checks.check_memory
+    and the planners check, per call; None where one has not (the full path raises the error). One
+    pass, each pointer read once: the entry points launch with these."""
+    found = [0] * len(tensors)
     for i, t in enumerate(tensors):
         if t is not None:
+            p = found[i] = t.data_ptr()
             span, size = reach[i]
-            if span:
-                p = t.data_ptr()
-                if (not p or (i < aligned and p & 15) or t.is_neg()
-                        or t.storage_offset() * size + span > t.untyped_storage().nbytes()):
-                    return False
-    return True
+            if span and (not p or (i < aligned and p & 15) or t.is_neg()
+                         or t.storage_offset() * size + span > t.untyped_storage().nbytes()):
+                return None
+    return found
 
 
 def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str],
              extra: object = None, before: tuple[Launch, ...] = (), free: tuple | None = None) -> Replay | None:
-    """Keeps ``plan`` for later calls of ``key`` (``tensors``: those memory_ok checks per call, in
+    """Keeps ``plan`` for later calls of ``key`` (``tensors``: those pointers() checks per call, in
     the order the entry point passes them; ``extra``: kept beside; ``before``: launches of the
     same table that run ahead of the plan's, such as flash_attn_with_kvcache's append) where every
     pointer field of its launches is one of ``roles`` or the scratch; returns the replay, or None
@@ -214,46 +228,55 @@ def launch(r: Replay, pointers: dict[str, int], device: torch.device,
     the launches read (the INT8 entry's quantized inputs, the lengths and rotated queries
     flash_attn_with_kvcache's append writes for its attention), placed in the stream's workspace
     after the split-KV scratch, each field pointed at its offset there."""
-    buffer = count = None
     extra = regions[0] if regions else 0
     steps = r.steps
-    gpu = steps[0].go is not None
-    if gpu:  # the stream is looked up once, for the workspace and every launch
-        index = steps[0].index
-        stream = module_api.current_stream_handle(index)
-    if r.scratch_bytes or extra:
-        # held until the launches are enqueued
+    if steps[0].go is None:  # the host emulator: launches return when done, on this thread's workspace
+        if r.scratch_bytes or extra:
+            start = -(-r.scratch_bytes // workspace.ALIGN) * workspace.ALIGN
+            buffer, count = workspace.host_scratch(device, start + extra, r.counters)
+            _place(r, pointers, buffer.data_ptr(), count, start, regions)
+        driver, code_object = r.driver, r.table.code_object
+        for step in steps:
+            args = type(step.args).from_buffer_copy(step.args)
+            for field in step.fields:
+                setattr(args, field, pointers[field])
+            driver.launch_kernel(code_object, step.name, step.grid, step.block, args, device, step.shared_bytes)
+        return
+    index = steps[0].index  # the stream is looked up once, for the workspace and every launch
+    stream = module_api.current_stream_handle(index)
+    buffer = count = None
+    if r.scratch_bytes or extra:  # held until the launches are enqueued
         start = workspace.align(r.scratch_bytes)
-        if gpu and device.type != "cpu":  # (the RDNA3 emulator's stand-in serves CPU tensors through a GPU driver)
+        if device.type != "cpu":  # (the RDNA3 emulator's stand-in serves CPU tensors through a GPU driver)
             buffer, count = workspace.stream_scratch(index, stream, start + extra, r.counters)
         else:
             buffer, count = workspace.scratch(device, start + extra, r.counters)
-        base = buffer.data_ptr()
-        if r.scratch_bytes:
-            pointers["part_o"], pointers["part_lse"], pointers["counters"] = \
-                base, base + r.scratch_lse, count.data_ptr()
-        if extra:
-            for field, offset in regions[1]:
-                pointers[field] = base + start + offset
-    if gpu and index != module_api.current_device():  # the launches go to the context of the tensors' device
+        _place(r, pointers, buffer.data_ptr(), count, start, regions)
+    if index != module_api.current_device():  # the launches go to the context of the tensors' device
         with torch.cuda.device(index):
-            _launch_steps(r, steps, pointers, device, stream)
+            _launch_steps(steps, pointers, stream)
     else:
-        _launch_steps(r, steps, pointers, device, stream if gpu else 0)
+        _launch_steps(steps, pointers, stream)
     del buffer, count
 
 
-def _launch_steps(r: Replay, steps: tuple[Step, ...], pointers: dict[str, int], device: torch.device,
-                  stream: int) -> None:
+def _place(r: Replay, pointers: dict[str, int], base: int, count: torch.Tensor, start: int,
+           regions: tuple[int, tuple[tuple[str, int], ...]] | None) -> None:
+    """Points the split-KV scratch fields and ``regions``' fields into a workspace at ``base``
+    (``count``: its counters)."""
+    if r.scratch_bytes:
+        pointers["part_o"], pointers["part_lse"], pointers["counters"] = base, base + r.scratch_lse, count.data_ptr()
+    if regions:
+        for field, offset in regions[1]:
+            pointers[field] = base + start + offset
+
+
+def _launch_steps(steps: tuple[Step, ...], pointers: dict[str, int], stream: int) -> None:
     for step in steps:
         args = type(step.args).from_buffer_copy(step.args)
         for field in step.fields:
             setattr(args, field, pointers[field])
-        if step.go is not None:
-            step.go(args, stream)
-        else:
-            r.driver.launch_kernel(r.table.code_object, step.name, step.grid, step.block, args, device,
-                                   step.shared_bytes)
+        step.go(args, stream)
 
 
 def relength(r: Replay, seq_k: int, k_strides: tuple[int, int, int], v_strides: tuple[int, int, int],
@@ -276,7 +299,8 @@ def relength(r: Replay, seq_k: int, k_strides: tuple[int, int, int], v_strides: 
     if splits == step.args.splits:  # r's slices (a cache that grows changes them rarely): its grid, launch, scratch
         step = Step(step.name, step.grid, step.block, step.shared_bytes, args, step.fields, step.function, step.index,
                     step.go)
-        return Replay(r.table, r.driver, (step,), r.scratch_bytes, r.scratch_lse, r.counters, reach, r.extra, lengths)
+        return Replay(r.table, r.driver, (step,), r.scratch_bytes, r.scratch_lse, r.counters, reach, r.extra, lengths,
+                      r.like)
     if (splits > 1) != (r.scratch_bytes > 0):
         return None
     args.splits = splits
@@ -286,7 +310,7 @@ def relength(r: Replay, seq_k: int, k_strides: tuple[int, int, int], v_strides: 
     go = None if step.go is None else r.driver.DRIVER.bound(step.function, step.name, grid, step.block,
                                                              step.shared_bytes)
     step = Step(step.name, grid, step.block, step.shared_bytes, args, step.fields, step.function, step.index, go)
-    return Replay(r.table, r.driver, (step,), scratch_bytes, scratch_lse, r.counters, reach, r.extra, lengths)
+    return Replay(r.table, r.driver, (step,), scratch_bytes, scratch_lse, r.counters, reach, r.extra, lengths, r.like)
 
 
 def reused(key: tuple) -> Replay | None:

@@ -30,14 +30,14 @@ import torch
 
 from .drivers.module_api import current_device, current_stream_handle
 
-_ALIGN = 256  # bytes: each region of a workspace starts on a multiple
+ALIGN = 256  # bytes: each region of a workspace starts on a multiple
 
 _gpu: dict[tuple[int, int], list] = {}  # (device index, stream handle) -> [scratch, counters]
 _host = threading.local()  # .buffers: this thread's [scratch, counters] on the host emulator
 
 
 def align(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def allocate(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -59,8 +59,17 @@ def scratch(device: torch.device, nbytes: int, count: int) -> tuple[torch.Tensor
     if device.type != "cpu":
         index = current_device() if device.index is None else device.index
         return stream_scratch(index, current_stream_handle(index), nbytes, count)
+    return host_scratch(device, nbytes, count)
+
+
+def host_scratch(device: torch.device, nbytes: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scratch on the host emulator (``device``: a CPU): this thread's workspace and counters."""
     held = getattr(_host, "buffers", None)
-    if held is None:
+    if held is not None:
+        buffer, counters = held
+        if buffer is not None and counters is not None and buffer.numel() >= nbytes and counters.numel() >= count:
+            return buffer, counters
+    else:
         held = _host.buffers = [None, None]
     return _grown(held, None, device, nbytes, count)
 
