@@ -126,10 +126,7 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
     output is [batch, seq, heads, head_dim] where ``token_major``."""
     if key is None:
         return None
-    try:
-        r = replay.cache.get(key)
-    except TypeError:  # an unhashable option (a list for a number): the full path names it
-        return None
+    r = replay.lookup(key)  # (None for an unhashable option, a list for a number: the full path names it)
     tokens_in = token_major and not views
     if r is None:  # a call that differs from a kept one in the keys' length alone follows its replay
         r = replay.reused(key)  # derived for an earlier call of this length (the step's first layer)
@@ -137,7 +134,10 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
             free = length_free(key)
             if free is None:
                 return None
-            entry = replay.by_length.get(free)
+            try:
+                entry = replay.by_length.get(free)
+            except TypeError:  # an option that is not hashable (replay.lookup)
+                return None
             if entry is None:
                 return None
             r = entry[0]

@@ -316,12 +316,17 @@ def relength(r: Replay, seq_k: int, k_strides: tuple[int, int, int], v_strides: 
 def reused(key: tuple) -> Replay | None:
     """The replay last derived for ``key`` (recent), or None; one reused PROMOTE times is kept under
     ``key`` from then on."""
-    last = recent.get(key)
+    global _last
+    try:
+        last = recent.get(key)
+    except TypeError:  # an option that is not hashable (lookup)
+        return None
     if last is None:
         return None
     last[1] += 1
     if last[1] >= PROMOTE:
         keep(key, last[0])
+    _last = (cache, key, last[0])
     return last[0]
 
 
@@ -329,28 +334,58 @@ def derive(entry: list, key: tuple, r: Replay) -> None:
     """Records ``r``, derived from ``entry`` (of by_length) for the calls of ``key``, as the recent
     replay of ``key`` in place of the one derived from the entry before, and as the entry's: the next
     length derives from it."""
+    global _last
     if entry[1] is not None:
         recent.pop(entry[1], None)
     if len(recent) >= CACHE_LIMIT:
         recent.clear()
     recent[key] = [r, 0]
     entry[0], entry[1] = r, key
+    _last = (cache, key, r)
+
+
+# The key last found in the cache (or derived and reused: recent) and its replay, with the cache it
+# belongs to, one tuple replaced whole (so that threads read a consistent triple): the layers of a
+# decode step call with one key, and comparing a key with it costs half the cache's lookup (its hash
+# and the same comparison).
+_last: tuple = (None, None, None)
 
 
 def lookup(key: tuple | None) -> Replay | None:
-    """The plan kept for ``key``, or None: for None, and for a key holding an option that is not
-    hashable, such as a list given for a number (the full path names it)."""
+    """The plan kept for ``key`` (or last derived for it: recent), or None: for None, and for a key
+    holding an option that is not hashable, such as a list given for a number (the full path names
+    it)."""
+    global _last
+    if key is None:
+        return None
+    kept, last, r = _last
+    if kept is cache and key == last:
+        return r
     try:
-        return cache.get(key) if key is not None else None
+        r = cache.get(key)
     except TypeError:
         return None
+    if r is not None:
+        _last = (cache, key, r)
+    return r
 
 
 def keep(key: tuple, r: Replay) -> None:
     """Keeps ``r`` for later calls of ``key``."""
+    global _last
     if len(cache) >= CACHE_LIMIT:
         cache.clear()
+        _last = (None, None, None)
     cache[key] = r
+
+
+def clear() -> None:
+    """Drops every replay kept (the next call of each key is validated and planned again)."""
+    global _last
+    cache.clear()
+    by_length.clear()
+    recent.clear()
+    _last = (None, None, None)
 
 
 def run(plan: Plan, key: tuple | None = None, tensors: tuple = (), roles: frozenset[str] = frozenset(),

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for key, (fn, fuse) in runs.items():
                     kvcache.FUSE_MAX_NEW = fuse
-                    replay.cache.clear()
+                    replay.clear()
                     best[key] = min(best[key], host_us(fn, args.calls, sync, warmup=20))
             kvcache.FUSE_MAX_NEW = limit
         print(f"| {name} | {_fmt(best['fused'])} | {_fmt(best['own'])} | {_fmt(best['none'])} | "

@@ -281,7 +281,7 @@ def test_the_append_kernel_is_the_torch_append(gpu, dispatched, monkeypatch, rop
             if not kernel:
                 m.setattr(kvcache, "_append_kernel", lambda *a: False)
             pk, pv = (t.clone() for t in pools)
-            replay.cache.clear()
+            replay.clear()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # the forced fallback's warning
                 out = flash_attn_with_kvcache(q, pk, pv, k, v, **kwargs)

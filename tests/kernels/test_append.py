@@ -52,7 +52,7 @@ def _both(monkeypatch, inputs, fuse=True, **kwargs):
                 m.setattr(kvcache, "_append_kernel", lambda *a: False)
             q, k_cache, v_cache = (t.clone() for t in inputs[:3])  # k and v are only read: as given
             k, v = inputs[3:]
-            replay.cache.clear()
+            replay.clear()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 out, lse = _call(q, k_cache, v_cache, k, v, **kwargs)
@@ -130,7 +130,7 @@ def test_the_appended_cache_is_the_oracles_rotation_and_the_output_the_oracles(h
     before = k_cache.clone()
     lengths = torch.tensor([5, 0, 45], dtype=torch.int32)
     cos, sin = rotary_tables(64, 48)
-    replay.cache.clear()
+    replay.clear()
     counted = rdnattention.stats()["kvcache"]["append_kernel"]
     out, lse = _call(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lengths, causal=causal,
                      rotary_interleaved=interleaved)
@@ -192,7 +192,7 @@ def test_replays_run_the_append_kernel_with_their_own_tensors(host_build, monkey
         monkeypatch.setattr(kvcache, "FUSE_MAX_NEW", 0)
     inputs, kwargs = _case(name, torch.float16)
     rope = "rotary_cos" in kwargs
-    replay.cache.clear()
+    replay.clear()
     first = [t.clone() for t in inputs]
     _call(*first, **kwargs)
     assert len(replay.cache) == 1
@@ -231,7 +231,7 @@ def test_the_append_runs_its_own_launch_where_it_is_not_fused(host_build, monkey
         lengths = torch.tensor([5, 0, 50], dtype=torch.int32)
     cos, sin = rotary_tables(96, 64)
     kwargs = dict(cache_seqlens=lengths, rotary_cos=cos, rotary_sin=sin, causal=True)
-    replay.cache.clear()
+    replay.clear()
     _call(q.clone(), k_cache.clone(), v_cache.clone(), k, v, **kwargs)
     steps, = [r.steps for r in replay.cache.values()]
     assert steps[0].name.startswith("fa2_append_rope_") and len(steps) >= 2  # pairs: flash-attn's default
@@ -253,7 +253,7 @@ def test_rope_tables_rotate_in_the_decode_launch(host_build, monkeypatch, interl
     cos, sin = rotary_tables(64, 48)
     kwargs = dict(cache_seqlens=torch.tensor([5, 0, 45], dtype=torch.int32), rotary_cos=cos, rotary_sin=sin,
                   rotary_interleaved=interleaved, causal=causal, num_splits=splits)
-    replay.cache.clear()
+    replay.clear()
     _call(q, k_cache.clone(), v_cache.clone(), k, v, **kwargs)
     assert torch.equal(q, q_given)
     (step,), = [r.steps for r in replay.cache.values()]
@@ -276,7 +276,7 @@ def test_rope_fuses_from_the_least_head_dim_that_rotates(host_build, monkeypatch
     q, k_cache, v_cache, k, v, _ = _inputs(torch.float16, d=head_dim)
     cos, sin = rotary_tables(64, head_dim)
     kwargs = dict(cache_seqlens=torch.tensor([5, 0, 45], dtype=torch.int32), rotary_cos=cos, rotary_sin=sin)
-    replay.cache.clear()
+    replay.clear()
     _call(q, k_cache.clone(), v_cache.clone(), k, v, **kwargs)
     steps, = [r.steps for r in replay.cache.values()]
     if head_dim < dec.ROPE_MIN_HEAD_DIM:
@@ -296,7 +296,7 @@ def test_the_fused_append_reads_new_rows_at_any_alignment(host_build, monkeypatc
     k = torch.cat([torch.zeros(*k.shape[:3], 1, dtype=k.dtype), k], dim=3)[..., 1:]
     assert k.data_ptr() & 15 and k.stride(3) == 1
     kwargs = dict(cache_seqlens=torch.tensor([5, 0, 45], dtype=torch.int32), block_table=table, causal=True)
-    replay.cache.clear()
+    replay.clear()
     _call(q.clone(), k_cache.clone(), v_cache.clone(), k, v, **kwargs)
     (step,), = [r.steps for r in replay.cache.values()]
     assert step.name.startswith("fa2_decpaged_bf16_") and step.args.append_rows == 3
@@ -312,7 +312,7 @@ def test_without_an_append_kernel_the_torch_append_runs_counted_and_warned_once(
     monkeypatch.setattr(append_family, "select", missing)
     rdnattention.stats(reset=True)
     inputs, kwargs = _case("rope", torch.float16)
-    replay.cache.clear()
+    replay.clear()
     with pytest.warns(RuntimeWarning, match="no append kernel for host"):
         _call(*[t.clone() for t in inputs], **kwargs)
     with warnings.catch_warnings():
@@ -389,7 +389,7 @@ def test_gpu_the_kernel_is_the_torch_append_byte_for_byte(monkeypatch, name, dty
     (out, lse, kc, vc), (t_out, t_lse, t_kc, t_vc) = _both(monkeypatch, inputs, **kwargs)
     assert _same_bytes(kc, t_kc) and _same_bytes(vc, t_vc)
     assert _same_bytes(out, t_out) and torch.equal(lse, t_lse)
-    replay.cache.clear()
+    replay.clear()
     counted = rdnattention.stats()["kvcache"]["append_kernel"]
     for _ in range(2):  # planned, then replayed, on copies of the inputs
         q, k_cache, v_cache, k, v = (t.clone() for t in inputs)

@@ -146,7 +146,7 @@ def test_the_quantized_entry_is_one_quant_launch_then_the_attention(host_build, 
     g = torch.Generator().manual_seed(seq_k)
     q = torch.randn(batch, heads_q, seq_q, head_dim, generator=g).half()
     k, v = (torch.randn(batch, heads_kv, seq_k, head_dim, generator=g).half() for _ in range(2))
-    replay.cache.clear()
+    replay.clear()
     start = _launches()
     out, lse = flash_attn_int8qk_quantized(q, k, v, is_causal=seq_q > 1, return_lse=True)
     assert _launches() == start + 1
@@ -179,7 +179,7 @@ def test_a_replay_keeps_the_quantized_inputs_in_the_workspace(host_build, monkey
         return (torch.randn(batch, heads_q, seq_q, head_dim, generator=g).half(),
                 *(torch.randn(batch, heads_kv, seq_k, head_dim, generator=g).half() for _ in range(2)))
 
-    replay.cache.clear()
+    replay.clear()
     flash_attn_int8qk_quantized(*inputs(1), is_causal=seq_q > 1, return_lse=True)
     (kept,) = replay.cache.values()
     assert (kept.scratch_bytes > 0) == (seq_q == 1)
@@ -188,7 +188,7 @@ def test_a_replay_keeps_the_quantized_inputs_in_the_workspace(host_build, monkey
         replayed = [flash_attn_int8qk_quantized(*inputs(seed), is_causal=seq_q > 1, return_lse=True)
                     for seed in (2, 3)]
     for seed, (out, lse) in zip((2, 3), replayed):
-        replay.cache.clear()
+        replay.clear()
         want, want_lse = flash_attn_int8qk_quantized(*inputs(seed), is_causal=seq_q > 1, return_lse=True)
         assert torch.equal(out, want) and torch.equal(lse, want_lse)
 

@@ -359,7 +359,8 @@ def test_a_followed_length_is_kept_for_the_next_layer(host_build, monkeypatch):
 def test_a_growing_cache_keeps_no_replay_per_length(host_build, monkeypatch):
     """Replays derived for lengths that pass are dropped, not kept (kept ones pile up for the garbage
     collector to scan, step after step): one recent replay per length-free key. A length reused
-    PROMOTE times is kept under its key, as a planned one is."""
+    PROMOTE times among other keys' calls is kept under its key, as a planned one is (calls of one
+    key in a row find it as the last key replayed: replay.lookup)."""
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "by_length", {})
     monkeypatch.setattr(replay, "recent", {})
@@ -371,7 +372,9 @@ def test_a_growing_cache_keeps_no_replay_per_length(host_build, monkeypatch):
         rdnattention.flash_attn_func(q, k, v)  # the step's next layer
     assert len(replay.cache) == 1 and len(replay.recent) == 1  # the planned first length alone
     k, v = kv[-1]
-    for _ in range(2):
+    for _ in range(3):
+        rdnattention.flash_attn_func(q, *kv[0])  # another key's call (the planned first length's) between
+        assert len(replay.cache) == 1
         rdnattention.flash_attn_func(q, k, v)
     assert len(replay.cache) == 2  # reused three times: kept
     assert torch.equal(rdnattention.flash_attn_func(q, k, v), _fresh(lambda: rdnattention.flash_attn_func(q, k, v)))

@@ -130,7 +130,7 @@ def test_token_major_input_to_the_native_entry_warns_once(host_build, monkeypatc
 def test_repeated_calls_replay_the_plan_and_still_check_every_argument(host_build):
     from rdnattention import replay
     q, k, v = _qkv(sq=20, sk=20)
-    replay.cache.clear()
+    replay.clear()
     first = flash_attn(q, k, v, is_causal=True)
     assert len(replay.cache) == 1
     again, lse = flash_attn(q.clone(), k.clone(), v.clone(), is_causal=True, return_lse=True)
