@@ -48,6 +48,7 @@ def parts(device: torch.device, batch: int, heads: int, kv_heads: int, seq: int,
     out = torch.empty_like(q)
     pointers = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": out.data_ptr()}
     tensors = (q, k, v, None, None, None, None, None)
+    lse_like = replay.stand_in(q.shape[:3], torch.float32, q.device)
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     index = device.index or 0
     step = r.steps[0]
@@ -75,6 +76,8 @@ def parts(device: torch.device, batch: int, heads: int, kv_heads: int, seq: int,
         "torch.empty_like(q)": lambda: torch.empty_like(q),
         "q.new_empty(q.shape)": lambda: q.new_empty(q.shape),
         "q.new_empty((b, h, s), dtype=float32)": lambda: q.new_empty(q.shape[:3], dtype=torch.float32),
+        "torch.empty_like(replay.stand_in((b, h, s), float32), contiguous)": lambda: torch.empty_like(
+            lse_like, memory_format=replay.CONTIGUOUS),
         "torch.empty((b, h, s), dtype=float32, device)": lambda: torch.empty(q.shape[:3], dtype=torch.float32,
                                                                             device=q.device),
         "replay.launch (struct copy, pointers, launch)": lambda: replay.launch(r, dict(pointers), q.device),
