@@ -142,9 +142,12 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
                 return None
             r = entry[0]
             ks, vs = k.stride(), v.stride()
-            seq_k, order = (k.shape[1], (0, 2, 1)) if tokens_in else (k.shape[2], (0, 1, 2))
+            if tokens_in:  # [batch, seq, heads, head_dim]: the kernels' (batch, head, row) strides
+                seq_k, ks, vs = k.shape[1], (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
+            else:
+                seq_k, ks, vs = k.shape[2], ks[:3], vs[:3]
             reach = (r.reach[0], (checks.reach(k), r.reach[1][1]), (checks.reach(v), r.reach[2][1]), *r.reach[3:])
-            r = replay.relength(r, seq_k, tuple(ks[i] for i in order), tuple(vs[i] for i in order), reach)
+            r = replay.relength(r, seq_k, ks, vs, reach)
             if r is None:
                 return None  # planned in full
             replay.derive(entry, key, r)  # the next call of this length (the next layer's) replays it as it is
