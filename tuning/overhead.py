@@ -274,6 +274,15 @@ def stubbed_launch(units: int):
         torch.set_num_threads(threads)
 
 
+def machine_unit_ns(calls: int = 100_000, rounds: int = 7) -> float:
+    """What one tensor's replay key costs this machine's Python (its shape, strides, dtype and device
+    read into a tuple), least over ``rounds``: the unit most of a replayed call is made of, printed
+    with every table so that figures taken on machines of different speeds can be compared."""
+    import timeit
+    t = torch.empty(2, 3, 4, 5, dtype=torch.float16)
+    return min(timeit.repeat(lambda: (t.shape, t.stride(), t.dtype, t.device), number=calls, repeat=rounds)) / calls * 1e9
+
+
 def back_to_back_us(fn, sync, budget_s: float, rounds: int = 7) -> float:
     """The least over ``rounds`` of timing.host_us (a loop of calls, one ``sync()`` at the end), each
     loop about ``budget_s / rounds`` long: the round the machine's other work disturbed least."""
@@ -389,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         devices.append(torch.device("cpu"))
     if args.profile:
         return _profile(next(c for c in CASES if c.name == args.profile), devices[0], args.units)
-    print(f"torch {torch.__version__}, RDNATTENTION_CHECK={os.environ.get('RDNATTENTION_CHECK', '(unset)')}")
+    print(f"torch {torch.__version__}, RDNATTENTION_CHECK={os.environ.get('RDNATTENTION_CHECK', '(unset)')}, "
+          f"this machine's unit: {machine_unit_ns():.0f} ns")
     for device in devices:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (host emulator, launch stubbed)"
         print(f"\n{name}\n")
