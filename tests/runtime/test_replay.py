@@ -132,6 +132,8 @@ def test_a_second_call_of_a_geometry_replays_its_plan_with_the_same_results(host
     fresh = _call(entry, 2)  # the same call planned from scratch
     for a, b in zip(_flat(again), _flat(fresh)):
         assert torch.equal(a, b)
+        # laid out alike (a replay allocates its outputs from stand-ins: replay.stand_in)
+        assert (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
     assert len(_flat(planned)) == len(_flat(fresh))
 
 

@@ -526,6 +526,7 @@ def test_a_repeated_call_replays_and_what_its_key_does_not_hold_takes_the_full_p
     before = rt.counts()["served"]
     again = rt.attention_forward(module, q, k, v, None, scaling=0.125)[0]
     assert torch.equal(again, first) and not planned and rt.counts()["served"] == before + 1
+    assert (again.shape, again.stride()) == (first.shape, first.stride())  # token-major, contiguous
     ref = sdpa_attention_forward(module, q, k, v, None, scaling=0.125)[0]
     assert (first.float() - ref.float()).abs().max() <= TOL["atol"]
 
