@@ -186,13 +186,10 @@ def replayed(r: replay.Replay, q, k, v, *, seqused_k=None, block_table=None, cac
             values.finite(name, t)
         values.check()
     packed = cu_seqlens_q is not None
-    out = (torch.zeros_like if packed and block_table is not None else torch.empty_like)(q, memory_format=replay.CONTIGUOUS)
-    lse = None
-    if return_lse:  # as allocate's
-        like = r.like
-        if not like:
-            shape = (q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
-            like = r.like = (replay.stand_in(shape, torch.float32, q.device),)
+    out, lse = allocate(q, False, packed, empty_lse=False, paged=block_table is not None)
+    if return_lse:  # allocate's LSE, from a stand-in
+        like = r.like or replay.keep_stand_ins(
+            r, q.device, ((q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1]), torch.float32))
         lse = torch.empty_like(like[0], memory_format=replay.CONTIGUOUS)
     pointers = dict(zip(_POINTERS, found))  # (absent ones are no field of the launches)
     pointers["o"] = out.data_ptr()

@@ -163,9 +163,10 @@ def _quantize(name: str, x: torch.Tensor, dim: int, counted: bool = False) -> tu
     job = "v" if per_channel else "q"  # the kernel's job that quantizes x
     key = replay.key("quantize", x.device, (x,), (per_channel,)) if type(x) is torch.Tensor and x.numel() else None
     r = replay.lookup(key)
-    if r is not None and replay.pointers((x,), r.reach, 0) is not None:  # a geometry seen before: its launch replayed
+    found = None if r is None else replay.pointers((x,), r.reach, 0)
+    if found is not None:  # a geometry seen before: its launch replayed
         values, scale = _quant_outputs(x, per_channel)
-        replay.launch(r, {f"{job}_src": x.data_ptr(), job: values.data_ptr(), f"{job}_scale": scale.data_ptr()},
+        replay.launch(r, {f"{job}_src": found[0], job: values.data_ptr(), f"{job}_scale": scale.data_ptr()},
                       x.device)
         _tally.hit()
         _check_finite(((name, x, scale),))
@@ -254,11 +255,7 @@ def _allocate(q: torch.Tensor, return_lse: bool, empty_lse: bool = True) -> tupl
 def _replayed_outputs(r: replay.Replay, q: torch.Tensor, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """_allocate's outputs of a replayed call (empty_lse False), from ``r``'s stand-ins (made at its
     first replay: replay.stand_in)."""
-    like = r.like
-    if not like:
-        batch, heads_q, seq_q, head_dim = q.shape
-        like = r.like = (replay.stand_in((batch, heads_q, seq_q, head_dim), torch.float16, q.device),
-                         replay.stand_in((batch, heads_q, seq_q), torch.float32, q.device))
+    like = r.like or replay.keep_stand_ins(r, q.device, (q.shape, torch.float16), (q.shape[:3], torch.float32))
     out = torch.empty_like(like[0], memory_format=replay.CONTIGUOUS)
     return out, torch.empty_like(like[1], memory_format=replay.CONTIGUOUS) if return_lse else None
 

@@ -334,7 +334,7 @@ def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqle
     pointers[kept.lengths] = found[7]
     lse = None
     if return_lse:  # [batch, heads, seq_q]
-        like = r.like or _stand_ins(r, q)
+        like = r.like or replay.keep_stand_ins(r, q.device, ((q.shape[0], q.shape[2], q.shape[1]), torch.float32))
         lse = torch.empty_like(like[0], memory_format=replay.CONTIGUOUS)
         pointers["lse"] = lse.data_ptr()
     if k is not None:  # the append: in the attention's launch (fused: fa2_decode_append) or its own first
@@ -342,12 +342,6 @@ def _replayed(r: replay.Replay, q, k_cache, v_cache, k, v, cos, sin, cache_seqle
         pointers["q_src"] = found[0]
     replay.launch(r, pointers, q.device, kept.regions)
     return out, lse
-
-
-def _stand_ins(r: replay.Replay, q: torch.Tensor) -> tuple[torch.Tensor]:
-    """The LSE's stand-in for ``r``'s calls (kept there: replay.stand_in)."""
-    r.like = (replay.stand_in((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device),)
-    return r.like
 
 
 def _traced(q, k_cache, v_cache, k, v, cos, sin, lengths, cache_batch_idx, block_table, window_left: int,

@@ -161,7 +161,7 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
         for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
             values.finite(name, t)  # where read (checks.reads), as the full path
         values.check()
-    like = r.like or _stand_ins(r, q, token_major, views, return_lse)
+    like = r.like or replay.keep_stand_ins(r, q.device, *_outputs(q, token_major, views, return_lse))
     out = torch.empty_like(q) if like[0] is None else torch.empty_like(like[0], memory_format=replay.CONTIGUOUS)
     lse = torch.empty_like(like[1], memory_format=replay.CONTIGUOUS) if return_lse else None
     pointers = {"q": found[0], "k": found[1], "v": found[2], "o": out.data_ptr()}
@@ -170,28 +170,26 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
     if seqused_k is not None or alibi_slopes is not None or sinks is not None:
         pointers["seqused_k"], pointers["alibi_slopes"], pointers["sinks"] = found[5:]
     if rotary_cos is not None:
-        pointers["rotary_cos"], pointers["rotary_sin"] = found[3], found[4]
-    if rotary_cos is not None and rotary_cos.dtype != torch.float32:  # q's dtype: the kernel reads fp32 tables
-        rotary_cos, rotary_sin = rotary_cos.float(), rotary_sin.float()
-        pointers["rotary_cos"], pointers["rotary_sin"] = rotary_cos.data_ptr(), rotary_sin.data_ptr()
+        if rotary_cos.dtype != torch.float32:  # q's dtype: the kernel reads fp32 tables
+            rotary_cos, rotary_sin = rotary_cos.float(), rotary_sin.float()
+            pointers["rotary_cos"], pointers["rotary_sin"] = rotary_cos.data_ptr(), rotary_sin.data_ptr()
+        else:
+            pointers["rotary_cos"], pointers["rotary_sin"] = found[3], found[4]
     replay.launch(r, pointers, q.device)
     return out, lse
 
 
-def _stand_ins(r: replay.Replay, q: torch.Tensor, token_major: bool, views: bool,
-               return_lse: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """replayed's outputs for ``r`` (kept there, Replay.like): the output [batch, seq, heads,
+def _outputs(q: torch.Tensor, token_major: bool, views: bool, return_lse: bool) -> tuple:
+    """replayed's outputs, as replay.keep_stand_ins takes them: the output [batch, seq, heads,
     head_dim] where token-major, else [batch, heads, seq, head_dim] (None: empty_like(q), which keeps
     a contiguous q's strides and costs less), and the LSE [batch, heads, seq] if asked for."""
     if token_major:
         batch, seq, heads, dim = (q.shape[0], q.shape[2], q.shape[1], q.shape[3]) if views else q.shape
-        out = replay.stand_in((batch, seq, heads, dim), q.dtype, q.device)
+        out = ((batch, seq, heads, dim), q.dtype)
     else:
         batch, heads, seq, dim = q.shape
-        out = None if q.is_contiguous() else replay.stand_in(q.shape, q.dtype, q.device)
-    lse = replay.stand_in((batch, heads, seq), torch.float32, q.device) if return_lse else None
-    r.like = (out, lse)
-    return r.like
+        out = None if q.is_contiguous() else (q.shape, q.dtype)
+    return out, ((batch, heads, seq), torch.float32) if return_lse else None
 
 
 def grad_needed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None) -> bool:

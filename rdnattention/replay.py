@@ -114,6 +114,14 @@ def stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
     return torch.empty((), dtype=dtype, device=device).expand(shape)
 
 
+def keep_stand_ins(r: Replay, device: torch.device, *outputs: tuple | None) -> tuple:
+    """Makes and keeps ``r``'s stand-ins (Replay.like), one per output, given as (shape, dtype) on
+    ``device`` (None stays None), and returns them: an entry point's first replay of ``r`` calls it,
+    as ``r.like or keep_stand_ins(r, ...)``, so that the shapes are computed only then."""
+    r.like = tuple(None if o is None else stand_in(o[0], o[1], device) for o in outputs)
+    return r.like
+
+
 def key(kind: str, device: torch.device, tensors: tuple, options: tuple) -> tuple | None:
     """The key of a call of entry point ``kind`` on ``device`` with ``tensors`` (None where absent)
     and ``options`` (hashable, with their types where validation distinguishes them), or None
@@ -232,7 +240,7 @@ def launch(r: Replay, pointers: dict[str, int], device: torch.device,
     steps = r.steps
     if steps[0].go is None:  # the host emulator: launches return when done, on this thread's workspace
         if r.scratch_bytes or extra:
-            start = -(-r.scratch_bytes // workspace.ALIGN) * workspace.ALIGN
+            start = workspace.align(r.scratch_bytes)
             buffer, count = workspace.host_scratch(device, start + extra, r.counters)
             _place(r, pointers, buffer.data_ptr(), count, start, regions)
         driver, code_object = r.driver, r.table.code_object

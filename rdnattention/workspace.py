@@ -30,14 +30,14 @@ import torch
 
 from .drivers.module_api import current_device, current_stream_handle
 
-ALIGN = 256  # bytes: each region of a workspace starts on a multiple
+_ALIGN = 256  # bytes: each region of a workspace starts on a multiple
 
 _gpu: dict[tuple[int, int], list] = {}  # (device index, stream handle) -> [scratch, counters]
 _host = threading.local()  # .buffers: this thread's [scratch, counters] on the host emulator
 
 
 def align(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def allocate(nbytes: int, device: torch.device) -> torch.Tensor:
