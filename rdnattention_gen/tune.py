@@ -474,8 +474,7 @@ class _BwdHarness(_F16Harness):
             fam = family(bwd.NAME)
             spec = fam.from_name(kernel)
             atomic = spec.option("layout") == "atomic"
-            names = tuple(fam._spec(spec.head_dim, spec.tile, spec.wave_size, layout, spec.option("dtype")).name
-                          for layout in (bwd.ATOMIC if atomic else bwd.DETERMINISTIC))
+            names = tuple(fam.sibling(spec, layout).name for layout in (bwd.ATOMIC if atomic else bwd.DETERMINISTIC))
         return ops.backward_plan(dout, q, k, v, out, lse, None, -1, 0 if causal else -1, q.shape[-1] ** -0.5, 0.0,
                                  kernels=names, atomic=atomic)
 

@@ -53,9 +53,11 @@ NAMES = NameSchema("fa2_bwd", (
     NameField("tile.threads", "_nt{}", r"\d+"),
     NameField("tile.waves", "_wv{}", r"\d+", optional=True),
     NameField("wave_size", "_w{}", r"32|64"),
-    # fp16: converted to fp32 once, when staged (cvt_fma); bf16: widened by a shift (shift_fma); the
-    # preprocess pass: fp32 sums (fp32).
-    NameField("tier", "_{}", r"cvt_fma|shift_fma|fp32", str),
+    # fp16: converted to fp32 once, when staged (cvt_fma), or staged as loaded (_sf16) and multiplied
+    # by the target's fp16 tier (dot2, fma_mix; the host's cvt_fma); bf16: widened by a shift
+    # (shift_fma); the preprocess pass: fp32 sums (fp32).
+    NameField("tier", "_{}", r"dot2|fma_mix|cvt_fma|shift_fma|fp32", str),
+    NameField("options.stage", "_s{}", r"f16", str, optional=True),
 ))
 
 _TENSORS = ("q", "k", "v", "o", "dout", "dq", "dk", "dv")
@@ -115,23 +117,25 @@ ARGS = ArgStruct("Fa2BwdArgs", (
 Fa2BwdArgs = ARGS.ctype
 
 
-def lds_layout(head_dim: int, br: int, bc: int, threads: int, layout: str | None) -> dict[str, int]:
-    """Bytes of each LDS region, fp32. The dK/dV and dQ passes: the Q and dO tiles [br][head_dim + 4],
-    the K and V tiles [bc][head_dim + 4] (rows padded by 16 bytes, so that lanes reading 16 bytes of
-    consecutive rows meet no bank twice), P and dS [br][bc], and each row's LSE and delta [br]. The
-    preprocess pass: a partial sum per thread; dqcast: none."""
+def lds_layout(head_dim: int, br: int, bc: int, threads: int, layout: str | None,
+               stage: str | None = None) -> dict[str, int]:
+    """Bytes of each LDS region. The dK/dV and dQ passes: the Q and dO tiles [br][head_dim + pad],
+    the K and V tiles [bc][head_dim + pad] (fp32 rows, or fp16 with ``stage`` "f16"; padded by 16
+    bytes, so that lanes reading 16 bytes of consecutive rows meet no bank twice), P and dS [br][bc]
+    fp32, and each row's LSE and delta [br]. The preprocess pass: a partial sum per thread; dqcast:
+    none."""
     if layout == "pre":
         return {"partial_bytes": threads * 4}
     if layout == "dqcast":
         return {}
-    row = (head_dim + 4) * 4
+    row = (head_dim + 8) * 2 if stage == "f16" else (head_dim + 4) * 4
     return {"q_do_bytes": 2 * br * row, "k_v_bytes": 2 * bc * row, "p_ds_bytes": 2 * br * bc * 4,
             "row_bytes": 2 * br * 4}
 
 
 def lds_bytes(facts: dict[str, object]) -> int:
     return sum(lds_layout(facts["head_dim"], facts["tile.br"], facts["tile.bc"], facts["tile.threads"],
-                          facts.get("options.layout")).values())
+                          facts.get("options.layout"), facts.get("options.stage")).values())
 
 
 _LOG2E = 1.4426950408889634

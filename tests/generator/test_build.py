@@ -33,6 +33,10 @@ def test_default_targets_pass_the_audit(matrix, default_audit):
         elif row.name.startswith(("fa2_append_", "fa2_quant_")):
             # the cache append (copies, and RoPE in float64) and the INT8 quantization: no fp16 products
             assert row.dot2 == 0
+        elif row.name.endswith("_dot2_sf16"):
+            # the backward's fp16 rows: score products of fp16 pairs; gradients by v_fma_mix_f32 (or, on
+            # dual-issue targets, values widened once for fp32 FMAs)
+            assert row.dot2 > 0 and row.fma_mix + row.cvt_f32_f16 > 0, f"{row.target}/{row.name}"
         elif row.name.startswith("fa2_bwd") or "_bf16_" in row.name:
             # bf16 widened by a shift into fp32 FMAs, or the backward's fp32 FMAs on values converted
             # when staged: no products of fp16 pairs
@@ -58,6 +62,10 @@ def test_default_code_objects_contain_their_dot_instructions(matrix, default_aud
                 continue
             if name.startswith(("fa2_append_", "fa2_quant_")):  # copies, RoPE in float64, quantization
                 assert "v_dot" not in body, f"{target.name}/{name}"
+                continue
+            if name.endswith("_dot2_sf16"):  # the backward's fp16 rows: pair products, mixed FMAs or widenings
+                assert "v_dot2" in body and ("v_fma_mix_f32" in body or "v_cvt_f32_f16" in body), \
+                    f"{target.name}/{name}"
                 continue
             if name.startswith("fa2_bwd") or "_bf16_" in name:  # fp32 FMAs
                 assert "v_dot" not in body, f"{target.name}/{name}"

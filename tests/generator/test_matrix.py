@@ -455,7 +455,7 @@ def test_a_backward_tile_without_register_tiles_is_refused(tmp_path):
     with pytest.raises(VariantsError) as err:
         _load(tmp_path, text)
     assert str(err.value) == (
-        "variants.yaml:32: tiles.small.bwd.default: kernel fa2_bwd_hd80_br8_bc72_nt64_w32_cvt_fma for gfx1030: "
+        "variants.yaml:32: tiles.small.bwd.default: kernel fa2_bwd_hd80_br8_bc72_nt64_w32_dot2_sf16 for gfx1030: "
         "br 8 x bc 72 over 64 threads has no register tiles: br and bc must be multiples of 4, br * bc a multiple "
         "of threads (or fewer) with a TM x TN score tile per thread (TM dividing br, TN dividing bc), and some CG "
         "dividing threads and head_dim / 4 = 20 whose threads / CG row groups divide the gradient's 72 rows (or "
@@ -476,6 +476,35 @@ def test_backward_tiles_that_leave_lanes_idle_are_accepted():
     assert micro_tiles(64, 12, 32, 128, "atomic") == micro_tiles(64, 12, 32, 128, "dq") == (3, 1, 8)
     assert micro_tiles(64, 12, 32, 128, None) == (3, 1, 16)
     assert micro_tiles(64, 64, 64, 256, "dqcast") == (1, 1, 1)  # no register tiles: a pass over rows
+
+
+def test_backward_stages_fp16_rows_where_the_tier_multiplies_fp16(matrix):
+    """The backward's fp16 passes that stage rows (dK/dV, dQ, atomic) keep them fp16 where the
+    target's tier multiplies fp16 without converting (dot2, fma_mix) and on the host emulator that
+    stands for those targets; everywhere else, and for bf16 and the row passes, they are fp32. An
+    fp16-staged kernel is named after the target's tier, and its rows take half the LDS."""
+    from rdnattention.families import bwd as runtime
+    seen = set()
+    for t in matrix.targets:
+        for v in matrix.variants_for(t):
+            spec = v.spec
+            if spec.family != "bwd":
+                continue
+            rows = spec.option("layout") not in ("pre", "dqcast") and spec.option("dtype") is None
+            f16 = rows and t.stage == "f16" and (t.tier.value in ("dot2", "fma_mix") or t.platform == "host")
+            assert (spec.stage == "f16") == f16 and (spec.option("stage") == "f16") == f16, (t.name, spec.name)
+            assert spec.name.endswith(f"_{t.tier.value}_sf16") == f16, (t.name, spec.name)
+            if f16:
+                seen.add(t.name)
+                layout = runtime.lds_layout(spec.head_dim, spec.tile.br, spec.tile.bc, spec.tile.threads,
+                                            spec.option("layout"), "f16")
+                f32 = runtime.lds_layout(spec.head_dim, spec.tile.br, spec.tile.bc, spec.tile.threads,
+                                         spec.option("layout"))
+                assert spec.lds_bytes == sum(layout.values())
+                assert layout["q_do_bytes"] == 2 * spec.tile.br * (spec.head_dim + 8) * 2
+                assert 2 * layout["k_v_bytes"] == f32["k_v_bytes"] + 2 * spec.tile.bc * 16  # 16 B of padding a row
+    assert {"gfx1030", "gfx906", "gfx1100", "gfx1010", "host"} <= seen
+    assert not seen & {"gfx900", "gfx803", "sm_90", "sm_61", "host_f32"}
 
 
 @pytest.mark.parametrize("layout", [None, "dq", "atomic"])

@@ -61,8 +61,8 @@ def test_layout_options_are_spelled_by_the_names():
             continue
         sample = {"head_dim": 64, "gqa_group": 1, "tile.br": 4, "tile.bc": 16, "tile.threads": 128, "tile.tm": 4,
                   "tile.waves": 0, "wave_size": 32, "tier": "dot2", "stage": "f16", "options.dtype": None,
-                  "options.score": None}
-        if name == "bwd":  # the backward's tiers are its fp32 ones (fp16 pairs are widened when staged)
+                  "options.score": None, "options.stage": None}
+        if name == "bwd":  # the backward's fp32-staged tier (its fp16-staged kernels spell _sf16 after it)
             sample["tier"] = "cvt_fma"
         for layout in layouts:
             kernel = module.NAMES.name(lambda key: {**sample, "options.layout": layout}[key])

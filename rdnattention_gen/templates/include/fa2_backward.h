@@ -22,10 +22,17 @@
 // past the sequence's rows or keys return at once, and masks align each sequence's queries to the
 // end of its keys, as the forward's.
 //
-// Inputs are staged in LDS as fp32 rows, each 16-bit pair converted once through the pair policy P
-// (pairs.h: F32Pairs for fp16, BF16F32Pairs for bf16), so every product is an fp32 FMA:
-//   qs, dos  [BR][D + 4]   the Q and dO rows of a row block
-//   ks, vs   [BC][D + 4]   the K and V rows of a key block
+// Inputs are staged in LDS as rows of one of two precisions (the kernel's stage, H16):
+//   fp32 (sm_90, bf16 everywhere, the targets whose fp16 tier converts before every FMA): each 16-bit
+//     pair converted once through the pair policy P (pairs.h: F32Pairs for fp16, BF16F32Pairs for
+//     bf16), so every product is an fp32 FMA;
+//   fp16 (the targets that multiply fp16 without converting first: dot2, fma_mix; the host stands
+//     for them): the rows as loaded, half the LDS. The score products S = Q K^T and dP = dO V^T take
+//     pairs of them (rdna_dot2: v_dot2_f32_f16, or two v_fma_mix_f32), the gradient products an fp16
+//     operand beside an fp32 weight (v_fma_mix_f32: the conversion is the instruction's). fp16
+//     products are exact in fp32, so both stages compute the same sums.
+//   qs, dos  [BR][RS]      the Q and dO rows of a row block (RS: D + 4 fp32, or D + 8 fp16 values)
+//   ks, vs   [BC][RS]      the K and V rows of a key block
 //   ps, dss  [BR][BC]      P and dS of the tile (the dQ pass: dS only, as [BC][BR])
 //   lse2, dl [BR]          each row's LSE (log2 domain) and delta
 // (the preprocess pass: NT partial sums). The next step's rows are loaded into registers while the
@@ -76,6 +83,25 @@ struct Fa2BwdRows {
       }
     }
   }
+  // Into a 16-bit tile of row stride RS, as loaded.
+  template <class P, int RS>
+  RDNA_METHOD void store(half_t* tile) const {
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const int i = rdna_thread_id() + n * NT;
+      if (i < R * CH) __builtin_memcpy(__builtin_assume_aligned(tile + i / CH * RS + 8 * (i % CH), 16), &w[n], 16);
+    }
+  }
+};
+
+// What a staged row holds: fp16 values as loaded (H16), or fp32.
+template <bool H16>
+struct Fa2BwdStage {
+  typedef float type;
+};
+template <>
+struct Fa2BwdStage<true> {
+  typedef half_t type;
 };
 
 // The Q and dO rows [q0, q0 + BR) of query head h into registers, with each row's LSE (log2 domain)
@@ -143,35 +169,51 @@ RDNA_DEVICE void fa2_bwd_store4(half_t* out, const float* g, float scale) {
   __builtin_memcpy(__builtin_assume_aligned(out, 8), w, sizeof(w));
 }
 
+// A value of a staged row as its gradient products take it: fp32 as it is; fp16 widened where it
+// is multiplied (v_fma_mix_f32), or, where TK products share it on a dual-issue target, widened once
+// (WIDE) into an fp32 value whose FMAs pair into dual-issue words: one conversion and TK / 2 words
+// where TK v_fma_mix_f32 take TK.
+template <bool WIDE>
+RDNA_DEVICE float fa2_bwd_operand(float x) { return x; }
+template <bool WIDE>
+RDNA_DEVICE float fa2_bwd_operand(half_t x) { return WIDE ? rdna_opaque((float)x) : (float)x; }
+
 // acc[k][4 i + e] += sum over red < RED of w[red][o0 + k] x[red][4 (cg + CG i) + e]: a TK x 4 NCH
 // register tile of a gradient (rows o0 .. o0 + TK - 1 of the OUTS rows the weights w [RED][OUTS]
-// give; columns in 16-byte chunks cg + CG i of the fp32 rows x [RED][RS]). Per step, one read of
-// the TK weights and NCH 16-byte reads of x feed 4 TK NCH FMAs; the lanes of a wave read
-// consecutive chunks of one row of x (cg is the lane's fastest index) and share the weights.
-template <int RED, int OUTS, int RS, int TK, int NCH, int CG>
-RDNA_DEVICE void fa2_bwd_gemm(float (&acc)[TK][4 * NCH], const float* w, const float* x, int o0, int cg) {
+// give; columns in chunks of four, cg + CG i, of the rows x [RED][RS]: fp32, 16 bytes a chunk, or
+// fp16, 8 bytes, each value widened in its FMA). Per step, one read of the TK weights and NCH chunk
+// reads of x feed 4 TK NCH FMAs; the lanes of a wave read consecutive chunks of one row of x (cg is
+// the lane's fastest index) and share the weights.
+template <int RED, int OUTS, int RS, int TK, int NCH, int CG, typename X>
+RDNA_DEVICE void fa2_bwd_gemm(float (&acc)[TK][4 * NCH], const float* w, const X* x, int o0, int cg) {
   constexpr int WA = 4 * (TK % 4 == 0 ? 4 : TK % 2 == 0 ? 2 : 1);  // bytes of alignment of a weight run
+  constexpr bool WIDE = RDNA_DUAL_ISSUE && TK >= 4;
 #pragma unroll 2
   for (int red = 0; red < RED; ++red) {
-    float wv[TK], xv[NCH][4];
+    float wv[TK], xf[NCH][4];
+    X xv[NCH][4];
     __builtin_memcpy(wv, __builtin_assume_aligned(w + red * OUTS + o0, WA), sizeof(wv));
 #pragma unroll
-    for (int i = 0; i < NCH; ++i)
-      __builtin_memcpy(xv[i], __builtin_assume_aligned(x + red * RS + 4 * (cg + CG * i), 16), sizeof(xv[i]));
+    for (int i = 0; i < NCH; ++i) {
+      __builtin_memcpy(xv[i], __builtin_assume_aligned(x + red * RS + 4 * (cg + CG * i), sizeof(xv[i])), sizeof(xv[i]));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) xf[i][e] = fa2_bwd_operand<WIDE>(xv[i][e]);
+    }
 #pragma unroll
     for (int k = 0; k < TK; ++k)
 #pragma unroll
       for (int i = 0; i < NCH; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[k][4 * i + e] = rdna_fma(wv[k], xv[i][e], acc[k][4 * i + e]);
+        for (int e = 0; e < 4; ++e) acc[k][4 * i + e] = rdna_fma(wv[k], xf[i][e], acc[k][4 * i + e]);
   }
 }
 
 // As fa2_bwd_gemm, with the weights w [OUTS][RED] read along their rows (the row of each output, four
 // reductions per 16-byte read): the dQ += dS K of the atomic pass, from dS as the dK/dV gemm reads it.
-template <int RED, int RS, int TK, int NCH, int CG>
-RDNA_DEVICE void fa2_bwd_gemm_rows(float (&acc)[TK][4 * NCH], const float* w, const float* x, int o0, int cg) {
+template <int RED, int RS, int TK, int NCH, int CG, typename X>
+RDNA_DEVICE void fa2_bwd_gemm_rows(float (&acc)[TK][4 * NCH], const float* w, const X* x, int o0, int cg) {
   static_assert(RED % 4 == 0, "four reductions per weight read");
+  constexpr bool WIDE = RDNA_DUAL_ISSUE && TK >= 4;
 #pragma unroll 1
   for (int red = 0; red < RED; red += 4) {
     float wv[TK][4];
@@ -180,16 +222,21 @@ RDNA_DEVICE void fa2_bwd_gemm_rows(float (&acc)[TK][4 * NCH], const float* w, co
       __builtin_memcpy(wv[k], __builtin_assume_aligned(w + (o0 + k) * RED + red, 16), sizeof(wv[k]));
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      float xv[NCH][4];
+      X xv[NCH][4];
+      float xf[NCH][4];
 #pragma unroll
-      for (int i = 0; i < NCH; ++i)
-        __builtin_memcpy(xv[i], __builtin_assume_aligned(x + (red + r) * RS + 4 * (cg + CG * i), 16), sizeof(xv[i]));
+      for (int i = 0; i < NCH; ++i) {
+        __builtin_memcpy(xv[i], __builtin_assume_aligned(x + (red + r) * RS + 4 * (cg + CG * i), sizeof(xv[i])),
+                         sizeof(xv[i]));
+#pragma unroll
+        for (int e = 0; e < 4; ++e) xf[i][e] = fa2_bwd_operand<WIDE>(xv[i][e]);
+      }
 #pragma unroll
       for (int k = 0; k < TK; ++k)
 #pragma unroll
         for (int i = 0; i < NCH; ++i)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[k][4 * i + e] = rdna_fma(wv[k][r], xv[i][e], acc[k][4 * i + e]);
+          for (int e = 0; e < 4; ++e) acc[k][4 * i + e] = rdna_fma(wv[k][r], xf[i][e], acc[k][4 * i + e]);
     }
   }
 }
@@ -220,14 +267,40 @@ RDNA_DEVICE void fa2_bwd_outer(float (&s)[TM][TN], const float* a, const float* 
   }
 }
 
+// The same over fp16 rows (stride RS values): each step's 16-byte reads bring four pairs of each
+// row, 4 TM TN pair products (rdna_dot2).
+template <int D, int RS, int TM, int TN, int GA, int GB>
+RDNA_DEVICE void fa2_bwd_outer(float (&s)[TM][TN], const half_t* a, const half_t* b, int r0, int c0) {
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) s[i][j] = 0.f;
+#pragma unroll 2
+  for (int d = 0; d < D; d += 8) {
+    half2_t x[TM][4], y[TN][4];
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+      __builtin_memcpy(x[i], __builtin_assume_aligned(a + (r0 + GA * i) * RS + d, 16), sizeof(x[i]));
+#pragma unroll
+    for (int j = 0; j < TN; ++j)
+      __builtin_memcpy(y[j], __builtin_assume_aligned(b + (c0 + GB * j) * RS + d, 16), sizeof(y[j]));
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TN; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[i][j] = rdna_dot2(x[i][e], y[j][e], s[i][j]);
+  }
+}
+
 // P and dS of the tile of rows [q0, q0 + BR) and keys [k0, k0 + BC) (staged in qs/dos, ks/vs, with
 // the rows' LSE and delta; the query head's ALiBi slope, log2 domain, or 0), each thread a TM x TN register tile of rows r0 + (BR / TM) i and keys
 // c0 + (BC / TN) j. DQ (the dQ pass): dS only, into dss as [BC][BR], the lanes of a wave running
 // along the rows; else P and dS into ps and dss as [BR][BC], the lanes running along the keys (so
 // the phase after reads a row of weights per step, and the stores of a wave are consecutive).
-template <int D, int BR, int BC, int RS, int NT, int TM, int TN, bool DQ, class Args, class Mask>
-RDNA_DEVICE void fa2_bwd_scores(const Args& a, const Mask& mask, const float* qs, const float* dos, const float* ks,
-                                const float* vs, const float* lse2, const float* dl, float* ps, float* dss, int q0,
+template <int D, int BR, int BC, int RS, int NT, int TM, int TN, bool DQ, class Args, class Mask, typename T>
+RDNA_DEVICE void fa2_bwd_scores(const Args& a, const Mask& mask, const T* qs, const T* dos, const T* ks,
+                                const T* vs, const float* lse2, const float* dl, float* ps, float* dss, int q0,
                                 int k0, float slope) {
   constexpr int GR = BR / TM, GC = BC / TN;
   // A tile of fewer scores than threads: a score for each of the first BR x BC lanes.
@@ -274,13 +347,16 @@ RDNA_DEVICE void fa2_bwd_scores(const Args& a, const Mask& mask, const float* qs
   }
 }
 
-// D: the head_dim; P: the pair policy of the input dtype; BF16: bf16 rows. TM x TN: each thread's
+// D: the head_dim; P: the pair policy of the input dtype; BF16: bf16 rows; H16: rows staged as fp16
+// (else fp32, through P). TM x TN: each thread's
 // tile of scores; CG: the lanes across a gradient row (16-byte column chunks cg + CG i), the other
 // NT / CG lanes each owning TK consecutive rows of it (keys in the dK/dV pass, query rows in dQ's).
 // The generator chooses them (rdnattention_gen/families/bwd.py micro_tiles).
-template <class P, int D, int BR, int BC, int NT, int LDS_BYTES, bool BF16, int PASS, int TM, int TN, int CG>
+template <class P, int D, int BR, int BC, int NT, int LDS_BYTES, bool BF16, bool H16, int PASS, int TM, int TN, int CG>
 RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& args, unsigned char* lds) {
-  constexpr int RS = D + 4;  // fp32 per staged row
+  static_assert(!(H16 && BF16), "fp16 rows are staged as loaded");
+  typedef typename Fa2BwdStage<H16>::type row_t;  // a staged value
+  constexpr int RS = D + 16 / (int)sizeof(row_t);  // values per staged row: 16 bytes of padding
   constexpr int TPR = NT / BR;  // the preprocess pass's lanes per row
   constexpr bool ROWS = PASS == 0 || PASS == 4;  // a pass over rows with no register tiles
   constexpr int OUTS = PASS == 1 || PASS == 3 ? BC : BR, NCH = ROWS ? 1 : D / (4 * CG);
@@ -294,13 +370,15 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& args, unsigned char* lds) {
                          (PASS != 3 || TKQ * (NT / CG) == BR || (TKQ == 1 && NT / CG > BR)) &&
                          (TM * TN * NT == BR * BC || (TM * TN == 1 && BR * BC < NT))),
                 "register tiles");
-  static_assert(LDS_BYTES == (PASS == 0 ? NT * 4 : PASS == 4 ? 0 : ((2 * BR + 2 * BC) * RS + 2 * BR * BC + 2 * BR) * 4),
+  static_assert(LDS_BYTES == (PASS == 0 ? NT * 4
+                              : PASS == 4 ? 0
+                                          : (2 * BR + 2 * BC) * RS * (int)sizeof(row_t) + (2 * BR * BC + 2 * BR) * 4),
                 "LDS layout");
-  float* const qs = reinterpret_cast<float*>(lds);
-  float* const dos = qs + BR * RS;
-  float* const ks = dos + BR * RS;
-  float* const vs = ks + BC * RS;
-  float* const ps = vs + BC * RS;
+  row_t* const qs = reinterpret_cast<row_t*>(lds);
+  row_t* const dos = qs + BR * RS;
+  row_t* const ks = dos + BR * RS;
+  row_t* const vs = ks + BC * RS;
+  float* const ps = reinterpret_cast<float*>(vs + BC * RS);
   float* const dss = ps + BR * BC;
   float* const lse2 = dss + BR * BC;
   float* const dl = lse2 + BR;
@@ -328,11 +406,12 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& args, unsigned char* lds) {
         }
       }
     }
-    qs[tid] = sum;
+    float* const partial = reinterpret_cast<float*>(lds);
+    partial[tid] = sum;
     rdna_block_sync();
     if (tid < BR && q0 + tid < a.seq_q) {
       float total = 0.f;
-      for (int x = 0; x < TPR; ++x) total += qs[tid * TPR + x];
+      for (int x = 0; x < TPR; ++x) total += partial[tid * TPR + x];
       if (a.dlse) total -= a.dlse[b * a.dlse_stride_b + h * a.dlse_stride_h + q0 + tid];
       a.delta[b * a.delta_stride_b + h * a.delta_stride_h + q0 + tid] = total;
     }

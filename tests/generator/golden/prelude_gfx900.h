@@ -29,6 +29,15 @@ RDNA_DEVICE int rdna_block_id_z() { return (int)__builtin_amdgcn_workgroup_id_z(
 // Values made from the block id are uniform and stay in SGPRs, which the main loop does not run
 // short of: nothing is made again at a kernel's end (cuda's RDNA_BLOCK_ID_ANEW).
 #define RDNA_BLOCK_ID_ANEW 0
+// Whether the VALU pairs two fp32 FMAs into one dual-issue word (VOPD: RDNA3 and later), where a
+// v_fma_mix_f32, which has no dual-issue form, takes a word to itself.
+#define RDNA_DUAL_ISSUE 0
+// x as computed, held in a register the compiler cannot see into: its uses cannot fold how it was
+// made (an fp16 value's widening into v_fma_mix_f32).
+RDNA_DEVICE float rdna_opaque(float x) {
+  asm("" : "+v"(x));
+  return x;
+}
 // The split-KV decode's score transforms (fa2_decode.h), variants.yaml's decode_alibi_rows and
 // decode_xf_cases for gfx900: the most query rows a tile applies ALiBi in (its tiles of
 // more rows are compiled without it; the dispatch table tells the runtime), and whether the

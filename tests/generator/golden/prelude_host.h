@@ -35,6 +35,8 @@ RDNA_DEVICE int rdna_block_id_z() { return rdna_host::block_id(2); }
 // As cuda's (RDNA_BLOCK_ID_ANEW): host_f32's kernels make head0 again at their end as sm_90's do,
 // so that the emulator runs that arithmetic too.
 #define RDNA_BLOCK_ID_ANEW 1
+#define RDNA_DUAL_ISSUE 0  // no dual-issue words (the AMD prelude's)
+RDNA_DEVICE float rdna_opaque(float x) { return x; }
 // The split-KV decode's score transforms (fa2_decode.h), variants.yaml's decode_alibi_rows and
 // decode_xf_cases for host: the most query rows a tile applies ALiBi in (its tiles of
 // more rows are compiled without it; the dispatch table tells the runtime), and whether the

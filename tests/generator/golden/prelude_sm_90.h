@@ -34,6 +34,8 @@ RDNA_DEVICE int rdna_block_id_z() { return __nvvm_read_ptx_sreg_ctaid_z(); }
 // The block id read anew, not merged with the reads before: a value made from it can be made again
 // at a kernel's end instead of held in a register through its main loop (RowBlockSchedule::head0_anew).
 #define RDNA_BLOCK_ID_ANEW 1
+#define RDNA_DUAL_ISSUE 0  // no dual-issue words (the AMD prelude's)
+RDNA_DEVICE float rdna_opaque(float x) { return x; }
 // The split-KV decode's score transforms (fa2_decode.h), variants.yaml's decode_alibi_rows and
 // decode_xf_cases for sm_90: the most query rows a tile applies ALiBi in (its tiles of
 // more rows are compiled without it; the dispatch table tells the runtime), and whether the
