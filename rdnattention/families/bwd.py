@@ -54,10 +54,11 @@ NAMES = NameSchema("fa2_bwd", (
     NameField("tile.waves", "_wv{}", r"\d+", optional=True),
     NameField("wave_size", "_w{}", r"32|64"),
     # fp16: converted to fp32 once, when staged (cvt_fma), or staged as loaded (_sf16) and multiplied
-    # by the target's fp16 tier (dot2, fma_mix; the host's cvt_fma); bf16: widened by a shift
-    # (shift_fma); the preprocess pass: fp32 sums (fp32).
-    NameField("tier", "_{}", r"dot2|fma_mix|cvt_fma|shift_fma|fp32", str),
-    NameField("options.stage", "_s{}", r"f16", str, optional=True),
+    # by the target's fp16 tier (dot2, fma_mix; the host's cvt_fma); bf16: widened by a shift when
+    # staged (shift_fma), or staged as loaded (_sbf16) and multiplied by the target's bf16 dot
+    # (bf16_dot2; the host's shift_fma); the preprocess pass: fp32 sums (fp32).
+    NameField("tier", "_{}", r"dot2|fma_mix|cvt_fma|bf16_dot2|shift_fma|fp32", str),
+    NameField("options.stage", "_s{}", r"f16|bf16", str, optional=True),
 ))
 
 _TENSORS = ("q", "k", "v", "o", "dout", "dq", "dk", "dv")
@@ -120,7 +121,7 @@ Fa2BwdArgs = ARGS.ctype
 def lds_layout(head_dim: int, br: int, bc: int, threads: int, layout: str | None,
                stage: str | None = None) -> dict[str, int]:
     """Bytes of each LDS region. The dK/dV and dQ passes: the Q and dO tiles [br][head_dim + pad],
-    the K and V tiles [bc][head_dim + pad] (fp32 rows, or fp16 with ``stage`` "f16"; padded by 16
+    the K and V tiles [bc][head_dim + pad] (fp32 rows, or 16-bit with ``stage`` "f16" or "bf16"; padded by 16
     bytes, so that lanes reading 16 bytes of consecutive rows meet no bank twice), P and dS [br][bc]
     fp32, and each row's LSE and delta [br]. The preprocess pass: a partial sum per thread; dqcast:
     none."""
@@ -128,7 +129,7 @@ def lds_layout(head_dim: int, br: int, bc: int, threads: int, layout: str | None
         return {"partial_bytes": threads * 4}
     if layout == "dqcast":
         return {}
-    row = (head_dim + 8) * 2 if stage == "f16" else (head_dim + 4) * 4
+    row = (head_dim + 8) * 2 if stage in ("f16", "bf16") else (head_dim + 4) * 4
     return {"q_do_bytes": 2 * br * row, "k_v_bytes": 2 * bc * row, "p_ds_bytes": 2 * br * bc * 4,
             "row_bytes": 2 * br * 4}
 

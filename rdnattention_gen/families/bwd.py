@@ -1,8 +1,9 @@
 """FlashAttention-2 backward: dQ, dK and dV from fp16 (or bf16) Q, K, V, O, dO and the forward's
 log-sum-exp, accumulated in fp32. The products take values staged in LDS either as fp32, each
-converted once (fp16: cvt_fma, bf16: shift_fma), or, for fp16 on the targets whose tier multiplies
-fp16 without converting first (dot2, fma_mix; the host stands for them: stage_f16), as loaded: the
-score products fp16 pairs (the target's tier), the gradients' an fp16 value beside an fp32 weight. Three passes, each a kernel (the family's layout option: pre, the
+converted once (fp16: cvt_fma, bf16: shift_fma), or as loaded (stage): fp16 on the targets whose
+tier multiplies fp16 without converting first (dot2, fma_mix), bf16 on those with a bf16 dot
+(bf16_dot2), the host standing for both. The score products take 16-bit pairs (the tier's), the
+gradients' a 16-bit value beside an fp32 weight. Three passes, each a kernel (the family's layout option: pre, the
 plain dK/dV kernels, dq; rdnattention/families/bwd.py), every gradient summed in one fixed order:
 deterministic, with no atomics. Or, with one recomputation fewer, pre, atomic (dK/dV, and dQ added
 into an fp32 sum by atomics) and dqcast (that sum to the input dtype).
@@ -87,20 +88,30 @@ RULES = (
 # are fp32 sums whatever the lowering (fp32).
 TIERS = {(False, None): "cvt_fma", (False, "bf16"): "shift_fma", (True, None): "fp32", (True, "bf16"): "fp32"}
 
-# The pair policy (pairs.h) that widens each input dtype to fp32 when staged.
-PAIRS = {None: "F32Pairs", "bf16": "BF16F32Pairs"}
+# The pair policy (pairs.h) by (staging, tier): fp32 rows widened from each input dtype when staged,
+# or 16-bit rows as loaded, multiplied by the tier's pair product.
+PAIRS = {("f32", None): "F32Pairs", ("f32", "bf16"): "BF16F32Pairs", ("f16", None): "F16Pairs",
+         ("bf16", "bf16_dot2"): "BF16DotPairs", ("bf16", "shift_fma"): "BF16Pairs"}
 
 # fp16 tiers whose products take fp16 values without a convert instruction: v_dot2_f32_f16 for a
 # pair, v_fma_mix_f32 for an fp16 value times an fp32 one (the compiler fuses the conversion).
 FUSED_TIERS = ("dot2", "fma_mix")
 
 
-def stage_f16(target: Target, layout: str | None, dtype: str | None) -> bool:
-    """Whether a pass's fp16 rows are staged in LDS as loaded (else widened to fp32): the passes
-    that stage rows (not pre or dqcast), fp16, on targets that stage fp16 pairs for the forward and
-    multiply them without converting (FUSED_TIERS), and on the host emulator that mirrors them."""
-    return (dtype is None and layout not in ("pre", "dqcast") and target.stage == "f16"
-            and (target.tier.value in FUSED_TIERS or target.platform == "host"))
+def row_stage(target: Target, layout: str | None, dtype: str | None) -> tuple[str, str] | None:
+    """(stage, tier) of a pass whose rows stay 16-bit in LDS, as loaded, or None where they are
+    widened to fp32 when staged. Only the passes that stage rows (not pre or dqcast) on targets
+    that stage 16-bit pairs for the forward: fp16 where the tier multiplies fp16 without converting
+    (FUSED_TIERS), bf16 where the target has a bf16 dot; the host emulator (which has neither)
+    stands for both with the portable products."""
+    if layout in ("pre", "dqcast") or target.stage != "f16":
+        return None
+    host = target.platform == "host"
+    if dtype is None and (host or target.tier.value in FUSED_TIERS):
+        return ("f16", target.tier.value)
+    if dtype == "bf16" and (host or target.bf16_dot):
+        return ("bf16", "bf16_dot2" if target.bf16_dot else "shift_fma")
+    return None
 
 
 class Backward(HeadDimAxis, Family):
@@ -111,9 +122,9 @@ class Backward(HeadDimAxis, Family):
     rules = RULES
     # fp16: a convert per staged value; bf16: a shift, no instruction of its own to find; the
     # preprocess pass: one product per value read, which the compiler may lower to a mixed FMA.
-    # fp16 rows: the score products' v_dot2 (dot2) or v_fma_mix (fma_mix); the host: no instruction.
+    # 16-bit rows: the score products' v_dot2 (dot2, bf16_dot2) or v_fma_mix (fma_mix).
     signatures = {"cvt_fma": "cvt_f32_f16", "shift_fma": "none", "fp32": "none", "dot2": "dot2",
-                  "fma_mix": "fma_mix"}
+                  "fma_mix": "fma_mix", "bf16_dot2": "dot2"}
     dtypes = runtime.DTYPES
     layouts = runtime.LAYOUTS  # the passes: pre, dq, atomic, dqcast; the plain kernels are the dK/dV pass
     backward = True  # swept by tests/kernels/test_backward.py, not by the forward's oracle sweep
@@ -132,32 +143,31 @@ class Backward(HeadDimAxis, Family):
         return point.get("layout") not in ("atomic", "dqcast") or target.adds_floats_in_memory
 
     def _spec(self, head_dim: int, tile: Tile, wave_size: int, layout: str | None, dtype: str | None,
-              tier: str | None = None) -> KernelSpec:
-        """``tier``: the fp16 tier of a pass staging fp16 rows (stage_f16), None for fp32 rows."""
-        options = self.options({"layout": layout, "dtype": dtype}) + ((("stage", "f16"),) if tier else ())
+              rows: tuple[str, str] | None = None) -> KernelSpec:
+        """``rows``: (stage, tier) of a pass that keeps 16-bit rows (row_stage), None for fp32 rows."""
+        stage, tier = rows or ("f32", TIERS[layout in ("pre", "dqcast"), dtype])
+        options = self.options({"layout": layout, "dtype": dtype}) + ((("stage", stage),) if rows else ())
         return KernelSpec(family=self.name, head_dim=head_dim, gqa_group=1,
                           tile=Tile(br=tile.br, bc=tile.bc, threads=tile.threads, tm=1, waves=tile.waves),
-                          wave_size=wave_size, tier=tier or TIERS[layout in ("pre", "dqcast"), dtype],
-                          stage="f16" if tier else "f32", options=options)
+                          wave_size=wave_size, tier=tier, stage=stage, options=options)
 
     def sibling(self, spec: KernelSpec, layout: str | None) -> KernelSpec:
         """The kernel of pass ``layout`` in ``spec``'s set: its tile, dtype and staging."""
-        staged = spec.stage == "f16" and layout not in ("pre", "dqcast")
-        return self._spec(spec.head_dim, spec.tile, spec.wave_size, layout, spec.option("dtype"),
-                          spec.tier if staged else None)
+        rows = (spec.stage, spec.tier) if spec.stage != "f32" and layout not in ("pre", "dqcast") else None
+        return self._spec(spec.head_dim, spec.tile, spec.wave_size, layout, spec.option("dtype"), rows)
 
     def spec(self, target: Target, point: dict, tile: Tile) -> KernelSpec:
         layout, dtype = point.get("layout"), point.get("dtype")
-        tier = target.tier.value if stage_f16(target, layout, dtype) else None
-        return self._spec(point["head_dim"], tile, target.wave_size, layout, dtype, tier)
+        return self._spec(point["head_dim"], tile, target.wave_size, layout, dtype, row_stage(target, layout, dtype))
 
     def from_name(self, name: str) -> KernelSpec | None:
         v = self.schema.parse(name)
         if v is None:
             return None
         tile = Tile(br=v["tile.br"], bc=v["tile.bc"], threads=v["tile.threads"], tm=1, waves=v.get("tile.waves", 0))
+        stage = v.get("options.stage")
         return self._spec(v["head_dim"], tile, v["wave_size"], v.get("options.layout"), v.get("options.dtype"),
-                          v["tier"] if v.get("options.stage") else None)
+                          (stage, v["tier"]) if stage else None)
 
     def lds_layout(self, spec: KernelSpec) -> dict[str, int]:
         return runtime.lds_layout(spec.head_dim, spec.tile.br, spec.tile.bc, spec.tile.threads, spec.option("layout"),
@@ -165,8 +175,9 @@ class Backward(HeadDimAxis, Family):
 
     def context(self, spec: KernelSpec) -> dict:
         tm, tn, cg = micro_tiles(spec.head_dim, spec.tile.br, spec.tile.bc, spec.tile.threads, spec.option("layout"))
-        return {"pairs": PAIRS[spec.option("dtype")], "lds_bytes": self.lds_bytes(spec),
-                "bf16": spec.option("dtype") == "bf16", "h16": spec.stage == "f16",
+        pairs = PAIRS[spec.stage, spec.option("dtype") if spec.stage == "f32" else None if spec.stage == "f16"
+                      else spec.tier]
+        return {"pairs": pairs, "lds_bytes": self.lds_bytes(spec), "bf16": spec.option("dtype") == "bf16",
                 "pass_": runtime.PASSES[spec.option("layout")],
                 "tm": tm, "tn": tn, "cg": cg}
 

@@ -74,8 +74,9 @@ def test_default_code_objects_contain_their_dot_instructions(matrix, default_aud
 
 
 def test_gfx11_bf16_kernels_multiply_with_the_bf16_dot(matrix, build_dir):
-    """gfx1100's bf16 forward and decode kernels (tier bf16_dot2) hold v_dot2_f32_bf16 and no fp16
-    dot, read from the code object with llvm-objdump; its fp16 kernels hold no bf16 dot."""
+    """gfx1100's bf16 forward and decode kernels and the backward's bf16 passes that stage rows
+    (tier bf16_dot2) hold v_dot2_f32_bf16 and no fp16 dot, read from the code object with
+    llvm-objdump; its fp16 kernels hold no bf16 dot."""
     target = matrix.target("gfx1100")
     build.build(matrix, [target], build_dir, log=lambda *_: None)
     asm = subprocess.run([toolchain.find().objdump, "-d", str(build.code_object_path(target, build_dir))],
@@ -84,7 +85,8 @@ def test_gfx11_bf16_kernels_multiply_with_the_bf16_dot(matrix, build_dir):
     bodies = dict(zip(kernels[0::2], kernels[1::2]))
     dot = {s.name for s in matrix.specs_for(target) if s.tier == "bf16_dot2"}
     assert dot and dot == {s.name for s in matrix.specs_for(target)
-                           if s.option("dtype") == "bf16" and s.family in ("f16", "dec")}
+                           if s.option("dtype") == "bf16" and (s.family in ("f16", "dec") or s.stage == "bf16")}
+    assert any(s.family == "bwd" for s in matrix.specs_for(target) if s.name in dot)
     assert dot <= set(bodies)
     for name, body in bodies.items():
         if name in dot:

@@ -152,7 +152,8 @@ def test_a_dtype_option_is_built_for_every_layout_with_the_familys_tiles_unless_
 def test_bf16_kernels_take_the_targets_bf16_dot_where_it_has_one(matrix):
     """gfx11+ (bf16_dot: true) multiply bf16 pairs with v_dot2_f32_bf16 (tier bf16_dot2, pairs
     BF16DotPairs); the others widen by a shift (shift_fma), fp32-staging targets once when staged.
-    The backward's bf16 kernels are shift_fma everywhere."""
+    The backward's bf16 passes that stage rows keep them bf16 with the bf16 dot (and on the host,
+    with its shifts), else widen them to fp32 when staged (shift_fma)."""
     def bf16(name):
         return [s for s in matrix.specs_for(matrix.target(name)) if s.option("dtype") == "bf16"]
     for name, tier, stage, pairs in [("gfx1100", "bf16_dot2", "bf16", "BF16DotPairs"),
@@ -165,7 +166,11 @@ def test_bf16_kernels_take_the_targets_bf16_dot_where_it_has_one(matrix):
         assert forward, name
         assert {(s.tier, s.stage) for s in forward} == {(tier, stage)}, name
         assert {family(s.family).context(s)["pairs"] for s in forward} == {pairs}, name
-        assert {s.tier for s in bf16(name) if s.family == "bwd"} <= {"shift_fma", "fp32"}, name
+        backward = {(s.tier, s.stage, family(s.family).context(s)["pairs"]) for s in bf16(name)
+                    if s.family == "bwd" and s.option("layout") not in ("pre", "dqcast")}
+        rows = {"gfx1100": ("bf16_dot2", "bf16", "BF16DotPairs"), "gfx1201": ("bf16_dot2", "bf16", "BF16DotPairs"),
+                "host": ("shift_fma", "bf16", "BF16Pairs")}.get(name, ("shift_fma", "f32", "BF16F32Pairs"))
+        assert backward == {rows}, name
     assert [t.name for t in matrix.targets if t.bf16_dot] == [
         "gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1200", "gfx1201"]
 
@@ -478,33 +483,40 @@ def test_backward_tiles_that_leave_lanes_idle_are_accepted():
     assert micro_tiles(64, 64, 64, 256, "dqcast") == (1, 1, 1)  # no register tiles: a pass over rows
 
 
-def test_backward_stages_fp16_rows_where_the_tier_multiplies_fp16(matrix):
-    """The backward's fp16 passes that stage rows (dK/dV, dQ, atomic) keep them fp16 where the
-    target's tier multiplies fp16 without converting (dot2, fma_mix) and on the host emulator that
-    stands for those targets; everywhere else, and for bf16 and the row passes, they are fp32. An
-    fp16-staged kernel is named after the target's tier, and its rows take half the LDS."""
+def test_backward_stages_16_bit_rows_where_the_target_multiplies_them(matrix):
+    """The backward's passes that stage rows (dK/dV, dQ, atomic) keep them 16-bit as loaded where
+    the target multiplies them without converting: fp16 on the dot2 and fma_mix tiers, bf16 with a
+    bf16 dot, and both on the host emulator that stands for those targets; everywhere else, and in
+    the row passes, they are fp32. A 16-bit-staged kernel is named after its tier and stage, and its
+    rows take half the LDS."""
     from rdnattention.families import bwd as runtime
-    seen = set()
+    seen = {"f16": set(), "bf16": set()}
     for t in matrix.targets:
         for v in matrix.variants_for(t):
             spec = v.spec
             if spec.family != "bwd":
                 continue
-            rows = spec.option("layout") not in ("pre", "dqcast") and spec.option("dtype") is None
-            f16 = rows and t.stage == "f16" and (t.tier.value in ("dot2", "fma_mix") or t.platform == "host")
-            assert (spec.stage == "f16") == f16 and (spec.option("stage") == "f16") == f16, (t.name, spec.name)
-            assert spec.name.endswith(f"_{t.tier.value}_sf16") == f16, (t.name, spec.name)
-            if f16:
-                seen.add(t.name)
+            rows, host = spec.option("layout") not in ("pre", "dqcast") and t.stage == "f16", t.platform == "host"
+            if spec.option("dtype") is None:
+                stage = "f16" if rows and (t.tier.value in ("dot2", "fma_mix") or host) else "f32"
+                tier = t.tier.value
+            else:
+                stage = "bf16" if rows and (t.bf16_dot or host) else "f32"
+                tier = "bf16_dot2" if t.bf16_dot else "shift_fma"
+            assert spec.stage == stage and spec.option("stage") == (None if stage == "f32" else stage), spec.name
+            assert spec.name.endswith(f"_{tier}_s{stage}") == (stage != "f32"), (t.name, spec.name)
+            if stage != "f32":
+                seen[stage].add(t.name)
                 layout = runtime.lds_layout(spec.head_dim, spec.tile.br, spec.tile.bc, spec.tile.threads,
-                                            spec.option("layout"), "f16")
+                                            spec.option("layout"), stage)
                 f32 = runtime.lds_layout(spec.head_dim, spec.tile.br, spec.tile.bc, spec.tile.threads,
                                          spec.option("layout"))
                 assert spec.lds_bytes == sum(layout.values())
                 assert layout["q_do_bytes"] == 2 * spec.tile.br * (spec.head_dim + 8) * 2
                 assert 2 * layout["k_v_bytes"] == f32["k_v_bytes"] + 2 * spec.tile.bc * 16  # 16 B of padding a row
-    assert {"gfx1030", "gfx906", "gfx1100", "gfx1010", "host"} <= seen
-    assert not seen & {"gfx900", "gfx803", "sm_90", "sm_61", "host_f32"}
+    assert {"gfx1030", "gfx906", "gfx1100", "gfx1010", "host"} <= seen["f16"]
+    assert {"gfx1100", "gfx1201", "host"} <= seen["bf16"] and not seen["bf16"] & {"gfx1030", "gfx906"}
+    assert not (seen["f16"] | seen["bf16"]) & {"gfx900", "gfx803", "sm_90", "sm_61", "host_f32"}
 
 
 @pytest.mark.parametrize("layout", [None, "dq", "atomic"])

@@ -22,15 +22,15 @@
 // past the sequence's rows or keys return at once, and masks align each sequence's queries to the
 // end of its keys, as the forward's.
 //
-// Inputs are staged in LDS as rows of one of two precisions (the kernel's stage, H16):
-//   fp32 (sm_90, bf16 everywhere, the targets whose fp16 tier converts before every FMA): each 16-bit
-//     pair converted once through the pair policy P (pairs.h: F32Pairs for fp16, BF16F32Pairs for
-//     bf16), so every product is an fp32 FMA;
-//   fp16 (the targets that multiply fp16 without converting first: dot2, fma_mix; the host stands
-//     for them): the rows as loaded, half the LDS. The score products S = Q K^T and dP = dO V^T take
-//     pairs of them (rdna_dot2: v_dot2_f32_f16, or two v_fma_mix_f32), the gradient products an fp16
-//     operand beside an fp32 weight (v_fma_mix_f32: the conversion is the instruction's). fp16
-//     products are exact in fp32, so both stages compute the same sums.
+// Inputs are staged in LDS as rows of the pair policy P's element (pairs.h), 32 or 16 bits:
+//   fp32 (F32Pairs, BF16F32Pairs: sm_90, and the targets whose tier converts before every FMA): each
+//     16-bit pair widened once, when staged, so every product is an fp32 FMA;
+//   16-bit as loaded (F16Pairs on the fp16 tiers that multiply fp16 without converting, dot2 and
+//     fma_mix; BF16DotPairs where the target has a bf16 dot; the host stands for them with F16Pairs
+//     and BF16Pairs): half the LDS. The score products S = Q K^T and dP = dO V^T take pairs of them
+//     (P::dot: v_dot2_f32_f16, two v_fma_mix_f32, v_dot2_f32_bf16), the gradient products a value
+//     beside an fp32 weight (fp16: widened in v_fma_mix_f32, or once where dual issue pays; bf16: by a
+//     shift). 16-bit products are exact in fp32, so the stages differ only in how their fp32 sums round.
 //   qs, dos  [BR][RS]      the Q and dO rows of a row block (RS: D + 4 fp32, or D + 8 fp16 values)
 //   ks, vs   [BC][RS]      the K and V rows of a key block
 //   ps, dss  [BR][BC]      P and dS of the tile (the dQ pass: dS only, as [BC][BR])
@@ -83,25 +83,16 @@ struct Fa2BwdRows {
       }
     }
   }
-  // Into a 16-bit tile of row stride RS, as loaded.
-  template <class P, int RS>
-  RDNA_METHOD void store(half_t* tile) const {
+  // Into a 16-bit tile (fp16 or bf16) of row stride RS, as loaded.
+  template <class P, int RS, typename T>
+  RDNA_METHOD void store(T* tile) const {
+    static_assert(sizeof(T) == 2, "16-bit rows");
 #pragma unroll
     for (int n = 0; n < N; ++n) {
       const int i = rdna_thread_id() + n * NT;
       if (i < R * CH) __builtin_memcpy(__builtin_assume_aligned(tile + i / CH * RS + 8 * (i % CH), 16), &w[n], 16);
     }
   }
-};
-
-// What a staged row holds: fp16 values as loaded (H16), or fp32.
-template <bool H16>
-struct Fa2BwdStage {
-  typedef float type;
-};
-template <>
-struct Fa2BwdStage<true> {
-  typedef half_t type;
 };
 
 // The Q and dO rows [q0, q0 + BR) of query head h into registers, with each row's LSE (log2 domain)
@@ -177,6 +168,8 @@ template <bool WIDE>
 RDNA_DEVICE float fa2_bwd_operand(float x) { return x; }
 template <bool WIDE>
 RDNA_DEVICE float fa2_bwd_operand(half_t x) { return WIDE ? rdna_opaque((float)x) : (float)x; }
+template <bool WIDE>
+RDNA_DEVICE float fa2_bwd_operand(rdna_bf16 x) { return (float)x; }  // a shift, once per value read
 
 // acc[k][4 i + e] += sum over red < RED of w[red][o0 + k] x[red][4 (cg + CG i) + e]: a TK x 4 NCH
 // register tile of a gradient (rows o0 .. o0 + TK - 1 of the OUTS rows the weights w [RED][OUTS]
@@ -267,17 +260,19 @@ RDNA_DEVICE void fa2_bwd_outer(float (&s)[TM][TN], const float* a, const float* 
   }
 }
 
-// The same over fp16 rows (stride RS values): each step's 16-byte reads bring four pairs of each
-// row, 4 TM TN pair products (rdna_dot2).
-template <int D, int RS, int TM, int TN, int GA, int GB>
-RDNA_DEVICE void fa2_bwd_outer(float (&s)[TM][TN], const half_t* a, const half_t* b, int r0, int c0) {
+// The same over 16-bit rows of P's elements (stride RS values): each step's 16-byte reads bring four
+// pairs of each row, 4 TM TN pair products (P::dot).
+template <class P, int D, int RS, int TM, int TN, int GA, int GB>
+RDNA_DEVICE void fa2_bwd_outer16(float (&s)[TM][TN], const typename P::elem_t* a, const typename P::elem_t* b, int r0,
+                                 int c0) {
+  typedef typename P::pack_t pack_t;
 #pragma unroll
   for (int i = 0; i < TM; ++i)
 #pragma unroll
     for (int j = 0; j < TN; ++j) s[i][j] = 0.f;
 #pragma unroll 2
   for (int d = 0; d < D; d += 8) {
-    half2_t x[TM][4], y[TN][4];
+    pack_t x[TM][4], y[TN][4];
 #pragma unroll
     for (int i = 0; i < TM; ++i)
       __builtin_memcpy(x[i], __builtin_assume_aligned(a + (r0 + GA * i) * RS + d, 16), sizeof(x[i]));
@@ -289,7 +284,7 @@ RDNA_DEVICE void fa2_bwd_outer(float (&s)[TM][TN], const half_t* a, const half_t
 #pragma unroll
       for (int j = 0; j < TN; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[i][j] = rdna_dot2(x[i][e], y[j][e], s[i][j]);
+        for (int e = 0; e < 4; ++e) s[i][j] = P::dot(x[i][e], y[j][e], s[i][j]);
   }
 }
 
@@ -298,7 +293,7 @@ RDNA_DEVICE void fa2_bwd_outer(float (&s)[TM][TN], const half_t* a, const half_t
 // c0 + (BC / TN) j. DQ (the dQ pass): dS only, into dss as [BC][BR], the lanes of a wave running
 // along the rows; else P and dS into ps and dss as [BR][BC], the lanes running along the keys (so
 // the phase after reads a row of weights per step, and the stores of a wave are consecutive).
-template <int D, int BR, int BC, int RS, int NT, int TM, int TN, bool DQ, class Args, class Mask, typename T>
+template <class P, int D, int BR, int BC, int RS, int NT, int TM, int TN, bool DQ, class Args, class Mask, typename T>
 RDNA_DEVICE void fa2_bwd_scores(const Args& a, const Mask& mask, const T* qs, const T* dos, const T* ks,
                                 const T* vs, const float* lse2, const float* dl, float* ps, float* dss, int q0,
                                 int k0, float slope) {
@@ -313,8 +308,13 @@ RDNA_DEVICE void fa2_bwd_scores(const Args& a, const Mask& mask, const T* qs, co
   const int tid = rdna_thread_id(), fast = tid % FX + FX * (tid / FX / GS), slow = tid / FX % GS;
   const int r0 = DQ ? fast : slow, c0 = DQ ? slow : fast;
   float s[TM][TN], dp[TM][TN];
-  fa2_bwd_outer<D, RS, TM, TN, GR, GC>(s, qs, ks, r0, c0);
-  fa2_bwd_outer<D, RS, TM, TN, GR, GC>(dp, dos, vs, r0, c0);
+  if constexpr (sizeof(T) == 2) {
+    fa2_bwd_outer16<P, D, RS, TM, TN, GR, GC>(s, qs, ks, r0, c0);
+    fa2_bwd_outer16<P, D, RS, TM, TN, GR, GC>(dp, dos, vs, r0, c0);
+  } else {
+    fa2_bwd_outer<D, RS, TM, TN, GR, GC>(s, qs, ks, r0, c0);
+    fa2_bwd_outer<D, RS, TM, TN, GR, GC>(dp, dos, vs, r0, c0);
+  }
   // A tile whose rows all exist and see every key skips the per-score tests (one uniform branch).
   const bool whole = q0 + BR <= a.seq_q && mask.template whole<BC>(k0, q0, q0 + BR - 1);
 #pragma unroll
@@ -347,15 +347,14 @@ RDNA_DEVICE void fa2_bwd_scores(const Args& a, const Mask& mask, const T* qs, co
   }
 }
 
-// D: the head_dim; P: the pair policy of the input dtype; BF16: bf16 rows; H16: rows staged as fp16
-// (else fp32, through P). TM x TN: each thread's
+// D: the head_dim; P: the pair policy of the input dtype and staging (its elem_t: fp32, or the 16-bit
+// values as loaded); BF16: bf16 rows. TM x TN: each thread's
 // tile of scores; CG: the lanes across a gradient row (16-byte column chunks cg + CG i), the other
 // NT / CG lanes each owning TK consecutive rows of it (keys in the dK/dV pass, query rows in dQ's).
 // The generator chooses them (rdnattention_gen/families/bwd.py micro_tiles).
-template <class P, int D, int BR, int BC, int NT, int LDS_BYTES, bool BF16, bool H16, int PASS, int TM, int TN, int CG>
+template <class P, int D, int BR, int BC, int NT, int LDS_BYTES, bool BF16, int PASS, int TM, int TN, int CG>
 RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& args, unsigned char* lds) {
-  static_assert(!(H16 && BF16), "fp16 rows are staged as loaded");
-  typedef typename Fa2BwdStage<H16>::type row_t;  // a staged value
+  typedef typename P::elem_t row_t;  // a staged value: fp32, or fp16 or bf16 as loaded
   constexpr int RS = D + 16 / (int)sizeof(row_t);  // values per staged row: 16 bytes of padding
   constexpr int TPR = NT / BR;  // the preprocess pass's lanes per row
   constexpr bool ROWS = PASS == 0 || PASS == 4;  // a pass over rows with no register tiles
@@ -478,7 +477,7 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& args, unsigned char* lds) {
         dl[tid] = nd;
       }
       rdna_block_sync();
-      fa2_bwd_scores<D, BR, BC, RS, NT, TM, TN, false>(a, mask, qs, dos, ks, vs, lse2, dl, ps, dss, q0, k0,
+      fa2_bwd_scores<P, D, BR, BC, RS, NT, TM, TN, false>(a, mask, qs, dos, ks, vs, lse2, dl, ps, dss, q0, k0,
                                                        fa2_bwd_slope(a, b, hkv * group + t / nq));
       rdna_block_sync();
       if constexpr (PASS == 3) {  // dQ of the step's rows += dS K, before the next rows' loads take registers
@@ -549,7 +548,7 @@ RDNA_DEVICE void fa2_backward(const Fa2BwdArgs& args, unsigned char* lds) {
       kr.template store<P, RS>(ks);
       vr.template store<P, RS>(vs);
       rdna_block_sync();
-      fa2_bwd_scores<D, BR, BC, RS, NT, TM, TN, true>(a, mask, qs, dos, ks, vs, lse2, dl, ps, dss, q0, k0, slope);
+      fa2_bwd_scores<P, D, BR, BC, RS, NT, TM, TN, true>(a, mask, qs, dos, ks, vs, lse2, dl, ps, dss, q0, k0, slope);
       rdna_block_sync();
       if (k0 + BC < key_hi) {
         kr.load(kh, a.k_stride_s, k0 + BC, a.seq_k);
