@@ -234,45 +234,22 @@ RDNA_DEVICE void fa2_bwd_gemm_rows(float (&acc)[TK][4 * NCH], const float* w, co
   }
 }
 
-// s[i][j] = a row (r0 + GA i) . b row (c0 + GB j) over D, for TM rows of a and TN rows of b (fp32
-// rows of stride RS in LDS): each step's 16-byte reads of TM + TN rows feed 4 TM TN FMAs.
-template <int D, int RS, int TM, int TN, int GA, int GB>
-RDNA_DEVICE void fa2_bwd_outer(float (&s)[TM][TN], const float* a, const float* b, int r0, int c0) {
-#pragma unroll
-  for (int i = 0; i < TM; ++i)
-#pragma unroll
-    for (int j = 0; j < TN; ++j) s[i][j] = 0.f;
-#pragma unroll 2
-  for (int d = 0; d < D; d += 4) {
-    float x[TM][4], y[TN][4];
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-      __builtin_memcpy(x[i], __builtin_assume_aligned(a + (r0 + GA * i) * RS + d, 16), sizeof(x[i]));
-#pragma unroll
-    for (int j = 0; j < TN; ++j)
-      __builtin_memcpy(y[j], __builtin_assume_aligned(b + (c0 + GB * j) * RS + d, 16), sizeof(y[j]));
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < TN; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[i][j] = rdna_fma(x[i][e], y[j][e], s[i][j]);
-  }
-}
-
-// The same over 16-bit rows of P's elements (stride RS values): each step's 16-byte reads bring four
-// pairs of each row, 4 TM TN pair products (P::dot).
+// s[i][j] = a row (r0 + GA i) . b row (c0 + GB j) over D, for TM rows of a and TN rows of b (rows of
+// P's elements, stride RS values, in LDS): each step's 16-byte reads of TM + TN rows feed TM TN
+// products of each pack they bring (P::dot: two fp32 FMAs per fp32 pair, in the order of the values,
+// or one 16-bit pair product).
 template <class P, int D, int RS, int TM, int TN, int GA, int GB>
-RDNA_DEVICE void fa2_bwd_outer16(float (&s)[TM][TN], const typename P::elem_t* a, const typename P::elem_t* b, int r0,
-                                 int c0) {
+RDNA_DEVICE void fa2_bwd_outer(float (&s)[TM][TN], const typename P::elem_t* a, const typename P::elem_t* b, int r0,
+                               int c0) {
   typedef typename P::pack_t pack_t;
+  constexpr int PACKS = 16 / (int)sizeof(pack_t), STEP = 16 / (int)sizeof(typename P::elem_t);
 #pragma unroll
   for (int i = 0; i < TM; ++i)
 #pragma unroll
     for (int j = 0; j < TN; ++j) s[i][j] = 0.f;
 #pragma unroll 2
-  for (int d = 0; d < D; d += 8) {
-    pack_t x[TM][4], y[TN][4];
+  for (int d = 0; d < D; d += STEP) {
+    pack_t x[TM][PACKS], y[TN][PACKS];
 #pragma unroll
     for (int i = 0; i < TM; ++i)
       __builtin_memcpy(x[i], __builtin_assume_aligned(a + (r0 + GA * i) * RS + d, 16), sizeof(x[i]));
@@ -284,7 +261,7 @@ RDNA_DEVICE void fa2_bwd_outer16(float (&s)[TM][TN], const typename P::elem_t* a
 #pragma unroll
       for (int j = 0; j < TN; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[i][j] = P::dot(x[i][e], y[j][e], s[i][j]);
+        for (int e = 0; e < PACKS; ++e) s[i][j] = P::dot(x[i][e], y[j][e], s[i][j]);
   }
 }
 
@@ -308,13 +285,8 @@ RDNA_DEVICE void fa2_bwd_scores(const Args& a, const Mask& mask, const T* qs, co
   const int tid = rdna_thread_id(), fast = tid % FX + FX * (tid / FX / GS), slow = tid / FX % GS;
   const int r0 = DQ ? fast : slow, c0 = DQ ? slow : fast;
   float s[TM][TN], dp[TM][TN];
-  if constexpr (sizeof(T) == 2) {
-    fa2_bwd_outer16<P, D, RS, TM, TN, GR, GC>(s, qs, ks, r0, c0);
-    fa2_bwd_outer16<P, D, RS, TM, TN, GR, GC>(dp, dos, vs, r0, c0);
-  } else {
-    fa2_bwd_outer<D, RS, TM, TN, GR, GC>(s, qs, ks, r0, c0);
-    fa2_bwd_outer<D, RS, TM, TN, GR, GC>(dp, dos, vs, r0, c0);
-  }
+  fa2_bwd_outer<P, D, RS, TM, TN, GR, GC>(s, qs, ks, r0, c0);
+  fa2_bwd_outer<P, D, RS, TM, TN, GR, GC>(dp, dos, vs, r0, c0);
   // A tile whose rows all exist and see every key skips the per-score tests (one uniform branch).
   const bool whole = q0 + BR <= a.seq_q && mask.template whole<BC>(k0, q0, q0 + BR - 1);
 #pragma unroll
