@@ -17,6 +17,7 @@ per code object and device)."""
 from __future__ import annotations
 
 import ctypes
+import operator
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -66,6 +67,7 @@ class Replay:
     extra: object = None  # what the entry point keeps beside: what validation made of the options
     lengths: object = None  # how its launches follow the keys' length (Plan.lengths), or None
     like: tuple = ()  # stand-ins of a call's outputs (stand_in), made by the entry point at the first replay
+    guard: Guard | bool | None = None  # made at its key's second call in a row (key()); False: none can be
 
 
 # Calls already validated and planned, by key().
@@ -125,7 +127,17 @@ def keep_stand_ins(r: Replay, device: torch.device, *outputs: tuple | None) -> t
 def key(kind: str, device: torch.device, tensors: tuple, options: tuple) -> tuple | None:
     """The key of a call of entry point ``kind`` on ``device`` with ``tensors`` (None where absent)
     and ``options`` (hashable, with their types where validation distinguishes them), or None
-    where it may not replay: tensor subclasses, gradients, tracing, a device without kernels."""
+    where it may not replay: tensor subclasses, gradients, tracing, a device without kernels.
+    A call like the one before it (the layers of a decode step) is recognised by that key's
+    :class:`Guard`, without reading its tensors' attributes one by one."""
+    g = _guard
+    if (g is not None and g.options == options and g.kind == kind and g.matches(tensors)
+            and not (torch.compiler.is_compiling() or _is_tracing())):
+        try:
+            if id(route.device_table(g.device)) == g.table:
+                return g.key
+        except RdnaAttentionError:
+            return None  # the full path raises it
     if torch.compiler.is_compiling() or _is_tracing():
         return None
     grad = torch.is_grad_enabled()
@@ -134,16 +146,108 @@ def key(kind: str, device: torch.device, tensors: tuple, options: tuple) -> tupl
     for t in tensors:
         if t is None:
             add(None)
-        elif type(t) is _Tensor and not (grad and t.requires_grad):
+        elif type(t) is _Tensor and not (grad and t.requires_grad) and not t.is_neg():
             add((t.shape, t.stride(), t.dtype, t.device))
         else:
-            return None
+            return None  # (a lazily negated view: the full path refuses it; a guard refuses it too)
     try:
         table = route.device_table(device)
     except RdnaAttentionError:
         return None  # the full path raises it
     add(id(table))
-    return tuple(parts)
+    k = tuple(parts)
+    kept, last, r = _last
+    if r is not None and kept is cache and (k == last) and _TensorGuards is not None:
+        # the second call in a row of a replayed key: its guard, made once per replay, is the next
+        # call's (lookup makes a replay's guard the current one as it finds the replay)
+        if r.guard is None:
+            r.guard = Guard.of(kind, options, last, tensors, device, id(table)) or False
+        if r.guard and r.guard.key is last:
+            _set_guard(r.guard)
+    return k
+
+
+# torch's check of many tensors against recorded ones in one call, in C++ (what the functions
+# torch.compile makes run on their inputs): Python type, dispatch keys (the device type and the
+# negation bit among them), dtype, device index, requires_grad, sizes and strides. None where this
+# torch has none (every call then reads its tensors' attributes: key()).
+_TensorGuards = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None), "TensorGuards", None)
+
+
+@dataclass(eq=False, slots=True)
+class Guard:
+    """What recognises a call of one replayed key from its tensors in one check: the key's entry
+    point, options, device and table, which of its tensors are absent, and torch's TensorGuards
+    over the others as the key saw them (plain tensors not requiring grad: key() gives a call with
+    one that differs a key of its own, or None). Made under the dispatch state (inference mode,
+    ...) of that call; a call under another fails the check and computes its key."""
+
+    kind: str
+    options: tuple
+    key: tuple
+    device: torch.device
+    table: int
+    absent: tuple[int, ...]
+    same: tuple[tuple[int, int], ...]  # (position, earlier position of the same tensor)
+    take: object  # the present tensors out of a call's tensors, as a tuple
+    check: object  # TensorGuards(...).check
+
+    @classmethod
+    def of(cls, kind: str, options: tuple, key: tuple, tensors: tuple, device: torch.device,
+           table: int) -> Guard | None:
+        """The guard of ``key`` from the tensors of one of its calls (one given twice, such as
+        cu_seqlens for the queries and the keys, is checked once and must be given twice by the
+        calls it recognises: TensorGuards refuses aliases), or None where a tensor requires grad."""
+        first: dict[int, int] = {}
+        present, same = [], []
+        for i, t in enumerate(tensors):
+            if t is None:
+                continue
+            if t.requires_grad:
+                return None
+            if id(t) in first:
+                same.append((i, first[id(t)]))
+            else:
+                first[id(t)] = i
+                present.append(i)
+        given = [tensors[i] for i in present]
+        try:
+            guards = _TensorGuards(*given, dynamic_dims_sizes=[list(t.shape) for t in given],
+                                   dynamic_dims_strides=[list(t.stride()) for t in given])
+        except Exception:  # noqa: BLE001 - a torch whose TensorGuards takes other arguments: no guard
+            return None
+        if not present:
+            take = lambda tensors: ()  # noqa: E731
+        elif len(present) == 1:
+            i = present[0]
+            take = lambda tensors: (tensors[i],)  # noqa: E731
+        else:
+            take = operator.itemgetter(*present)
+        absent = tuple(i for i, t in enumerate(tensors) if t is None)
+        return cls(kind, options, key, device, table, absent, tuple(same), take, guards.check)
+
+    def matches(self, tensors: tuple) -> bool:
+        """Whether ``tensors`` are absent where the key's were, one tensor where the key's were one,
+        and like them elsewhere."""
+        for i in self.absent:
+            if tensors[i] is not None:
+                return False
+        for i, j in self.same:
+            if tensors[i] is not tensors[j]:
+                return False
+        try:
+            return self.check(*self.take(tensors))
+        except (TypeError, IndexError):  # another number of tensors
+            return False
+
+
+# The guard of the replay last found (or None): key() tries it first.
+_guard: Guard | None = None
+
+
+def _set_guard(g: Guard | None) -> None:
+    global _guard
+    _guard = g
 
 
 def length_free(key: tuple | None, positions: tuple[int, ...], seq_dim: int) -> tuple | None:
@@ -172,16 +276,17 @@ def length_free(key: tuple | None, positions: tuple[int, ...], seq_dim: int) -> 
 
 def pointers(tensors: tuple, reach: tuple[tuple[int, int], ...], aligned: int) -> list[int] | None:
     """Each tensor's data pointer (0 where absent), in ``tensors``' order, where every tensor has
-    memory behind it (a non-null pointer, a storage covering the bytes its shape and strides reach,
-    no lazy negation) and the first ``aligned`` of them start on 16 bytes: what checks.check_memory
-    and the planners check, per call; None where one has not (the full path raises the error). One
-    pass, each pointer read once: the entry points launch with these."""
+    memory behind it (a non-null pointer, a storage covering the bytes its shape and strides reach)
+    and the first ``aligned`` of them start on 16 bytes: what checks.check_memory and the planners
+    check, per call; None where one has not (the full path raises the error). One pass, each
+    pointer read once: the entry points launch with these. Lazily negated views have no key (key(),
+    the guard), so ``tensors`` (those of the call's key, or made by the entry point) are none."""
     found = [0] * len(tensors)
     for i, t in enumerate(tensors):
         if t is not None:
             p = found[i] = t.data_ptr()
             span, size = reach[i]
-            if span and (not p or (i < aligned and p & 15) or t.is_neg()
+            if span and (not p or (i < aligned and p & 15)
                          or t.storage_offset() * size + span > t.untyped_storage().nbytes()):
                 return None
     return found
@@ -335,6 +440,7 @@ def reused(key: tuple) -> Replay | None:
     if last[1] >= PROMOTE:
         keep(key, last[0])
     _last = (cache, key, last[0])
+    _set_guard(last[0].guard or None)
     return last[0]
 
 
@@ -350,6 +456,7 @@ def derive(entry: list, key: tuple, r: Replay) -> None:
     recent[key] = [r, 0]
     entry[0], entry[1] = r, key
     _last = (cache, key, r)
+    _set_guard(None)
 
 
 # The key last found in the cache (or derived and reused: recent) and its replay, with the cache it
@@ -375,6 +482,7 @@ def lookup(key: tuple | None) -> Replay | None:
         return None
     if r is not None:
         _last = (cache, key, r)
+        _set_guard(r.guard or None)
     return r
 
 
@@ -384,6 +492,7 @@ def keep(key: tuple, r: Replay) -> None:
     if len(cache) >= CACHE_LIMIT:
         cache.clear()
         _last = (None, None, None)
+        _set_guard(None)
     cache[key] = r
 
 
@@ -394,6 +503,7 @@ def clear() -> None:
     by_length.clear()
     recent.clear()
     _last = (None, None, None)
+    _set_guard(None)
 
 
 def run(plan: Plan, key: tuple | None = None, tensors: tuple = (), roles: frozenset[str] = frozenset(),

@@ -13,7 +13,9 @@ from rdnattention import dispatch, drivers, plan_flash_attn, reference, replay, 
 from rdnattention.errors import InvalidArgumentError
 from rdnattention.int8 import _torch_quantize
 
-from cases import TOL
+from cases import TOL, property_examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def _cache_inputs(seed, paged=False, rows=1):
@@ -63,10 +65,10 @@ def _call(entry, seed):
         return rdnattention.flash_attn(q, k, k.flip(2), **kw), ()
     if entry == "flash_attn_func":
         q, k = torch.randn(2, 30, 4, 64, generator=g).half(), torch.randn(2, 300, 2, 64, generator=g).half()
-        return rdnattention.flash_attn_func(q, k, k, causal=True, return_attn_probs=True)[:2], ()
+        return rdnattention.flash_attn_func(q, k, k.flip(1), causal=True, return_attn_probs=True)[:2], ()
     if entry == "sdpa":
         q, k = torch.randn(2, 4, 30, 64, generator=g).half(), torch.randn(2, 2, 300, 64, generator=g).half()
-        return rdnattention.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True), ()
+        return rdnattention.scaled_dot_product_attention(q, k, k.flip(2), is_causal=True, enable_gqa=True), ()
     if entry.startswith("kvcache"):
         paged = "paged" in entry
         q, k_cache, v_cache, k, v = _cache_inputs(seed, paged=paged)
@@ -442,3 +444,147 @@ def test_rope_calls_are_planned_for_their_length(host_build, monkeypatch):
     assert not replay.by_length
     with pytest.raises(InvalidArgumentError, match="rotary tables have 2000 positions"):
         rdnattention.flash_attn(q, *kv[2], rotary_cos=cos, rotary_sin=sin)
+
+
+# --- a run of calls of one key: its guard ----------------------------------------------------------
+
+needs_guards = pytest.mark.skipif(replay._TensorGuards is None,
+                                  reason="this torch has no TensorGuards (torch._C._dynamo.guards)")
+
+
+@needs_guards
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_run_of_calls_of_one_key_is_recognised_by_its_guard(host_build, monkeypatch, entry):
+    """From the third call in a row of one key on, the key is its guard's (one check of every
+    tensor), and the call returns what the same call planned from scratch returns."""
+    monkeypatch.setattr(replay, "cache", {})
+    monkeypatch.setattr(replay, "_guard", None)
+    checked = []
+    matches = replay.Guard.matches
+    monkeypatch.setattr(replay.Guard, "matches", lambda self, tensors: checked.append(matches(self, tensors))
+                        or checked[-1])
+    for seed in range(3):
+        _call(entry, seed)
+    checked.clear()
+    again = _call(entry, 3)
+    assert checked and all(checked)
+    fresh = _fresh(lambda: _call(entry, 3))
+    for a, b in zip(_flat(again), _flat(fresh)):
+        assert torch.equal(a, b)
+        assert (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
+
+
+def test_a_guard_takes_a_tensor_given_twice_as_its_key_did(host_build, monkeypatch):
+    """A tensor given as both k and v is checked once, and the guard recognises only calls that
+    give one tensor there again (TensorGuards refuses aliases; the key does not see them)."""
+    monkeypatch.setattr(replay, "cache", {})
+    monkeypatch.setattr(replay, "_guard", None)
+    q, k = _decode(1)
+    first = rdnattention.flash_attn(q, k, k)
+    for _ in range(3):
+        assert torch.equal(rdnattention.flash_attn(q, k, k), first)
+    guard = replay._guard
+    assert guard is not None and guard.same == ((2, 1),)
+    assert guard.matches((q, k, k, None, None, None, None, None))
+    assert not guard.matches((q, k, k.clone(), None, None, None, None, None))
+    other = k.flip(2)
+    assert torch.equal(rdnattention.flash_attn(q, k, other), _fresh(lambda: rdnattention.flash_attn(q, k, other)))
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+# What a call may give in place of one of the guarded call's tensors: ones its key tells apart and
+# ones it does not (the guard may refuse more than the key does, never less).
+VARIANTS = {
+    "itself": lambda t: t,
+    "a copy": lambda t: t.clone(),
+    "strides of a transpose": lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() > 1 else t[::2],
+    "another dtype": lambda t: t.float() if t.dtype != torch.float32 else t.half(),
+    "a negated view": lambda t: torch._neg_view(t),
+    "requiring grad": lambda t: t.float().detach().requires_grad_() if t.is_floating_point() else None,
+    "a subclass": lambda t: t.as_subclass(_Sub),
+    "None": lambda t: None,
+    "one row fewer": lambda t: t[:-1],
+    "an expanded row": lambda t: t[:1].expand(t.shape),
+    "another device": lambda t: t.to("meta"),
+    "an inference tensor": lambda t: _inference(t),
+}
+
+
+def _inference(t):
+    with torch.inference_mode():
+        return t.clone()
+
+
+@needs_guards
+@settings(max_examples=property_examples(60), deadline=None)
+@given(position=st.integers(0, 4), variant=st.sampled_from(sorted(VARIANTS)), grad=st.booleans(),
+       inference=st.booleans())
+def test_a_guarded_key_is_the_key_the_tensors_give(host_build, position, variant, grad, inference):
+    """Whatever differs from the guarded call (a tensor's strides, dtype, negation, grad, type,
+    presence, device; grad mode, inference mode), key() gives the key the tensors give it read one
+    by one."""
+    g = torch.Generator().manual_seed(0)
+    base = (torch.randn(2, 3, 4, 4, generator=g).half(), torch.randn(2, 5, 4, 4, generator=g).half(), None,
+            torch.randn(5, 2, generator=g), torch.tensor([5, 3], dtype=torch.int32))
+    options = (True, (-1, -1), float, 0.5)
+    cpu = torch.device("cpu")
+    kept = replay._last, replay._guard
+    try:
+        replay._last, replay._guard = (None, None, None), None
+        first = replay.key("test", cpu, base, options)
+        guard = replay.Guard.of("test", options, first, base, cpu, first[-1])
+        assert guard is not None and guard.matches(base)
+        made = VARIANTS[variant](base[position] if base[position] is not None else base[0])
+        tensors = base[:position] + (made,) + base[position + 1:]
+        mode = torch.inference_mode() if inference else torch.set_grad_enabled(grad)
+        with mode:
+            replay._guard = None
+            expected = replay.key("test", cpu, tensors, options)
+            replay._guard = guard
+            got = replay.key("test", cpu, tensors, options)
+        assert got == expected
+        if got is not None and expected != first:
+            assert got is not first
+    finally:
+        replay._last, replay._guard = kept
+
+
+@needs_guards
+def test_a_guard_gives_no_key_where_torch_traces_or_the_environment_moved_the_table(host_build, monkeypatch):
+    q = torch.randn(1, 2, 3, 8).half()
+    cpu = torch.device("cpu")
+    options = (False,)
+    monkeypatch.setattr(replay, "_last", (None, None, None))
+    monkeypatch.delenv("RDNATTENTION_HOST_TARGET", raising=False)
+    first = replay.key("test", cpu, (q, q), options)
+    monkeypatch.setattr(replay, "_guard", replay.Guard.of("test", options, first, (q, q), cpu, first[-1]))
+    assert replay.key("test", cpu, (q, q), options) is first
+    monkeypatch.setenv("RDNATTENTION_HOST_TARGET", "host_f32")
+    moved = replay.key("test", cpu, (q, q), options)
+    assert moved is not None and moved != first and moved[-1] == id(route.device_table(cpu))
+    monkeypatch.delenv("RDNATTENTION_HOST_TARGET")
+    monkeypatch.setattr(replay, "_is_tracing", lambda: True)
+    assert replay.key("test", cpu, (q, q), options) is None
+
+
+@pytest.mark.parametrize("position", [0, 1, 4])
+def test_a_negated_view_after_a_run_of_replays_is_refused_as_the_full_path_refuses_it(host_build, monkeypatch,
+                                                                                       position):
+    monkeypatch.setattr(replay, "cache", {})
+    tensors = list(_cache_inputs(0))
+    names = ["q", "k_cache", "v_cache", "k", "v"]
+
+    def call(ts):
+        q, k_cache, v_cache, k, v = ts
+        return rdnattention.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=LENGTHS, causal=True)
+    for _ in range(3):
+        call(tensors)
+    before = [t.clone() for t in tensors]
+    tensors[position] = torch._neg_view(tensors[position])
+    with pytest.raises(InvalidArgumentError, match=f"{names[position]} is a lazily negated or conjugated view"):
+        call(tensors)
+    for t, b in zip(tensors, before):  # nothing written
+        assert torch.equal(t.resolve_neg(), -b if t.is_neg() else b)
