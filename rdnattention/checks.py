@@ -28,9 +28,20 @@ FLOAT_NAMES = "float16 or bfloat16"
 
 
 def check_dtype(name: str, t: torch.Tensor) -> None:
-    """``t`` is float16 or bfloat16."""
+    """``t`` is a dense (strided, not nested) float16 or bfloat16 tensor."""
+    check_dense(name, t)
     if t.dtype not in FLOAT_DTYPES:
         raise InvalidArgumentError(f"{name} must be {FLOAT_NAMES}, got {t.dtype}")
+
+
+def check_dense(name: str, t: torch.Tensor) -> None:
+    """``t`` has a shape and strides: not nested, sparse or opaque (the kernels read strided memory)."""
+    if t.is_nested:
+        raise InvalidArgumentError(f"{name} is a nested tensor: the kernels read dense strided tensors (sequences of "
+                                   "several lengths run packed, through flash_attn_varlen_func)")
+    if t.layout is not torch.strided:
+        raise InvalidArgumentError(f"{name} is of layout {t.layout}: the kernels read dense strided tensors (pass "
+                                   f"{name}.to_dense())")
 
 
 def check_same_dtype(*named: tuple[str, torch.Tensor]) -> None:

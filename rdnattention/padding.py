@@ -44,8 +44,9 @@ def needed(*tensors: object, ranks: tuple[int, ...] = (4,), in_place: tuple = ()
     never copied only to align their rows: as flash-attn does, the entry point refuses such a cache
     with its own error."""
     given = [t for t in tensors if t is not None]
-    if not given or not all(isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16)
-                            and t.dtype == given[0].dtype and t.dim() in ranks for t in given):
+    if not given or not all(isinstance(t, torch.Tensor) and not t.is_nested and t.layout is torch.strided
+                            and t.dtype in (torch.float16, torch.bfloat16) and t.dtype == given[0].dtype
+                            and t.dim() in ranks for t in given):  # (nested, sparse: the entry point names them)
         return False
     if len({t.shape[-1] for t in given}) != 1:
         return False  # the entry point names the mismatch

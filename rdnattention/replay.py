@@ -143,13 +143,16 @@ def key(kind: str, device: torch.device, tensors: tuple, options: tuple) -> tupl
     grad = torch.is_grad_enabled()
     parts: list = [kind, options]
     add = parts.append
-    for t in tensors:
-        if t is None:
-            add(None)
-        elif type(t) is _Tensor and not (grad and t.requires_grad) and not t.is_neg():
-            add((t.shape, t.stride(), t.dtype, t.device))
-        else:
-            return None  # (a lazily negated view: the full path refuses it; a guard refuses it too)
+    try:
+        for t in tensors:
+            if t is None:
+                add(None)
+            elif type(t) is _Tensor and not (grad and t.requires_grad) and not t.is_neg():
+                add((t.shape, t.stride(), t.dtype, t.device))
+            else:
+                return None  # (a lazily negated view: the full path refuses it; a guard refuses it too)
+    except RuntimeError:  # a nested tensor has no shape or strides: the full path names it
+        return None
     try:
         table = route.device_table(device)
     except RdnaAttentionError:
@@ -236,8 +239,16 @@ class Guard:
             if tensors[i] is not tensors[j]:
                 return False
         try:
-            return self.check(*self.take(tensors))
-        except (TypeError, IndexError):  # another number of tensors
+            taken = self.take(tensors)
+        except IndexError:  # fewer tensors
+            return False
+        for t in taken:  # TensorGuards reads the sizes and strides of each before its type: a nested
+            # tensor (of type Tensor) has none, and its error would end the process
+            if type(t) is not _Tensor or t.is_nested:
+                return False
+        try:
+            return self.check(*taken)
+        except TypeError:  # another number of tensors
             return False
 
 

@@ -4,6 +4,7 @@ split-KV scratch comes from a per-stream (on the host: per-thread) workspace (wo
 
 import re
 import threading
+import warnings
 
 import pytest
 import torch
@@ -588,3 +589,26 @@ def test_a_negated_view_after_a_run_of_replays_is_refused_as_the_full_path_refus
         call(tensors)
     for t, b in zip(tensors, before):  # nothing written
         assert torch.equal(t.resolve_neg(), -b if t.is_neg() else b)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda q: torch.nested.nested_tensor([q[0], q[0]]), "q is a nested tensor"),
+    (lambda q: q.to_sparse(), "q is of layout torch.sparse_coo"),
+])
+def test_a_nested_or_sparse_tensor_after_a_run_of_replays_is_a_typed_error(host_build, monkeypatch, make, message):
+    """TensorGuards reads a nested tensor's sizes before its type and dispatch keys (torch's error
+    there would end the process): the guard refuses it first, and the full path names it."""
+    monkeypatch.setattr(replay, "cache", {})
+    q, k = _decode(3)
+    v = k.flip(2)
+    for _ in range(3):
+        rdnattention.flash_attn(q, k, v)
+    assert replay._guard is not None
+    with warnings.catch_warnings():  # (torch's prototype warning for nested tensors, once per process)
+        warnings.simplefilter("ignore")
+        bad = make(q)
+    for call in (lambda: rdnattention.flash_attn(bad, k, v),
+                 lambda: rdnattention.flash_attn_func(bad, k.transpose(1, 2), v.transpose(1, 2)),
+                 lambda: rdnattention.flash_attn_with_kvcache(bad, k.transpose(1, 2), v.transpose(1, 2))):
+        with pytest.raises(InvalidArgumentError, match=message):
+            call()
