@@ -318,12 +318,14 @@ def measure(cases, device: torch.device, budget_s: float, units: int, kernel_tim
                 rows.append(dict(case=case, error=f"{type(e).__name__}: {str(e)[:120]}"))
                 continue
             stub = stubbed_launch(units) if device.type == "cpu" else contextlib.nullcontext()
-            patch = contextlib.nullcontext()
-            if case.patched:
+
+            def patch():  # a context manager per use (a generator's is entered once)
+                if not case.patched:
+                    return contextlib.nullcontext()
                 import rdnattention
-                patch = rdnattention.sdpa_patched(devices=device.type, strict=True)
+                return rdnattention.sdpa_patched(devices=device.type, strict=True)
             try:
-                with stub, patch:
+                with stub, patch():
                     ours_b2b = back_to_back_us(ours, sync, budget_s)
                     ours_one = one_call(ours, sync, budget_s / 2)
             except Exception as e:  # noqa: BLE001
@@ -333,7 +335,7 @@ def measure(cases, device: torch.device, budget_s: float, units: int, kernel_tim
             sdpa_one = one_call(sdpa, sync, budget_s / 2)
             row = dict(case=case, ours_b2b=ours_b2b, ours_one=ours_one, sdpa_b2b=sdpa_b2b, sdpa_one=sdpa_one)
             if kernel_time and device.type == "cuda":
-                with patch:
+                with patch():
                     row["ours_gpu"] = kernel_us(ours)
                 row["sdpa_gpu"] = kernel_us(sdpa)
         rows.append(row)
