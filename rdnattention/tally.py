@@ -8,23 +8,27 @@ the counts from zero and lets each reason be reported again."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import Counter
 
 
 class Tally:
-    __slots__ = ("_lock", "_hits", "_reasons", "_reported")
+    __slots__ = ("_lock", "_hits", "_read", "_reasons", "_reported", "hit")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._hits = 0
         self._reasons: Counter[str] = Counter()
         self._reported: set[str] = set()
+        self._restart()
 
-    def hit(self) -> None:
-        """Counts a call that went as asked."""
-        with self._lock:
-            self._hits += 1
+    def _restart(self) -> None:
+        # The hits, counted by an itertools.count: one C call per hit, atomic without a lock (every
+        # eager call of every entry point counts one). Reading one takes a value, so the reads are
+        # counted too.
+        self._hits = itertools.count()
+        self._read = 0
+        self.hit = self._hits.__next__  # counts a call that went as asked
 
     def add(self, reason: str, n: int = 1) -> bool:
         """Counts ``n`` of ``reason``; True where it is the first of that reason since the last
@@ -40,9 +44,11 @@ class Tally:
         """(the hits, {reason: count}), a copy; with ``reset``, the counts start again from zero and
         each reason is reported again."""
         with self._lock:
-            out = self._hits, dict(self._reasons)
+            hits = next(self._hits) - self._read
+            self._read += 1
+            out = hits, dict(self._reasons)
             if reset:
-                self._hits = 0
+                self._restart()
                 self._reasons.clear()
                 self._reported.clear()
         return out
