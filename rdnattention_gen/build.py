@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import inspect
 import io
 import json
 import multiprocessing
@@ -126,12 +128,12 @@ def build(matrix: Matrix, targets: list[Target], build_dir: Path, jobs: int | No
     build_dir = build_dir.resolve()
     tc = toolchain.find()
     targets = _buildable(targets, log)
-    with _one_builder(build_dir):
+    with one_builder(build_dir):
         return _build_locked(matrix, targets, build_dir, tc, jobs, log, enforce, progress, audit_processes)
 
 
 @contextlib.contextmanager
-def _one_builder(build_dir: Path):
+def one_builder(build_dir: Path):
     """Holds the build directory's lock: build.ninja names only the targets of the run that wrote
     it, so a second builder (another test worker, another shell) writing its own between our write
     and our ninja would make ninja refuse our outputs as unknown."""
@@ -196,6 +198,37 @@ def audit_target(matrix: Matrix, target: Target, build_dir: Path,
     if enforce:
         audit.check(target, matrix.specs_for(target), rows)
     return rows
+
+
+# The Python that turns a built code object into audit rows, beside the platform's own module.
+_AUDIT_CODE = ("audit.py", "kernel_audit.py", "cost.py", "hsaco.py", "launch_abi.py", "platform.py")
+
+
+def audit_inputs(target: Target, gen_root: Path) -> str:
+    """A digest of what a target's audit rows follow from, the compiler aside (docs/hardware.md
+    names it): the target's generated sources (in ``gen_root``), the headers they include, its
+    platform's compile rules and audit code, and its entry of variants.yaml. hardware.md records
+    it per target, so that ``rdnattention-gen docs --check`` can tell the rows of a target it does
+    not compile from stale ones."""
+    digest = hashlib.sha256()
+
+    def add(label: str, data: bytes) -> None:
+        digest.update(label.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+
+    for path in sorted((gen_root / target.name).iterdir()):
+        if path.is_file():
+            add(path.name, path.read_bytes())
+    for path in sorted(INCLUDE_DIR.glob("*.h")):
+        add(path.name, path.read_bytes())
+    plat = platform(target.platform)
+    rules = io.StringIO()
+    plat.ninja_rules(Writer(rules, width=100))
+    add("rules", rules.getvalue().encode())
+    add("platform", Path(inspect.getsourcefile(type(plat))).read_bytes())
+    for name in _AUDIT_CODE:
+        add(name, (Path(__file__).parent / name).read_bytes())
+    add("target", repr(target).encode())
+    return digest.hexdigest()[:16]
 
 
 def _stamp(target: Target, build_dir: Path) -> str:

@@ -117,14 +117,35 @@ def cmd_package(matrix: Matrix, args: argparse.Namespace) -> int:
 
 def cmd_docs(matrix: Matrix, args: argparse.Namespace) -> int:
     targets = [t for t in _targets(matrix, args.targets) if t.platform != "host"]
-    rows = build.build(matrix, targets, args.build_dir, jobs=args.jobs, audit_processes=args.jobs or os.cpu_count() or 1)
-    text = docs.hardware_md(matrix, rows, toolchain.find().identity)
+    audited = targets
+    if args.audit != "all":
+        if not args.check:
+            raise docs.DocsError("--audit names the targets --check compiles; writing the page audits every target "
+                                 "(leave --audit out)")
+        build_dir = args.build_dir.resolve()
+        chosen = ({t.name for t in targets if (build_dir / t.name / "audit.json").is_file()} if args.audit == "built"
+                  else {t.name for t in _targets(matrix, args.audit)})
+        # whole instruction sets: their targets share a compile and a row (docs.hardware_md)
+        isas = {matrix.target(n).isa for n in chosen}
+        audited = [t for t in targets if t.isa in isas]
+    rows = build.build(matrix, audited, args.build_dir, jobs=args.jobs,
+                       audit_processes=args.jobs or os.cpu_count() or 1)
+    gen_root = args.build_dir.resolve() / "gen"
+    with build.one_builder(args.build_dir.resolve()):
+        generate(matrix, [t for t in targets if t not in audited], gen_root)
+        inputs = {t.name: build.audit_inputs(t, gen_root) for t in targets}
+    text = docs.hardware_md(matrix, rows, toolchain.find().identity, inputs)
     if args.check:
         current = args.out.read_text() if args.out.is_file() else ""
+        unaudited = {t.name for t in targets if t not in audited}
+        if unaudited:
+            current = docs.without_audit_rows(current, unaudited)
         if current != text:
             print(f"rdnattention-gen: error: {args.out} is out of date; run: rdnattention-gen docs", file=sys.stderr)
             return 1
-        print(f"docs: {args.out} is up to date")
+        held = f" ({len(unaudited)} target(s) held to their sources' digest: {', '.join(sorted(unaudited))})" \
+            if unaudited else ""
+        print(f"docs: {args.out} is up to date{held}")
         return 0
     changed = write_if_changed(args.out, text)
     print(f"docs: {args.out} {'written' if changed else 'unchanged'}")
@@ -219,6 +240,10 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles (default: ninja's choice)")
     d.add_argument("--out", type=Path, default=Path("docs") / "hardware.md", help="output file (default: %(default)s)")
     d.add_argument("--check", action="store_true", help="fail if the file differs instead of writing it")
+    d.add_argument("--audit", default="all",
+                   help="with --check: the targets compiled and audited, as a target list or `built` (those the build "
+                        "directory holds an audit of); the others' rows are held to the digest of their sources the "
+                        "page records (default: %(default)s)")
     add("probe", cmd_probe, "compile tiny probes per target and check variants.yaml's feature claims")
     t = add("tune", cmd_tune, "build tile candidates for one target, prune by the audit, rank by the cost "
                               "model; with --measure time them on the GPU, with --write record the winners")
@@ -245,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         matrix = load_matrix(args.variants, args.tuned)
         return args.fn(matrix, args)
     except (VariantsError, toolchain.ToolchainError, build.BuildError, audit.AuditError, NinjaPathError,
-            packaging.PackagingError, tune.TuneError) as e:
+            packaging.PackagingError, tune.TuneError, docs.DocsError) as e:
         print(f"rdnattention-gen: error: {e}", file=sys.stderr)
         return 2
 

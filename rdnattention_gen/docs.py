@@ -14,7 +14,13 @@ from .render import environment
 from .target import Tier
 
 
-def hardware_md(matrix: Matrix, rows: list[KernelAudit], compiler: str) -> str:
+class DocsError(ValueError):
+    """A docs command asked for something it cannot do."""
+
+
+def hardware_md(matrix: Matrix, rows: list[KernelAudit], compiler: str, inputs: dict[str, str]) -> str:
+    """The page, from the matrix, the audit ``rows`` of every GPU target, the ``compiler`` they
+    were built with and each target's build.audit_inputs digest."""
     amdgcn = PLATFORMS["amdgcn"].instructions
     fp16 = FAMILIES["f16"].signatures
     tiers = []
@@ -65,4 +71,24 @@ def hardware_md(matrix: Matrix, rows: list[KernelAudit], compiler: str) -> str:
         code_object_version=version, elf_abi_version=ELF_ABI_VERSION[version], rocm_floor=rocm_floor(version),
         tiers=tiers, targets=matrix.targets,
         bf16_dot_targets=", ".join(f"`{t.name}`" for t in matrix.targets if t.bf16_dot) or "none", distribution=distribution, rows=table, compiler=compiler, tile_tables=tile_tables, tile_rows=tile_rows,
-        tuned=tuned or "none yet (a tuner run on the GPU writes them)", mirrors=mirrors)
+        tuned=tuned or "none yet (a tuner run on the GPU writes them)", mirrors=mirrors,
+        inputs=inputs)
+
+
+AUDIT_HEADING = "## Kernel resources (audit)"
+
+
+def without_audit_rows(text: str, targets: set[str]) -> str:
+    """``text`` (a hardware.md) without the audit table's rows of ``targets``: those whose label
+    starts with one of them (a label lists the targets of one compile, its compiled one first)."""
+    lines = text.split("\n")
+    start = lines.index(AUDIT_HEADING) if AUDIT_HEADING in lines else len(lines)
+    kept = lines[:start]
+    for i, line in enumerate(lines[start:], start):
+        if i > start and line.startswith("## "):
+            kept += lines[i:]
+            break
+        if line.startswith("| `") and line[3:].split("`", 1)[0] in targets:
+            continue
+        kept.append(line)
+    return "\n".join(kept)
