@@ -151,7 +151,10 @@ def _build_locked(matrix: Matrix, targets: list[Target], build_dir: Path, tc: to
     for target in targets:
         write_if_changed(build_dir / target.name / "toolchain.txt", tc.identity + "\n")
     write_if_changed(build_dir / "build.ninja", _ninja_file(matrix, targets, build_dir, tc))
-    outputs = [str(code_object_path(t, build_dir)) for t in targets]
+    # ninja starts the outputs it is asked for in their order: a code object of two long steps in a
+    # row started last would finish the build alone on one core
+    first = sorted(targets, key=lambda t: not platform(t.platform).chained)
+    outputs = [str(code_object_path(t, build_dir)) for t in first]
     if not run_ninja(build_dir, outputs, jobs, progress):
         log("build: up to date, nothing compiled")
     for target in targets:

@@ -30,6 +30,7 @@ class Platform:
     instructions: dict[str, str]   # audit count -> the instruction as this platform spells it
     audit_version = 1              # bumped when the audit reader changes what it reports (cache key)
     mirrors = False                # its targets may build other targets' tiles (`mirrors:`)
+    chained = False                # a code object comes of two long steps in a row (build.py starts it first)
 
     @property
     def prelude(self) -> str:

@@ -34,6 +34,7 @@ class Cuda(Platform):
     dynamic_lds = True
     int8_dots = ("dp4a", "none")
     instructions = {"cvt_f32_f16": "cvt.f32.f16", "dot4": "dp4a"}
+    chained = True  # ptxas after clang, each minutes at sm_90
 
     def unavailable(self, target: Target) -> str | None:
         try:

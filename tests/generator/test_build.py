@@ -1,6 +1,5 @@
 """Building and auditing: every default target, incremental rebuilds, and a new target from YAML alone."""
 
-import dataclasses
 import json
 import re
 import subprocess
@@ -124,22 +123,13 @@ TIER2 = {"gfx1010": "fma_mix", "gfx904": "fma_mix", "gfx900": "mad_mix", "gfx902
          "gfx90c": "mad_mix", "gfx803": "cvt_f32_f16"}
 
 
-# The head_dims the tier-2 tests build their targets at: both paths of every family (64, a multiple
-# of 64; 128, the other measured constant), or a family's own head_dims where it has neither.
-TIER2_HEAD_DIMS = (64, 128)
-
-
 @pytest.fixture(scope="module")
 def tier2_audit(matrix, tmp_path_factory):
-    """The tier-2 targets built at TIER2_HEAD_DIMS, in a directory of their own: every family, tile
-    table and lowering, in about a fifth of their full build's compile. Their full builds' rows are
-    docs/hardware.md's, which test_docs.py holds to the digest of their sources."""
-    narrowed = {}
-    for name in TIER2:
-        head_dims = tuple((fam, tuple(h for h in axes["head_dims"] if h in TIER2_HEAD_DIMS) or axes["head_dims"])
-                          for fam, axes in matrix.kernels.items())
-        narrowed[name] = dataclasses.replace(matrix.target(name), head_dims=head_dims)
-    m = dataclasses.replace(matrix, targets=tuple(narrowed.get(t.name, t) for t in matrix.targets))
+    """The tier-2 targets built at head_dims 64 and 128 (small_matrix.narrowed), in a directory of
+    their own: every family, tile table and lowering, in about a fifth of their full build's
+    compile. Their full builds' rows are docs/hardware.md's, which test_docs.py holds to the digest
+    of their sources."""
+    m = small_matrix.narrowed(matrix, TIER2)
     return build.build(m, [m.target(n) for n in TIER2], tmp_path_factory.mktemp("tier2"), log=lambda *_: None)
 
 
