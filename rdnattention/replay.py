@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import operator
-import struct
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -52,26 +51,6 @@ class Step:
     function: object = None  # the kernel's handle on a GPU (the driver's function), loaded when kept
     index: int = 0  # the GPU it was loaded on
     go: object = None  # on a GPU, the handle's launch over this grid (the driver's bound): go(args, stream)
-    writes: tuple = ()  # ``fields`` as runs of adjacent pointers, each written by one pack (writes())
-
-
-def writes(args: type[ctypes.Structure], fields: tuple[str, ...]) -> tuple:
-    """The pointer ``fields`` of the struct type ``args`` as runs of adjacent ones: (the pack of a
-    run's pointers into a struct at an offset, that offset, the pointers' getter from the pointers
-    by field, which gives a tuple): a launch writes each run in one call rather than a field at a
-    time."""
-    runs: list[tuple[int, list[str]]] = []
-    for offset, name in sorted((getattr(args, f).offset, f) for f in fields):
-        if runs and runs[-1][0] + 8 * len(runs[-1][1]) == offset:
-            runs[-1][1].append(name)
-        else:
-            runs.append((offset, [name]))
-    return tuple((struct.Struct(f"={len(names)}Q").pack_into, offset,
-                  operator.itemgetter(*names) if len(names) > 1 else _one(names[0])) for offset, names in runs)
-
-
-def _one(name: str):
-    return lambda pointers: (pointers[name],)
 
 
 @dataclass(eq=False, slots=True)
@@ -352,7 +331,7 @@ def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str
             go = driver.DRIVER.bound(function, launch.kernel.name, launch.grid, launch.block, launch.shared_bytes)
         steps.append(Step(name=launch.kernel.name, grid=launch.grid, block=launch.block,
                           shared_bytes=launch.shared_bytes, args=type(args).from_buffer_copy(args), fields=fields,
-                          function=function, index=index or 0, go=go, writes=writes(type(args), fields)))
+                          function=function, index=index or 0, go=go))
     lengths = plan.lengths if free is not None and not before else None
     r = Replay(table=plan.table, driver=driver, steps=tuple(steps),
                scratch_bytes=plan.scratch_bytes, scratch_lse=plan.scratch_lse, counters=plan.counters,
@@ -384,8 +363,8 @@ def launch(r: Replay, pointers: dict[str, int], device: torch.device,
         driver, code_object = r.driver, r.table.code_object
         for step in steps:
             args = type(step.args).from_buffer_copy(step.args)
-            for pack, offset, take in step.writes:
-                pack(args, offset, *take(pointers))
+            for field in step.fields:
+                setattr(args, field, pointers[field])
             driver.launch_kernel(code_object, step.name, step.grid, step.block, args, device, step.shared_bytes)
         return
     index = steps[0].index  # the stream is looked up once, for the workspace and every launch
@@ -420,8 +399,8 @@ def _place(r: Replay, pointers: dict[str, int], base: int, count: torch.Tensor, 
 def _launch_steps(steps: tuple[Step, ...], pointers: dict[str, int], stream: int) -> None:
     for step in steps:
         args = type(step.args).from_buffer_copy(step.args)
-        for pack, offset, take in step.writes:
-            pack(args, offset, *take(pointers))
+        for field in step.fields:
+            setattr(args, field, pointers[field])
         step.go(args, stream)
 
 
@@ -444,7 +423,7 @@ def relength(r: Replay, seq_k: int, k_strides: tuple[int, int, int], v_strides: 
     args.seq_k = seq_k
     if splits == step.args.splits:  # r's slices (a cache that grows changes them rarely): its grid, launch, scratch
         step = Step(step.name, step.grid, step.block, step.shared_bytes, args, step.fields, step.function, step.index,
-                    step.go, step.writes)
+                    step.go)
         return Replay(r.table, r.driver, (step,), r.scratch_bytes, r.scratch_lse, r.counters, reach, r.extra, lengths,
                       r.like)
     if (splits > 1) != (r.scratch_bytes > 0):
@@ -455,8 +434,7 @@ def relength(r: Replay, seq_k: int, k_strides: tuple[int, int, int], v_strides: 
     scratch_bytes, scratch_lse = lengths.scratch(splits)
     go = None if step.go is None else r.driver.DRIVER.bound(step.function, step.name, grid, step.block,
                                                              step.shared_bytes)
-    step = Step(step.name, grid, step.block, step.shared_bytes, args, step.fields, step.function, step.index, go,
-                step.writes)
+    step = Step(step.name, grid, step.block, step.shared_bytes, args, step.fields, step.function, step.index, go)
     return Replay(r.table, r.driver, (step,), scratch_bytes, scratch_lse, r.counters, reach, r.extra, lengths, r.like)
 
 

@@ -613,26 +613,3 @@ def test_a_nested_or_sparse_tensor_after_a_run_of_replays_is_a_typed_error(host_
         with pytest.raises(InvalidArgumentError, match=message):
             call()
 
-
-@settings(max_examples=property_examples(200), deadline=None)
-@given(st.data())
-def test_a_launch_writes_its_pointer_fields_and_nothing_else(data):
-    """replay.writes: the pointer fields a replayed launch rewrites, packed in runs of adjacent
-    ones, give the struct that setting them one by one gives, for any of the families' argument
-    structs and any subset of their pointer fields."""
-    import ctypes
-    from rdnattention.families import FAMILIES
-
-    struct = FAMILIES[data.draw(st.sampled_from(sorted(FAMILIES)))].ARGS.ctype
-    pointers = [name for name, ctype in struct._fields_ if ctype is ctypes.c_void_p]
-    fields = tuple(data.draw(st.lists(st.sampled_from(pointers), unique=True, min_size=1)))
-    planned = struct.from_buffer_copy(bytes(data.draw(st.binary(min_size=ctypes.sizeof(struct),
-                                                                 max_size=ctypes.sizeof(struct)))))
-    values = {f: data.draw(st.integers(0, 2**64 - 1)) for f in fields}
-    expected = struct.from_buffer_copy(planned)
-    for f in fields:
-        setattr(expected, f, values[f])
-    packed = struct.from_buffer_copy(planned)
-    for pack, offset, take in replay.writes(struct, fields):
-        pack(packed, offset, *take(values))
-    assert bytes(packed) == bytes(expected)
