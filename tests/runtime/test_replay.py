@@ -612,4 +612,3 @@ def test_a_nested_or_sparse_tensor_after_a_run_of_replays_is_a_typed_error(host_
                  lambda: rdnattention.flash_attn_with_kvcache(bad, k.transpose(1, 2), v.transpose(1, 2))):
         with pytest.raises(InvalidArgumentError, match=message):
             call()
-
