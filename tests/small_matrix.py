@@ -44,7 +44,7 @@ def write(directory: Path, keep: tuple[int, ...] = KEEP, text: str | None = None
     return variants, tuned
 
 
-def narrowed(matrix, names, keep: tuple[int, ...] = (64, 128)):
+def narrowed(matrix, names, keep: tuple[int, ...] = (64,)):
     """``matrix`` with the targets ``names`` building only the head_dims ``keep`` lists (a family's
     own where it lists none of them: the append family's 512), its tile tables and tuned tiles as
     they are: the tests that check properties of every family's kernels on a target whose full

@@ -125,10 +125,9 @@ TIER2 = {"gfx1010": "fma_mix", "gfx904": "fma_mix", "gfx900": "mad_mix", "gfx902
 
 @pytest.fixture(scope="module")
 def tier2_audit(matrix, tmp_path_factory):
-    """The tier-2 targets built at head_dims 64 and 128 (small_matrix.narrowed), in a directory of
-    their own: every family, tile table and lowering, in about a fifth of their full build's
-    compile. Their full builds' rows are docs/hardware.md's, which test_docs.py holds to the digest
-    of their sources."""
+    """The tier-2 targets built at head_dim 64 (small_matrix.narrowed), in a directory of their own:
+    every family and lowering, in a small part of their full build's compile. Their full builds'
+    rows are docs/hardware.md's, which test_docs.py holds to the digest of their sources."""
     m = small_matrix.narrowed(matrix, TIER2)
     return build.build(m, [m.target(n) for n in TIER2], tmp_path_factory.mktemp("tier2"), log=lambda *_: None)
 

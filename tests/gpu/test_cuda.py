@@ -22,7 +22,7 @@ CUDA_TARGETS = ["sm_90", "sm_61", "sm_60"]
 
 @pytest.fixture(scope="module")
 def cuda_audit(matrix, build_dir, tmp_path_factory):
-    """sm_90's build (the GPU tests') and Pascal's at head_dims 64 and 128 (small_matrix.narrowed:
+    """sm_90's build (the GPU tests') and Pascal's at head_dim 64 (small_matrix.narrowed:
     every family and lowering; their full builds' rows are docs/hardware.md's)."""
     pascal = [n for n in CUDA_TARGETS if n != "sm_90"]
     m = small_matrix.narrowed(matrix, pascal)
