@@ -51,7 +51,9 @@ def _ninja_file(matrix: Matrix, targets: list[Target], build_dir: Path, tc: tool
     groups = _shared_compiles(targets, build_dir / "gen")
     if any(len(g) > 1 for g in groups.values()):
         w.variable("python", command_path(sys.executable))
-    for target in targets:
+    # ninja starts the steps of equal depth in the order this file lists them: a code object of two
+    # long steps in a row (cuda: clang, then ptxas) listed last would finish a build alone on one core
+    for target in sorted(targets, key=lambda t: not platform(t.platform).chained):
         gen = build_dir / "gen" / target.name
         specs = matrix.specs_for(target)
         headers = sorted(str(p) for p in gen.iterdir() if p.suffix in (".h", ".cpp") and p.name != "kernels.cpp")
@@ -151,10 +153,7 @@ def _build_locked(matrix: Matrix, targets: list[Target], build_dir: Path, tc: to
     for target in targets:
         write_if_changed(build_dir / target.name / "toolchain.txt", tc.identity + "\n")
     write_if_changed(build_dir / "build.ninja", _ninja_file(matrix, targets, build_dir, tc))
-    # ninja starts the outputs it is asked for in their order: a code object of two long steps in a
-    # row started last would finish the build alone on one core
-    first = sorted(targets, key=lambda t: not platform(t.platform).chained)
-    outputs = [str(code_object_path(t, build_dir)) for t in first]
+    outputs = [str(code_object_path(t, build_dir)) for t in targets]
     if not run_ninja(build_dir, outputs, jobs, progress):
         log("build: up to date, nothing compiled")
     for target in targets:
