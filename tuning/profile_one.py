@@ -9,7 +9,8 @@ BATCH HEADS SEQ DIM [causal]: fp16 q, k, v of that shape through flash_attn. Wit
 decode shape of bench.DECODE row N (split-KV kernels, their slices merged in the same launch); with
 --decode-shape BATCH HEADS_Q HEADS_KV SEQ_Q SEQ_K DIM, that decode shape. --sdpa: torch's
 scaled_dot_product_attention on the same tensors after ours (its default backend, GQA by
-enable_gqa), so that one profile holds both; --softcap C: the decode call with that logit softcap.
+enable_gqa), so that one profile holds both; --softcap C: the call with that logit softcap (a
+prefill shape's takes the kernels of score option xf where they are built).
 --backward: the prefill shape's forward, then its backward (the bwd family's passes) once."""
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def main() -> int:
     p.add_argument("--decode-shape", type=int, nargs=6, metavar=("BATCH", "HEADS_Q", "HEADS_KV", "SEQ_Q", "SEQ_K", "DIM"),
                    help="a decode shape instead of a prefill shape")
     p.add_argument("--sdpa", action="store_true", help="torch's SDPA on the same tensors after ours")
-    p.add_argument("--softcap", type=float, default=0.0, help="the decode call's logit softcap (0: none)")
+    p.add_argument("--softcap", type=float, default=0.0, help="the call's logit softcap (0: none)")
     p.add_argument("--backward", action="store_true", help="the prefill shape's backward after its forward")
     p.add_argument("shape", nargs="*", metavar="BATCH HEADS SEQ DIM [causal]")
     args = p.parse_args()
@@ -50,7 +51,7 @@ def main() -> int:
         q, k, v = (torch.randn(batch, heads, seq, dim, device=device, dtype=torch.float16,
                                requires_grad=args.backward) for _ in range(3))
         causal = len(args.shape) == 5
-        out = flash_attn(q, k, v, is_causal=causal)
+        out = flash_attn(q, k, v, is_causal=causal, softcap=args.softcap)
         if args.backward:
             torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
             q, k, v = (t.detach() for t in (q, k, v))
