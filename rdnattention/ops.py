@@ -114,7 +114,16 @@ def length_free(key: tuple | None) -> tuple | None:
     the keys' length: options.validate)."""
     if key is None or key[1][1][0] >= 0 or key[5] is not None or key[6] is not None:
         return None
-    return replay.length_free(key, (1, 2), 1 if key[1][5] is True else 2)
+    return replay.length_free(key, KV, seq_dim(key))
+
+
+# K's and V's places among key()'s tensors
+KV = (1, 2)
+
+
+def seq_dim(key: tuple) -> int:
+    """The dimension of K's and V's length in the layout of the call of ``key`` (of :func:`key`)."""
+    return 1 if key[1][5] is True else 2
 
 
 def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool, rotary_cos=None, rotary_sin=None,
@@ -126,32 +135,25 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
     output is [batch, seq, heads, head_dim] where ``token_major``."""
     if key is None:
         return None
-    r = replay.lookup(key)  # (None for an unhashable option, a list for a number: the full path names it)
-    tokens_in = token_major and not views
+    tensors = (q, k, v, rotary_cos, rotary_sin, seqused_k, alibi_slopes, sinks)
+    f = replay.followed(key)  # recognised by a by_length entry's guard: one of its calls, of any length
+    r = None if f is None else replay.follow(f, key, tensors, q.device)
+    if r is None:
+        r = replay.lookup(key)  # (None for an unhashable option, a list for a number: the full path names it)
     if r is None:  # a call that differs from a kept one in the keys' length alone follows its replay
-        r = replay.reused(key)  # derived for an earlier call of this length (the step's first layer)
+        free = length_free(key)
+        if free is None:
+            return None
+        try:
+            f = replay.by_length.get(free)
+        except TypeError:  # an option that is not hashable (replay.lookup)
+            return None
+        if f is None:
+            return None
+        r = replay.follow(f, key, tensors, q.device)
         if r is None:
-            free = length_free(key)
-            if free is None:
-                return None
-            try:
-                entry = replay.by_length.get(free)
-            except TypeError:  # an option that is not hashable (replay.lookup)
-                return None
-            if entry is None:
-                return None
-            r = entry[0]
-            ks, vs = k.stride(), v.stride()
-            if tokens_in:  # [batch, seq, heads, head_dim]: the kernels' (batch, head, row) strides
-                seq_k, ks, vs = k.shape[1], (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
-            else:
-                seq_k, ks, vs = k.shape[2], ks[:3], vs[:3]
-            reach = (r.reach[0], (checks.reach(k), r.reach[1][1]), (checks.reach(v), r.reach[2][1]), *r.reach[3:])
-            r = replay.relength(r, seq_k, ks, vs, reach)
-            if r is None:
-                return None  # planned in full
-            replay.derive(entry, key, r)  # the next call of this length (the next layer's) replays it as it is
-    found = replay.pointers((q, k, v, rotary_cos, rotary_sin, seqused_k, alibi_slopes, sinks), r.reach, 3)
+            return None  # planned in full
+    found = replay.pointers(tensors, r.reach, 3)
     if found is None:
         return None
     if seqused_k is not None or alibi_slopes is not None or sinks is not None:
@@ -217,8 +219,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Options, token
                               o.score.alibi_slopes, o.score.sinks, o.deterministic)
     p = plan(q, k, v, o, token_major)
     replay.run(p, key, (q, k, v, o.rotary_cos, o.rotary_sin, o.seqused_k, *o.score.tensors), ROLES,
-               free=length_free(key))
+               free=_following(key))
     return p.outputs
+
+
+def _following(key: tuple | None) -> tuple | None:
+    """replay.remember's ``free`` of the call ``key``: its length_free key, K's and V's places, the
+    dimension of their length; None where validation reads the length."""
+    free = length_free(key)
+    return None if free is None else (free, KV, seq_dim(key))
 
 
 # RoPE with gradients: the backward kernels take no rotation, so a call that autograd records has q

@@ -72,22 +72,36 @@ class Replay:
 
 # Calls already validated and planned, by key().
 cache: dict[tuple, Replay] = {}
-# Replays that follow the keys' length, by length_free(key): a decode step on a cache that grows by
-# a key per step (transformers' DynamicCache in generate()) is a new key at every step, and would
-# otherwise be validated and planned at every step. Each entry is [the replay the next length derives
-# from (relength), the key of the call it was derived for or None]: the planned replay, then the
-# one last derived (a growing cache's key slices change every hundred keys or so, and relength keeps
-# the launch of a replay whose slices stay).
-by_length: dict[tuple, list] = {}
-# The replays last derived from by_length entries, by the key of the call each was derived for:
-# [the replay, the calls that reused it]. The other layers of a decode step (one key) reuse it, found
-# by their own key (length_free is not computed for them); the next step's length replaces it (one
-# recent replay per length-free key), so the replays of a cache that grows by a key per step are
-# freed as they go, rather than kept (kept ones pile up as objects the garbage collector scans: in a
-# loop of growing calls that cost more than the call itself). One reused PROMOTE times, a length
-# that stays, is kept under its key.
-recent: dict[tuple, list] = {}
-PROMOTE = 128
+
+
+@dataclass(eq=False, slots=True)
+class Following:
+    """The replays of calls that differ only in the keys' length (and the K/V strides that follow it),
+    by_length's entry for their length_free key: a decode step on a cache that grows by a key per
+    step (transformers' DynamicCache in generate()) is a new key at every step, and would otherwise
+    be validated and planned at every step. ``last`` is the key of the call last served and its
+    replay, one tuple replaced whole (so that threads read a consistent pair): the other layers of
+    that step (the same key) replay it as it is, and the next length derives its own from it
+    (relength). Only the last is kept: replays of lengths that pass are freed as they go, rather
+    than piling up as objects the garbage collector scans."""
+
+    free: tuple  # the length_free key
+    last: tuple[tuple, Replay]
+    positions: tuple[int, int]  # K's and V's places among the key's tensors (4-dimensional)
+    seq_dim: int  # their length's dimension in the key's layout
+    per16: int  # their elements in 16 bytes
+    residues: tuple[int, ...]  # the first three strides of K, then of V, modulo per16 (length_free)
+    guard: Guard | bool | None = None  # recognises the entry's calls at any length (key()); False: none can be
+
+    @classmethod
+    def of(cls, free: tuple, key: tuple, r: Replay, positions: tuple[int, int], seq_dim: int) -> Following:
+        (_, ks, dtype, _), (_, vs, _, _) = key[2 + positions[0]], key[2 + positions[1]]
+        n = 16 // dtype.itemsize
+        return cls(free, (key, r), positions, seq_dim, n, tuple(s % n for s in (*ks[:3], *vs[:3])))
+
+
+# By length_free(key); replaced whole past CACHE_LIMIT entries, as the cache is.
+by_length: dict[tuple, Following] = {}
 
 
 # torch.jit.is_tracing() outside TorchScript (where this module never runs), without its Python frame
@@ -129,17 +143,23 @@ def key(kind: str, device: torch.device, tensors: tuple, options: tuple) -> tupl
     and ``options`` (hashable, with their types where validation distinguishes them), or None
     where it may not replay: tensor subclasses, gradients, tracing, a device without kernels.
     A call like the one before it (the layers of a decode step) is recognised by that key's
-    :class:`Guard`, without reading its tensors' attributes one by one."""
-    g = _guard
-    if (g is not None and g.options == options and g.kind == kind and g.matches(tensors)
-            and not (torch.compiler.is_compiling() or _is_tracing())):
-        try:
-            if id(route.device_table(g.device)) == g.table:
-                return g.key
-        except RdnaAttentionError:
-            return None  # the full path raises it
+    :class:`Guard`, without reading its tensors' attributes one by one; a call of the length_free
+    key last followed, at any length, by that entry's (Following.guard)."""
     if torch.compiler.is_compiling() or _is_tracing():
         return None
+    try:
+        if _following_first:  # the guard that recognised the last call first
+            k = _following_key(kind, tensors, options)
+            if k is _MISS:
+                k = _guarded_key(kind, tensors, options)
+        else:
+            k = _guarded_key(kind, tensors, options)
+            if k is _MISS:
+                k = _following_key(kind, tensors, options)
+    except RdnaAttentionError:
+        return None  # (the device's table) the full path raises it
+    if k is not _MISS:
+        return k
     grad = torch.is_grad_enabled()
     parts: list = [kind, options]
     add = parts.append
@@ -170,6 +190,60 @@ def key(kind: str, device: torch.device, tensors: tuple, options: tuple) -> tupl
     return k
 
 
+_MISS = object()  # neither guard recognised the call
+_following_first = False  # key() tries _following's guard before _guard's: the last call was the former's
+
+
+def recognised(kind: str, tensors: tuple) -> bool:
+    """Whether _guard's or _following's guard recognises ``tensors`` as those of a call of entry point
+    ``kind``: plain dense tensors, like a kept call's (its options aside)."""
+    g = _guard
+    if g is not None and g.kind == kind and g.matches(tensors):
+        return True
+    f = _following
+    return f is not None and f.guard.kind == kind and f.guard.matches(tensors)
+
+
+def _guarded_key(kind: str, tensors: tuple, options: tuple) -> tuple | None | object:
+    """The key of _guard's replay where its guard recognises the call and the device's table is the
+    key's, else _MISS."""
+    global _following_first
+    g = _guard
+    if g is None or g.options != options or g.kind != kind or not g.matches(tensors):
+        return _MISS
+    _following_first = False
+    return g.key if id(route.device_table(g.device)) == g.table else _MISS
+
+
+def _following_key(kind: str, tensors: tuple, options: tuple) -> tuple | None | object:
+    """The key of a call _following's guard recognises (of its length_free key, K's and V's length and
+    strides left free): its last call's where K and V are those of that call, else the guard's
+    with K's and V's, where the device's table is the guard's; else _MISS."""
+    global _followed, _following_first
+    f = _following
+    if f is None:
+        return _MISS
+    g = f.guard
+    if g.options != options or g.kind != kind or not g.matches(tensors):
+        return _MISS
+    _following_first = True
+    if id(route.device_table(g.device)) != g.table:
+        return _MISS
+    last = f.last[0]
+    i, j = f.positions
+    a, b = tensors[i], tensors[j]
+    sa, sb = a.shape, b.shape
+    ka, kb = last[2 + i], last[2 + j]
+    if sa == ka[0] and sb == kb[0] and a.stride() == ka[1] and b.stride() == kb[1]:
+        k = last  # the last call's length (the next layer of a decode step)
+    else:
+        parts = list(g.key)
+        parts[2 + i], parts[2 + j] = (sa, a.stride(), a.dtype, a.device), (sb, b.stride(), b.dtype, b.device)
+        k = tuple(parts)
+    _followed = (k, f)
+    return k
+
+
 # torch's check of many tensors against recorded ones in one call, in C++ (what the functions
 # torch.compile makes run on their inputs): Python type, dispatch keys (the device type and the
 # negation bit among them), dtype, device index, requires_grad, sizes and strides. None where this
@@ -197,10 +271,12 @@ class Guard:
 
     @classmethod
     def of(cls, kind: str, options: tuple, key: tuple, tensors: tuple, device: torch.device,
-           table: int) -> Guard | None:
+           table: int, free: dict[int, int] | None = None) -> Guard | None:
         """The guard of ``key`` from the tensors of one of its calls (one given twice, such as
         cu_seqlens for the queries and the keys, is checked once and must be given twice by the
-        calls it recognises: TensorGuards refuses aliases), or None where a tensor requires grad."""
+        calls it recognises: TensorGuards refuses aliases), or None where a tensor requires grad.
+        ``free``: {position: dimension} of tensors whose size along that dimension, and every
+        stride but the last, the guard leaves unchecked (Following.guard)."""
         first: dict[int, int] = {}
         present, same = [], []
         for i, t in enumerate(tensors):
@@ -214,10 +290,16 @@ class Guard:
                 first[id(t)] = i
                 present.append(i)
         given = [tensors[i] for i in present]
+        sizes = strides = None  # every size and stride as the tensor has it, read in C++ (a fifth of the
+        # time of passing them as lists)
+        if free:
+            if any(i not in present for i in free):
+                return None
+            sizes = [[None if free.get(i) == d else n for d, n in enumerate(tensors[i].shape)] for i in present]
+            strides = [list(tensors[i].stride()) if i not in free else
+                       [None] * (tensors[i].dim() - 1) + [tensors[i].stride(-1)] for i in present]
         try:
-            # None: every size and stride as the tensor has it, read in C++ (a fifth of the time of
-            # passing them as lists)
-            guards = _TensorGuards(*given, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+            guards = _TensorGuards(*given, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
         except Exception:  # noqa: BLE001 - a torch whose TensorGuards takes other arguments: no guard
             return None
         if not present:
@@ -260,6 +342,19 @@ _guard: Guard | None = None
 def _set_guard(g: Guard | None) -> None:
     global _guard
     _guard = g
+
+
+# The by_length entry last followed whose guard is made (key() tries it after _guard), and the key
+# key() last made from it with the entry, one tuple replaced whole: the entry point's replayed()
+# finds that call's entry by it (followed()), without looking the key up.
+_following: Following | None = None
+_followed: tuple = (None, None)
+
+
+def followed(key: tuple) -> Following | None:
+    """The by_length entry whose guard recognised the call ``key`` (of key()) was made for, or None."""
+    k, f = _followed
+    return f if k is key else None
 
 
 def length_free(key: tuple | None, positions: tuple[int, ...], seq_dim: int) -> tuple | None:
@@ -311,7 +406,8 @@ def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str
     same table that run ahead of the plan's, such as flash_attn_with_kvcache's append) where every
     pointer field of its launches is one of ``roles`` or the scratch; returns the replay, or None
     where it is not kept. A plan that follows the keys' length (Plan.lengths) with nothing before it
-    is kept under ``free`` (length_free(key)) too."""
+    is kept under ``free`` too: (length_free(key), K's and V's places among ``tensors``, the
+    dimension of their length)."""
     if key is None or not plan.launches:
         return None
     steps = []
@@ -340,8 +436,8 @@ def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str
     keep(key, r)
     if lengths is not None:
         if len(by_length) >= CACHE_LIMIT:
-            by_length.clear()
-        by_length[free] = [r, None]
+            _clear_following()
+        by_length[free[0]] = Following.of(free[0], key, r, free[1], free[2])
     return r
 
 
@@ -438,40 +534,7 @@ def relength(r: Replay, seq_k: int, k_strides: tuple[int, int, int], v_strides: 
     return Replay(r.table, r.driver, (step,), scratch_bytes, scratch_lse, r.counters, reach, r.extra, lengths, r.like)
 
 
-def reused(key: tuple) -> Replay | None:
-    """The replay last derived for ``key`` (recent), or None; one reused PROMOTE times is kept under
-    ``key`` from then on."""
-    global _last
-    try:
-        last = recent.get(key)
-    except TypeError:  # an option that is not hashable (lookup)
-        return None
-    if last is None:
-        return None
-    last[1] += 1
-    if last[1] >= PROMOTE:
-        keep(key, last[0])
-    _last = (cache, key, last[0])
-    _set_guard(last[0].guard or None)
-    return last[0]
-
-
-def derive(entry: list, key: tuple, r: Replay) -> None:
-    """Records ``r``, derived from ``entry`` (of by_length) for the calls of ``key``, as the recent
-    replay of ``key`` in place of the one derived from the entry before, and as the entry's: the next
-    length derives from it."""
-    global _last
-    if entry[1] is not None:
-        recent.pop(entry[1], None)
-    if len(recent) >= CACHE_LIMIT:
-        recent.clear()
-    recent[key] = [r, 0]
-    entry[0], entry[1] = r, key
-    _last = (cache, key, r)
-    _set_guard(None)
-
-
-# The key last found in the cache (or derived and reused: recent) and its replay, with the cache it
+# The key last found in the cache and its replay, with the cache it
 # belongs to, one tuple replaced whole (so that threads read a consistent triple): the layers of a
 # decode step call with one key, and comparing a key with it costs half the cache's lookup (its hash
 # and the same comparison).
@@ -479,7 +542,7 @@ _last: tuple = (None, None, None)
 
 
 def lookup(key: tuple | None) -> Replay | None:
-    """The plan kept for ``key`` (or last derived for it: recent), or None: for None, and for a key
+    """The plan kept for ``key``, or None: for None, and for a key
     holding an option that is not hashable, such as a list given for a number (the full path names
     it)."""
     global _last
@@ -508,12 +571,52 @@ def keep(key: tuple, r: Replay) -> None:
     cache[key] = r
 
 
+def follow(f: Following, key: tuple, tensors: tuple, device: torch.device) -> Replay | None:
+    """The replay of the call ``key`` (of ``tensors`` on ``device``), one of ``f``'s length_free key:
+    ``f``'s last as it is where the last call was this one's key (the next layer of a decode step),
+    else derived for this call's length from it (relength) and made ``f``'s last; None where the
+    full path must plan it. Makes ``f`` the entry key() tries, its guard made at its first follow."""
+    global _following
+    last_key, r = f.last
+    i, j = f.positions
+    if key is not last_key and (key[2 + i] != last_key[2 + i] or key[2 + j] != last_key[2 + j]):
+        k, v = tensors[i], tensors[j]
+        ks, vs = k.stride(), v.stride()
+        seq_k = k.shape[f.seq_dim]
+        # what length_free keeps of K's and V's length and strides, which key() leaves free where it
+        # recognises the call by f's guard: whether there are keys, the strides modulo 16 bytes
+        n = f.per16
+        if not seq_k or (ks[0] % n, ks[1] % n, ks[2] % n, vs[0] % n, vs[1] % n, vs[2] % n) != f.residues:
+            return None
+        if f.seq_dim == 1:  # [batch, seq, heads, head_dim]: the kernels' (batch, head, row) strides
+            ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
+        else:
+            ks, vs = ks[:3], vs[:3]
+        reach = list(r.reach)
+        reach[i], reach[j] = (checks.reach(k), reach[i][1]), (checks.reach(v), reach[j][1])
+        r = relength(r, seq_k, ks, vs, tuple(reach))
+        if r is None:
+            return None
+        f.last = (key, r)
+    if f.guard is None:
+        f.guard = _TensorGuards is not None and Guard.of(
+            key[0], key[1], key, tensors, device, key[-1], dict.fromkeys(f.positions, f.seq_dim)) or False
+    if f.guard:
+        _following = f
+    return r
+
+
+def _clear_following() -> None:
+    global _following, _followed
+    by_length.clear()
+    _following, _followed = None, (None, None)
+
+
 def clear() -> None:
     """Drops every replay kept (the next call of each key is validated and planned again)."""
     global _last
     cache.clear()
-    by_length.clear()
-    recent.clear()
+    _clear_following()
     _last = (None, None, None)
     _set_guard(None)
 

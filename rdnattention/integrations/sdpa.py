@@ -269,8 +269,8 @@ def _replayed(config: _Config, args: tuple, kwargs: dict) -> torch.Tensor | None
             or replay.autocast_on() or torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
             or replay.tracing()):
         return None
-    guard = replay._guard  # tensors like those of a kept call (its dispatch keys) are none of these
-    if guard is None or guard.kind != "flash_attn" or not guard.matches((q, k, v, None, None, None, None, None)):
+    # tensors like those of a kept call (its dispatch keys) are none of these
+    if not replay.recognised("flash_attn", (q, k, v, None, None, None, None, None)):
         for t in (q, k, v):  # before any size is read: nested and sparse tensors have none to give
             if (t.is_nested or t.layout is not torch.strided or torch._C._functorch.is_functorch_wrapped_tensor(t)
                     or torch._is_functional_tensor(t)):

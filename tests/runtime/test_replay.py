@@ -18,6 +18,9 @@ from cases import TOL, property_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+needs_guards = pytest.mark.skipif(replay._TensorGuards is None,
+                                  reason="this torch has no TensorGuards (torch._C._dynamo.guards)")
+
 
 def _cache_inputs(seed, paged=False, rows=1):
     g = torch.Generator().manual_seed(seed)
@@ -309,12 +312,12 @@ def _growing(seed, lengths, token_major=False, offset=0):
 
 def _fresh(call):
     """``call()`` planned from scratch: no kept replay."""
-    kept = replay.cache, replay.by_length, replay.recent
-    replay.cache, replay.by_length, replay.recent = {}, {}, {}
+    kept = replay.cache, replay.by_length, replay._following
+    replay.cache, replay.by_length, replay._following = {}, {}, None
     try:
         return call()
     finally:
-        replay.cache, replay.by_length, replay.recent = kept
+        replay.cache, replay.by_length, replay._following = kept
 
 
 @pytest.mark.parametrize("entry", ["flash_attn", "flash_attn_func"])
@@ -324,14 +327,14 @@ def test_a_cache_growing_by_a_key_per_call_replays_without_planning(host_build, 
     and the result the full path gives."""
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "by_length", {})
-    monkeypatch.setattr(replay, "recent", {})
+    monkeypatch.setattr(replay, "_following", None)
     token_major = entry == "flash_attn_func"
     fn = rdnattention.flash_attn_func if token_major else rdnattention.flash_attn
     lengths = list(range(1990, 2000)) + [3000, 2100]
     q, kv = _growing(0, lengths, token_major)
     first = fn(q, *kv[0])
     assert len(replay.by_length) == 1
-    assert replay.by_length[next(iter(replay.by_length))][0].scratch_bytes  # several slices
+    assert next(iter(replay.by_length.values())).last[1].scratch_bytes  # several slices
     planned = []
     plan = route.plan
     monkeypatch.setattr(route, "plan", lambda *a, **kw: planned.append(a) or plan(*a, **kw))
@@ -347,7 +350,7 @@ def test_a_followed_length_is_kept_for_the_next_layer(host_build, monkeypatch):
     it as it is, and gives the full path's result."""
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "by_length", {})
-    monkeypatch.setattr(replay, "recent", {})
+    monkeypatch.setattr(replay, "_following", None)
     q, kv = _growing(1, [1990, 1991], token_major=True)
     _, (k2, v2) = _growing(2, [1990, 1991], token_major=True)[1]  # another layer's cache, same shapes
     rdnattention.flash_attn_func(q, *kv[0])
@@ -363,26 +366,54 @@ def test_a_followed_length_is_kept_for_the_next_layer(host_build, monkeypatch):
 
 def test_a_growing_cache_keeps_no_replay_per_length(host_build, monkeypatch):
     """Replays derived for lengths that pass are dropped, not kept (kept ones pile up for the garbage
-    collector to scan, step after step): one recent replay per length-free key. A length reused
-    PROMOTE times among other keys' calls is kept under its key, as a planned one is (calls of one
-    key in a row find it as the last key replayed: replay.lookup)."""
+    collector to scan, step after step): one per length-free key, the last. Calls of two lengths
+    taking turns (the planned first length's and a derived one's) each get their own length's
+    result."""
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "by_length", {})
-    monkeypatch.setattr(replay, "recent", {})
-    monkeypatch.setattr(replay, "PROMOTE", 3)
+    monkeypatch.setattr(replay, "_following", None)
     lengths = list(range(1990, 2010))
     q, kv = _growing(3, lengths, token_major=True)
     for k, v in kv:
         rdnattention.flash_attn_func(q, k, v)
         rdnattention.flash_attn_func(q, k, v)  # the step's next layer
-    assert len(replay.cache) == 1 and len(replay.recent) == 1  # the planned first length alone
-    k, v = kv[-1]
-    for _ in range(3):
-        rdnattention.flash_attn_func(q, *kv[0])  # another key's call (the planned first length's) between
-        assert len(replay.cache) == 1
-        rdnattention.flash_attn_func(q, k, v)
-    assert len(replay.cache) == 2  # reused three times: kept
-    assert torch.equal(rdnattention.flash_attn_func(q, k, v), _fresh(lambda: rdnattention.flash_attn_func(q, k, v)))
+    (f,) = replay.by_length.values()
+    assert len(replay.cache) == 1  # the planned first length alone
+    assert f.last[0][3][0] == kv[-1][0].shape  # the last length's replay, no other
+    for _ in range(2):
+        for k, v in (kv[0], kv[-1]):
+            got = rdnattention.flash_attn_func(q, k, v)
+            assert torch.equal(got, _fresh(lambda: rdnattention.flash_attn_func(q, k, v)))
+    assert len(replay.cache) == 1 and len(replay.by_length) == 1
+
+
+@needs_guards
+def test_a_growing_cache_is_recognised_by_its_entrys_guard(host_build, monkeypatch):
+    """From the second length followed on, a call of the entry's geometry at any length is recognised
+    by the entry's guard (K's and V's length and strides left free), without its key being looked
+    up; a call the guard recognises whose K rows leave 16-byte alignment still goes to the full
+    path and is refused, its tensors untouched."""
+    monkeypatch.setattr(replay, "cache", {})
+    monkeypatch.setattr(replay, "by_length", {})
+    monkeypatch.setattr(replay, "_following", None)
+    q, kv = _growing(5, list(range(1990, 1996)), token_major=False)
+    for k, v in kv[:2]:
+        rdnattention.flash_attn(q, k, v)
+    assert replay._following is not None
+    looked_up = []
+    lookup = replay.lookup
+    monkeypatch.setattr(replay, "lookup", lambda key: looked_up.append(key) or lookup(key))
+    results = [rdnattention.flash_attn(q, k, v) for k, v in kv[2:]]
+    assert not looked_up
+    monkeypatch.setattr(replay, "lookup", lookup)
+    for (k, v), got in zip(kv[2:], results):
+        assert torch.equal(got, _fresh(lambda: rdnattention.flash_attn(q, k, v)))
+    _, bad = _growing(5, [1996], token_major=False, offset=1)  # one fp16 element in: rows start off 16 bytes
+    k, v = bad[0]
+    before = [t.clone() for t in (q, k, v)]
+    with pytest.raises(InvalidArgumentError, match="16-byte"):
+        rdnattention.flash_attn(q, k, v)
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
 
 
 def test_a_length_that_changes_the_launches_is_planned_again(host_build, monkeypatch):
@@ -390,7 +421,7 @@ def test_a_length_that_changes_the_launches_is_planned_again(host_build, monkeyp
     for one is not followed for the other; the call is planned, and kept in turn."""
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "by_length", {})
-    monkeypatch.setattr(replay, "recent", {})
+    monkeypatch.setattr(replay, "_following", None)
     lengths = [16, 2000, 17, 2001, 18]  # at most two steps of 16 keys: one slice
     q, kv = _growing(1, lengths)
     planned = []
@@ -407,7 +438,7 @@ def test_a_followed_length_still_refuses_what_the_full_path_refuses(host_build, 
     as a first call of that geometry is, its tensors untouched."""
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "by_length", {})
-    monkeypatch.setattr(replay, "recent", {})
+    monkeypatch.setattr(replay, "_following", None)
     q, kv = _growing(2, [1990, 1991])
     rdnattention.flash_attn(q, *kv[0])
     _, bad = _growing(2, [1991], offset=1)  # one fp16 element in: rows start off 16 bytes
@@ -423,7 +454,7 @@ def test_a_sliding_window_cache_that_outgrows_its_window_is_planned_for_its_leng
     then of 1990: the second call is not the first's plan followed, which would drop its window."""
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "by_length", {})
-    monkeypatch.setattr(replay, "recent", {})
+    monkeypatch.setattr(replay, "_following", None)
     q, kv = _growing(3, [60, 1990, 1991])
     results = [rdnattention.flash_attn(q, k, v, window_size=(100, 0)) for k, v in kv]
     assert not replay.by_length
@@ -437,7 +468,7 @@ def test_rope_calls_are_planned_for_their_length(host_build, monkeypatch):
     does, not read past the tables' end by a followed plan."""
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "by_length", {})
-    monkeypatch.setattr(replay, "recent", {})
+    monkeypatch.setattr(replay, "_following", None)
     q, kv = _growing(4, [1990, 1991, 2001])
     cos, sin = rdnattention.rotary_tables(2000, 64)
     for k, v in kv[:2]:
@@ -448,9 +479,6 @@ def test_rope_calls_are_planned_for_their_length(host_build, monkeypatch):
 
 
 # --- a run of calls of one key: its guard ----------------------------------------------------------
-
-needs_guards = pytest.mark.skipif(replay._TensorGuards is None,
-                                  reason="this torch has no TensorGuards (torch._C._dynamo.guards)")
 
 
 @needs_guards
