@@ -580,20 +580,22 @@ def follow(f: Following, key: tuple, tensors: tuple, device: torch.device) -> Re
     last_key, r = f.last
     i, j = f.positions
     if key is not last_key and (key[2 + i] != last_key[2 + i] or key[2 + j] != last_key[2 + j]):
-        k, v = tensors[i], tensors[j]
-        ks, vs = k.stride(), v.stride()
-        seq_k = k.shape[f.seq_dim]
+        (ka, kb, kc, kd), ks, _, _ = key[2 + i]
+        (va, vb, vc, vd), vs, _, _ = key[2 + j]
+        seq_k = kb if f.seq_dim == 1 else kc
         # what length_free keeps of K's and V's length and strides, which key() leaves free where it
         # recognises the call by f's guard: whether there are keys, the strides modulo 16 bytes
         n = f.per16
         if not seq_k or (ks[0] % n, ks[1] % n, ks[2] % n, vs[0] % n, vs[1] % n, vs[2] % n) != f.residues:
             return None
+        reach = list(r.reach)  # (checks.reach of each, unrolled)
+        size = reach[i][1]
+        reach[i] = ((ka - 1) * ks[0] + (kb - 1) * ks[1] + (kc - 1) * ks[2] + (kd - 1) * ks[3] + 1) * size, size
+        reach[j] = ((va - 1) * vs[0] + (vb - 1) * vs[1] + (vc - 1) * vs[2] + (vd - 1) * vs[3] + 1) * size, size
         if f.seq_dim == 1:  # [batch, seq, heads, head_dim]: the kernels' (batch, head, row) strides
             ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
         else:
             ks, vs = ks[:3], vs[:3]
-        reach = list(r.reach)
-        reach[i], reach[j] = (checks.reach(k), reach[i][1]), (checks.reach(v), reach[j][1])
         r = relength(r, seq_k, ks, vs, tuple(reach))
         if r is None:
             return None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgumentError, UnsupportedError
@@ -61,9 +61,14 @@ def splits_for(workgroups: int, seq_k: int, keys_per_step: int, units: int, per_
     (tuning/results/h200_decode_slices.md); each slice at least two steps of keys, and every slice
     then non-empty (the slice length rounds up to whole steps)."""
     workgroups = max(workgroups, 1)
-    wave = max(1, per_unit * units // workgroups)
-    enough = max(seq_k // MIN_SLICE_KEYS, units // workgroups)
-    return slices(seq_k, keys_per_step, min(wave, enough, -(-seq_k // (2 * keys_per_step))))
+    return _splits(seq_k, keys_per_step, max(1, per_unit * units // workgroups), units // workgroups)
+
+
+def _splits(seq_k: int, keys_per_step: int, wave: int, least: int) -> int:
+    """splits_for's count given what of it follows from the launch alone: ``wave`` slices bring the
+    workgroups up to one wave, ``least`` give one workgroup per compute unit (Lengths keeps both,
+    so that a replay following a growing cache computes only this)."""
+    return slices(seq_k, keys_per_step, min(wave, max(seq_k // MIN_SLICE_KEYS, least), -(-seq_k // (2 * keys_per_step))))
 
 
 def slices(seq_k: int, keys_per_step: int, splits: int) -> int:
@@ -89,11 +94,18 @@ class Lengths:
     num_splits: int     # slices asked for (0: chosen)
     rows: int           # batch x query heads x query rows: the partials per slice
     head_dim: int
+    wave: int = field(init=False)   # splits_for's, of the launch alone (_splits)
+    least: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        workgroups = max(self.workgroups, 1)
+        object.__setattr__(self, "wave", max(1, self.per_unit * self.units // workgroups))
+        object.__setattr__(self, "least", self.units // workgroups)
 
     def splits(self, seq_k: int) -> int:
         if self.num_splits:
             return slices(seq_k, self.keys_per_step, self.num_splits)
-        return splits_for(self.workgroups, seq_k, self.keys_per_step, self.units, self.per_unit)
+        return _splits(seq_k, self.keys_per_step, self.wave, self.least)
 
     def scratch(self, splits: int) -> tuple[int, int]:
         """(scratch bytes, where the partial LSEs start) of ``splits`` slices: their partial outputs
