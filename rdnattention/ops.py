@@ -136,8 +136,8 @@ def replayed(key: tuple | None, q, k, v, *, return_lse: bool, token_major: bool,
     if key is None:
         return None
     tensors = (q, k, v, rotary_cos, rotary_sin, seqused_k, alibi_slopes, sinks)
-    f = replay.followed(key)  # recognised by a by_length entry's guard: one of its calls, of any length
-    r = None if f is None else replay.follow(f, key, tensors, q.device)
+    followed, f = replay._followed  # a by_length entry's guard made this key: one of its calls, of any length
+    r = replay.follow(f, key, tensors, q.device) if followed is key else None
     if r is None:
         r = replay.lookup(key)  # (None for an unhashable option, a list for a number: the full path names it)
     if r is None:  # a call that differs from a kept one in the keys' length alone follows its replay

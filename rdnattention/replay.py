@@ -145,21 +145,24 @@ def key(kind: str, device: torch.device, tensors: tuple, options: tuple) -> tupl
     A call like the one before it (the layers of a decode step) is recognised by that key's
     :class:`Guard`, without reading its tensors' attributes one by one; a call of the length_free
     key last followed, at any length, by that entry's (Following.guard)."""
+    g = _guard
+    if (g is not None and g.options == options and g.kind == kind and g.matches(tensors)
+            and not (torch.compiler.is_compiling() or _is_tracing())):
+        try:
+            if id(route.device_table(g.device)) == g.table:
+                return g.key
+        except RdnaAttentionError:
+            return None  # the full path raises it
     if torch.compiler.is_compiling() or _is_tracing():
         return None
-    try:
-        if _following_first:  # the guard that recognised the last call first
-            k = _following_key(kind, tensors, options)
-            if k is _MISS:
-                k = _guarded_key(kind, tensors, options)
-        else:
-            k = _guarded_key(kind, tensors, options)
-            if k is _MISS:
-                k = _following_key(kind, tensors, options)
-    except RdnaAttentionError:
-        return None  # (the device's table) the full path raises it
-    if k is not _MISS:
-        return k
+    f = _following
+    if f is not None:
+        try:
+            k = _following_key(f, kind, tensors, options)
+        except RdnaAttentionError:
+            return None  # (the device's table) the full path raises it
+        if k is not None:
+            return k
     grad = torch.is_grad_enabled()
     parts: list = [kind, options]
     add = parts.append
@@ -190,10 +193,6 @@ def key(kind: str, device: torch.device, tensors: tuple, options: tuple) -> tupl
     return k
 
 
-_MISS = object()  # neither guard recognised the call
-_following_first = False  # key() tries _following's guard before _guard's: the last call was the former's
-
-
 def recognised(kind: str, tensors: tuple) -> bool:
     """Whether _guard's or _following's guard recognises ``tensors`` as those of a call of entry point
     ``kind``: plain dense tensors, like a kept call's (its options aside)."""
@@ -204,31 +203,15 @@ def recognised(kind: str, tensors: tuple) -> bool:
     return f is not None and f.guard.kind == kind and f.guard.matches(tensors)
 
 
-def _guarded_key(kind: str, tensors: tuple, options: tuple) -> tuple | None | object:
-    """The key of _guard's replay where its guard recognises the call and the device's table is the
-    key's, else _MISS."""
-    global _following_first
-    g = _guard
-    if g is None or g.options != options or g.kind != kind or not g.matches(tensors):
-        return _MISS
-    _following_first = False
-    return g.key if id(route.device_table(g.device)) == g.table else _MISS
-
-
-def _following_key(kind: str, tensors: tuple, options: tuple) -> tuple | None | object:
-    """The key of a call _following's guard recognises (of its length_free key, K's and V's length and
-    strides left free): its last call's where K and V are those of that call, else the guard's
-    with K's and V's, where the device's table is the guard's; else _MISS."""
-    global _followed, _following_first
-    f = _following
-    if f is None:
-        return _MISS
+def _following_key(f: Following, kind: str, tensors: tuple, options: tuple) -> tuple | None:
+    """The key of a call ``f``'s guard recognises (of its length_free key, K's and V's length and
+    strides left free), where the device's table is the guard's: its last call's where K and V are
+    those of that call, else the guard's with K's and V's; else None."""
+    global _followed
     g = f.guard
-    if g.options != options or g.kind != kind or not g.matches(tensors):
-        return _MISS
-    _following_first = True
-    if id(route.device_table(g.device)) != g.table:
-        return _MISS
+    if (g.options != options or g.kind != kind or not g.matches(tensors)
+            or id(route.device_table(g.device)) != g.table):
+        return None
     last = f.last[0]
     i, j = f.positions
     a, b = tensors[i], tensors[j]
@@ -346,15 +329,11 @@ def _set_guard(g: Guard | None) -> None:
 
 # The by_length entry last followed whose guard is made (key() tries it after _guard), and the key
 # key() last made from it with the entry, one tuple replaced whole: the entry point's replayed()
-# finds that call's entry by it (followed()), without looking the key up.
+# finds that call's entry by it (``_followed[0] is key``), without looking the key up.
 _following: Following | None = None
 _followed: tuple = (None, None)
 
 
-def followed(key: tuple) -> Following | None:
-    """The by_length entry whose guard recognised the call ``key`` (of key()) was made for, or None."""
-    k, f = _followed
-    return f if k is key else None
 
 
 def length_free(key: tuple | None, positions: tuple[int, ...], seq_dim: int) -> tuple | None:
@@ -578,8 +557,10 @@ def follow(f: Following, key: tuple, tensors: tuple, device: torch.device) -> Re
     full path must plan it. Makes ``f`` the entry key() tries, its guard made at its first follow."""
     global _following
     last_key, r = f.last
+    if key is last_key:  # (key() gave the last call's key: f's guard, the current one, recognised it)
+        return r
     i, j = f.positions
-    if key is not last_key and (key[2 + i] != last_key[2 + i] or key[2 + j] != last_key[2 + j]):
+    if key[2 + i] != last_key[2 + i] or key[2 + j] != last_key[2 + j]:
         (ka, kb, kc, kd), ks, _, _ = key[2 + i]
         (va, vb, vc, vd), vs, _, _ = key[2 + j]
         seq_k = kb if f.seq_dim == 1 else kc
