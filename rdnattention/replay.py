@@ -557,7 +557,12 @@ def follow(f: Following, key: tuple, tensors: tuple, device: torch.device) -> Re
     full path must plan it. Makes ``f`` the entry key() tries, its guard made at its first follow."""
     global _following
     last_key, r = f.last
-    if key is last_key:  # (key() gave the last call's key: f's guard, the current one, recognised it)
+    if key is last_key:  # the last call's key again (key() found it by a guard): from its second call on,
+        # the replay's own guard is tried first (key()), as a planned replay's is from its third
+        if r.guard is None:
+            r.guard = _TensorGuards is not None and Guard.of(key[0], key[1], key, tensors, device, key[-1]) or False
+        if r.guard and _guard is not r.guard:
+            _set_guard(r.guard)
         return r
     i, j = f.positions
     if key[2 + i] != last_key[2 + i] or key[2 + j] != last_key[2 + j]:

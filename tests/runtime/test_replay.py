@@ -416,6 +416,28 @@ def test_a_growing_cache_is_recognised_by_its_entrys_guard(host_build, monkeypat
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
 
 
+@needs_guards
+def test_a_followed_length_called_again_gets_a_guard_of_its_own(host_build, monkeypatch):
+    """A length followed from another's replay and then called again (a decode step's other layers,
+    or a fixed-length call whose geometry another length planned) is recognised from its second call
+    on by its own replay's guard, which key() tries first, as a planned key's is."""
+    monkeypatch.setattr(replay, "cache", {})
+    monkeypatch.setattr(replay, "by_length", {})
+    monkeypatch.setattr(replay, "_following", None)
+    monkeypatch.setattr(replay, "_guard", None)
+    q, kv = _growing(6, [1990, 1991, 1992])
+    for k, v in kv:
+        rdnattention.flash_attn(q, k, v)
+    (f,) = replay.by_length.values()
+    key, r = f.last
+    assert r.guard is None  # each length called once
+    k, v = kv[-1]
+    rdnattention.flash_attn(q, k, v)
+    assert r.guard and replay._guard is r.guard and r.guard.key is key
+    got = rdnattention.flash_attn(q, k, v)
+    assert torch.equal(got, _fresh(lambda: rdnattention.flash_attn(q, k, v)))
+
+
 def test_a_length_that_changes_the_launches_is_planned_again(host_build, monkeypatch):
     """One key slice (no scratch) at a short cache, several at a long one: a replay kept
     for one is not followed for the other; the call is planned, and kept in turn."""
