@@ -60,15 +60,21 @@ def splits_for(workgroups: int, seq_k: int, keys_per_step: int, units: int, per_
     MIN_SLICE_KEYS keys give, or one workgroup per compute unit where that asks for more
     (tuning/results/h200_decode_slices.md); each slice at least two steps of keys, and every slice
     then non-empty (the slice length rounds up to whole steps)."""
+    return _splits(seq_k, keys_per_step, *_of_launch(workgroups, units, per_unit))
+
+
+def _of_launch(workgroups: int, units: int, per_unit: int) -> tuple[int, int]:
+    """What of splits_for's count follows from the launch alone (_splits' ``wave`` and ``least``)."""
     workgroups = max(workgroups, 1)
-    return _splits(seq_k, keys_per_step, max(1, per_unit * units // workgroups), units // workgroups)
+    return max(1, per_unit * units // workgroups), units // workgroups
 
 
 def _splits(seq_k: int, keys_per_step: int, wave: int, least: int) -> int:
     """splits_for's count given what of it follows from the launch alone: ``wave`` slices bring the
     workgroups up to one wave, ``least`` give one workgroup per compute unit (Lengths keeps both,
     so that a replay following a growing cache computes only this)."""
-    return slices(seq_k, keys_per_step, min(wave, max(seq_k // MIN_SLICE_KEYS, least), -(-seq_k // (2 * keys_per_step))))
+    enough = max(seq_k // MIN_SLICE_KEYS, least)
+    return slices(seq_k, keys_per_step, min(wave, enough, -(-seq_k // (2 * keys_per_step))))
 
 
 def slices(seq_k: int, keys_per_step: int, splits: int) -> int:
@@ -98,9 +104,9 @@ class Lengths:
     least: int = field(init=False)
 
     def __post_init__(self) -> None:
-        workgroups = max(self.workgroups, 1)
-        object.__setattr__(self, "wave", max(1, self.per_unit * self.units // workgroups))
-        object.__setattr__(self, "least", self.units // workgroups)
+        wave, least = _of_launch(self.workgroups, self.units, self.per_unit)
+        object.__setattr__(self, "wave", wave)
+        object.__setattr__(self, "least", least)
 
     def splits(self, seq_k: int) -> int:
         if self.num_splits:
