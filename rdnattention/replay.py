@@ -334,8 +334,6 @@ _following: Following | None = None
 _followed: tuple = (None, None)
 
 
-
-
 def length_free(key: tuple | None, positions: tuple[int, ...], seq_dim: int) -> tuple | None:
     """``key`` (of key()) without the length along ``seq_dim`` of the tensors at ``positions`` (among
     its tensors) and the strides that follow it: of those it keeps what validation reads (the other
@@ -513,17 +511,15 @@ def relength(r: Replay, seq_k: int, k_strides: tuple[int, int, int], v_strides: 
     return Replay(r.table, r.driver, (step,), scratch_bytes, scratch_lse, r.counters, reach, r.extra, lengths, r.like)
 
 
-# The key last found in the cache and its replay, with the cache it
-# belongs to, one tuple replaced whole (so that threads read a consistent triple): the layers of a
-# decode step call with one key, and comparing a key with it costs half the cache's lookup (its hash
-# and the same comparison).
+# The key last found in the cache and its replay, with the cache it belongs to, one tuple replaced
+# whole (so that threads read a consistent triple): the layers of a decode step call with one key,
+# and comparing a key with it costs half the cache's lookup (its hash and the same comparison).
 _last: tuple = (None, None, None)
 
 
 def lookup(key: tuple | None) -> Replay | None:
-    """The plan kept for ``key``, or None: for None, and for a key
-    holding an option that is not hashable, such as a list given for a number (the full path names
-    it)."""
+    """The plan kept for ``key``, or None: for None, and for a key holding an option that is not
+    hashable, such as a list given for a number (the full path names it)."""
     global _last
     if key is None:
         return None

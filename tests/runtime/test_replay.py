@@ -345,9 +345,9 @@ def test_a_cache_growing_by_a_key_per_call_replays_without_planning(host_build, 
 
 
 def test_a_followed_length_is_kept_for_the_next_layer(host_build, monkeypatch):
-    """The replay a new length derives (replay.relength) is the length's recent one: the next call
-    of the same length (the next layer of a decode step, its own cache of the same shape) replays
-    it as it is, and gives the full path's result."""
+    """The replay a new length derives (replay.relength) is its entry's last (Following.last): the
+    next call of the same length (the next layer of a decode step, its own cache of the same shape)
+    replays it as it is, and gives the full path's result."""
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "by_length", {})
     monkeypatch.setattr(replay, "_following", None)
