@@ -68,6 +68,7 @@ class Replay:
     lengths: object = None  # how its launches follow the keys' length (Plan.lengths), or None
     like: tuple = ()  # stand-ins of a call's outputs (stand_in), made by the entry point at the first replay
     guard: Guard | bool | None = None  # made at its key's second call in a row (key()); False: none can be
+    express: object = None  # express()'s function, made once
 
 
 # Calls already validated and planned, by key().
@@ -419,6 +420,89 @@ def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str
     return r
 
 
+def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: int):
+    """The replay of ``key`` (``r``, where its guard is the current one: current()) as one function
+    of a call's tensors, for an entry point whose calls repeat one
+    geometry (the layers of a decode step). Given the tensors of ``roles`` (the pointer fields they
+    fill, in the order of the key's tensors, the rest of which were absent), it returns the output
+    (field "o"); or None, leaving the call to the entry point's own path, where the call is not one
+    of ``r``'s key as ``r``'s guard recognises them, where that guard is no longer the current one (a
+    call of another key since, or clear()), or where pointers() finds the memory wanting. It checks
+    what key(), ops.replayed and launch() check for such a call, in one frame: called between a
+    model's other operations, a call pays for every object it reads being out of the processor's
+    caches, and torch's own attention reads few. None where ``r`` has no guard, or one that takes
+    other tensors (one given twice, absent ones among them), or no stand-ins of its outputs yet (the
+    entry point's first replay makes them: Replay.like, whose first None means torch.empty_like of the
+    first tensor, as ops.replayed allocates it)."""
+    r = current(key)
+    if r is None:
+        return None
+    g, n = r.guard, len(roles)
+    if not g or g.same or g.absent != tuple(range(n, n + len(g.absent))) or not r.like:
+        return None
+    if r.express is not None:
+        return r.express
+    check, table, reach, like = g.check, g.table, r.reach[:n], r.like[0]
+    tensor, compiling, empty_like, environment = _Tensor, torch.compiler.is_compiling, torch.empty_like, drivers.environment_token
+    table_for = route.dispatch.table_for
+    env, generation = environment(), table_for.generation  # while both stay, device_table(device) is the table
+    try:
+        if id(route.device_table(device)) != table:
+            return None
+    except RdnaAttentionError:
+        return None
+    step = r.steps[0]
+    if len(r.steps) > 1 or step.go is None or device.type == "cpu" or not set(step.fields) <= {*roles, "o", *SCRATCH_FIELDS}:
+        def launch_it(found, out):  # the host emulator, several launches: launch() itself
+            given = dict(zip(roles, found))
+            given["o"] = out.data_ptr()
+            launch(r, given, device)
+    else:  # one launch on a GPU: launch()'s work for it, each field's source found once
+        index, go, planned, scratch_bytes, counters = step.index, step.go, step.args, r.scratch_bytes, r.counters
+        copy, lse_at = type(planned).from_buffer_copy, r.scratch_lse
+        sources = tuple((f, roles.index(f) if f in roles else -1) for f in step.fields if f not in SCRATCH_FIELDS)
+        stream_of, scratch_of, device_now = module_api.current_stream_handle, workspace.stream_scratch, module_api.current_device
+
+        def launch_it(found, out):
+            stream = stream_of(index)
+            args = copy(planned)
+            for field, i in sources:
+                setattr(args, field, found[i] if i >= 0 else out.data_ptr())
+            buffer = count = None
+            if scratch_bytes:  # held until the launch is enqueued
+                buffer, count = scratch_of(index, stream, scratch_bytes, counters)
+                base = buffer.data_ptr()
+                args.part_o, args.part_lse, args.counters = base, base + lse_at, count.data_ptr()
+            if index != device_now():
+                with torch.cuda.device(index):
+                    go(args, stream)
+            else:
+                go(args, stream)
+            del buffer, count
+
+    def run(*tensors):
+        if _guard is not g:
+            return None
+        for t in tensors:
+            if type(t) is not tensor or t.is_nested:
+                return None
+        try:
+            if (not check(*tensors) or compiling() or _is_tracing() or environment() != env
+                    or table_for.generation != generation):
+                return None
+        except TypeError:  # another number of tensors
+            return None
+        found = pointers(tensors, reach, aligned)
+        if found is None:
+            return None
+        out = empty_like(tensors[0]) if like is None else empty_like(like, memory_format=CONTIGUOUS)
+        launch_it(found, out)
+        return out
+
+    r.express = run
+    return run
+
+
 def launch(r: Replay, pointers: dict[str, int], device: torch.device,
            regions: tuple[int, tuple[tuple[str, int], ...]] | None = None) -> None:
     """Runs ``r``'s launches with ``pointers`` (by field), on the scratch and counters of ``device``'s
@@ -535,6 +619,21 @@ def lookup(key: tuple | None) -> Replay | None:
         _last = (cache, key, r)
         _set_guard(r.guard or None)
     return r
+
+
+def current(key: tuple) -> Replay | None:
+    """The replay of ``key`` (a key key() returned) where its guard is the current one, the one the
+    next call tries first; else None."""
+    g = _guard
+    if g is None or g.key is not key:
+        return None
+    _, last, r = _last
+    if last is key and r.guard is g:
+        return r
+    f = _followed[1]
+    if f is not None and f.last[0] is key and f.last[1].guard is g:
+        return f.last[1]
+    return None
 
 
 def keep(key: tuple, r: Replay) -> None:

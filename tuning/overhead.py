@@ -14,6 +14,10 @@ Two figures per call:
   least over rounds): the host's cost once it exceeds the kernels', else the kernels'.
 - one call: wall time of one call and a synchronisation, the GPU idle before it (median over
   calls): what a step that waits for its result pays.
+- with ``--cold``, a call made after the processor's caches were emptied (timing.Evictor), the
+  host's cost alone (until the call returns; median over 200 calls): what a call pays between a
+  model's other operations, as in generate(), where everything a call reads has to be fetched
+  again. A loop of calls keeps it all in the caches.
 - with ``--kernel-time`` (a GPU), the GPU's time per call: every kernel the calls ran (ours,
   launched through the driver, included), summed by torch.profiler's CUDA activity, over 50 calls.
   Where the back-to-back figure is close to it, the GPU bounds it and the host's cost is hidden.
@@ -39,7 +43,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .timing import host_us, kernel_us, one_call_us
+from .timing import Evictor, cold_us, host_us, kernel_us, one_call_us
 
 
 @dataclass(frozen=True)
@@ -305,10 +309,13 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}x"
 
 
-def measure(cases, device: torch.device, budget_s: float, units: int, kernel_time: bool = False) -> list[dict]:
-    """Each case's four figures on ``device`` (on the CPU: ours with the launch stubbed), and with
-    ``kernel_time`` on a GPU each one's GPU time per call (kernel_us)."""
+def measure(cases, device: torch.device, budget_s: float, units: int, kernel_time: bool = False,
+            cold: bool = False) -> list[dict]:
+    """Each case's four figures on ``device`` (on the CPU: ours with the launch stubbed), with
+    ``kernel_time`` on a GPU each one's GPU time per call (kernel_us), with ``cold`` each one's host
+    time after the caches were emptied (cold_us)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    evict = Evictor() if cold else None
     rows = []
     for case in cases:
         with torch.inference_mode():
@@ -328,12 +335,15 @@ def measure(cases, device: torch.device, budget_s: float, units: int, kernel_tim
                 with stub, patch():
                     ours_b2b = back_to_back_us(ours, sync, budget_s)
                     ours_one = one_call(ours, sync, budget_s / 2)
+                    ours_cold = cold_us(ours, sync, evict) if cold else None
             except Exception as e:  # noqa: BLE001
                 rows.append(dict(case=case, error=f"{type(e).__name__}: {str(e)[:120]}"))
                 continue
             sdpa_b2b = back_to_back_us(sdpa, sync, budget_s, rounds=3)
             sdpa_one = one_call(sdpa, sync, budget_s / 2)
             row = dict(case=case, ours_b2b=ours_b2b, ours_one=ours_one, sdpa_b2b=sdpa_b2b, sdpa_one=sdpa_one)
+            if cold:
+                row["ours_cold"], row["sdpa_cold"] = ours_cold, cold_us(sdpa, sync, evict)
             if kernel_time and device.type == "cuda":
                 with patch():
                     row["ours_gpu"] = kernel_us(ours)
@@ -346,18 +356,24 @@ def measure(cases, device: torch.device, budget_s: float, units: int, kernel_tim
 def table(rows: list[dict], device: torch.device) -> str:
     cpu = device.type == "cpu"
     gpu_time = any("ours_gpu" in r for r in rows)
+    cold = any("ours_cold" in r for r in rows)
     ours = "ours, launch stubbed" if cpu else "ours"
     sdpa = "torch sdpa (runs the math)" if cpu else "torch sdpa"
-    extra = " ours: GPU us | sdpa: GPU us |" if gpu_time else ""
+    extra = (" ours: GPU us | sdpa: GPU us |" if gpu_time else "") + (" ours: cold us | sdpa: cold us | cold ratio |"
+                                                                      if cold else "")
+    more = 2 * gpu_time + 3 * cold
     lines = [f"| path | call | {ours}: back-to-back us | one call us | {sdpa}: back-to-back us | one call us | "
-             "back-to-back ratio | one-call ratio |" + extra, "|---|---|---|---|---|---|---|---|" + "---|" * (2 * gpu_time)]
+             "back-to-back ratio | one-call ratio |" + extra, "|---|---|---|---|---|---|---|---|" + "---|" * more]
     for r in rows:
         case = r["case"]
         if "error" in r:
-            lines.append(f"| {case.name} | {case.call} | {r['error']} | | | | | |" + " |" * (2 * gpu_time))
+            lines.append(f"| {case.name} | {case.call} | {r['error']} | | | | | |" + " |" * more)
             continue
         ratios = ("-", "-") if cpu else (_ratio(r["ours_b2b"], r["sdpa_b2b"]), _ratio(r["ours_one"], r["sdpa_one"]))
         gpu = f" {_fmt(r.get('ours_gpu'))} | {_fmt(r.get('sdpa_gpu'))} |" if gpu_time else ""
+        if cold:
+            gpu += (f" {_fmt(r.get('ours_cold'))} | {_fmt(r.get('sdpa_cold'))} | "
+                    f"{'-' if cpu else _ratio(r.get('ours_cold'), r.get('sdpa_cold'))} |")
         lines.append(f"| {case.name} | {case.call} | {_fmt(r['ours_b2b'])} | {_fmt(r['ours_one'])} | "
                      f"{_fmt(r['sdpa_b2b'])} | {_fmt(r['sdpa_one'])} | {ratios[0]} | {ratios[1]} |" + gpu)
     return "\n".join(lines)
@@ -379,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unfused", action="store_true",
                    help="flash_attn_with_kvcache's append in its own launch before the attention's, never in the "
                         "split-KV decode's (kvcache.FUSE_MAX_NEW = 0): the calls as they ran before the fusion")
+    p.add_argument("--cold", action="store_true",
+                   help="three more columns: ours' and torch's host time per call made after the processor's caches "
+                        "were emptied (timing.Evictor), and their ratio")
     p.add_argument("--kernel-time", action="store_true",
                    help="on cuda: two more columns, ours' and torch's GPU time per call (torch.profiler)")
     args = p.parse_args(argv)
@@ -405,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     for device in devices:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (host emulator, launch stubbed)"
         print(f"\n{name}\n")
-        print(table(measure(cases, device, args.budget, args.units, args.kernel_time), device))
+        print(table(measure(cases, device, args.budget, args.units, args.kernel_time, args.cold), device))
     return 0
 
 

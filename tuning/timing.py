@@ -8,6 +8,7 @@ rdnattention/peak.py, which cannot import tuning/; everything here builds on the
 - ``interleaved_ms``: plans timed in turn with ``call_ms``, round after round (A B A B ...).
 - ``host_us``: the wall clock around a loop of calls: the host's cost per call.
 - ``one_call_us``: the wall clock around one call and a synchronisation, the device idle before it.
+- ``cold_us``: the host time of one call made after an ``Evictor`` emptied the processor's caches.
 - ``kernel_us``: the GPU's time per call, every kernel a call ran, from torch.profiler: calls that
   cannot be replayed from a graph (their inputs change per call) and torch's own kernels alike."""
 
@@ -80,6 +81,37 @@ def host_us(fn, calls: int, sync, warmup: int = 50) -> float:
         fn()
     sync()
     return (time.perf_counter() - start) / calls * 1e6
+
+
+class Evictor:
+    """What pushes a call's code and data out of the processor's caches between calls, as a model's
+    other operations do between its attention calls: a pass over 64 MiB of memory and over the
+    fields of 30,000 Python objects (one call of it takes milliseconds)."""
+
+    def __init__(self) -> None:
+        self._memory = torch.ones(16 << 20)  # 64 MiB, on the CPU
+        self._objects = [{"a": i, "b": str(i)} for i in range(30_000)]
+
+    def __call__(self) -> int:
+        self._memory.add_(1.0)
+        return sum(o["a"] for o in self._objects)
+
+
+def cold_us(fn, sync, evict: Evictor, calls: int = 200, warmup: int = 20) -> float:
+    """Median microseconds until one call of ``fn`` returns (its host cost, not its kernels'), each
+    call made after ``evict()`` and with the device idle: the host cost of a call between a
+    model's other operations (generate()), which a loop of calls keeps in the caches and hides."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        sync()
+        evict()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    sync()
+    return statistics.median(times)
 
 
 def one_call_us(fn, sync, reps: int = 200, warmup: int = 5) -> float:

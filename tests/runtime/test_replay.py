@@ -662,3 +662,91 @@ def test_a_nested_or_sparse_tensor_after_a_run_of_replays_is_a_typed_error(host_
                  lambda: rdnattention.flash_attn_with_kvcache(bad, k.transpose(1, 2), v.transpose(1, 2))):
         with pytest.raises(InvalidArgumentError, match=message):
             call()
+
+
+@needs_guards
+def test_transformers_attention_runs_a_repeated_geometry_through_its_express(host_build, monkeypatch):
+    """Once a geometry's replay is recognised by its own guard, transformers' attention function
+    runs that replay's express function (replay.express: the guard, the memory and the launch in one
+    frame): the result of the same call planned from scratch. A call of another length, scale or
+    geometry, or one after replay.clear(), takes the replay's own path, with its own result."""
+    from types import SimpleNamespace
+
+    from rdnattention.integrations import transformers as rt
+    for name, value in (("cache", {}), ("by_length", {}), ("_guard", None), ("_following", None),
+                        ("_last", (None, None, None))):
+        monkeypatch.setattr(replay, name, value)
+    monkeypatch.setattr(rt, "_express", (None, None))
+    served = []
+    make = replay.express
+
+    def express(*args):
+        run = make(*args)
+        if run is None:
+            return None
+
+        def counted(*tensors):
+            out = run(*tensors)
+            served.append(out is not None)
+            return out
+        return counted
+    monkeypatch.setattr(replay, "express", express)
+    module = SimpleNamespace(is_causal=True, training=False)
+
+    def call(seed, keys=2000, scaling=0.125):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(1, h, n, 64, generator=g).half() for h, n in ((8, 1), (2, keys), (2, keys)))
+        return rt.attention_forward(module, q, k, v, None, scaling=scaling)[0], (q, k, v)
+
+    def planned(q, k, v, scaling=0.125):  # the same call with nothing kept
+        replay.clear()
+        return rt.attention_forward(module, q, k, v, None, scaling=scaling)[0]
+    for seed in range(4):  # planned; replayed; its guard made; recognised by the guard, its express made
+        call(seed)
+    assert not served
+    out, tensors = call(4)
+    assert served == [True]
+    fresh = planned(*tensors)
+    assert torch.equal(out, fresh) and (out.shape, out.stride()) == (fresh.shape, fresh.stride()) == ((1, 1, 8, 64),
+                                                                                                   (512, 512, 64, 1))
+    want = reference.attention_reference(*tensors, softmax_scale=0.125).transpose(1, 2)
+    torch.testing.assert_close(out.double(), want, atol=TOL, rtol=0)
+    served.clear()
+    for seed in range(5):  # after clear() (planned): the express of before serves none, the new one the last
+        call(seed)
+    assert served[0] is False and served[-1] is True
+    for keys, scaling in ((2001, 0.125), (2000, 0.5)):
+        served.clear()
+        out, tensors = call(7, keys, scaling)
+        assert not any(served)  # the length: the express's guard refused it; the scale: not its options
+        assert torch.equal(out, planned(*tensors, scaling=scaling))
+
+
+@needs_guards
+def test_an_express_call_still_checks_the_memory_behind_its_tensors(host_build, monkeypatch):
+    """replay.express refuses (None: the entry point's own path decides, and raises) tensors whose
+    memory pointers() finds wanting, as the replay's own path does, and calls once its replay's
+    guard is no longer the current one."""
+    monkeypatch.setattr(replay, "cache", {})
+    q, k = _decode(0)
+    v = k.flip(2)
+    key = lambda: rdnattention.ops.key(q, k, v, is_causal=False, window_size=(-1, -1), softmax_scale=0.125,  # noqa: E731
+                                       return_lse=False, token_major=True, views=True)
+    from rdnattention.integrations import transformers as rt
+    for _ in range(3):  # planned, replayed, its guard made
+        rt._unmasked(q, k, v, False, 0.125, 0.0, None)
+    kept = key()  # the guard's
+    assert rdnattention.ops.replayed(kept, q, k, v, return_lse=False, token_major=True, views=True) is not None
+    r = replay.current(kept)
+    run = replay.express(kept, q.device, ("q", "k", "v"), 3)
+    assert run is not None and run is r.express is replay.express(kept, q.device, ("q", "k", "v"), 3)
+    assert torch.equal(run(q, k, v), rdnattention.flash_attn(q, k, v, softmax_scale=0.125).transpose(1, 2))
+    replay._set_guard(r.guard)
+    shrunk = k.clone()
+    shrunk.untyped_storage().resize_(k.untyped_storage().nbytes() - 2)
+    assert run(q, shrunk, v) is None
+    misaligned = torch.empty(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape).copy_(k)
+    assert run(q, misaligned, v) is None
+    assert run(q, k, v.float()) is None  # another dtype: the guard's
+    replay.clear()
+    assert run(q, k, v) is None
