@@ -487,7 +487,7 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
             if type(t) is not tensor or t.is_nested:
                 return None
         try:
-            if (not check(*tensors) or compiling() or _is_tracing() or environment() != env
+            if (compiling() or _is_tracing() or not check(*tensors) or environment() != env
                     or table_for.generation != generation):
                 return None
         except TypeError:  # another number of tensors
