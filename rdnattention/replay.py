@@ -621,6 +621,12 @@ def lookup(key: tuple | None) -> Replay | None:
     return r
 
 
+def guarded(key: tuple) -> bool:
+    """Whether ``key`` (a key key() returned) is the current guard's: its replay is current()'s."""
+    g = _guard
+    return g is not None and g.key is key
+
+
 def current(key: tuple) -> Replay | None:
     """The replay of ``key`` (a key key() returned) where its guard is the current one, the one the
     next call tries first; else None."""

@@ -525,7 +525,7 @@ def _unmasked(query, key, value, causal: bool, scale: float, softcap: float, sin
     plan_key = ops.key(query, key, value, is_causal=False, window_size=window, softmax_scale=scale, return_lse=False,
                        token_major=True, softcap=softcap, sinks=sinks, views=True)
     hit = ops.replayed(plan_key, query, key, value, return_lse=False, token_major=True, sinks=sinks, views=True)
-    if hit is not None and sinks is None and not (causal and seq_k > seq_q):  # (K and V not sliced)
+    if hit is not None and replay.guarded(plan_key) and sinks is None and not (causal and seq_k > seq_q):
         _expect(plan_key, query.device, (causal, scale, softcap))
     if hit is not None or replay_only:
         return None if hit is None else hit[0]
