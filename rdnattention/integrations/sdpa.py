@@ -284,11 +284,13 @@ def _replayed(config: _Config, args: tuple, kwargs: dict) -> torch.Tensor | None
         return None
     whole = not s.k0 and s.k1 == seq_k
     if whole:
+        global _express
         options, run = _express
         if run is not None and options == (s.window, scale):
             out = run(q, k, v)
             if out is not None:
                 return out
+            _express = (None, None)  # (another geometry: tried once, not at every call of it)
     else:
         k, v = k[:, :, s.k0:s.k1], v[:, :, s.k0:s.k1]
     key = ops.key(q, k, v, is_causal=False, window_size=s.window, softmax_scale=scale, return_lse=False,

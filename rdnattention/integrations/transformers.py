@@ -485,11 +485,13 @@ def _replayed(module, query, key, value, dropout, scaling, is_causal, kwargs: di
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     softcap = float(softcap or 0.0)
+    global _express
     options, run = _express
     if run is not None and options == (causal, scale, softcap):
         out = run(query, key, value)
         if out is not None:
             return out
+        _express = (None, None)  # (a cache grown by a key: the next layers' own replay makes its own)
     return _unmasked(query, key, value, causal, scale, softcap, None, replay_only=True)
 
 
