@@ -421,47 +421,52 @@ def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str
 
 
 def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: int):
-    """The replay of ``key`` (``r``, where its guard is the current one: current()) as one function
-    of a call's tensors, for an entry point whose calls repeat one
-    geometry (the layers of a decode step). Given the tensors of ``roles`` (the pointer fields they
-    fill, in the order of the key's tensors, the rest of which were absent), it returns the output
-    (field "o"); or None, leaving the call to the entry point's own path, where the call is not one
-    of ``r``'s key as ``r``'s guard recognises them, where that guard is no longer the current one (a
-    call of another key since, or clear()), or where pointers() finds the memory wanting. It checks
-    what key(), ops.replayed and launch() check for such a call, in one frame: called between a
-    model's other operations, a call pays for every object it reads being out of the processor's
-    caches, and torch's own attention reads few. None where ``r`` has no guard, or one that takes
-    other tensors (one given twice, absent ones among them), or no stand-ins of its outputs yet (the
-    entry point's first replay makes them: Replay.like, whose first None means torch.empty_like of the
-    first tensor, as ops.replayed allocates it)."""
+    """The replay of ``key`` (where its guard is the current one: current()) as one function of a
+    call's tensors, for entry points whose calls repeat one geometry (the layers of a decode step).
+    Given the tensors of ``roles`` (the pointer fields they fill, in the order of the key's tensors,
+    whose others were absent), the function launches and returns the output (field "o"); or returns
+    None, leaving the call to the entry point's own path, where the replay's guard does not
+    recognise the tensors, where that guard is no longer the current one (a call of another key
+    since, or clear()), or where pointers() finds their memory wanting (the first ``aligned`` on 16
+    bytes). It checks what key(), ops.replayed and launch() check for such a call, in one frame:
+    between a model's other operations, a call pays for each object it reads being out of the
+    processor's caches. None where the replay has no guard, or one of other tensors (one given
+    twice, absent ones among these), launches with pointer fields other than these, the output and
+    the split-KV scratch, or no stand-ins of its outputs yet (Replay.like, made at the entry point's
+    first replay; a first None: torch.empty_like of the first tensor, as ops.replayed allocates).
+    Made once per replay."""
     r = current(key)
     if r is None:
         return None
-    g, n = r.guard, len(roles)
-    if not g or g.same or g.absent != tuple(range(n, n + len(g.absent))) or not r.like:
-        return None
     if r.express is not None:
         return r.express
-    check, table, reach, like = g.check, g.table, r.reach[:n], r.like[0]
-    tensor, compiling, empty_like, environment = _Tensor, torch.compiler.is_compiling, torch.empty_like, drivers.environment_token
+    g, n = r.guard, len(roles)
+    allowed = {*roles, "o", *SCRATCH_FIELDS}
+    if (not g or g.same or g.absent != tuple(range(n, n + len(g.absent))) or not r.like
+            or any(not allowed.issuperset(step.fields) for step in r.steps)):
+        return None
     table_for = route.dispatch.table_for
+    environment = drivers.environment_token
     env, generation = environment(), table_for.generation  # while both stay, device_table(device) is the table
     try:
-        if id(route.device_table(device)) != table:
+        if id(route.device_table(device)) != g.table:
             return None
     except RdnaAttentionError:
         return None
-    step = r.steps[0]
-    if len(r.steps) > 1 or step.go is None or device.type == "cpu" or not set(step.fields) <= {*roles, "o", *SCRATCH_FIELDS}:
+    check, reach, like, step = g.check, r.reach[:n], r.like[0], r.steps[0]
+    tensor, compiling, empty_like = _Tensor, torch.compiler.is_compiling, torch.empty_like
+    if len(r.steps) > 1 or step.go is None or device.type == "cpu":
         def launch_it(found, out):  # the host emulator, several launches: launch() itself
             given = dict(zip(roles, found))
             given["o"] = out.data_ptr()
             launch(r, given, device)
-    else:  # one launch on a GPU: launch()'s work for it, each field's source found once
+    else:  # one launch on a GPU: launch()'s work for it (its GPU branch), each field's source found once
         index, go, planned, scratch_bytes, counters = step.index, step.go, step.args, r.scratch_bytes, r.counters
         copy, lse_at = type(planned).from_buffer_copy, r.scratch_lse
         sources = tuple((f, roles.index(f) if f in roles else -1) for f in step.fields if f not in SCRATCH_FIELDS)
-        stream_of, scratch_of, device_now = module_api.current_stream_handle, workspace.stream_scratch, module_api.current_device
+        scratch = tuple(f for f in SCRATCH_FIELDS if f in step.fields)
+        stream_of, scratch_of, device_now = (module_api.current_stream_handle, workspace.stream_scratch,
+                                             module_api.current_device)
 
         def launch_it(found, out):
             stream = stream_of(index)
@@ -472,7 +477,9 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
             if scratch_bytes:  # held until the launch is enqueued
                 buffer, count = scratch_of(index, stream, scratch_bytes, counters)
                 base = buffer.data_ptr()
-                args.part_o, args.part_lse, args.counters = base, base + lse_at, count.data_ptr()
+                at = {"part_o": base, "part_lse": base + lse_at, "counters": count.data_ptr()}
+                for field in scratch:
+                    setattr(args, field, at[field])
             if index != device_now():
                 with torch.cuda.device(index):
                     go(args, stream)

@@ -731,9 +731,11 @@ def test_an_express_call_still_checks_the_memory_behind_its_tensors(host_build, 
     monkeypatch.setattr(replay, "cache", {})
     q, k = _decode(0)
     v = k.flip(2)
-    key = lambda: rdnattention.ops.key(q, k, v, is_causal=False, window_size=(-1, -1), softmax_scale=0.125,  # noqa: E731
-                                       return_lse=False, token_major=True, views=True)
     from rdnattention.integrations import transformers as rt
+
+    def key():
+        return rdnattention.ops.key(q, k, v, is_causal=False, window_size=(-1, -1), softmax_scale=0.125,
+                                    return_lse=False, token_major=True, views=True)
     for _ in range(3):  # planned, replayed, its guard made
         rt._unmasked(q, k, v, False, 0.125, 0.0, None)
     kept = key()  # the guard's
