@@ -455,18 +455,18 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
         return None
     check, reach, like, step = g.check, r.reach[:n], r.like[0], r.steps[0]
     tensor, compiling, empty_like = _Tensor, torch.compiler.is_compiling, torch.empty_like
-    if len(r.steps) > 1 or step.go is None or device.type == "cpu":
+    if len(r.steps) > 1 or step.go is None:
         def launch_it(found, out):  # the host emulator, several launches: launch() itself
             given = dict(zip(roles, found))
             given["o"] = out.data_ptr()
             launch(r, given, device)
-    else:  # one launch on a GPU: launch()'s work for it (its GPU branch), each field's source found once
+    else:  # one launch through a GPU's driver: launch()'s work for it, each field's source found once
         index, go, planned, scratch_bytes, counters = step.index, step.go, step.args, r.scratch_bytes, r.counters
         copy, lse_at = type(planned).from_buffer_copy, r.scratch_lse
         sources = tuple((f, roles.index(f) if f in roles else -1) for f in step.fields if f not in SCRATCH_FIELDS)
         scratch = tuple(f for f in SCRATCH_FIELDS if f in step.fields)
-        stream_of, scratch_of, device_now = (module_api.current_stream_handle, workspace.stream_scratch,
-                                             module_api.current_device)
+        stream_of, device_now, gpu = module_api.current_stream_handle, module_api.current_device, device.type != "cpu"
+        stream_scratch, scratch_of = workspace.stream_scratch, workspace.scratch
 
         def launch_it(found, out):
             stream = stream_of(index)
@@ -474,8 +474,10 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
             for field, i in sources:
                 setattr(args, field, found[i] if i >= 0 else out.data_ptr())
             buffer = count = None
-            if scratch_bytes:  # held until the launch is enqueued
-                buffer, count = scratch_of(index, stream, scratch_bytes, counters)
+            if scratch_bytes:  # held until the launch is enqueued (CPU tensors through a GPU's driver, as
+                # the RDNA3 emulator's stand-in serves them: the host's workspace, as launch() takes)
+                buffer, count = (stream_scratch(index, stream, scratch_bytes, counters) if gpu
+                                 else scratch_of(device, scratch_bytes, counters))
                 base = buffer.data_ptr()
                 at = {"part_o": base, "part_lse": base + lse_at, "counters": count.data_ptr()}
                 for field in scratch:

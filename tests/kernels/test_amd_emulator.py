@@ -425,3 +425,28 @@ def test_every_kernel_matches_the_oracle(gpu, dispatched, name):
         assert _rel_rms(plan.outputs[0], ref) <= INT8_REL_RMS
     else:
         assert _max_err(plan.outputs[0], ref) <= (BF16_TOL if bf16 else TOL)
+
+
+def test_transformers_attention_express_launches_the_kernel(gpu, dispatched, monkeypatch):
+    """transformers' attention function on a repeated decode geometry: from the fifth call, its
+    replay's express function (replay.express) rewrites the launch's fields and launches the split-KV
+    kernel itself, with its slices' scratch from the workspace; the result is the oracle's."""
+    from types import SimpleNamespace
+
+    from rdnattention.integrations import transformers as rt
+    monkeypatch.setattr(rt, "_express", (None, None))
+    served = []
+    make = replay.express
+
+    def express(*args):
+        run = make(*args)
+        return run and (lambda *t: served.append(run(*t)) or served[-1])
+    monkeypatch.setattr(replay, "express", express)
+    module = SimpleNamespace(is_causal=True, training=False)
+    for seed in range(6):
+        q, k, v = _inputs(1, 4, 2, 1, 700, 128, seed=seed)
+        start = len(gpu.dispatches)
+        out = rt.attention_forward(module, q, k, v, None, scaling=128 ** -0.5)[0]
+        assert _families(gpu, start) == ["fa2_dec"] and gpu.dispatches[start].grid[0] > 1  # split into slices
+        assert _max_err(out.transpose(1, 2), attention_reference(q, k, v)) <= TOL
+    assert len(served) == 2 and all(x is not None for x in served)  # the fifth and sixth calls
