@@ -12,7 +12,9 @@ copy of the planned one with its pointer fields rewritten: the entry point suppl
 by the field it fills (q, k, v, o, lse, seqused_k, ...; :func:`remember` keeps a plan only where
 every pointer field is one the entry point supplies), and a split-KV call's part_o, part_lse
 and counters point into its stream's workspace (workspace.py). Kernel handles are the drivers' (loaded once
-per code object and device)."""
+per code object and device). Entry points whose calls repeat one geometry (transformers' attention
+function, the SDPA patch) run a replay that its own guard recognises through :func:`express`: the
+same checks and the launch, in one frame."""
 
 from __future__ import annotations
 
