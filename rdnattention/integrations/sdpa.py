@@ -289,16 +289,16 @@ def _replayed(config: _Config, args: tuple, kwargs: dict) -> torch.Tensor | None
         if run is not None and options == (s.window, scale):
             out = run(q, k, v)
             if out is not None:
-                return out
+                return out.transpose(1, 2)
             _express = (None, None)  # (another geometry: tried once, not at every call of it)
     else:
         k, v = k[:, :, s.k0:s.k1], v[:, :, s.k0:s.k1]
     key = ops.key(q, k, v, is_causal=False, window_size=s.window, softmax_scale=scale, return_lse=False,
-                  token_major=False)
-    hit = ops.replayed(key, q, k, v, return_lse=False, token_major=False)
+                  token_major=True, views=True)
+    hit = ops.replayed(key, q, k, v, return_lse=False, token_major=True, views=True)
     if hit is not None and whole and replay.guarded(key):
         _expect(key, q.device, (s.window, scale))
-    return None if hit is None else hit[0]
+    return None if hit is None else hit[0].transpose(1, 2)
 
 
 # The express function (replay.express) of the geometry last replayed by its guard, with the options
@@ -436,15 +436,18 @@ def _lengths(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 
 def _launch(q, k, v, window: tuple[int, int], scale: float | None, seqused: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' output [batch, heads, seq_q, head_dim] as a view of a token-major buffer, as
+    torch's flash and cuDNN attention return theirs: transformers' ``transpose(1, 2).contiguous()``
+    and diffusers' ``transpose(1, 2).reshape(...)`` after the call then copy nothing."""
     q, k, v = _rows(q), _rows(k), _rows(v)
     key = ops.key(q, k, v, is_causal=False, window_size=window, softmax_scale=scale, return_lse=False,
-                  token_major=False, seqused_k=seqused)
-    hit = ops.replayed(key, q, k, v, return_lse=False, token_major=False, seqused_k=seqused)
+                  token_major=True, seqused_k=seqused, views=True)
+    hit = ops.replayed(key, q, k, v, return_lse=False, token_major=True, seqused_k=seqused, views=True)
     if hit is not None:
-        return hit[0]
+        return hit[0].transpose(1, 2)
     o = validate(q, k, v, is_causal=False, window_size=window, softmax_scale=scale, rotary_cos=None,
                  rotary_sin=None, rotary_interleaved=False, return_lse=False, seqused_k=seqused)
-    return ops.forward(q, k, v, o, token_major=False, key=key)[0]
+    return ops.forward(q, k, v, o, token_major=True, key=key)[0]
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
