@@ -106,6 +106,31 @@ def test_is_causal_is_top_left_as_torch_defines_it(patched, sq, sk):
     _served()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_served_output_is_token_major_as_torchs_flash_attention_returns_it(patched, monkeypatch, causal):
+    """The output of a call the kernels serve whole, planned, replayed or through the replay's
+    express function alike, is a [batch, heads, seq_q, head_dim] view of a token-major buffer, as
+    torch's own SDPA returns it here (its flash attention on the CPU): what transformers' sdpa
+    attention does after the call, transpose(1, 2).contiguous(), copies nothing."""
+    from rdnattention import replay
+    monkeypatch.setattr(patch, "_express", (None, None))
+    served = []
+    make = replay.express
+    monkeypatch.setattr(replay, "express", lambda *a: (lambda run: run and (
+        lambda *t: served.append(run(*t)) or served[-1]))(make(*a)))
+    q, k, v = _qkv(hq=4, hk=2, sq=24, sk=24)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # as transformers gives it: a token-major buffer's view
+    mine = ORIGINAL(q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=True)
+    assert mine.transpose(1, 2).is_contiguous()  # torch's own layout, which the patch matches
+    for _ in range(6):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        assert out.shape == q.shape and out.transpose(1, 2).is_contiguous()
+        assert out.transpose(1, 2).contiguous().data_ptr() == out.data_ptr()
+        torch.testing.assert_close(out.float(), _reference(q, k, v, is_causal=causal, enable_gqa=True), **TOL)
+    assert served and all(x is not None for x in served)  # the last calls went through the express
+    _served(6)
+
+
 def test_gqa_scale_and_positional_arguments(patched):
     q, k, v = _qkv(hq=4, hk=2)
     mask = J <= I + 16
