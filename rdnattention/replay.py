@@ -149,16 +149,15 @@ def key(kind: str, device: torch.device, tensors: tuple, options: tuple) -> tupl
     A call like the one before it (the layers of a decode step) is recognised by that key's
     :class:`Guard`, without reading its tensors' attributes one by one; a call of the length_free
     key last followed, at any length, by that entry's (Following.guard)."""
+    if torch.compiler.is_compiling() or _is_tracing():
+        return None
     g = _guard
-    if (g is not None and g.options == options and g.kind == kind and g.matches(tensors)
-            and not (torch.compiler.is_compiling() or _is_tracing())):
+    if g is not None and g.options == options and g.kind == kind and g.matches(tensors):
         try:
             if id(route.device_table(g.device)) == g.table:
                 return g.key
         except RdnaAttentionError:
             return None  # the full path raises it
-    if torch.compiler.is_compiling() or _is_tracing():
-        return None
     f = _following
     if f is not None:
         try:
@@ -466,7 +465,7 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
         index, go, planned, scratch_bytes, counters = step.index, step.go, step.args, r.scratch_bytes, r.counters
         copy, lse_at = type(planned).from_buffer_copy, r.scratch_lse
         sources = tuple((f, roles.index(f) if f in roles else -1) for f in step.fields if f not in SCRATCH_FIELDS)
-        scratch = tuple(f for f in SCRATCH_FIELDS if f in step.fields)
+        scratch = tuple((f, SCRATCH_FIELDS.index(f)) for f in step.fields if f in SCRATCH_FIELDS)
         stream_of, device_now, gpu = module_api.current_stream_handle, module_api.current_device, device.type != "cpu"
         stream_scratch, scratch_of = workspace.stream_scratch, workspace.scratch
 
@@ -481,9 +480,9 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
                 buffer, count = (stream_scratch(index, stream, scratch_bytes, counters) if gpu
                                  else scratch_of(device, scratch_bytes, counters))
                 base = buffer.data_ptr()
-                at = {"part_o": base, "part_lse": base + lse_at, "counters": count.data_ptr()}
-                for field in scratch:
-                    setattr(args, field, at[field])
+                at = (base, base + lse_at, count.data_ptr())  # SCRATCH_FIELDS' order, as _place places them
+                for field, i in scratch:
+                    setattr(args, field, at[i])
             if index != device_now():
                 with torch.cuda.device(index):
                     go(args, stream)

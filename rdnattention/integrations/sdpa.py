@@ -258,6 +258,7 @@ def _replayed(config: _Config, args: tuple, kwargs: dict) -> torch.Tensor | None
     tracing, nested, sparse and torch.func's tensors, graph capture and autocast. Gradients and
     tensor subclasses give no key. (CPU, launch stubbed: a GQA decode step replayed here costs 15 us,
     decided in full 36 to 60.)"""
+    global _express
     if len(args) != 3 or not _REPLAYED_KEYWORDS.issuperset(kwargs):
         return None
     q, k, v = args
@@ -284,7 +285,6 @@ def _replayed(config: _Config, args: tuple, kwargs: dict) -> torch.Tensor | None
         return None
     whole = not s.k0 and s.k1 == seq_k
     if whole:
-        global _express
         options, run = _express
         if run is not None and options == (s.window, scale):
             out = run(q, k, v)
@@ -296,23 +296,16 @@ def _replayed(config: _Config, args: tuple, kwargs: dict) -> torch.Tensor | None
     key = ops.key(q, k, v, is_causal=False, window_size=s.window, softmax_scale=scale, return_lse=False,
                   token_major=True, views=True)
     hit = ops.replayed(key, q, k, v, return_lse=False, token_major=True, views=True)
-    if hit is not None and whole and replay.guarded(key):
-        _expect(key, q.device, (s.window, scale))
+    if hit is not None and whole and replay.guarded(key):  # (whole K and V: no slice of them made per call)
+        run = replay.express(key, q.device, ("q", "k", "v"), 3)  # the next calls of this key take it
+        if run is not None:
+            _express = ((s.window, scale), run)
     return None if hit is None else hit[0].transpose(1, 2)
 
 
 # The express function (replay.express) of the geometry last replayed by its guard, with the options
 # it was planned for: (window, scale), function. Replaced whole.
 _express: tuple = (None, None)
-
-
-def _expect(key: tuple, device: torch.device, options: tuple) -> None:
-    """Where ``key``'s replay is recognised by its own guard, its express function serves the next
-    calls of ``options`` (whole K and V: no slice of them made per call)."""
-    global _express
-    run = replay.express(key, device, ("q", "k", "v"), 3)
-    if run is not None:
-        _express = (options, run)
 
 
 _slices: dict[tuple[int, int, bool], _Slice | None] = {}

@@ -500,15 +500,6 @@ def _replayed(module, query, key, value, dropout, scaling, is_causal, kwargs: di
 _express: tuple = (None, None)
 
 
-def _expect(key: tuple, device: torch.device, options: tuple) -> None:
-    """Where ``key``'s replay is recognised by its own guard, its express function serves the next
-    calls of ``options``."""
-    global _express
-    run = replay.express(key, device, ("q", "k", "v"), 3)
-    if run is not None:
-        _express = (options, run)
-
-
 def _unmasked(query, key, value, causal: bool, scale: float, softcap: float, sinks,
               replay_only: bool = False) -> torch.Tensor | None:
     """A call without a mask with sdpa's semantics (causal top-left, as api.scaled_dot_product_attention
@@ -518,6 +509,7 @@ def _unmasked(query, key, value, causal: bool, scale: float, softcap: float, sin
     transposes nothing; the first of a geometry is validated and planned as flash_attn_func's, and
     one whose rows need copies (padding.py) runs flash_attn_func itself. ``replay_only``: None
     instead of the first."""
+    global _express
     seq_q, seq_k = query.shape[2], key.shape[2]
     window = (-1, -1)
     if causal and seq_k > seq_q:  # no query sees a key at or past seq_q
@@ -528,7 +520,9 @@ def _unmasked(query, key, value, causal: bool, scale: float, softcap: float, sin
                        token_major=True, softcap=softcap, sinks=sinks, views=True)
     hit = ops.replayed(plan_key, query, key, value, return_lse=False, token_major=True, sinks=sinks, views=True)
     if hit is not None and replay.guarded(plan_key) and sinks is None and not (causal and seq_k > seq_q):
-        _expect(plan_key, query.device, (causal, scale, softcap))
+        run = replay.express(plan_key, query.device, ("q", "k", "v"), 3)  # the next calls of this key take it
+        if run is not None:
+            _express = ((causal, scale, softcap), run)
     if hit is not None or replay_only:
         return None if hit is None else hit[0]
     if padding.needed(query, key, value):
