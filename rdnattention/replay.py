@@ -681,6 +681,8 @@ def follow(f: Following, key: tuple, tensors: tuple, device: torch.device) -> Re
         (ka, kb, kc, kd), ks, _, _ = key[2 + i]
         (va, vb, vc, vd), vs, _, _ = key[2 + j]
         seq_k = kb if f.seq_dim == 1 else kc
+        if seq_k != (vb if f.seq_dim == 1 else vc):  # V's length, which the guard leaves free as it does
+            return None  # K's: one unlike K's is refused by the full path (the kernels would read past V)
         # what length_free keeps of K's and V's length and strides, which key() leaves free where it
         # recognises the call by f's guard: whether there are keys, the strides modulo 16 bytes (its
         # rule, inline: calling it for K and V cost 0.5-1 us more per new length)

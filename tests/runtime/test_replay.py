@@ -471,6 +471,27 @@ def test_a_followed_length_still_refuses_what_the_full_path_refuses(host_build, 
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
 
 
+@pytest.mark.parametrize("guards", [True, False], ids=["by_guard", "by_key"])
+def test_a_followed_length_refuses_v_shorter_than_k(host_build, monkeypatch, guards):
+    """K and V of different lengths at a new length (the guard and the length-free key leave both
+    lengths free): refused as the full path refuses them, not served with V read past its rows."""
+    monkeypatch.setattr(replay, "cache", {})
+    monkeypatch.setattr(replay, "by_length", {})
+    monkeypatch.setattr(replay, "_following", None)
+    if not guards:
+        monkeypatch.setattr(replay, "_TensorGuards", None)
+    q, kv = _growing(4, [1990, 1991, 1992, 1993])
+    for k, v in kv:
+        rdnattention.flash_attn(q, k, v)
+    assert replay.by_length
+    k = _growing(4, [2000])[1][0][0]
+    v = _growing(5, [1200])[1][0][1]
+    before = [t.clone() for t in (q, k, v)]
+    with pytest.raises(InvalidArgumentError, match="must equal k shape"):
+        rdnattention.flash_attn(q, k, v)
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
+
+
 def test_a_sliding_window_cache_that_outgrows_its_window_is_planned_for_its_length(host_build, monkeypatch):
     """A window of 100 keys on a cache of 60 (every key in it: validation clamps the window away)
     then of 1990: the second call is not the first's plan followed, which would drop its window."""
