@@ -210,11 +210,18 @@ def _following_key(f: Following, kind: str, tensors: tuple, options: tuple) -> t
     """The key of a call ``f``'s guard recognises (of its length_free key, K's and V's length and
     strides left free), where the device's table is the guard's: its last call's where K and V are
     those of that call, else the guard's with K's and V's; else None."""
-    global _followed
     g = f.guard
     if (g.options != options or g.kind != kind or not g.matches(tensors)
             or id(route.device_table(g.device)) != g.table):
         return None
+    return _length_key(f, tensors)
+
+
+def _length_key(f: Following, tensors: tuple) -> tuple:
+    """The key of a call whose tensors ``f``'s guard recognised: its last call's where K and V are
+    those of that call, else the guard's with K's and V's."""
+    global _followed
+    g = f.guard
     last = f.last[0]
     i, j = f.positions
     a, b = tensors[i], tensors[j]
@@ -297,6 +304,14 @@ class Guard:
             take = operator.itemgetter(*present)
         absent = tuple(i for i, t in enumerate(tensors) if t is None)
         return cls(kind, options, key, device, table, absent, tuple(same), take, guards.check)
+
+    def renewed(self, key: tuple, tensors: tuple) -> Guard:
+        """The guard of ``key``, a key of the same entry point, options, device and table whose
+        tensors are absent and given twice where this guard's are (a length this guard's entry
+        follows: Following), from ``tensors``, one of its calls (none requiring grad)."""
+        guards = _TensorGuards(*self.take(tensors), dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        return Guard(self.kind, self.options, key, self.device, self.table, self.absent, self.same, self.take,
+                     guards.check)
 
     def matches(self, tensors: tuple) -> bool:
         """Whether ``tensors`` are absent where the key's were, one tensor where the key's were one,
@@ -431,20 +446,21 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
     since, or clear()), or where pointers() finds their memory wanting (the first ``aligned`` on 16
     bytes). It checks what key(), ops.replayed and launch() check for such a call, in one frame:
     between a model's other operations, a call pays for each object it reads being out of the
-    processor's caches. None where the replay has no guard, or one of other tensors (one given
-    twice, absent ones among these), launches with pointer fields other than these, the output and
-    the split-KV scratch, or no stand-ins of its outputs yet (Replay.like, made at the entry point's
-    first replay; a first None: torch.empty_like of the first tensor, as ops.replayed allocates).
-    Made once per replay."""
+    processor's caches. A replay that follows the keys' length (Following: a cache that grows by
+    a key per decode step) goes on with the next length as the entry point would: a call its
+    guard refuses and the entry's length-free guard recognises is followed (follow()), and that
+    length's replay, given its guard, serves the calls after it. None where the replay has no
+    guard, or one of other tensors (one given twice, absent ones among these), launches with
+    pointer fields other than these, the output and the split-KV scratch, or no stand-ins of its
+    outputs yet (Replay.like, made at the entry point's first replay; a first None:
+    torch.empty_like of the first tensor, as ops.replayed allocates). Made once per replay."""
     r = current(key)
     if r is None:
         return None
     if r.express is not None:
         return r.express
     g, n = r.guard, len(roles)
-    allowed = {*roles, "o", *SCRATCH_FIELDS}
-    if (not g or g.same or g.absent != tuple(range(n, n + len(g.absent))) or not r.like
-            or any(not allowed.issuperset(step.fields) for step in r.steps)):
+    if not g or g.same or g.absent != tuple(range(n, n + len(g.absent))) or not _expressible(r, roles):
         return None
     table_for = route.dispatch.table_for
     environment = drivers.environment_token
@@ -454,52 +470,55 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
             return None
     except RdnaAttentionError:
         return None
-    check, reach, like, step = g.check, r.reach[:n], r.like[0], r.steps[0]
+    f = _followed[1]
+    if f is None or f is not _following or f.last[1] is not r:
+        f = None  # a replay of one length
+    else:  # recognises the call's tensors at any length, where given as this guard's (their types checked)
+        length_free_check, length_free_take = f.guard.check, f.guard.take
+    none = (None,) * len(g.absent)
+    like = r.like[0]
     tensor, compiling, empty_like = _Tensor, torch.compiler.is_compiling, torch.empty_like
-    if len(r.steps) > 1 or step.go is None:
-        def launch_it(found, out):  # the host emulator, several launches: launch() itself
-            given = dict(zip(roles, found))
-            given["o"] = out.data_ptr()
-            launch(r, given, device)
-    else:  # one launch through a GPU's driver: launch()'s work for it, each field's source found once
-        index, go, planned, scratch_bytes, counters = step.index, step.go, step.args, r.scratch_bytes, r.counters
-        copy, lse_at = type(planned).from_buffer_copy, r.scratch_lse
-        sources = tuple((f, roles.index(f) if f in roles else -1) for f in step.fields if f not in SCRATCH_FIELDS)
-        scratch = tuple((f, SCRATCH_FIELDS.index(f)) for f in step.fields if f in SCRATCH_FIELDS)
-        stream_of, device_now, gpu = module_api.current_stream_handle, module_api.current_device, device.type != "cpu"
-        stream_scratch, scratch_of = workspace.stream_scratch, workspace.scratch
+    now = (g, g.check, r.reach[:n], _launcher(r, roles, device))  # the length served: replaced whole
 
-        def launch_it(found, out):
-            stream = stream_of(index)
-            args = copy(planned)
-            for field, i in sources:
-                setattr(args, field, found[i] if i >= 0 else out.data_ptr())
-            buffer = count = None
-            if scratch_bytes:  # held until the launch is enqueued (CPU tensors through a GPU's driver, as
-                # the RDNA3 emulator's stand-in serves them: the host's workspace, as launch() takes)
-                buffer, count = (stream_scratch(index, stream, scratch_bytes, counters) if gpu
-                                 else scratch_of(device, scratch_bytes, counters))
-                base = buffer.data_ptr()
-                at = (base, base + lse_at, count.data_ptr())  # SCRATCH_FIELDS' order, as _place places them
-                for field, i in scratch:
-                    setattr(args, field, at[i])
-            if index != device_now():
-                with torch.cuda.device(index):
-                    go(args, stream)
-            else:
-                go(args, stream)
-            del buffer, count
+    def grown(tensors: tuple) -> tuple | None:
+        """``now`` for the length of ``tensors``, which f's guard recognises, followed from f's last."""
+        nonlocal now
+        if _following is not f:
+            return None
+        tensors += none  # the key's tensors, the absent ones after those given
+        if not length_free_check(*length_free_take(tensors)):  # (the table: run()'s environment and generation)
+            return None
+        k = _length_key(f, tensors)
+        r = follow(f, k, tensors, device)  # (derived from f's planned replay: its launches' fields, its stand-ins)
+        if r is None:
+            return None
+        if r.guard is None:  # (f's guard recognised tensors as those the express takes)
+            r.guard = now[0].renewed(k, tensors)
+        g = r.guard
+        if not g:
+            return None
+        _set_guard(g)
+        r.express = run
+        now = (g, g.check, r.reach[:n], _launcher(r, roles, device))
+        return now
 
     def run(*tensors):
+        g, check, reach, launch_it = now
         if _guard is not g:
             return None
         for t in tensors:
             if type(t) is not tensor or t.is_nested:
                 return None
         try:
-            if (compiling() or _is_tracing() or not check(*tensors) or environment() != env
-                    or table_for.generation != generation):
+            if compiling() or _is_tracing() or environment() != env or table_for.generation != generation:
                 return None
+            if not check(*tensors):
+                if f is None:
+                    return None
+                taken = grown(tensors)
+                if taken is None:
+                    return None
+                g, check, reach, launch_it = taken
         except TypeError:  # another number of tensors
             return None
         found = pointers(tensors, reach, aligned)
@@ -511,6 +530,54 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
 
     r.express = run
     return run
+
+
+def _expressible(r: Replay, roles: tuple[str, ...]) -> bool:
+    """Whether express() may launch ``r`` given the tensors of ``roles``: it has its outputs'
+    stand-ins, and its launches' pointer fields are those, the output and the split-KV scratch."""
+    allowed = {*roles, "o", *SCRATCH_FIELDS}
+    return bool(r.like) and all(allowed.issuperset(step.fields) for step in r.steps)
+
+
+def _launcher(r: Replay, roles: tuple[str, ...], device: torch.device):
+    """express()'s launch of ``r``: a function of the call's pointers (in ``roles``' order) and its
+    output."""
+    step = r.steps[0]
+    if len(r.steps) > 1 or step.go is None:
+        def launch_it(found, out):  # the host emulator, several launches: launch() itself
+            given = dict(zip(roles, found))
+            given["o"] = out.data_ptr()
+            launch(r, given, device)
+        return launch_it
+    # one launch through a GPU's driver: launch()'s work for it, each field's source found once
+    index, go, planned, scratch_bytes, counters = step.index, step.go, step.args, r.scratch_bytes, r.counters
+    copy, lse_at = type(planned).from_buffer_copy, r.scratch_lse
+    sources = tuple((f, roles.index(f) if f in roles else -1) for f in step.fields if f not in SCRATCH_FIELDS)
+    scratch = tuple((f, SCRATCH_FIELDS.index(f)) for f in step.fields if f in SCRATCH_FIELDS)
+    stream_of, device_now, gpu = module_api.current_stream_handle, module_api.current_device, device.type != "cpu"
+    stream_scratch, scratch_of = workspace.stream_scratch, workspace.scratch
+
+    def launch_it(found, out):
+        stream = stream_of(index)
+        args = copy(planned)
+        for field, i in sources:
+            setattr(args, field, found[i] if i >= 0 else out.data_ptr())
+        buffer = count = None
+        if scratch_bytes:  # held until the launch is enqueued (CPU tensors through a GPU's driver, as
+            # the RDNA3 emulator's stand-in serves them: the host's workspace, as launch() takes)
+            buffer, count = (stream_scratch(index, stream, scratch_bytes, counters) if gpu
+                             else scratch_of(device, scratch_bytes, counters))
+            base = buffer.data_ptr()
+            at = (base, base + lse_at, count.data_ptr())  # SCRATCH_FIELDS' order, as _place places them
+            for field, i in scratch:
+                setattr(args, field, at[i])
+        if index != device_now():
+            with torch.cuda.device(index):
+                go(args, stream)
+        else:
+            go(args, stream)
+        del buffer, count
+    return launch_it
 
 
 def launch(r: Replay, pointers: dict[str, int], device: torch.device,

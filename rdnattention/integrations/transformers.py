@@ -491,7 +491,7 @@ def _replayed(module, query, key, value, dropout, scaling, is_causal, kwargs: di
         out = run(query, key, value)
         if out is not None:
             return out
-        _express = (None, None)  # (a cache grown by a key: the next layers' own replay makes its own)
+        _express = (None, None)  # (another geometry: tried once, not at every call of it)
     return _unmasked(query, key, value, causal, scale, softcap, None, replay_only=True)
 
 

@@ -450,3 +450,30 @@ def test_transformers_attention_express_launches_the_kernel(gpu, dispatched, mon
         assert _families(gpu, start) == ["fa2_dec"] and gpu.dispatches[start].grid[0] > 1  # split into slices
         assert _max_err(out.transpose(1, 2), attention_reference(q, k, v)) <= TOL
     assert len(served) == 2 and all(x is not None for x in served)  # the fifth and sixth calls
+
+
+def test_transformers_attention_express_follows_a_growing_cache(gpu, dispatched, monkeypatch):
+    """Decode steps on a cache one key longer per step, two layers a step: the express follows each
+    new length (replay.follow: the key slices and the K/V strides rewritten) and launches the
+    split-KV kernel through the HIP driver with no key built; each result is the oracle's."""
+    from types import SimpleNamespace
+
+    from rdnattention import ops
+    from rdnattention.integrations import transformers as rt
+    for name, value in (("cache", {}), ("by_length", {}), ("_guard", None), ("_following", None),
+                        ("_last", (None, None, None))):
+        monkeypatch.setattr(replay, name, value)
+    monkeypatch.setattr(rt, "_express", (None, None))
+    module = SimpleNamespace(is_causal=True, training=False)
+    keyed = []
+    key = ops.key
+    for n in range(700, 706):
+        if n == 703:  # planned, followed, the entry's guard made, the express made
+            monkeypatch.setattr(ops, "key", lambda *a, **kw: keyed.append(n) or key(*a, **kw))
+        for layer in range(2):
+            q, k, v = _inputs(1, 4, 2, 1, n, 128, seed=10 * n + layer)
+            start = len(gpu.dispatches)
+            out = rt.attention_forward(module, q, k, v, None, scaling=128 ** -0.5)[0]
+            assert _families(gpu, start) == ["fa2_dec"] and gpu.dispatches[start].grid[0] > 1
+            assert _max_err(out.transpose(1, 2), attention_reference(q, k, v)) <= TOL
+    assert not keyed  # the last three steps through the express alone

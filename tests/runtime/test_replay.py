@@ -745,6 +745,47 @@ def test_transformers_attention_runs_a_repeated_geometry_through_its_express(hos
 
 
 @needs_guards
+def test_transformers_attention_express_follows_a_growing_cache(host_build, monkeypatch):
+    """Decode steps on caches one key longer per step (transformers' DynamicCache in generate()),
+    several layers per step: the express of the last length's replay follows each new length as
+    the entry's own path would (replay.follow, the entry's length-free guard), from the first layer
+    of the step on, with no key built and nothing planned; each result is the one the same call
+    planned from scratch gives, and the oracle's."""
+    from types import SimpleNamespace
+
+    from rdnattention.integrations import transformers as rt
+    for name, value in (("cache", {}), ("by_length", {}), ("_guard", None), ("_following", None),
+                        ("_last", (None, None, None))):
+        monkeypatch.setattr(replay, name, value)
+    monkeypatch.setattr(rt, "_express", (None, None))
+    module = SimpleNamespace(is_causal=True, training=False)
+    lengths, layers = list(range(1990, 1998)), 3
+    steps = [[_growing(10 * layer + n, [n]) for layer in range(layers)] for n in lengths]
+    keys, planned = [], []
+    key, plan = rdnattention.ops.key, route.plan
+    results = []
+    for i, step in enumerate(steps):
+        if i == 3:  # the steps before: planned, followed, the entry's guard and the express made
+            monkeypatch.setattr(rdnattention.ops, "key", lambda *a, **kw: keys.append(1) or key(*a, **kw))
+            monkeypatch.setattr(route, "plan", lambda *a, **kw: planned.append(1) or plan(*a, **kw))
+        for q, ((k, v),) in step:
+            results.append(rt.attention_forward(module, q, k, v, None, scaling=0.125)[0])
+    assert rt._express[1] is not None
+    assert not keys and not planned  # five steps of three layers, every call through the express
+    monkeypatch.setattr(rdnattention.ops, "key", key)
+    monkeypatch.setattr(route, "plan", plan)
+    calls = [(q, k, v) for step in steps for q, ((k, v),) in step]
+    for (q, k, v), got in zip(calls, results):
+        replay.clear()
+        monkeypatch.setattr(rt, "_express", (None, None))
+        fresh = rt.attention_forward(module, q, k, v, None, scaling=0.125)[0]
+        assert torch.equal(got, fresh) and got.stride() == fresh.stride()
+    q, k, v = calls[-1]
+    want = reference.attention_reference(q, k, v, softmax_scale=0.125).transpose(1, 2)
+    torch.testing.assert_close(results[-1].double(), want, atol=TOL, rtol=0)
+
+
+@needs_guards
 def test_an_express_call_still_checks_the_memory_behind_its_tensors(host_build, monkeypatch):
     """replay.express refuses (None: the entry point's own path decides, and raises) tensors whose
     memory pointers() finds wanting, as the replay's own path does, and calls once its replay's
