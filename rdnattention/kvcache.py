@@ -88,6 +88,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     not contiguous and 16-byte aligned run on copies, and a head_dim that is not a multiple of 8
     (up to 256) on padded copies of every tensor, the cache copied back (padding.py); a cache whose
     rows are not contiguous and aligned is refused (InvalidArgumentError), never copied."""
+    global _express
+    held, run = _express
+    if (run is not None and type(cache_seqlens) is torch.Tensor and cache_leftpad is None and alibi_slopes is None
+            and sinks is None and return_softmax_lse is False and type(causal) is bool
+            and type(rotary_interleaved) is bool and type(num_splits) is int and type(window_size) is tuple
+            and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int
+            and held == (type(softmax_scale), softmax_scale, causal, window_size, rotary_interleaved, num_splits,
+                         type(softcap), softcap)
+            and not checks.reads(cache_seqlens)):
+        out = run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table)
+        if out is not None:
+            if k is not None:
+                _tally.hit()
+            return out
+        _express = (None, None)  # (another geometry: tried once, not at every call of it)
     if cache_leftpad is not None and alibi_slopes is not None:
         raise UnsupportedError("alibi_slopes with cache_leftpad: the left-padded cache runs as a packed batch, "
                                "whose ALiBi positions are not flash-attn's; pass one of them")
@@ -102,6 +117,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         hit = _replayed(r, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                         block_table, rotary_interleaved, num_splits, return_softmax_lse, score)
         if hit is not None:
+            if (type(cache_seqlens) is torch.Tensor and not return_softmax_lse and alibi_slopes is None
+                    and sinks is None and replay.guarded(plan_key)):
+                _make_express(r, plan_key, q, k)
             return hit if return_softmax_lse else hit[0]
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise InvalidArgumentError(f"num_splits must be a non-negative int, got {num_splits!r}")
@@ -243,6 +261,32 @@ def _key(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, bl
                        sinks),
                       (type(softmax_scale), softmax_scale, causal, window_size, interleaved, num_splits, return_lse,
                        given, type(softcap), softcap))
+
+
+# The express function (replay.express) of the geometry last replayed by its guard, with the options
+# it was planned for, as _key holds them: (type(softmax_scale), softmax_scale, causal, window_size,
+# rotary_interleaved, num_splits, type(softcap), softcap); for calls with cache_seqlens an int32
+# tensor, no cache_leftpad, ALiBi or sinks, no LSE, whose lengths the value checks do not read
+# (checks.reads: where they do, _replayed reads them). Replaced whole.
+_express: tuple = (None, None)
+
+
+def _make_express(r: replay.Replay, plan_key: tuple, q: torch.Tensor, k) -> None:
+    """Makes the express of ``r`` (a replay of ``plan_key``, whose guard is the current one) the one
+    the next calls try, where its launches take nothing but the call's tensors, the output, the
+    split-KV scratch and the regions (an append through torch operations: none)."""
+    global _express
+    kept: Kept = r.extra
+    if k is not None and not kept.kernel:
+        return
+    if not r.like:  # its output allocated as _replayed allocates it
+        replay.keep_stand_ins(r, q.device, None if kept.contiguous else (tuple(q.shape), q.dtype))
+    roles = (*_REPLAYED[:7], kept.lengths, *_REPLAYED[8:10])
+    run = replay.express(plan_key, q.device, roles, 3, (("q_src", 0),) if k is not None else (), kept.regions)
+    if run is not None:
+        _, options, *_ = plan_key
+        scale_type, scale, causal, window, interleaved, splits, _, _, softcap_type, softcap = options
+        _express = ((scale_type, scale, causal, window, interleaved, splits, softcap_type, softcap), run)
 
 
 # The launch fields of _replayed's tensors but the lengths (whose field is Kept.lengths), in its order.

@@ -436,31 +436,38 @@ def remember(key: tuple | None, plan: Plan, tensors: tuple, roles: frozenset[str
     return r
 
 
-def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: int):
+def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: int,
+            aliases: tuple[tuple[str, int], ...] = (), regions: tuple | None = None):
     """The replay of ``key`` (where its guard is the current one: current()) as one function of a
     call's tensors, for entry points whose calls repeat one geometry (the layers of a decode step).
-    Given the tensors of ``roles`` (the pointer fields they fill, in the order of the key's tensors,
-    whose others were absent), the function launches and returns the output (field "o"); or returns
-    None, leaving the call to the entry point's own path, where the replay's guard does not
-    recognise the tensors, where that guard is no longer the current one (a call of another key
-    since, or clear()), or where pointers() finds their memory wanting (the first ``aligned`` on 16
-    bytes). It checks what key(), ops.replayed and launch() check for such a call, in one frame:
-    between a model's other operations, a call pays for each object it reads being out of the
-    processor's caches. A replay that follows the keys' length (Following: a cache that grows by
-    a key per decode step) goes on with the next length as the entry point would: a call its
-    guard refuses and the entry's length-free guard recognises is followed (follow()), and that
-    length's replay, given its guard, serves the calls after it. None where the replay has no
-    guard, or one of other tensors (one given twice, absent ones among these), launches with
-    pointer fields other than these, the output and the split-KV scratch, or no stand-ins of its
-    outputs yet (Replay.like, made at the entry point's first replay; a first None:
-    torch.empty_like of the first tensor, as ops.replayed allocates). Made once per replay."""
+    Given the first len(``roles``) of the key's tensors (None where the key's are absent; its others
+    are absent), ``roles`` the pointer fields they fill and ``aliases`` (field, position) fields
+    that take one of them too, the function launches and returns the output (field "o"); or
+    returns None, leaving the call to the entry point's own path, where the replay's guard does
+    not recognise the tensors, where that guard is no longer the current one (a call of another
+    key since, or clear()), or where pointers() finds their memory wanting (the first ``aligned``
+    on 16 bytes). ``regions``: launch()'s, the same at every call. It checks what key(),
+    the entry point's replay and launch() check for such a call, in one frame: between a model's
+    other operations, a call pays for each object it reads being out of the processor's caches.
+    What the key holds besides its tensors (options, how a length is given) and value checks are
+    the entry point's to compare before it calls. A replay that follows the keys' length
+    (Following: a cache that grows by a key per decode step) goes on with the next length as the
+    entry point would: a call its guard refuses and the entry's length-free guard recognises is
+    followed (follow()), and that length's replay, given its guard, serves the calls after it.
+    None where the replay has no guard, or one of other tensors (one given twice), launches with
+    pointer fields other than these, the output, the split-KV scratch and the regions, or no
+    stand-ins of its outputs yet (Replay.like, made at the entry point's first replay; a first
+    None: torch.empty_like of the first tensor, as ops.replayed allocates). Made once per replay."""
     r = current(key)
     if r is None:
         return None
     if r.express is not None:
         return r.express
     g, n = r.guard, len(roles)
-    if not g or g.same or g.absent != tuple(range(n, n + len(g.absent))) or not _expressible(r, roles):
+    gaps = tuple(i for i in g.absent if i < n) if g else ()  # given as None
+    trailing = len(g.absent) - len(gaps) if g else 0
+    if (not g or g.same or g.absent[len(gaps):] != tuple(range(n, n + trailing))
+            or not _expressible(r, roles, aliases, regions)):
         return None
     table_for = route.dispatch.table_for
     environment = drivers.environment_token
@@ -475,10 +482,11 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
         f = None  # a replay of one length
     else:  # recognises the call's tensors at any length, where given as this guard's (their types checked)
         length_free_check, length_free_take = f.guard.check, f.guard.take
-    none = (None,) * len(g.absent)
+    none = (None,) * trailing
+    take = g.take if gaps else None  # (the same for every length)
     like = r.like[0]
     tensor, compiling, empty_like = _Tensor, torch.compiler.is_compiling, torch.empty_like
-    now = (g, g.check, r.reach[:n], _launcher(r, roles, device))  # the length served: replaced whole
+    now = (g, g.check, r.reach[:n], _launcher(r, roles, aliases, regions, device))  # the length served: replaced whole
 
     def grown(tensors: tuple) -> tuple | None:
         """``now`` for the length of ``tensors``, which f's guard recognises, followed from f's last."""
@@ -499,27 +507,34 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
             return None
         _set_guard(g)
         r.express = run
-        now = (g, g.check, r.reach[:n], _launcher(r, roles, device))
+        now = (g, g.check, r.reach[:n], _launcher(r, roles, aliases, regions, device))
         return now
 
     def run(*tensors):
         g, check, reach, launch_it = now
         if _guard is not g:
             return None
-        for t in tensors:
-            if type(t) is not tensor or t.is_nested:
-                return None
         try:
+            if take is None:
+                given = tensors
+            else:
+                for i in gaps:
+                    if tensors[i] is not None:
+                        return None
+                given = take(tensors)
+            for t in given:
+                if type(t) is not tensor or t.is_nested:
+                    return None
             if compiling() or _is_tracing() or environment() != env or table_for.generation != generation:
                 return None
-            if not check(*tensors):
+            if not check(*given):
                 if f is None:
                     return None
                 taken = grown(tensors)
                 if taken is None:
                     return None
                 g, check, reach, launch_it = taken
-        except TypeError:  # another number of tensors
+        except (TypeError, IndexError):  # another number of tensors
             return None
         found = pointers(tensors, reach, aligned)
         if found is None:
@@ -532,28 +547,40 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
     return run
 
 
-def _expressible(r: Replay, roles: tuple[str, ...]) -> bool:
+def _expressible(r: Replay, roles: tuple[str, ...], aliases: tuple[tuple[str, int], ...] = (),
+                 regions: tuple | None = None) -> bool:
     """Whether express() may launch ``r`` given the tensors of ``roles``: it has its outputs'
-    stand-ins, and its launches' pointer fields are those, the output and the split-KV scratch."""
-    allowed = {*roles, "o", *SCRATCH_FIELDS}
+    stand-ins, and its launches' pointer fields are those, the aliases, the output, the split-KV
+    scratch and the regions."""
+    allowed = {*roles, *(field for field, _ in aliases), "o", *SCRATCH_FIELDS,
+               *(field for field, _ in (regions[1] if regions else ()))}
     return bool(r.like) and all(allowed.issuperset(step.fields) for step in r.steps)
 
 
-def _launcher(r: Replay, roles: tuple[str, ...], device: torch.device):
-    """express()'s launch of ``r``: a function of the call's pointers (in ``roles``' order) and its
-    output."""
+def _launcher(r: Replay, roles: tuple[str, ...], aliases: tuple[tuple[str, int], ...], regions: tuple | None,
+              device: torch.device):
+    """express()'s launch of ``r``: a function of the call's pointers (in ``roles``' order, 0 where
+    absent) and its output."""
     step = r.steps[0]
     if len(r.steps) > 1 or step.go is None:
         def launch_it(found, out):  # the host emulator, several launches: launch() itself
-            given = dict(zip(roles, found))
+            given = {role: p for role, p in zip(roles, found) if p}
+            for field, i in aliases:
+                given[field] = found[i]
             given["o"] = out.data_ptr()
-            launch(r, given, device)
+            launch(r, given, device, regions)
         return launch_it
     # one launch through a GPU's driver: launch()'s work for it, each field's source found once
-    index, go, planned, scratch_bytes, counters = step.index, step.go, step.args, r.scratch_bytes, r.counters
-    copy, lse_at = type(planned).from_buffer_copy, r.scratch_lse
-    sources = tuple((f, roles.index(f) if f in roles else -1) for f in step.fields if f not in SCRATCH_FIELDS)
-    scratch = tuple((f, SCRATCH_FIELDS.index(f)) for f in step.fields if f in SCRATCH_FIELDS)
+    index, go, planned, counters = step.index, step.go, step.args, r.counters
+    copy, lse_at, start = type(planned).from_buffer_copy, r.scratch_lse, workspace.align(r.scratch_bytes)
+    total = start + regions[0] if regions else r.scratch_bytes
+    placed = dict(regions[1]) if regions else {}
+    aliased = dict(aliases)
+    sources = tuple((f, roles.index(f) if f in roles else aliased.get(f, -1)) for f in step.fields
+                    if f not in SCRATCH_FIELDS and f not in placed)
+    scratch = tuple((f, SCRATCH_FIELDS.index(f)) for f in step.fields if f in SCRATCH_FIELDS and r.scratch_bytes)
+    scratch += tuple((f, len(SCRATCH_FIELDS) + i) for i, f in enumerate(placed) if f in step.fields)
+    offsets = tuple(start + offset for offset in placed.values())
     stream_of, device_now, gpu = module_api.current_stream_handle, module_api.current_device, device.type != "cpu"
     stream_scratch, scratch_of = workspace.stream_scratch, workspace.scratch
 
@@ -563,12 +590,13 @@ def _launcher(r: Replay, roles: tuple[str, ...], device: torch.device):
         for field, i in sources:
             setattr(args, field, found[i] if i >= 0 else out.data_ptr())
         buffer = count = None
-        if scratch_bytes:  # held until the launch is enqueued (CPU tensors through a GPU's driver, as
-            # the RDNA3 emulator's stand-in serves them: the host's workspace, as launch() takes)
-            buffer, count = (stream_scratch(index, stream, scratch_bytes, counters) if gpu
-                             else scratch_of(device, scratch_bytes, counters))
+        if total:  # held until the launch is enqueued (CPU tensors through a GPU's driver, as the RDNA3
+            # emulator's stand-in serves them: the host's workspace, as launch() takes)
+            buffer, count = (stream_scratch(index, stream, total, counters) if gpu
+                             else scratch_of(device, total, counters))
             base = buffer.data_ptr()
-            at = (base, base + lse_at, count.data_ptr())  # SCRATCH_FIELDS' order, as _place places them
+            # SCRATCH_FIELDS' order, then the regions', as _place places them
+            at = (base, base + lse_at, count.data_ptr(), *(base + offset for offset in offsets))
             for field, i in scratch:
                 setattr(args, field, at[i])
         if index != device_now():

@@ -477,3 +477,52 @@ def test_transformers_attention_express_follows_a_growing_cache(gpu, dispatched,
             assert _families(gpu, start) == ["fa2_dec"] and gpu.dispatches[start].grid[0] > 1
             assert _max_err(out.transpose(1, 2), attention_reference(q, k, v)) <= TOL
     assert not keyed  # the last three steps through the express alone
+
+
+@pytest.mark.parametrize("rope, splits", [(None, 0), (True, 0), (True, 2)], ids=["copy", "rope", "rope_split"])
+def test_kvcache_express_launches_the_fused_append(gpu, dispatched, monkeypatch, rope, splits):
+    """flash_attn_with_kvcache on a repeated geometry, the lengths' values unread (RDNATTENTION_CHECK=0,
+    as GPU tensors' are by default): from the fifth call its replay's express launches the paged
+    split-KV decode with the append fused into it through the HIP driver (with RoPE tables the rotated
+    queries in a region of the workspace, the append reading q through q_src); its output and pool
+    writes are, byte for byte, those of the same call planned from scratch; with key slices, their
+    scratch before that region."""
+    from rdnattention import checks, kvcache
+    monkeypatch.setattr(checks, "_mode", "never")
+    for name, value in (("cache", {}), ("by_length", {}), ("_guard", None), ("_following", None),
+                        ("_last", (None, None, None))):
+        monkeypatch.setattr(replay, name, value)
+    monkeypatch.setattr(kvcache, "_express", (None, None))
+    served = []
+    make = replay.express
+
+    def express(*args, **kw):
+        run = make(*args, **kw)
+        return run and (lambda *t: served.append(run(*t)) or served[-1])
+    monkeypatch.setattr(replay, "express", express)
+
+    def call(seed):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(2, 1, 4, 64, generator=g).half()
+        pk, pv = (torch.randn(6, 16, 2, 64, generator=g).half() for _ in range(2))
+        k, v = (torch.randn(2, 1, 2, 64, generator=g).half() for _ in range(2))
+        kwargs = dict(cache_seqlens=torch.tensor([30, 3], dtype=torch.int32), causal=True,
+                      block_table=torch.tensor([[4, 0, 2], [1, 5, 3]], dtype=torch.int32), num_splits=splits)
+        if rope is not None:
+            kwargs["rotary_cos"], kwargs["rotary_sin"] = rotary_tables(40, 48)
+        start = len(gpu.dispatches)
+        out = flash_attn_with_kvcache(q, pk, pv, k, v, **kwargs)
+        (launched,) = [d.kernel for d in gpu.dispatches[start:]]
+        assert launched.startswith("fa2_decpaged_"), launched
+        return out, pk, pv
+    for seed in range(4):  # planned; replayed; its guard made; its express made
+        call(seed)
+    assert not served
+    assert bool(replay.current(replay._guard.key).scratch_bytes) == bool(splits)
+    got = call(4)
+    assert len(served) == 1 and served[0] is not None
+    replay.clear()
+    fresh = call(4)  # planned from scratch (the express refused it: its guard is no longer the current one)
+    assert len(served) == 2 and served[1] is None
+    for a, b in zip(got, fresh):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))

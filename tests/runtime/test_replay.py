@@ -786,6 +786,74 @@ def test_transformers_attention_express_follows_a_growing_cache(host_build, monk
 
 
 @needs_guards
+@pytest.mark.parametrize("entry", ["kvcache", "kvcache.append", "kvcache.rope", "kvcache.paged.append",
+                                   "kvcache.rows"])
+def test_kvcache_runs_a_repeated_geometry_through_its_express(host_build, monkeypatch, entry):
+    """Where the lengths' values are not read (RDNATTENTION_CHECK=0 here; GPU tensors by default),
+    flash_attn_with_kvcache runs a geometry its replay's guard recognises through that replay's
+    express (replay.express: the append's launch and its rotated queries' workspace region among
+    its launches): the output and the cache writes of the same call planned from scratch. Another
+    scale, an int cache_seqlens, or a call after replay.clear() takes the keyed path."""
+    from rdnattention import checks, kvcache
+    monkeypatch.setattr(checks, "_mode", "never")
+    for name, value in (("cache", {}), ("by_length", {}), ("_guard", None), ("_following", None),
+                        ("_last", (None, None, None))):
+        monkeypatch.setattr(replay, name, value)
+    monkeypatch.setattr(kvcache, "_express", (None, None))
+    served = []
+    make = replay.express
+
+    def express(*args, **kw):
+        run = make(*args, **kw)
+        if run is None:
+            return None
+
+        def counted(*tensors):
+            out = run(*tensors)
+            served.append(out is not None)
+            return out
+        return counted
+    monkeypatch.setattr(replay, "express", express)
+    paged = "paged" in entry
+
+    def call(seed, **over):
+        q, k_cache, v_cache, k, v = _cache_inputs(seed, paged=paged)
+        kw = dict(cache_seqlens=LENGTHS, causal=True)
+        if paged:
+            kw["block_table"] = TABLE
+        if "append" in entry or "rope" in entry:
+            kw.update(k=k, v=v)
+        if "rope" in entry:
+            kw["rotary_cos"], kw["rotary_sin"] = rdnattention.rotary_tables(64, 32)
+        if "rows" in entry:
+            kw["cache_batch_idx"] = torch.tensor([1, 0], dtype=torch.int32)
+        kw.update(over)
+        return rdnattention.flash_attn_with_kvcache(q, k_cache, v_cache, **kw), k_cache, v_cache
+
+    def planned(seed, **over):  # the same call with nothing kept
+        replay.clear()
+        return call(seed, **over)
+    for seed in range(4):  # planned; replayed; its guard made; recognised by the guard, its express made
+        call(seed)
+    assert not served and kvcache._express[1] is not None
+    got = call(4)
+    assert served == [True]
+    fresh = planned(4)
+    assert served == [True, False]  # after clear(), the express refused the call: its guard is not current
+    for a, b in zip(got, fresh):
+        assert torch.equal(a, b) and a.stride() == b.stride()
+    for seed in range(5):  # planned again (planned()'s call): its own express serves the last call
+        call(seed)
+    assert served[-1]
+    for over in (dict(softmax_scale=0.5), dict(cache_seqlens=30)):
+        served.clear()
+        got = call(5, **over)
+        assert not served  # not its options: the express is not tried
+        for a, b in zip(got, planned(5, **over)):
+            assert torch.equal(a, b)
+
+
+@needs_guards
 def test_an_express_call_still_checks_the_memory_behind_its_tensors(host_build, monkeypatch):
     """replay.express refuses (None: the entry point's own path decides, and raises) tensors whose
     memory pointers() finds wanting, as the replay's own path does, and calls once its replay's
