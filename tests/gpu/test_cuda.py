@@ -9,7 +9,7 @@ from cases import (BF16_LSE_TOL, BF16_TOL, HEAD_DIMS, LSE_TOL, MATRIX, TOL, VARI
                    run_case)
 
 from rdnattention import (attention_reference, flash_attn, flash_attn_varlen_func, flash_attn_with_kvcache,
-                          route, varlen_attn)
+                          rotary_tables, route, varlen_attn)
 from rdnattention.errors import UnsupportedError
 from rdnattention.reference import rotate
 from rdnattention_gen import build, toolchain
@@ -448,6 +448,42 @@ def test_gpu_paged_decode_step_replays_as_a_cuda_graph():
         expected = step()
         assert torch.equal(replayed[1], pool_k) and torch.equal(replayed[2], pool_v)
         assert torch.equal(replayed[0], expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [0, 4])
+def test_gpu_kvcache_express_matches_a_planned_call(monkeypatch, num_splits):
+    """flash_attn_with_kvcache on one geometry, call after call (a decode step's layers): from the
+    fifth call its replay's express launches it (GPU lengths are not read at the call), with the
+    output and the pool writes, byte for byte, of the same call planned from scratch."""
+    from rdnattention import kvcache, replay
+    device = _gpu()
+    monkeypatch.setattr(kvcache, "_express", (None, None))
+    replay.clear()
+    cos, sin = (t.to(device) for t in rotary_tables(512, 128))
+
+    def call(seed):
+        g = torch.Generator().manual_seed(seed)
+        pool_k, pool_v = (torch.randn(32, 16, 2, 128, generator=g).half().to(device) for _ in range(2))
+        table = torch.randperm(32, generator=g).to(torch.int32).view(2, 16).to(device)
+        q = torch.randn(2, 1, 8, 128, generator=g).half().to(device)
+        k, v = (torch.randn(2, 1, 2, 128, generator=g).half().to(device) for _ in range(2))
+        lengths = torch.tensor([200, 37], dtype=torch.int32, device=device)
+        out = flash_attn_with_kvcache(q, pool_k, pool_v, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lengths,
+                                      block_table=table, causal=True, num_splits=num_splits)
+        return out, pool_k, pool_v
+    for seed in range(4):
+        call(seed)
+    held, run = kvcache._express
+    assert run is not None
+    tried = []
+    monkeypatch.setattr(kvcache, "_express", (held, lambda *t: tried.append(1) or run(*t)))
+    got = call(4)
+    assert tried and kvcache._express[1] is not None  # tried, and kept: it served the call
+    replay.clear()
+    fresh = call(4)
+    for a, b in zip(got, fresh):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
