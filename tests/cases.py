@@ -313,3 +313,33 @@ def mirrored_kernels(families: tuple[str, ...]) -> list[tuple[str, str]]:
     of GPU targets' tiles (host: the AMD tables; host_f32: sm_90's tuned tiles)."""
     return sorted((t, v.spec.name) for t in HOST_TARGETS for v in _variants(t)
                   if v.priority < 0 and v.spec.family in families)
+
+
+def fresh_replays(monkeypatch) -> None:
+    """rdnattention.replay as a new process has it, for one test: no replay kept, no guard current,
+    no length followed (monkeypatch restores the module's own afterwards)."""
+    from rdnattention import replay
+    for name, value in (("cache", {}), ("by_length", {}), ("_guard", None), ("_following", None),
+                        ("_last", (None, None, None))):
+        monkeypatch.setattr(replay, name, value)
+
+
+def counted_express(monkeypatch) -> list[bool]:
+    """A list that records, for every call of an express function (replay.express) made from now
+    on, whether it served the call (False: it refused, and the entry point took its own path)."""
+    from rdnattention import replay
+    served: list[bool] = []
+    make = replay.express
+
+    def express(*args, **kw):
+        run = make(*args, **kw)
+        if run is None:
+            return None
+
+        def counted(*tensors):
+            out = run(*tensors)
+            served.append(out is not None)
+            return out
+        return counted
+    monkeypatch.setattr(replay, "express", express)
+    return served

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import amd_emulator
-from cases import GRAD_TOL, MATRIX
+from cases import GRAD_TOL, MATRIX, counted_express, fresh_replays
 from rdnattention import (attention_gradients, attention_reference, flash_attn, flash_attn_int8qk, flash_attn_varlen_func,
                           flash_attn_with_kvcache, plan_flash_attn, plan_flash_attn_int8qk, quantize_per_channel,
                           quantize_per_token, rotary_tables)
@@ -435,13 +435,7 @@ def test_transformers_attention_express_launches_the_kernel(gpu, dispatched, mon
 
     from rdnattention.integrations import transformers as rt
     monkeypatch.setattr(rt, "_express", (None, None))
-    served = []
-    make = replay.express
-
-    def express(*args):
-        run = make(*args)
-        return run and (lambda *t: served.append(run(*t)) or served[-1])
-    monkeypatch.setattr(replay, "express", express)
+    served = counted_express(monkeypatch)
     module = SimpleNamespace(is_causal=True, training=False)
     for seed in range(6):
         q, k, v = _inputs(1, 4, 2, 1, 700, 128, seed=seed)
@@ -449,7 +443,7 @@ def test_transformers_attention_express_launches_the_kernel(gpu, dispatched, mon
         out = rt.attention_forward(module, q, k, v, None, scaling=128 ** -0.5)[0]
         assert _families(gpu, start) == ["fa2_dec"] and gpu.dispatches[start].grid[0] > 1  # split into slices
         assert _max_err(out.transpose(1, 2), attention_reference(q, k, v)) <= TOL
-    assert len(served) == 2 and all(x is not None for x in served)  # the fifth and sixth calls
+    assert served == [True, True]  # the fifth and sixth calls
 
 
 def test_transformers_attention_express_follows_a_growing_cache(gpu, dispatched, monkeypatch):
@@ -460,9 +454,7 @@ def test_transformers_attention_express_follows_a_growing_cache(gpu, dispatched,
 
     from rdnattention import ops
     from rdnattention.integrations import transformers as rt
-    for name, value in (("cache", {}), ("by_length", {}), ("_guard", None), ("_following", None),
-                        ("_last", (None, None, None))):
-        monkeypatch.setattr(replay, name, value)
+    fresh_replays(monkeypatch)
     monkeypatch.setattr(rt, "_express", (None, None))
     module = SimpleNamespace(is_causal=True, training=False)
     keyed = []
@@ -489,17 +481,9 @@ def test_kvcache_express_launches_the_fused_append(gpu, dispatched, monkeypatch,
     scratch before that region."""
     from rdnattention import checks, kvcache
     monkeypatch.setattr(checks, "_mode", "never")
-    for name, value in (("cache", {}), ("by_length", {}), ("_guard", None), ("_following", None),
-                        ("_last", (None, None, None))):
-        monkeypatch.setattr(replay, name, value)
+    fresh_replays(monkeypatch)
     monkeypatch.setattr(kvcache, "_express", (None, None))
-    served = []
-    make = replay.express
-
-    def express(*args, **kw):
-        run = make(*args, **kw)
-        return run and (lambda *t: served.append(run(*t)) or served[-1])
-    monkeypatch.setattr(replay, "express", express)
+    served = counted_express(monkeypatch)
 
     def call(seed):
         g = torch.Generator().manual_seed(seed)
@@ -520,9 +504,9 @@ def test_kvcache_express_launches_the_fused_append(gpu, dispatched, monkeypatch,
     assert not served
     assert bool(replay.current(replay._guard.key).scratch_bytes) == bool(splits)
     got = call(4)
-    assert len(served) == 1 and served[0] is not None
+    assert served == [True]
     replay.clear()
     fresh = call(4)  # planned from scratch (the express refused it: its guard is no longer the current one)
-    assert len(served) == 2 and served[1] is None
+    assert served == [True, False]
     for a, b in zip(got, fresh):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))

@@ -14,7 +14,7 @@ from rdnattention import dispatch, drivers, plan_flash_attn, reference, replay, 
 from rdnattention.errors import InvalidArgumentError
 from rdnattention.int8 import _torch_quantize
 
-from cases import TOL, property_examples
+from cases import TOL, counted_express, fresh_replays, property_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -74,23 +74,7 @@ def _call(entry, seed):
         q, k = torch.randn(2, 4, 30, 64, generator=g).half(), torch.randn(2, 2, 300, 64, generator=g).half()
         return rdnattention.scaled_dot_product_attention(q, k, k.flip(2), is_causal=True, enable_gqa=True), ()
     if entry.startswith("kvcache"):
-        paged = "paged" in entry
-        q, k_cache, v_cache, k, v = _cache_inputs(seed, paged=paged)
-        kw = dict(cache_seqlens=LENGTHS, causal=True)
-        if paged:
-            kw["block_table"] = TABLE
-        if "append" in entry or "rope" in entry:
-            kw.update(k=k, v=v)
-        if "rope" in entry:
-            kw["rotary_cos"], kw["rotary_sin"] = rdnattention.rotary_tables(64, 32)
-        if "rows" in entry:
-            kw["cache_batch_idx"] = torch.tensor([1, 0], dtype=torch.int32)
-        if "int" in entry:
-            kw["cache_seqlens"] = 30
-        if "splits" in entry:
-            kw["num_splits"] = 3
-        return rdnattention.flash_attn_with_kvcache(q, k_cache, v_cache, return_softmax_lse=True, **kw), \
-            (k_cache, v_cache)
+        return _kvcache_call(entry, seed, return_softmax_lse=True)
     if entry == "varlen.decode":
         q, k, v = _packed(seed, 1, 40)
         return rdnattention.varlen_attn(q, k, v, CU_1, CU_40, 1, 40, enable_gqa=True, num_splits=3), ()
@@ -109,6 +93,28 @@ def _call(entry, seed):
     if entry.startswith("int8"):
         return rdnattention.flash_attn_int8qk(*_int8(seed, 1 if "decode" in entry else 30), is_causal=True), ()
     raise AssertionError(entry)
+
+
+def _kvcache_call(entry, seed, **over):
+    """flash_attn_with_kvcache on _cache_inputs(seed) as ``entry`` names it (paged, append, rope,
+    rows, int, splits), ``over`` its other arguments: (its result, (k_cache, v_cache))."""
+    paged = "paged" in entry
+    q, k_cache, v_cache, k, v = _cache_inputs(seed, paged=paged)
+    kw = dict(cache_seqlens=LENGTHS, causal=True)
+    if paged:
+        kw["block_table"] = TABLE
+    if "append" in entry or "rope" in entry:
+        kw.update(k=k, v=v)
+    if "rope" in entry:
+        kw["rotary_cos"], kw["rotary_sin"] = rdnattention.rotary_tables(64, 32)
+    if "rows" in entry:
+        kw["cache_batch_idx"] = torch.tensor([1, 0], dtype=torch.int32)
+    if "int" in entry:
+        kw["cache_seqlens"] = 30
+    if "splits" in entry:
+        kw["num_splits"] = 3
+    kw.update(over)
+    return rdnattention.flash_attn_with_kvcache(q, k_cache, v_cache, **kw), (k_cache, v_cache)
 
 
 ENTRIES = ["flash_attn.decode", "flash_attn.prefill", "flash_attn.seqused", "flash_attn.rope", "flash_attn_func",
@@ -694,24 +700,9 @@ def test_transformers_attention_runs_a_repeated_geometry_through_its_express(hos
     from types import SimpleNamespace
 
     from rdnattention.integrations import transformers as rt
-    for name, value in (("cache", {}), ("by_length", {}), ("_guard", None), ("_following", None),
-                        ("_last", (None, None, None))):
-        monkeypatch.setattr(replay, name, value)
+    fresh_replays(monkeypatch)
     monkeypatch.setattr(rt, "_express", (None, None))
-    served = []
-    make = replay.express
-
-    def express(*args):
-        run = make(*args)
-        if run is None:
-            return None
-
-        def counted(*tensors):
-            out = run(*tensors)
-            served.append(out is not None)
-            return out
-        return counted
-    monkeypatch.setattr(replay, "express", express)
+    served = counted_express(monkeypatch)
     module = SimpleNamespace(is_causal=True, training=False)
 
     def call(seed, keys=2000, scaling=0.125):
@@ -754,9 +745,7 @@ def test_transformers_attention_express_follows_a_growing_cache(host_build, monk
     from types import SimpleNamespace
 
     from rdnattention.integrations import transformers as rt
-    for name, value in (("cache", {}), ("by_length", {}), ("_guard", None), ("_following", None),
-                        ("_last", (None, None, None))):
-        monkeypatch.setattr(replay, name, value)
+    fresh_replays(monkeypatch)
     monkeypatch.setattr(rt, "_express", (None, None))
     module = SimpleNamespace(is_causal=True, training=False)
     lengths, layers = list(range(1990, 1998)), 3
@@ -796,39 +785,13 @@ def test_kvcache_runs_a_repeated_geometry_through_its_express(host_build, monkey
     scale, an int cache_seqlens, or a call after replay.clear() takes the keyed path."""
     from rdnattention import checks, kvcache
     monkeypatch.setattr(checks, "_mode", "never")
-    for name, value in (("cache", {}), ("by_length", {}), ("_guard", None), ("_following", None),
-                        ("_last", (None, None, None))):
-        monkeypatch.setattr(replay, name, value)
+    fresh_replays(monkeypatch)
     monkeypatch.setattr(kvcache, "_express", (None, None))
-    served = []
-    make = replay.express
-
-    def express(*args, **kw):
-        run = make(*args, **kw)
-        if run is None:
-            return None
-
-        def counted(*tensors):
-            out = run(*tensors)
-            served.append(out is not None)
-            return out
-        return counted
-    monkeypatch.setattr(replay, "express", express)
-    paged = "paged" in entry
+    served = counted_express(monkeypatch)
 
     def call(seed, **over):
-        q, k_cache, v_cache, k, v = _cache_inputs(seed, paged=paged)
-        kw = dict(cache_seqlens=LENGTHS, causal=True)
-        if paged:
-            kw["block_table"] = TABLE
-        if "append" in entry or "rope" in entry:
-            kw.update(k=k, v=v)
-        if "rope" in entry:
-            kw["rotary_cos"], kw["rotary_sin"] = rdnattention.rotary_tables(64, 32)
-        if "rows" in entry:
-            kw["cache_batch_idx"] = torch.tensor([1, 0], dtype=torch.int32)
-        kw.update(over)
-        return rdnattention.flash_attn_with_kvcache(q, k_cache, v_cache, **kw), k_cache, v_cache
+        out, caches = _kvcache_call(entry, seed, **over)
+        return out, *caches
 
     def planned(seed, **over):  # the same call with nothing kept
         replay.clear()
