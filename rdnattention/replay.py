@@ -511,6 +511,8 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
         return now
 
     def run(*tensors):
+        if compiling() or _is_tracing():  # first: nothing after this is for torch.compile to trace
+            return None
         g, check, reach, launch_it = now
         if _guard is not g:
             return None
@@ -525,7 +527,7 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
             for t in given:
                 if type(t) is not tensor or t.is_nested:
                     return None
-            if compiling() or _is_tracing() or environment() != env or table_for.generation != generation:
+            if environment() != env or table_for.generation != generation:
                 return None
             if not check(*given):
                 if f is None:

@@ -817,6 +817,48 @@ def test_kvcache_runs_a_repeated_geometry_through_its_express(host_build, monkey
 
 
 @needs_guards
+@pytest.mark.parametrize("entry", ["transformers", "kvcache.rope"])
+def test_torch_compile_traces_past_a_standing_express(host_build, monkeypatch, entry):
+    """torch.compile(fullgraph=True) of an entry point whose express stands (made by the eager calls
+    before): the express steps aside before anything torch cannot trace, and the compiled call gives
+    the eager call's result (and cache writes)."""
+    from types import SimpleNamespace
+
+    from rdnattention import checks, kvcache
+    from rdnattention.integrations import transformers as rt
+    monkeypatch.setattr(checks, "_mode", "never")
+    fresh_replays(monkeypatch)
+    monkeypatch.setattr(rt, "_express", (None, None))
+    monkeypatch.setattr(kvcache, "_express", (None, None))
+    module = SimpleNamespace(is_causal=True, training=False)
+    if entry == "transformers":
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, h, n, 64, generator=g).half() for h, n in ((8, 1), (2, 300), (2, 300)))
+        tensors = (q, k, v)
+
+        def fn(q, k, v):
+            return rt.attention_forward(module, q, k, v, None, scaling=0.125)[0] * 2
+    else:
+        q, k_cache, v_cache, k, v = _cache_inputs(0)
+        cos, sin = rdnattention.rotary_tables(64, 32)
+        tensors = (q, k_cache, v_cache, k, v)
+
+        def fn(q, k_cache, v_cache, k, v):
+            return rdnattention.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                                        cache_seqlens=LENGTHS, causal=True) * 2
+    for _ in range(5):
+        fn(*(t.clone() for t in tensors))
+    assert (rt if entry == "transformers" else kvcache)._express[1] is not None
+    torch._dynamo.reset()
+    compiled_in, eager_in = [t.clone() for t in tensors], [t.clone() for t in tensors]
+    with torch.inference_mode():
+        got = torch.compile(fn, fullgraph=True)(*compiled_in)
+    assert torch.equal(got, fn(*eager_in))
+    for a, b in zip(compiled_in, eager_in):
+        assert torch.equal(a, b)
+
+
+@needs_guards
 def test_an_express_call_still_checks_the_memory_behind_its_tensors(host_build, monkeypatch):
     """replay.express refuses (None: the entry point's own path decides, and raises) tensors whose
     memory pointers() finds wanting, as the replay's own path does, and calls once its replay's
