@@ -37,6 +37,18 @@ LSE_TOL = 2e-3  # log-sum-exp, fp32
 BF16_TOL = 8 * TOL
 BF16_LSE_TOL = 8 * LSE_TOL
 TOLS = {"fp16": (TOL, LSE_TOL), "bf16": (BF16_TOL, BF16_LSE_TOL)}
+# Each dtype's unit roundoff: half a unit in the last place of a value in [1, 2).
+UNIT_ROUNDOFF = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+
+
+def output_bound(ref: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Per element, how far an output may lie from the float64 oracle ``ref``: TOLS' output
+    tolerance, which covers the output's own rounding up to |out| = 2, and past 2 that rounding's
+    growth, half a unit in the last place per unit of |ref|. Random inputs (the property tests')
+    reach outputs near max|v|, about 4, where rounding the oracle's own value to the dtype is
+    already off by up to TOL (fp16: 2^-11 * 4), and any error before the rounding then moves it a
+    whole unit."""
+    return TOLS[dtype][0] + UNIT_ROUNDOFF[dtype] * (ref.abs() - 2).clamp(min=0)
 # The dtype options of the families (None: fp16) and the torch dtype of each, as test ids spell them.
 DTYPES = {"fp16": None, "bf16": "bf16"}
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
