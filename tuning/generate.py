@@ -6,14 +6,17 @@ GQA 32/8 (head_dim 128), DynamicCache, greedy decoding.
     python -m tuning.generate --layers 4 --new 32  # a quick look
     python -m tuning.generate --calls              # host time per attention call inside generate()
 
-Three ways of running the same model, timed in turn round after round (A B C A B C ...), the
-median taken:
+Three ways of running the same model, timed in turn round after round, the order reversed every
+other round (A B C, C B A, ...) so that a drift of the machine's speed weighs on each alike:
 - sdpa: ``attn_implementation="sdpa"``, torch's own attention;
 - rdnattention: ``attn_implementation="rdnattention"`` (rdnattention.integrations.transformers);
 - sdpa, patched: ``attn_implementation="sdpa"`` inside ``rdnattention.sdpa_patched()``.
 Each row also says how many of the attention calls our kernels served, and whether the greedy
 tokens equal sdpa's (random weights make near-ties, so fp16 rounding may change a token late in
-the sequence: the count of equal leading tokens is shown)."""
+the sequence: the count of equal leading tokens is shown). Tokens/s are the median of the rounds;
+each ratio is the median of the rounds' own ratios (the two timed next to each other in a round),
+with their range: between processes, and on some starts of a machine between rounds, the speed of
+the host moves by more than the differences measured here."""
 
 from __future__ import annotations
 
@@ -129,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
             if name == "ours":
                 reasons = fallbacks
         times: dict[str, list[float]] = {name: [] for name in runs}
-        for _ in range(args.rounds):
-            for name, fn in runs.items():
+        order = list(runs.items())
+        for r in range(args.rounds):
+            for name, fn in order if r % 2 == 0 else order[::-1]:
                 sync()
                 t0 = time.perf_counter()
                 fn()
@@ -145,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                 shown = f"{calls - fell_back} of {calls}" + (f", fallbacks {reasons}" if fell_back else "")
             else:
                 shown = _patched_served(before, after)
-            row += [f"{rate[name]:.0f}", f"{rate[name] / rate['sdpa']:.2f}x", shown,
+            ratios = sorted(a / b for a, b in zip(times["sdpa"], times[name]))  # each round's, paired
+            spread = f" ({ratios[0]:.2f}-{ratios[-1]:.2f})" if len(ratios) > 1 else ""
+            row += [f"{rate[name]:.0f}", f"{statistics.median(ratios):.2f}x{spread}", shown,
                     f"{_leading_equal(outputs[name][:, args.prompt:], outputs['sdpa'][:, args.prompt:])} of {args.new}"]
         print("| " + " | ".join(row) + " |", flush=True)
     return 0
