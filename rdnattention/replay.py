@@ -486,7 +486,9 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
     take = g.take if gaps else None  # (the same for every length)
     like = r.like[0]
     tensor, compiling, empty_like = _Tensor, torch.compiler.is_compiling, torch.empty_like
-    now = (g, g.check, r.reach[:n], _launcher(r, roles, aliases, regions, device))  # the length served: replaced whole
+    fields = _fields_of(r, roles, aliases, regions)  # (every length's)
+    now = (g, g.check, r.reach[:n], _launcher(r, roles, aliases, regions, device, fields))  # the length served:
+    # replaced whole
 
     def grown(tensors: tuple) -> tuple | None:
         """``now`` for the length of ``tensors``, which f's guard recognises, followed from f's last."""
@@ -507,7 +509,7 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
             return None
         _set_guard(g)
         r.express = run
-        now = (g, g.check, r.reach[:n], _launcher(r, roles, aliases, regions, device))
+        now = (g, g.check, r.reach[:n], _launcher(r, roles, aliases, regions, device, fields))
         return now
 
     def run(*tensors):
@@ -559,10 +561,27 @@ def _expressible(r: Replay, roles: tuple[str, ...], aliases: tuple[tuple[str, in
     return bool(r.like) and all(allowed.issuperset(step.fields) for step in r.steps)
 
 
+def _fields_of(r: Replay, roles: tuple[str, ...], aliases: tuple[tuple[str, int], ...],
+               regions: tuple | None) -> tuple:
+    """What of _launcher's launch follows from ``r``'s launch fields alone, the same at every length
+    of a cache it follows (relength keeps the fields, and whether there is scratch): each pointer
+    field's source among a call's pointers (-1: the output), each scratch or region field's place
+    among the workspace's addresses (SCRATCH_FIELDS', then the regions'), the regions' offsets."""
+    step = r.steps[0]
+    placed = dict(regions[1]) if regions else {}
+    aliased = dict(aliases)
+    sources = tuple((f, roles.index(f) if f in roles else aliased.get(f, -1)) for f in step.fields
+                    if f not in SCRATCH_FIELDS and f not in placed)
+    scratch = tuple((f, SCRATCH_FIELDS.index(f)) for f in step.fields if f in SCRATCH_FIELDS and r.scratch_bytes)
+    scratch += tuple((f, len(SCRATCH_FIELDS) + i) for i, f in enumerate(placed) if f in step.fields)
+    return sources, scratch, tuple(placed.values())
+
+
 def _launcher(r: Replay, roles: tuple[str, ...], aliases: tuple[tuple[str, int], ...], regions: tuple | None,
-              device: torch.device):
+              device: torch.device, fields: tuple | None = None):
     """express()'s launch of ``r``: a function of the call's pointers (in ``roles``' order, 0 where
-    absent) and its output."""
+    absent) and its output. ``fields``: _fields_of's for ``r`` (made here where not given), which a
+    growing cache's express makes once for all its lengths."""
     step = r.steps[0]
     if len(r.steps) > 1 or step.go is None:
         def launch_it(found, out):  # the host emulator, several launches: launch() itself
@@ -576,13 +595,8 @@ def _launcher(r: Replay, roles: tuple[str, ...], aliases: tuple[tuple[str, int],
     index, go, planned, counters = step.index, step.go, step.args, r.counters
     copy, lse_at, start = type(planned).from_buffer_copy, r.scratch_lse, workspace.align(r.scratch_bytes)
     total = start + regions[0] if regions else r.scratch_bytes
-    placed = dict(regions[1]) if regions else {}
-    aliased = dict(aliases)
-    sources = tuple((f, roles.index(f) if f in roles else aliased.get(f, -1)) for f in step.fields
-                    if f not in SCRATCH_FIELDS and f not in placed)
-    scratch = tuple((f, SCRATCH_FIELDS.index(f)) for f in step.fields if f in SCRATCH_FIELDS and r.scratch_bytes)
-    scratch += tuple((f, len(SCRATCH_FIELDS) + i) for i, f in enumerate(placed) if f in step.fields)
-    offsets = tuple(start + offset for offset in placed.values())
+    sources, scratch, placed = fields or _fields_of(r, roles, aliases, regions)
+    offsets = tuple([start + offset for offset in placed]) if placed else ()
     stream_of, device_now, gpu = module_api.current_stream_handle, module_api.current_device, device.type != "cpu"
     stream_scratch, scratch_of = workspace.stream_scratch, workspace.scratch
 
