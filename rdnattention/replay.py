@@ -578,10 +578,10 @@ def _fields_of(r: Replay, roles: tuple[str, ...], aliases: tuple[tuple[str, int]
 
 
 def _launcher(r: Replay, roles: tuple[str, ...], aliases: tuple[tuple[str, int], ...], regions: tuple | None,
-              device: torch.device, fields: tuple | None = None):
+              device: torch.device, fields: tuple):
     """express()'s launch of ``r``: a function of the call's pointers (in ``roles``' order, 0 where
-    absent) and its output. ``fields``: _fields_of's for ``r`` (made here where not given), which a
-    growing cache's express makes once for all its lengths."""
+    absent) and its output. ``fields``: _fields_of's for ``r``, which express() makes once for all
+    the lengths of a cache it follows."""
     step = r.steps[0]
     if len(r.steps) > 1 or step.go is None:
         def launch_it(found, out):  # the host emulator, several launches: launch() itself
@@ -595,7 +595,7 @@ def _launcher(r: Replay, roles: tuple[str, ...], aliases: tuple[tuple[str, int],
     index, go, planned, counters = step.index, step.go, step.args, r.counters
     copy, lse_at, start = type(planned).from_buffer_copy, r.scratch_lse, workspace.align(r.scratch_bytes)
     total = start + regions[0] if regions else r.scratch_bytes
-    sources, scratch, placed = fields or _fields_of(r, roles, aliases, regions)
+    sources, scratch, placed = fields
     offsets = tuple([start + offset for offset in placed]) if placed else ()
     stream_of, device_now, gpu = module_api.current_stream_handle, module_api.current_device, device.type != "cpu"
     stream_scratch, scratch_of = workspace.stream_scratch, workspace.scratch
