@@ -1,4 +1,5 @@
-"""The host emulator as a race detector: a missing barrier changes results under shuffling."""
+"""The host emulator as a race detector: a missing barrier changes results under shuffling. Both of
+its fiber switches run every probe: the hand-written one (x86-64) and ucontext's (elsewhere)."""
 
 import ctypes
 import subprocess
@@ -27,31 +28,60 @@ RDNA_KERNEL(64) void probe_{name}(const Probe args) {
 }
 RDNA_REGISTER(probe_{name}, Probe, 64)
 """
+EXCHANGES = """
+// Cross-lane exchanges back to back, at every distance within a wave, and a barrier between two.
+RDNA_KERNEL(64) void probe_exchanges(const Probe args) {
+  const int t = rdna_thread_id();
+  float v = (float)t, sum = 0.f;
+  for (int round = 0; round < 3; ++round) {
+    for (int mask = 1; mask < RDNA_WAVE_SIZE; mask <<= 1) {
+      v = rdna_shfl_xor(v, mask);
+      sum += v * (float)(mask + round);
+    }
+    if (round == 1) rdna_block_sync();
+  }
+  args.out[t] = sum;
+}
+RDNA_REGISTER(probe_exchanges, Probe, 64)
+// Half of every wave at a barrier, the other half exchanging: no thread can go on.
+RDNA_KERNEL(64) void probe_mismatched(const Probe args) {
+  const int t = rdna_thread_id();
+  if (t % 2 == 0) rdna_block_sync();
+  else args.out[t] = rdna_shfl_xor(1.f, 1);
+}
+RDNA_REGISTER(probe_mismatched, Probe, 64)
+"""
 
 
-@pytest.fixture(scope="module")
-def probe_lib(matrix, tmp_path_factory):
+@pytest.fixture(scope="module", params=["switch", "ucontext"])
+def probe_lib(request, matrix, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("emulator")
     (tmp / "prelude.h").write_text(render_prelude(environment(), matrix.target("host")))
     src = tmp / "probe.cpp"
     src.write_text(HEADER + KERNEL.replace("{name}", "synced").replace("{sync}", "rdna_block_sync();") +
-                   KERNEL.replace("{name}", "racy").replace("{sync}", ""))
+                   KERNEL.replace("{name}", "racy").replace("{sync}", "") + EXCHANGES)
     lib = tmp / "libprobe.so"
     tc = toolchain.find()
-    subprocess.run(tc.clangxx + HOST_FLAGS.split() + ["-shared"] + defines(matrix.target("host")) +
+    switch = ["-DRDNA_HOST_UCONTEXT"] if request.param == "ucontext" else []
+    subprocess.run(tc.clangxx + HOST_FLAGS.split() + ["-shared"] + defines(matrix.target("host")) + switch +
                    [f"-I{HOST_DIR}", str(src), str(HOST_DIR / "rdna_host.cpp"), "-o", str(lib)], check=True)
     return ctypes.CDLL(str(lib))
 
 
-def _run(lib, name, seed):
+def _launch(lib, name, seed, blocks=1):
     out = (ctypes.c_float * 64)()
     args = ctypes.c_void_p(ctypes.addressof(out))
-    grid = (ctypes.c_uint * 3)(1, 1, 1)
+    grid = (ctypes.c_uint * 3)(blocks, 1, 1)
     error = ctypes.create_string_buffer(256)
     rc = lib.rdna_host_launch(name.encode(), grid, 64, ctypes.byref(args), ctypes.sizeof(args),
                               ctypes.c_ulonglong(seed), None, error, ctypes.c_size_t(256))
-    assert rc == 0, error.value
-    return list(out)
+    return rc, error.value, list(out)
+
+
+def _run(lib, name, seed, blocks=1):
+    rc, error, out = _launch(lib, name, seed, blocks)
+    assert rc == 0, error
+    return out
 
 
 def test_synced_kernel_is_order_independent(probe_lib):
@@ -91,3 +121,26 @@ def test_a_cancelled_launch_stops_and_says_so(probe_lib):
                                     ctypes.c_size_t(256))
     assert rc == 1 and error.value == b"probe_synced: interrupted"
     assert list(out) == [0.0] * 64  # no workgroup ran
+
+
+def test_cross_lane_exchanges_in_any_fiber_order(probe_lib, matrix):
+    wave = matrix.target("host").wave_size
+    expected = []
+    for t in range(64):
+        v, total = t, 0.0
+        for round_ in range(3):
+            mask = 1
+            while mask < wave:
+                v ^= mask  # lane t reads lane t ^ mask's value: each lane's value moves along the masks
+                total += v * (mask + round_)
+                mask <<= 1
+        expected.append(total)
+    for seed in range(5):  # in order, then shuffled after every sync point; workgroups on several threads
+        assert _run(probe_lib, "probe_exchanges", seed, blocks=8) == expected
+
+
+def test_threads_at_different_sync_points_fail_the_launch(probe_lib):
+    rc, error, _ = _launch(probe_lib, "probe_mismatched", 0)
+    assert rc == -1
+    assert error == (b"probe_mismatched: threads of workgroup (0,0,0) wait at different sync points: "
+                     b"32 at a barrier, 32 at a wave sync, 0 finished")

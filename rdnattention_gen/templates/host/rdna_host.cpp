@@ -99,10 +99,107 @@ void give_back(std::unique_ptr<Stacks> s) {
   stack_pool.push_back(std::move(s));
 }
 
-struct Fiber {
+// Switching fibers. glibc's swapcontext saves and restores the signal mask with a system call and
+// the whole x87 environment at every switch: it was three quarters of the emulator's time, since
+// every barrier and every cross-lane exchange switches each thread's fiber twice. On x86-64 a
+// switch is a hand-written one instead: the callee-saved registers and the two floating-point
+// control words (what the SysV ABI asks a call to preserve) pushed on the old stack, the stack
+// pointer swapped, the same popped from the new one. Fibers never change their signal mask, so
+// there is nothing more to save. Other architectures keep ucontext.
+#if defined(__x86_64__) && !defined(RDNA_HOST_UCONTEXT)
+#define RDNA_HOST_FAST_SWITCH 1
+}  // namespace
+}  // namespace rdna_host
+
+// rdna_host_switch(from, to): saves the running fiber's registers on its stack and its stack pointer
+// in *from, then resumes the fiber whose stack pointer is `to`. rdna_host_fiber_start is where a new
+// fiber's first switch returns to: it calls r13(r12), which never returns.
+extern "C" void rdna_host_switch(void** from, void* to);
+extern "C" void rdna_host_fiber_start();
+asm(R"(
+  .text
+  .p2align 4
+  .hidden rdna_host_switch
+  .globl rdna_host_switch
+  .type rdna_host_switch, @function
+rdna_host_switch:
+  .cfi_startproc
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .cfi_endproc
+  .size rdna_host_switch, .-rdna_host_switch
+
+  .p2align 4
+  .hidden rdna_host_fiber_start
+  .globl rdna_host_fiber_start
+  .type rdna_host_fiber_start, @function
+rdna_host_fiber_start:
+  .cfi_startproc
+  .cfi_undefined rip
+  movq %r12, %rdi
+  callq *%r13
+  ud2
+  .cfi_endproc
+  .size rdna_host_fiber_start, .-rdna_host_fiber_start
+)");
+
+namespace rdna_host {
+namespace {
+
+// A new fiber's stack, laid out as rdna_host_switch leaves a suspended one: the control words, six
+// registers (r13 = entry, r12 = its argument), then rdna_host_fiber_start as the return address,
+// placed so that the stack is 16-byte aligned at its call, as the ABI wants.
+void* new_fiber_stack(char* stack, std::size_t bytes, void (*entry)(void*), void* arg) {
+  auto top = reinterpret_cast<std::uintptr_t>(stack + bytes) & ~std::uintptr_t(15);
+  auto* slot = reinterpret_cast<std::uint64_t*>(top - 80);
+  std::uint32_t mxcsr;
+  std::uint16_t fpucw;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fpucw));
+  slot[0] = mxcsr | (std::uint64_t)fpucw << 32;  // read back as ldmxcsr (sp), fldcw 4(sp)
+  slot[1] = 0;                                          // r15
+  slot[2] = 0;                                          // r14
+  slot[3] = reinterpret_cast<std::uint64_t>(entry);    // r13
+  slot[4] = reinterpret_cast<std::uint64_t>(arg);      // r12
+  slot[5] = 0;                                          // rbx
+  slot[6] = 0;                                          // rbp
+  slot[7] = reinterpret_cast<std::uint64_t>(&rdna_host_fiber_start);
+  return slot;
+}
+
+struct Context {
+  void* sp = nullptr;
+};
+#else
+struct Context {
   ucontext_t ctx;
+};
+#endif
+
+struct Fiber {
+  Context ctx;
   char* stack = nullptr;
   int tid = 0;
+  int exchanges = 0;  // shfl_xor calls made: their parity picks the exchange buffer
   State state = State::Ready;
 };
 
@@ -114,18 +211,19 @@ struct Block {
   const void* args = nullptr;
   int id[3] = {0, 0, 0};
   std::vector<Fiber> fibers;
-  std::vector<int> order;       // fibers to run next; capacity: one per thread
-  std::vector<float> exchange;  // one slot per thread, for cross-lane operations
+  std::vector<int> order;       // this round's fibers, in the order they run; capacity: one per thread
+  std::size_t next = 0;         // the index in `order` of the fiber to run after the current one
+  std::vector<float> exchange;  // two buffers of one slot per thread, for cross-lane operations
   std::unique_ptr<unsigned char[]> lds_storage;
   unsigned char* lds = nullptr;  // RDNA_LDS_BYTES, 64-byte aligned, inside lds_storage
   std::unique_ptr<Stacks> stacks;
-  ucontext_t scheduler;
+  Context scheduler;
   Fiber* current = nullptr;
 
   Block(const Kernel& k, const void* a) : kernel(&k), args(a) {
     fibers.resize(k.threads);
     order.reserve(k.threads);
-    exchange.assign(k.threads, 0.f);
+    exchange.assign(2 * (std::size_t)k.threads, 0.f);
     lds_storage.reset(new unsigned char[RDNA_LDS_BYTES + 64]);
     lds = lds_storage.get() + (64 - reinterpret_cast<std::uintptr_t>(lds_storage.get()) % 64) % 64;
     stacks = take_stacks(k.threads);
@@ -147,19 +245,50 @@ struct Block {
 // that allocation fails.
 __attribute__((tls_model("initial-exec"))) thread_local Block* tls_block = nullptr;
 
-void fiber_main() {
-  Block* blk = tls_block;
-  blk->kernel->entry(blk->args);
-  blk->current->state = State::Done;
-  // Returning resumes uc_link, the scheduler.
+// Resumes `to`, saving the running context in `from`.
+inline void switch_to(Context& from, Context& to) {
+#ifdef RDNA_HOST_FAST_SWITCH
+  rdna_host_switch(&from.sp, to.sp);
+#else
+  swapcontext(&from.ctx, &to.ctx);
+#endif
 }
 
+// Leaves the running fiber in state `why` and resumes the round's next fiber, or the scheduler after
+// the round's last: one switch per fiber and sync point.
 void yield(State why) {
   Block* blk = tls_block;
   Fiber* self = blk->current;
   self->state = why;
-  swapcontext(&self->ctx, &blk->scheduler);
+  Context* to = &blk->scheduler;
+  if (blk->next < blk->order.size()) {
+    blk->current = &blk->fibers[blk->order[blk->next++]];
+    to = &blk->current->ctx;
+  }
+  switch_to(self->ctx, *to);
 }
+
+void fiber_main() {
+  Block* blk = tls_block;
+  blk->kernel->entry(blk->args);
+  yield(State::Done);  // never resumed: a finished fiber is not scheduled
+  __builtin_unreachable();
+}
+
+// Makes fiber `f` start fiber_main at its next switch.
+void start_fiber(Block& blk, Fiber& f) {
+#ifdef RDNA_HOST_FAST_SWITCH
+  (void)blk;
+  f.ctx.sp = new_fiber_stack(f.stack, kStackBytes, [](void*) { fiber_main(); }, nullptr);
+#else
+  getcontext(&f.ctx.ctx);
+  f.ctx.ctx.uc_stack.ss_sp = f.stack;
+  f.ctx.ctx.uc_stack.ss_size = kStackBytes;
+  f.ctx.ctx.uc_link = &blk.scheduler.ctx;
+  makecontext(&f.ctx.ctx, fiber_main, 0);
+#endif
+}
+
 
 void wave_sync() { yield(State::AtWaveSync); }
 
@@ -206,12 +335,9 @@ bool run_block(Block& blk, std::mt19937_64* shuffle, const int* cancel, std::str
   for (int t = 0; t < n; ++t) {
     Fiber& f = blk.fibers[t];
     f.tid = t;
+    f.exchanges = 0;
     f.state = State::Ready;
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack;
-    f.ctx.uc_stack.ss_size = kStackBytes;
-    f.ctx.uc_link = &blk.scheduler;
-    makecontext(&f.ctx, fiber_main, 0);
+    start_fiber(blk, f);
   }
   std::vector<int>& order = blk.order;
   for (;;) {
@@ -230,10 +356,9 @@ bool run_block(Block& blk, std::mt19937_64* shuffle, const int* cancel, std::str
       continue;
     }
     if (shuffle) std::shuffle(order.begin(), order.end(), *shuffle);
-    for (int t : order) {
-      blk.current = &blk.fibers[t];
-      swapcontext(&blk.scheduler, &blk.current->ctx);
-    }
+    blk.current = &blk.fibers[order[0]];
+    blk.next = 1;
+    switch_to(blk.scheduler, blk.current->ctx);  // back here once the round's last fiber yields
   }
 }
 
@@ -248,15 +373,18 @@ int block_id(int axis) { return tls_block->id[axis]; }
 unsigned char* shared_memory() { return tls_block->lds; }
 void block_sync() { yield(State::AtBarrier); }
 
+// One wave sync per exchange: consecutive exchanges use the two buffers in turn. A lane writes a
+// buffer again two exchanges later, after the sync of the exchange between, which every lane of
+// its wave reaches only once it has read this one.
 float shfl_xor(float v, int mask) {
   Block* blk = tls_block;
-  const int tid = blk->current->tid;
+  Fiber* self = blk->current;
+  const int tid = self->tid;
   const int lane = tid % RDNA_WAVE_SIZE;
-  blk->exchange[tid] = v;
+  float* const slots = blk->exchange.data() + (std::size_t)(self->exchanges++ & 1) * blk->fibers.size();
+  slots[tid] = v;
   wave_sync();
-  const float got = blk->exchange[tid - lane + ((lane ^ mask) & (RDNA_WAVE_SIZE - 1))];
-  wave_sync();  // nobody overwrites a slot before every lane has read it
-  return got;
+  return slots[tid - lane + ((lane ^ mask) & (RDNA_WAVE_SIZE - 1))];
 }
 
 }  // namespace rdna_host
