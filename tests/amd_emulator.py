@@ -319,7 +319,74 @@ def import_emulator(tinygrad: Path, clang: str, cache_dir: Path):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    _keep_instruction_programs(emu, clang, cache_dir / "programs")
     return emu
+
+
+@dataclass
+class _Program:
+    """What the emulator reads of an instruction's program besides its runtime: its buffers' order."""
+
+    globals: list
+
+    @property
+    def arg(self):
+        return self
+
+
+def _keep_instruction_programs(emu, clang: str, directory: Path) -> None:
+    """The emulator makes a program for each instruction pattern it meets (its canonical
+    (type, base, mask, size): one program serves every instruction that differs only in its
+    operands) through tinygrad's code generator, about 0.15 s each, once per process; $CACHEDB
+    keeps only the compile after it. Each program is kept in ``directory`` too, one file per
+    pattern, so that the other test worker and later runs load the few hundred programs the kernels
+    need instead of generating them again. Files are keyed by the emulator's sources and the
+    compiler: another snapshot or clang makes its own."""
+    if getattr(emu, "_programs_kept_in", None) is not None:
+        return
+    import functools
+    import pickle
+    import tempfile
+
+    from tinygrad.device import Device
+
+    directory.mkdir(parents=True, exist_ok=True)
+    sources = [Path(emu.__file__), Path(emu.__file__).with_name("pcode.py")]
+    version = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + clang.encode()).hexdigest()[:16]
+    stored: dict[tuple[str, str, int], list[tuple[int, int, list, object]]] = {}
+    for path in sorted(directory.glob(f"{version}-*.pickle")):
+        try:
+            kind, arch, base, mask, size, globals_, elf = pickle.loads(path.read_bytes())
+        except Exception:  # noqa: BLE001 - a file cut short by a killed run: generated again
+            continue
+        stored.setdefault((kind, arch, size), []).append((base, mask, globals_, elf))
+    generate = emu._get_runner.__wrapped__
+
+    @functools.cache
+    def get_runner(inst_bytes: bytes, arch: str = "rdna3"):
+        inst = emu.decode_inst(inst_bytes, arch)
+        size = inst.size()
+        value = int.from_bytes(inst_bytes[:size], "little")
+        kind = f"{type(inst).__module__}.{type(inst).__qualname__}"
+        for i, (base, mask, globals_, elf) in enumerate(stored.get((kind, arch, size), ())):
+            if value & mask == base:  # handed to the emulator's own table, where generate() finds it
+                runner = (_Program(list(globals_)), Device["CPU"].runtime(elf))
+                emu._canonical_runner_cache.append((type(inst), base, mask, size, runner))
+                del stored[kind, arch, size][i]
+                break
+        known = len(emu._canonical_runner_cache)
+        runner = generate(inst_bytes, arch)
+        for inst_type, base, mask, size, (prg, _) in emu._canonical_runner_cache[known:]:
+            kind = f"{inst_type.__module__}.{inst_type.__qualname__}"
+            data = pickle.dumps((kind, arch, base, mask, size, list(prg.arg.globals), prg.to_elf()))
+            name = hashlib.sha256(repr((kind, arch, base, mask, size)).encode()).hexdigest()[:24]
+            with tempfile.NamedTemporaryFile(dir=directory, delete=False) as f:  # whole or not at all
+                f.write(data)
+            os.replace(f.name, directory / f"{version}-{name}.pickle")
+        return runner
+
+    emu._get_runner = get_runner
+    emu._programs_kept_in = directory
 
 
 class _NoContext:

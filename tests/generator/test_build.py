@@ -247,20 +247,6 @@ def test_audit_covers_the_host_platform(matrix, host_build, build_dir):
         assert r["lds_bytes"] == specs[r["target"], r["name"]].lds_bytes and r["vgprs"] is None, r
 
 
-@pytest.mark.slow  # builds the cuda targets (about 2.5 minutes on 2 cores)
-def test_audit_table_prints_cuda_rows(matrix, build_dir):
-    try:
-        toolchain.find_ptxas("sm_90")
-    except toolchain.ToolchainError as e:
-        pytest.skip(str(e))
-    build.build(matrix, [matrix.target("sm_90")], build_dir, log=lambda *_: None)
-    out = subprocess.run(CLI + ["audit", "--targets", "sm_90", "--build-dir", str(build_dir)],
-                         capture_output=True, text=True, check=True, cwd=REPO_ROOT)
-    lines = [line.split() for line in out.stdout.splitlines()[2:]]
-    assert len(lines) == len(matrix.specs_for(matrix.target("sm_90")))
-    assert all(cells[0] == "sm_90" and int(cells[2]) > 0 and int(cells[7]) >= 1 for cells in lines)
-
-
 class _Bar:
     """What run_ninja needs of a tqdm bar."""
 

@@ -12,7 +12,7 @@ from rdnattention import (attention_reference, flash_attn, flash_attn_varlen_fun
                           rotary_tables, route, varlen_attn)
 from rdnattention.errors import UnsupportedError
 from rdnattention.reference import rotate
-from rdnattention_gen import build, toolchain
+from rdnattention_gen import build, kernel_audit, toolchain
 from rdnattention_gen.families import family
 
 INT8_KERNELS = ("fa2_i8_", "fa2_i8dec_")  # both products through dot4: the INT8 family and its decode
@@ -21,14 +21,33 @@ CUDA_TARGETS = ["sm_90", "sm_61", "sm_60"]
 
 
 @pytest.fixture(scope="module")
-def cuda_audit(matrix, build_dir, tmp_path_factory):
-    """sm_90's build (the GPU tests') and Pascal's at head_dim 64 (small_matrix.narrowed:
-    every family and lowering; their full builds' rows are docs/hardware.md's)."""
-    pascal = [n for n in CUDA_TARGETS if n != "sm_90"]
-    m = small_matrix.narrowed(matrix, pascal)
-    rows = (build.build(matrix, [matrix.target("sm_90")], build_dir, log=lambda *_: None)
-            + build.build(m, [m.target(n) for n in pascal], tmp_path_factory.mktemp("pascal"), log=lambda *_: None))
+def cuda_build(matrix, tmp_path_factory):
+    """The CUDA targets at head_dim 64 (small_matrix.narrowed: every family and lowering), in a
+    directory of their own. Their full builds' rows are docs/hardware.md's, held to the digest of
+    their sources (test_docs.py); the GPU tests run sm_90's full build."""
+    m = small_matrix.narrowed(matrix, CUDA_TARGETS)
+    out = tmp_path_factory.mktemp("cuda")
+    return m, out, build.build(m, [m.target(n) for n in CUDA_TARGETS], out, log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def cuda_audit(cuda_build):
+    m, _, rows = cuda_build
     return rows, {n: sorted(s.name for s in m.specs_for(m.target(n))) for n in CUDA_TARGETS}
+
+
+def test_audit_table_prints_cuda_rows(cuda_build):
+    """`rdnattention-gen audit`'s table (build.audit_target, then kernel_audit.table) of a CUDA build:
+    a row per kernel, with its registers and occupancy from ptxas."""
+    try:
+        toolchain.find_ptxas("sm_90")
+    except toolchain.ToolchainError as e:
+        pytest.skip(str(e))
+    m, out, _ = cuda_build
+    target = m.target("sm_90")
+    lines = [line.split() for line in kernel_audit.table(build.audit_target(m, target, out)).splitlines()[2:]]
+    assert len(lines) == len(m.specs_for(target))
+    assert all(cells[0] == "sm_90" and int(cells[2]) > 0 and int(cells[7]) >= 1 for cells in lines)
 
 
 @pytest.mark.parametrize("target", CUDA_TARGETS)
