@@ -50,6 +50,12 @@ RDNA_KERNEL(64) void probe_mismatched(const Probe args) {
   else args.out[t] = rdna_shfl_xor(1.f, 1);
 }
 RDNA_REGISTER(probe_mismatched, Probe, 64)
+// Every fp16 bit pattern converted to fp32 as the kernels convert (the library's __extendhfsf2 on x86-64).
+struct Halves { const unsigned short* in; float* out; };
+RDNA_KERNEL(64) void probe_halves(const Halves args) {
+  for (int i = rdna_thread_id(); i < 65536; i += 64) args.out[i] = (float)__builtin_bit_cast(_Float16, args.in[i]);
+}
+RDNA_REGISTER(probe_halves, Halves, 64)
 """
 
 
@@ -144,3 +150,17 @@ def test_threads_at_different_sync_points_fail_the_launch(probe_lib):
     assert rc == -1
     assert error == (b"probe_mismatched: threads of workgroup (0,0,0) wait at different sync points: "
                      b"32 at a barrier, 32 at a wave sync, 0 finished")
+
+
+def test_fp16_values_convert_exactly(probe_lib):
+    """All 65536 fp16 bit patterns, against torch's conversion bit for bit (NaNs quieted, their
+    payload and sign kept)."""
+    import torch
+    halves = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    out = torch.zeros(65536, dtype=torch.float32)
+    args = (ctypes.c_void_p * 2)(halves.data_ptr(), out.data_ptr())
+    error = ctypes.create_string_buffer(256)
+    rc = probe_lib.rdna_host_launch(b"probe_halves", (ctypes.c_uint * 3)(1, 1, 1), 64, ctypes.byref(args),
+                                    ctypes.sizeof(args), ctypes.c_ulonglong(0), None, error, ctypes.c_size_t(256))
+    assert rc == 0, error.value
+    assert torch.equal(out.view(torch.int32), halves.view(torch.float16).float().view(torch.int32))

@@ -391,6 +391,32 @@ float shfl_xor(float v, int mask) {
 
 using namespace rdna_host;
 
+// fp16 -> fp32 where x86-64 has no instruction for it (F16C is not in the baseline the host targets
+// compile for): the compiler calls __extendhfsf2 for every conversion, and the runtime library's is
+// generic soft-float, about half of the emulator's time after the fiber switch. This library's own,
+// exact for every input (normal, subnormal, zero, infinity; NaN quieted, payload kept, as the
+// library's and F16C's), binds the kernels' calls inside this library.
+#if defined(__x86_64__) && !defined(__F16C__)
+extern "C" __attribute__((visibility("hidden"))) float __extendhfsf2(_Float16 h) {
+  std::uint16_t b;
+  std::memcpy(&b, &h, sizeof b);
+  const std::uint32_t sign = (std::uint32_t)(b & 0x8000u) << 16, em = b & 0x7fffu;
+  std::uint32_t bits;
+  if (em >= 0x7c00u) {  // infinity, NaN (quieted)
+    bits = 0x7f800000u | (em & 0x3ffu) << 13 | ((em & 0x3ffu) ? 0x400000u : 0u);
+  } else if (em >= 0x400u) {  // normal: the exponent rebiased
+    bits = (em << 13) + ((127u - 15u) << 23);
+  } else {  // subnormal or zero: em * 2^-24, exact in fp32
+    const float f = (float)(int)em * 0x1p-24f;
+    std::memcpy(&bits, &f, sizeof bits);
+  }
+  bits |= sign;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+#endif
+
 namespace {
 
 // One launch's shared state: workers take workgroup numbers from `next` until none is left.
