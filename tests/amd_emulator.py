@@ -362,12 +362,15 @@ def _keep_instruction_programs(emu, clang: str, directory: Path) -> None:
         stored.setdefault((kind, arch, size), []).append((base, mask, globals_, elf))
     generate = emu._get_runner.__wrapped__
 
+    def kind_of(inst_type: type) -> str:
+        return f"{inst_type.__module__}.{inst_type.__qualname__}"
+
     @functools.cache
     def get_runner(inst_bytes: bytes, arch: str = "rdna3"):
         inst = emu.decode_inst(inst_bytes, arch)
         size = inst.size()
         value = int.from_bytes(inst_bytes[:size], "little")
-        kind = f"{type(inst).__module__}.{type(inst).__qualname__}"
+        kind = kind_of(type(inst))
         for i, (base, mask, globals_, elf) in enumerate(stored.get((kind, arch, size), ())):
             if value & mask == base:  # handed to the emulator's own table, where generate() finds it
                 runner = (_Program(list(globals_)), Device["CPU"].runtime(elf))
@@ -377,7 +380,7 @@ def _keep_instruction_programs(emu, clang: str, directory: Path) -> None:
         known = len(emu._canonical_runner_cache)
         runner = generate(inst_bytes, arch)
         for inst_type, base, mask, size, (prg, _) in emu._canonical_runner_cache[known:]:
-            kind = f"{inst_type.__module__}.{inst_type.__qualname__}"
+            kind = kind_of(inst_type)
             data = pickle.dumps((kind, arch, base, mask, size, list(prg.arg.globals), prg.to_elf()))
             name = hashlib.sha256(repr((kind, arch, base, mask, size)).encode()).hexdigest()[:24]
             with tempfile.NamedTemporaryFile(dir=directory, delete=False) as f:  # whole or not at all

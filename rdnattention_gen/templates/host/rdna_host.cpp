@@ -113,7 +113,7 @@ void give_back(std::unique_ptr<Stacks> s) {
 
 // rdna_host_switch(from, to): saves the running fiber's registers on its stack and its stack pointer
 // in *from, then resumes the fiber whose stack pointer is `to`. rdna_host_fiber_start is where a new
-// fiber's first switch returns to: it calls r13(r12), which never returns.
+// fiber's first switch returns to: it calls r13 (fiber_main), which never returns.
 extern "C" void rdna_host_switch(void** from, void* to);
 extern "C" void rdna_host_fiber_start();
 asm(R"(
@@ -155,7 +155,6 @@ rdna_host_switch:
 rdna_host_fiber_start:
   .cfi_startproc
   .cfi_undefined rip
-  movq %r12, %rdi
   callq *%r13
   ud2
   .cfi_endproc
@@ -166,9 +165,9 @@ namespace rdna_host {
 namespace {
 
 // A new fiber's stack, laid out as rdna_host_switch leaves a suspended one: the control words, six
-// registers (r13 = entry, r12 = its argument), then rdna_host_fiber_start as the return address,
-// placed so that the stack is 16-byte aligned at its call, as the ABI wants.
-void* new_fiber_stack(char* stack, std::size_t bytes, void (*entry)(void*), void* arg) {
+// registers (r13 = entry), then rdna_host_fiber_start as the return address, placed so that the
+// stack is 16-byte aligned at its call, as the ABI wants.
+void* new_fiber_stack(char* stack, std::size_t bytes, void (*entry)()) {
   auto top = reinterpret_cast<std::uintptr_t>(stack + bytes) & ~std::uintptr_t(15);
   auto* slot = reinterpret_cast<std::uint64_t*>(top - 80);
   std::uint32_t mxcsr;
@@ -179,7 +178,7 @@ void* new_fiber_stack(char* stack, std::size_t bytes, void (*entry)(void*), void
   slot[1] = 0;                                          // r15
   slot[2] = 0;                                          // r14
   slot[3] = reinterpret_cast<std::uint64_t>(entry);    // r13
-  slot[4] = reinterpret_cast<std::uint64_t>(arg);      // r12
+  slot[4] = 0;                                          // r12
   slot[5] = 0;                                          // rbx
   slot[6] = 0;                                          // rbp
   slot[7] = reinterpret_cast<std::uint64_t>(&rdna_host_fiber_start);
@@ -279,7 +278,7 @@ void fiber_main() {
 void start_fiber(Block& blk, Fiber& f) {
 #ifdef RDNA_HOST_FAST_SWITCH
   (void)blk;
-  f.ctx.sp = new_fiber_stack(f.stack, kStackBytes, [](void*) { fiber_main(); }, nullptr);
+  f.ctx.sp = new_fiber_stack(f.stack, kStackBytes, fiber_main);
 #else
   getcontext(&f.ctx.ctx);
   f.ctx.ctx.uc_stack.ss_sp = f.stack;
