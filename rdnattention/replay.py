@@ -95,6 +95,7 @@ class Following:
     per16: int  # their elements in 16 bytes
     residues: tuple[int, ...]  # the first three strides of K, then of V, modulo per16 (length_free)
     guard: Guard | bool | None = None  # recognises the entry's calls at any length (key()); False: none can be
+    express: tuple | None = None  # (express()'s arguments, _follower's function), made once
 
     @classmethod
     def of(cls, free: tuple, key: tuple, r: Replay, positions: tuple[int, int], seq_dim: int) -> Following:
@@ -460,7 +461,8 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
     None: torch.empty_like of the first tensor, as ops.replayed allocates). Made once per replay."""
     r = current(key)
     if r is None:
-        return None
+        f = followed(key)
+        return None if f is None else _follower(f, device, roles, aligned, aliases, regions)
     if r.express is not None:
         return r.express
     g, n = r.guard, len(roles)
@@ -548,6 +550,98 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
         return out
 
     r.express = run
+    return run
+
+
+def followed(key: tuple) -> Following | None:
+    """The by_length entry whose last call was of ``key`` (a key key() or the entry point made) where
+    its length-free guard is the one key() tries: that call was served by following its length."""
+    f = _following
+    return f if f is not None and f.last[0] is key and f.guard else None
+
+
+def expressible(key: tuple) -> bool:
+    """Whether express() may make a function of the replay of ``key``: its guard is the current one,
+    or its call was served by following the length of a cache that grows (followed)."""
+    return guarded(key) or followed(key) is not None
+
+
+def _follower(f: Following, device: torch.device, roles: tuple[str, ...], aligned: int,
+              aliases: tuple[tuple[str, int], ...], regions: tuple | None):
+    """express()'s function for the calls ``f``'s length-free guard recognises, at any length of the
+    keys (a cache one key longer at every decode step, one layer or several a step): per call the
+    guard's one check, then K's and V's shapes and strides against the length served last; a new
+    length's launch is derived from the last one's (_relength_of: the checks follow()'s derivation
+    makes), with no key, guard or replay kept per length. Made once per entry and express() arguments;
+    None where express() would make none of its last replay."""
+    _, r = f.last
+    g, n = f.guard, len(roles)
+    made = f.express
+    if made is not None and made[0] == (roles, aligned, aliases, regions):
+        return made[1]
+    i, j = f.positions
+    gaps = tuple(x for x in g.absent if x < n)
+    trailing = len(g.absent) - len(gaps)
+    if (g.same or g.absent[len(gaps):] != tuple(range(n, n + trailing)) or j >= n or i in gaps or j in gaps
+            or not _expressible(r, roles, aliases, regions)):
+        return None
+    table_for = route.dispatch.table_for
+    environment = drivers.environment_token
+    env, generation = environment(), table_for.generation  # while both stay, device_table(device) is the table
+    try:
+        if id(route.device_table(device)) != g.table:
+            return None
+    except RdnaAttentionError:
+        return None
+    check, take = g.check, (g.take if gaps else None)
+    like = r.like[0]
+    tensor, compiling, empty_like = _Tensor, torch.compiler.is_compiling, torch.empty_like
+    fields = _fields_of(r, roles, aliases, regions)  # (every length's)
+    key = f.last[0]
+    k, v = key[2 + i], key[2 + j]
+    # the length served last: K's and V's shapes and strides, the memory each tensor reaches, the
+    # launch and the replay the next length is derived from; replaced whole
+    now = (k[0], k[1], v[0], v[1], r.reach[:n], _launcher(r, roles, aliases, regions, device, fields), r)
+
+    def run(*tensors):
+        nonlocal now
+        if compiling() or _is_tracing():  # first: nothing after this is for torch.compile to trace
+            return None
+        if _following is not f:
+            return None
+        try:
+            if take is None:
+                given = tensors
+            else:
+                for x in gaps:
+                    if tensors[x] is not None:
+                        return None
+                given = take(tensors)
+            for t in given:
+                if type(t) is not tensor or t.is_nested:
+                    return None
+            if environment() != env or table_for.generation != generation:
+                return None
+            if not check(*given):
+                return None
+            a, b = tensors[i], tensors[j]
+        except (TypeError, IndexError):  # another number of tensors
+            return None
+        sa, ta, sb, tb = a.shape, a.stride(), b.shape, b.stride()
+        served = now
+        if sa != served[0] or ta != served[1] or sb != served[2] or tb != served[3]:
+            r = _relength_of(f, served[6], sa, ta, sb, tb)
+            if r is None:
+                return None
+            served = now = (sa, ta, sb, tb, r.reach[:n], _launcher(r, roles, aliases, regions, device, fields), r)
+        found = pointers(tensors, served[4], aligned)
+        if found is None:
+            return None
+        out = empty_like(tensors[0]) if like is None else empty_like(like, memory_format=CONTIGUOUS)
+        served[5](found, out)
+        return out
+
+    f.express = ((roles, aligned, aliases, regions), run)
     return run
 
 
@@ -789,26 +883,7 @@ def follow(f: Following, key: tuple, tensors: tuple, device: torch.device) -> Re
         return r
     i, j = f.positions
     if key[2 + i] != last_key[2 + i] or key[2 + j] != last_key[2 + j]:
-        (ka, kb, kc, kd), ks, _, _ = key[2 + i]
-        (va, vb, vc, vd), vs, _, _ = key[2 + j]
-        seq_k = kb if f.seq_dim == 1 else kc
-        if seq_k != (vb if f.seq_dim == 1 else vc):  # V's length, which the guard leaves free as it does
-            return None  # K's: one unlike K's is refused by the full path (the kernels would read past V)
-        # what length_free keeps of K's and V's length and strides, which key() leaves free where it
-        # recognises the call by f's guard: whether there are keys, the strides modulo 16 bytes (its
-        # rule, inline: calling it for K and V cost 0.5-1 us more per new length)
-        n = f.per16
-        if not seq_k or (ks[0] % n, ks[1] % n, ks[2] % n, vs[0] % n, vs[1] % n, vs[2] % n) != f.residues:
-            return None
-        reach = list(r.reach)  # (checks.reach of each, unrolled)
-        size = reach[i][1]
-        reach[i] = ((ka - 1) * ks[0] + (kb - 1) * ks[1] + (kc - 1) * ks[2] + (kd - 1) * ks[3] + 1) * size, size
-        reach[j] = ((va - 1) * vs[0] + (vb - 1) * vs[1] + (vc - 1) * vs[2] + (vd - 1) * vs[3] + 1) * size, size
-        if f.seq_dim == 1:  # [batch, seq, heads, head_dim]: the kernels' (batch, head, row) strides
-            ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
-        else:
-            ks, vs = ks[:3], vs[:3]
-        r = relength(r, seq_k, ks, vs, tuple(reach))
+        r = _relength_of(f, r, key[2 + i][0], key[2 + i][1], key[2 + j][0], key[2 + j][1])
         if r is None:
             return None
         f.last = (key, r)
@@ -818,6 +893,33 @@ def follow(f: Following, key: tuple, tensors: tuple, device: torch.device) -> Re
     if f.guard:
         _following = f
     return r
+
+
+def _relength_of(f: Following, r: Replay, k_shape, k_stride, v_shape, v_stride) -> Replay | None:
+    """``r`` (a replay of ``f``'s entry) for a call whose K and V have these shapes and strides
+    (4-dimensional, in the key's layout) and which ``f``'s length-free guard recognised (its other
+    dimensions, dtypes and devices): relength's, or None where the full path must plan or refuse it."""
+    (ka, kb, kc, kd), ks = k_shape, k_stride
+    (va, vb, vc, vd), vs = v_shape, v_stride
+    seq_k = kb if f.seq_dim == 1 else kc
+    if seq_k != (vb if f.seq_dim == 1 else vc):  # V's length, which the guard leaves free as it does
+        return None  # K's: one unlike K's is refused by the full path (the kernels would read past V)
+    # what length_free keeps of K's and V's length and strides, which the guard leaves free: whether
+    # there are keys, the strides modulo 16 bytes (its rule, inline: calling it for K and V cost
+    # 0.5-1 us more per new length)
+    n = f.per16
+    if not seq_k or (ks[0] % n, ks[1] % n, ks[2] % n, vs[0] % n, vs[1] % n, vs[2] % n) != f.residues:
+        return None
+    i, j = f.positions
+    reach = list(r.reach)  # (checks.reach of each, unrolled)
+    size = reach[i][1]
+    reach[i] = ((ka - 1) * ks[0] + (kb - 1) * ks[1] + (kc - 1) * ks[2] + (kd - 1) * ks[3] + 1) * size, size
+    reach[j] = ((va - 1) * vs[0] + (vb - 1) * vs[1] + (vc - 1) * vs[2] + (vd - 1) * vs[3] + 1) * size, size
+    if f.seq_dim == 1:  # [batch, seq, heads, head_dim]: the kernels' (batch, head, row) strides
+        ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
+    else:
+        ks, vs = ks[:3], vs[:3]
+    return relength(r, seq_k, ks, vs, tuple(reach))
 
 
 def _clear_following() -> None:

@@ -296,7 +296,7 @@ def _replayed(config: _Config, args: tuple, kwargs: dict) -> torch.Tensor | None
     key = ops.key(q, k, v, is_causal=False, window_size=s.window, softmax_scale=scale, return_lse=False,
                   token_major=True, views=True)
     hit = ops.replayed(key, q, k, v, return_lse=False, token_major=True, views=True)
-    if hit is not None and whole and replay.guarded(key):  # (whole K and V: no slice of them made per call)
+    if hit is not None and whole and replay.expressible(key):  # (whole K and V: no slice of them made per call)
         run = replay.express(key, q.device, ("q", "k", "v"), 3)  # the next calls of this key take it
         if run is not None:
             _express = ((s.window, scale), run)

@@ -519,7 +519,7 @@ def _unmasked(query, key, value, causal: bool, scale: float, softcap: float, sin
     plan_key = ops.key(query, key, value, is_causal=False, window_size=window, softmax_scale=scale, return_lse=False,
                        token_major=True, softcap=softcap, sinks=sinks, views=True)
     hit = ops.replayed(plan_key, query, key, value, return_lse=False, token_major=True, sinks=sinks, views=True)
-    if hit is not None and replay.guarded(plan_key) and sinks is None and not (causal and seq_k > seq_q):
+    if hit is not None and replay.expressible(plan_key) and sinks is None and not (causal and seq_k > seq_q):
         run = replay.express(plan_key, query.device, ("q", "k", "v"), 3)  # the next calls of this key take it
         if run is not None:
             _express = ((causal, scale, softcap), run)

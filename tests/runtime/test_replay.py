@@ -775,6 +775,69 @@ def test_transformers_attention_express_follows_a_growing_cache(host_build, monk
 
 
 @needs_guards
+def test_transformers_attention_express_follows_a_cache_one_key_longer_at_every_call(host_build, monkeypatch):
+    """A model of one layer decoding on a growing cache: every call a new length, none repeated. From
+    the second length on the express of the entry's length-free guard serves the calls (no key built,
+    nothing planned, no replay or guard kept per length); each result is the one the same call planned
+    from scratch gives, and the oracle's."""
+    from types import SimpleNamespace
+
+    from rdnattention.integrations import transformers as rt
+    fresh_replays(monkeypatch)
+    monkeypatch.setattr(rt, "_express", (None, None))
+    module = SimpleNamespace(is_causal=True, training=False)
+    q, kv = _growing(21, list(range(1990, 2002)))
+    keys, planned, results = [], [], []
+    key, plan = rdnattention.ops.key, route.plan
+    for i, (k, v) in enumerate(kv):
+        if i == 2:  # planned, then followed: the express made
+            monkeypatch.setattr(rdnattention.ops, "key", lambda *a, **kw: keys.append(1) or key(*a, **kw))
+            monkeypatch.setattr(route, "plan", lambda *a, **kw: planned.append(1) or plan(*a, **kw))
+        results.append(rt.attention_forward(module, q, k, v, None, scaling=0.125)[0])
+    assert rt._express[1] is not None
+    assert not keys and not planned  # ten calls at ten lengths, every one through the express
+    assert len(replay.cache) == 1 and len(replay.by_length) == 1  # the first length's plan, its entry
+    monkeypatch.setattr(rdnattention.ops, "key", key)
+    monkeypatch.setattr(route, "plan", plan)
+    for (k, v), got in zip(kv, results):
+        fresh = _fresh(lambda: rt.attention_forward(module, q, k, v, None, scaling=0.125)[0])
+        assert torch.equal(got, fresh) and got.stride() == fresh.stride()
+    want = reference.attention_reference(q, *kv[-1], softmax_scale=0.125).transpose(1, 2)
+    torch.testing.assert_close(results[-1].double(), want, atol=TOL, rtol=0)
+
+
+@needs_guards
+def test_a_following_express_leaves_to_the_full_path_what_it_refuses(host_build, monkeypatch):
+    """The express that follows a growing cache returns None (the entry point's own path decides, and
+    refuses) for V of another length than K, rows off their 16-byte boundary, memory short of what
+    the shapes reach, another dtype, and once its entry is dropped (replay.clear)."""
+    from types import SimpleNamespace
+
+    from rdnattention.integrations import transformers as rt
+    fresh_replays(monkeypatch)
+    monkeypatch.setattr(rt, "_express", (None, None))
+    module = SimpleNamespace(is_causal=True, training=False)
+    q, kv = _growing(22, [1990, 1991, 1992])
+    for k, v in kv:
+        rt.attention_forward(module, q, k, v, None, scaling=0.125)
+    run = rt._express[1]
+    assert run is not None
+    k, v = _growing(22, [1995])[1][0]
+    assert torch.equal(run(q, k, v), _fresh(lambda: rdnattention.flash_attn(q, k, v, softmax_scale=0.125))
+                       .transpose(1, 2))
+    assert run(q, k, _growing(23, [1200])[1][0][1]) is None  # V shorter than K
+    off = _growing(22, [1996], offset=1)[1][0]  # one fp16 element in: rows start off 16 bytes
+    assert run(q, *off) is None
+    shrunk = k.clone()
+    shrunk.untyped_storage().resize_(k.untyped_storage().nbytes() - 2)
+    assert run(q, shrunk, v) is None
+    assert run(q, k, v.float()) is None
+    assert run(q, k, v) is not None
+    replay.clear()
+    assert run(q, k, v) is None
+
+
+@needs_guards
 @pytest.mark.parametrize("entry", ["kvcache", "kvcache.append", "kvcache.rope", "kvcache.paged.append",
                                    "kvcache.rows"])
 def test_kvcache_runs_a_repeated_geometry_through_its_express(host_build, monkeypatch, entry):
