@@ -572,12 +572,15 @@ def _follower(f: Following, device: torch.device, roles: tuple[str, ...], aligne
     keys (a cache one key longer at every decode step, one layer or several a step): per call the
     guard's one check, then K's and V's shapes and strides against the length served last; a new
     length's launch is derived from the last one's (_relength_of: the checks follow()'s derivation
-    makes), with no key, guard or replay kept per length. Made once per entry and express() arguments;
-    None where express() would make none of its last replay."""
+    makes), with no key, guard or replay kept per length. Made once per entry, express() arguments,
+    environment and table generation; None where express() would make none of its last replay."""
     _, r = f.last
     g, n = f.guard, len(roles)
+    table_for = route.dispatch.table_for
+    environment = drivers.environment_token
+    env, generation = environment(), table_for.generation  # while both stay, device_table(device) is the table
     made = f.express
-    if made is not None and made[0] == (roles, aligned, aliases, regions):
+    if made is not None and made[0] == (roles, aligned, aliases, regions, env, generation):
         return made[1]
     i, j = f.positions
     gaps = tuple(x for x in g.absent if x < n)
@@ -585,9 +588,6 @@ def _follower(f: Following, device: torch.device, roles: tuple[str, ...], aligne
     if (g.same or g.absent[len(gaps):] != tuple(range(n, n + trailing)) or j >= n or i in gaps or j in gaps
             or not _expressible(r, roles, aliases, regions)):
         return None
-    table_for = route.dispatch.table_for
-    environment = drivers.environment_token
-    env, generation = environment(), table_for.generation  # while both stay, device_table(device) is the table
     try:
         if id(route.device_table(device)) != g.table:
             return None
@@ -641,7 +641,7 @@ def _follower(f: Following, device: torch.device, roles: tuple[str, ...], aligne
         served[5](found, out)
         return out
 
-    f.express = ((roles, aligned, aliases, regions), run)
+    f.express = ((roles, aligned, aliases, regions, env, generation), run)
     return run
 
 
