@@ -838,6 +838,33 @@ def test_a_following_express_leaves_to_the_full_path_what_it_refuses(host_build,
 
 
 @needs_guards
+def test_a_following_express_is_made_again_under_a_changed_environment(host_build, monkeypatch):
+    """A variable that decides devices' targets changes between calls: the followed cache's express
+    leaves the call to the entry point's path, which makes the entry's express again under the new
+    environment, and the calls after it take that one."""
+    from types import SimpleNamespace
+
+    from rdnattention.integrations import transformers as rt
+    fresh_replays(monkeypatch)
+    monkeypatch.setattr(rt, "_express", (None, None))
+    module = SimpleNamespace(is_causal=True, training=False)
+    q, kv = _growing(24, list(range(1990, 1997)))
+    for k, v in kv[:3]:
+        rt.attention_forward(module, q, k, v, None, scaling=0.125)
+    first = rt._express[1]
+    assert first is not None
+    monkeypatch.setenv("HSA_OVERRIDE_GFX_VERSION", "10.3.0")  # (no HIP device here: the host's table stays)
+    assert first(q, *kv[3]) is None
+    for k, v in kv[3:5]:
+        rt.attention_forward(module, q, k, v, None, scaling=0.125)
+    again = rt._express[1]
+    assert again is not None and again is not first
+    k, v = kv[5]
+    want = _fresh(lambda: rt.attention_forward(module, q, k, v, None, scaling=0.125)[0])
+    assert torch.equal(again(q, k, v), want)
+
+
+@needs_guards
 @pytest.mark.parametrize("entry", ["kvcache", "kvcache.append", "kvcache.rope", "kvcache.paged.append",
                                    "kvcache.rows"])
 def test_kvcache_runs_a_repeated_geometry_through_its_express(host_build, monkeypatch, entry):
