@@ -482,21 +482,34 @@ def _replayed(module, query, key, value, dropout, scaling, is_causal, kwargs: di
     softcap = kwargs.get("softcap")
     if softcap is not None and type(softcap) is not float and type(softcap) is not int:
         return None  # _unsupported checks it
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
+    seq_q = query.shape[2]
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and seq_q > 1
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     softcap = float(softcap or 0.0)
     global _express
     options, run = _express
-    if run is not None and options == (causal, scale, softcap):
-        out = run(query, key, value)
-        if out is not None:
-            return out
-        _express = (None, None)  # (another geometry: tried once, not at every call of it)
+    if run is not None:
+        window = _window(causal, seq_q, key.shape[2])
+        if window is not None and options == (window, scale, softcap):
+            out = run(query, key, value)
+            if out is not None:
+                return out
+            _express = (None, None)  # (another geometry: tried once, not at every call of it)
     return _unmasked(query, key, value, causal, scale, softcap, None, replay_only=True)
 
 
-# The express function (replay.express) of the geometry last replayed by its guard, with the options
-# it was planned for: (causal, scale, softcap), function. Replaced whole.
+def _window(causal: bool, seq_q: int, seq_k: int) -> tuple[int, int] | None:
+    """The window _unmasked gives the kernels for sdpa's causal flag (top-left) on whole K and V, or
+    None where it takes a slice of them instead (a causal call with more keys than queries): what an
+    express planned for one cache length may serve at another (a growing cache) only where equal."""
+    if not causal:
+        return (-1, -1)
+    return None if seq_k > seq_q else (-1, seq_q - seq_k)
+
+
+# The express function (replay.express) of the geometry last replayed by its guard (or followed
+# along a growing cache), with the options it was planned for: (window, scale, softcap), function.
+# Replaced whole.
 _express: tuple = (None, None)
 
 
@@ -511,18 +524,18 @@ def _unmasked(query, key, value, causal: bool, scale: float, softcap: float, sin
     instead of the first."""
     global _express
     seq_q, seq_k = query.shape[2], key.shape[2]
-    window = (-1, -1)
-    if causal and seq_k > seq_q:  # no query sees a key at or past seq_q
+    whole = _window(causal, seq_q, seq_k)
+    if whole is None:  # causal with more keys than queries: no query sees a key at or past seq_q
         key, value, window = key[:, :, :seq_q], value[:, :, :seq_q], (-1, 0)
-    elif causal:
-        window = (-1, seq_q - seq_k)
+    else:
+        window = whole
     plan_key = ops.key(query, key, value, is_causal=False, window_size=window, softmax_scale=scale, return_lse=False,
                        token_major=True, softcap=softcap, sinks=sinks, views=True)
     hit = ops.replayed(plan_key, query, key, value, return_lse=False, token_major=True, sinks=sinks, views=True)
-    if hit is not None and replay.expressible(plan_key) and sinks is None and not (causal and seq_k > seq_q):
+    if hit is not None and replay.expressible(plan_key) and sinks is None and whole is not None:
         run = replay.express(plan_key, query.device, ("q", "k", "v"), 3)  # the next calls of this key take it
         if run is not None:
-            _express = ((causal, scale, softcap), run)
+            _express = ((window, scale, softcap), run)
     if hit is not None or replay_only:
         return None if hit is None else hit[0]
     if padding.needed(query, key, value):

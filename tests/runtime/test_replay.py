@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import rdnattention
 from rdnattention import dispatch, drivers, plan_flash_attn, reference, replay, route, workspace
@@ -835,6 +836,37 @@ def test_a_following_express_leaves_to_the_full_path_what_it_refuses(host_build,
     assert run(q, k, v) is not None
     replay.clear()
     assert run(q, k, v) is None
+
+
+@needs_guards
+def test_transformers_causal_calls_take_an_express_only_at_its_window(host_build, monkeypatch):
+    """sdpa's causal flag is top-left: transformers' attention function gives the kernels a window
+    that depends on the keys' length (or a slice of K and V where there are more keys than queries),
+    so an express made at one length (followed there: the same K length, other strides) must not serve
+    another. Each call, whichever path takes it, gives the float64 oracle's top-left causal result,
+    the same as a call planned from scratch."""
+    from types import SimpleNamespace
+
+    from rdnattention.integrations import transformers as rt
+    fresh_replays(monkeypatch)
+    monkeypatch.setattr(rt, "_express", (None, None))
+    module = SimpleNamespace(is_causal=True, training=False)
+    g = torch.Generator().manual_seed(25)
+    q = torch.randn(1, 8, 4, 64, generator=g).half()
+    kb, vb = (torch.randn(2 * 16 * 64, generator=g).half() for _ in range(2))
+    calls, results, served = [], [], 0
+    for n, capacity in [(5, 5), (4, 4), (6, 6), (7, 7), (4, 9), (3, 3), (3, 5), (8, 8)]:
+        k, v = (b[:2 * capacity * 64].view(1, 2, capacity, 64)[:, :, :n] for b in (kb, vb))
+        served += rt._express[1] is not None
+        calls.append((k, v))
+        results.append(rt.attention_forward(module, q, k, v, None, scaling=0.125)[0])
+    assert served >= 4  # an express stood before most calls (made at (4, 4), then (3, 5)'s own)
+    for (k, v), got in zip(calls, results):
+        fresh = _fresh(lambda: rt.attention_forward(module, q, k, v, None, scaling=0.125)[0])
+        assert torch.equal(got, fresh), k.shape
+        want = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(4, 1),
+                                              v.double().repeat_interleave(4, 1), is_causal=True, scale=0.125)
+        torch.testing.assert_close(got.double(), want.transpose(1, 2), atol=TOL, rtol=0)
 
 
 @needs_guards
