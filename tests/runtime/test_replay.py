@@ -855,8 +855,8 @@ def test_transformers_causal_calls_take_an_express_only_at_its_window(host_build
     q = torch.randn(1, 8, 4, 64, generator=g).half()
     kb, vb = (torch.randn(2 * 16 * 64, generator=g).half() for _ in range(2))
     calls, results, served = [], [], 0
-    # (4, 4): followed from (5, 5)'s plan, where an express is made, then repeated (the tree before this
-    # test served 7 keys wrongly after the repeats, through its own guard's express)
+    # (4, 4): followed from (5, 5)'s plan, where an express is made, then repeated (after such repeats
+    # the tree before this test served 7 keys wrongly, through its own guard's express)
     for n, capacity in [(5, 5), (4, 4), (6, 6), (4, 4), (4, 4), (4, 4), (7, 7), (4, 9), (3, 3), (3, 5), (8, 8)]:
         k, v = (b[:2 * capacity * 64].view(1, 2, capacity, 64)[:, :, :n] for b in (kb, vb))
         served += rt._express[1] is not None
