@@ -306,14 +306,6 @@ class Guard:
         absent = tuple(i for i, t in enumerate(tensors) if t is None)
         return cls(kind, options, key, device, table, absent, tuple(same), take, guards.check)
 
-    def renewed(self, key: tuple, tensors: tuple) -> Guard:
-        """The guard of ``key``, a key of the same entry point, options, device and table whose
-        tensors are absent and given twice where this guard's are (a length this guard's entry
-        follows: Following), from ``tensors``, one of its calls (none requiring grad)."""
-        guards = _TensorGuards(*self.take(tensors), dynamic_dims_sizes=None, dynamic_dims_strides=None)
-        return Guard(self.kind, self.options, key, self.device, self.table, self.absent, self.same, self.take,
-                     guards.check)
-
     def matches(self, tensors: tuple) -> bool:
         """Whether ``tensors`` are absent where the key's were, one tensor where the key's were one,
         and like them elsewhere."""
@@ -451,18 +443,21 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
     the entry point's replay and launch() check for such a call, in one frame: between a model's
     other operations, a call pays for each object it reads being out of the processor's caches.
     What the key holds besides its tensors (options, how a length is given) and value checks are
-    the entry point's to compare before it calls. A replay that follows the keys' length
-    (Following: a cache that grows by a key per decode step) goes on with the next length as the
-    entry point would: a call its guard refuses and the entry's length-free guard recognises is
-    followed (follow()), and that length's replay, given its guard, serves the calls after it.
+    the entry point's to compare before it calls. A call served by following its keys' length
+    (followed(): a cache that grows by a key per decode step) gets _follower's function, which
+    serves that entry's next lengths too, where it makes one; its replay's own guard otherwise.
     None where the replay has no guard, or one of other tensors (one given twice), launches with
     pointer fields other than these, the output, the split-KV scratch and the regions, or no
     stand-ins of its outputs yet (Replay.like, made at the entry point's first replay; a first
     None: torch.empty_like of the first tensor, as ops.replayed allocates). Made once per replay."""
+    f = followed(key)
+    if f is not None:  # served by following its length: the express follows the next lengths too
+        run = _follower(f, device, roles, aligned, aliases, regions)
+        if run is not None:
+            return run
     r = current(key)
     if r is None:
-        f = followed(key)
-        return None if f is None else _follower(f, device, roles, aligned, aliases, regions)
+        return None
     if r.express is not None:
         return r.express
     g, n = r.guard, len(roles)
@@ -479,45 +474,15 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
             return None
     except RdnaAttentionError:
         return None
-    f = _followed[1]
-    if f is None or f is not _following or f.last[1] is not r:
-        f = None  # a replay of one length
-    else:  # recognises the call's tensors at any length, where given as this guard's (their types checked)
-        length_free_check, length_free_take = f.guard.check, f.guard.take
-    none = (None,) * trailing
-    take = g.take if gaps else None  # (the same for every length)
+    take = g.take if gaps else None
     like = r.like[0]
     tensor, compiling, empty_like = _Tensor, torch.compiler.is_compiling, torch.empty_like
-    fields = _fields_of(r, roles, aliases, regions)  # (every length's)
-    now = (g, g.check, r.reach[:n], _launcher(r, roles, aliases, regions, device, fields))  # the length served:
-    # replaced whole
-
-    def grown(tensors: tuple) -> tuple | None:
-        """``now`` for the length of ``tensors``, which f's guard recognises, followed from f's last."""
-        nonlocal now
-        if _following is not f:
-            return None
-        tensors += none  # the key's tensors, the absent ones after those given
-        if not length_free_check(*length_free_take(tensors)):  # (the table: run()'s environment and generation)
-            return None
-        k = _length_key(f, tensors)
-        r = follow(f, k, tensors, device)  # (derived from f's planned replay: its launches' fields, its stand-ins)
-        if r is None:
-            return None
-        if r.guard is None:  # (f's guard recognised tensors as those the express takes)
-            r.guard = now[0].renewed(k, tensors)
-        g = r.guard
-        if not g:
-            return None
-        _set_guard(g)
-        r.express = run
-        now = (g, g.check, r.reach[:n], _launcher(r, roles, aliases, regions, device, fields))
-        return now
+    check, reach = g.check, r.reach[:n]
+    launch_it = _launcher(r, roles, aliases, regions, device, _fields_of(r, roles, aliases, regions))
 
     def run(*tensors):
         if compiling() or _is_tracing():  # first: nothing after this is for torch.compile to trace
             return None
-        g, check, reach, launch_it = now
         if _guard is not g:
             return None
         try:
@@ -534,12 +499,7 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
             if environment() != env or table_for.generation != generation:
                 return None
             if not check(*given):
-                if f is None:
-                    return None
-                taken = grown(tensors)
-                if taken is None:
-                    return None
-                g, check, reach, launch_it = taken
+                return None
         except (TypeError, IndexError):  # another number of tensors
             return None
         found = pointers(tensors, reach, aligned)
