@@ -194,12 +194,27 @@ def audit_target(matrix: Matrix, target: Target, build_dir: Path,
     path = code_object_path(target, build_dir)
     if not path.is_file():
         raise BuildError(f"{path} does not exist; run: rdnattention-gen build --targets {target.name}")
+    _check_built_kernels(matrix, target, build_dir)
     rows = _cached_audit(matrix, target, build_dir)
     if rows is None:
         rows = _fresh_audit(matrix, target, build_dir, tc)
     if enforce:
         audit.check(target, matrix.specs_for(target), rows)
     return rows
+
+
+def _check_built_kernels(matrix: Matrix, target: Target, build_dir: Path) -> None:
+    """Raises BuildError where the build's dispatch table lacks kernels ``matrix`` lists for
+    ``target``: a build of fewer head_dims (--head-dims), or of another matrix."""
+    try:
+        built = {k["name"] for k in json.loads((build_dir / target.name / "dispatch.json").read_text())["kernels"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no readable table: the audit names what it lacks
+    missing = sorted(s.name for s in matrix.specs_for(target) if s.name not in built)
+    if missing:
+        raise BuildError(f"{build_dir / target.name} holds {len(built)} kernels and not {len(missing)} of those the "
+                         f"matrix lists for {target.name} (such as {missing[0]}): audit it with the --head-dims it was "
+                         f"built with, or build it again: rdnattention-gen build --targets {target.name}")
 
 
 # The Python that turns a built code object into audit rows, beside the platform's own module.

@@ -20,6 +20,17 @@ def _targets(matrix: Matrix, selector: str) -> list[Target]:
     return matrix.select(selector)
 
 
+def _head_dim_list(text: str) -> tuple[int, ...]:
+    """--head-dims: a comma list of positive integers."""
+    try:
+        dims = tuple(int(item) for item in text.split(","))
+    except ValueError:
+        dims = ()
+    if not dims or any(d <= 0 for d in dims):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of positive head_dims, such as 64,128")
+    return dims
+
+
 def cmd_list(matrix: Matrix, args: argparse.Namespace) -> int:
     for target in _targets(matrix, args.targets):
         flags = [f"wave{target.wave_size}", f"tier {target.tier.value}", f"hw tier {target.hw_tier}",
@@ -221,9 +232,16 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--build-dir", type=Path, default=Path("build"), help="output directory (default: %(default)s)")
         return sp
 
-    add("list", cmd_list, "show targets and the kernels each gets")
-    add("generate", cmd_generate, "render kernel sources into BUILD_DIR/gen")
-    b = add("build", cmd_build, "generate, compile with ninja, audit, write dispatch tables")
+    def narrowing(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sp.add_argument("--head-dims", dest="keep_head_dims", type=_head_dim_list, default=None, metavar="LIST",
+                        help="only these head_dims, a comma list such as 64,128, of each family the targets build "
+                             "(the append and quantization kernels take any head_dim and stay); a build takes a "
+                             "fraction of the time, and calls at other head_dims are refused (default: all)")
+        return sp
+
+    narrowing(add("list", cmd_list, "show targets and the kernels each gets"))
+    narrowing(add("generate", cmd_generate, "render kernel sources into BUILD_DIR/gen"))
+    b = narrowing(add("build", cmd_build, "generate, compile with ninja, audit, write dispatch tables"))
     b.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles (default: ninja's choice)")
     b.add_argument("--user", action="store_true",
                    help="build into the per-user kernel directory the runtime searches (instead of --build-dir)")
@@ -233,7 +251,7 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--name", help="the distribution's name: rdnattention-kernels-NAME")
     k.add_argument("--out", type=Path, default=Path("dist"), help="where the wheel goes (default: %(default)s)")
     k.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles (default: ninja's choice)")
-    a = add("audit", cmd_audit, "report the resources of built kernels and enforce the rules")
+    a = narrowing(add("audit", cmd_audit, "report the resources of built kernels and enforce the rules"))
     a.add_argument("--json", action="store_true", help="print a JSON list, one object per kernel")
     d = add("docs", cmd_docs, "build every GPU target and regenerate docs/hardware.md from the matrix and audit")
     d.set_defaults(targets="all")
@@ -268,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         matrix = load_matrix(args.variants, args.tuned)
+        keep = getattr(args, "keep_head_dims", None)
+        if keep:
+            matrix = matrix.narrowed(keep, [t.name for t in _targets(matrix, args.targets)])
         return args.fn(matrix, args)
     except (VariantsError, toolchain.ToolchainError, build.BuildError, audit.AuditError, NinjaPathError,
             packaging.PackagingError, tune.TuneError, docs.DocsError) as e:

@@ -73,6 +73,9 @@ class Family:
     scores: dict[str, str] = {}
     tile_constraints: bool = True     # False: the tiles' `when:` does not apply (the kernel serves every call)
     tune_layouts: bool = False        # True: the tuner builds the layout kernels too (the passes of one call)
+    # True: the kernels take the head_dim at launch, built once at the most they take (the append,
+    # the quantization); a build narrowed to some head_dims (Matrix.narrowed) keeps them whole.
+    head_dim_at_launch: bool = False
 
     # --- the matrix
     def axes(self, node: Node) -> dict:

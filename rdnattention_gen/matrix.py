@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Iterable
 
 from rdnattention.table import ALTERNATE, Constraints, kind  # ALTERNATE: the priority of an alternate entry
 
@@ -70,6 +71,36 @@ class Matrix:
 
     def with_alternates(self, target: str, alternates: list[tuple[str, int, Tile]]) -> "Matrix":
         return replace(self, alternates={**self.alternates, target: tuple(alternates)})
+
+    def narrowed(self, keep: Iterable[int], names: Iterable[str] | None = None) -> "Matrix":
+        """This matrix with the targets ``names`` (every one: None) building only the head_dims in
+        ``keep`` of those each builds of each family; the families whose kernels take the head_dim at
+        launch (Family.head_dim_at_launch) stay whole. Tile tables and tuned tiles stay as they are
+        (those of the head_dims left out are unused). Raises VariantsError for a head_dim of ``keep``
+        that none of a target's families builds."""
+        keep = frozenset(keep)
+        chosen = None if names is None else frozenset(names)
+        targets = []
+        for t in self.targets:
+            if chosen is not None and t.name not in chosen:
+                targets.append(t)
+                continue
+            own = dict(t.head_dims)
+            head_dims, built = [], set()
+            for fam, axes in self.kernels.items():
+                if family(fam).head_dim_at_launch:
+                    if fam in own:
+                        head_dims.append((fam, own[fam]))
+                    continue
+                dims = own.get(fam, axes["head_dims"])
+                head_dims.append((fam, tuple(h for h in dims if h in keep)))
+                built.update(dims)
+            missing = sorted(keep - built)
+            if missing:
+                raise VariantsError(f"head_dim {', '.join(map(str, missing))}: {t.name} builds none of its kernels "
+                                    f"there; it builds head_dims {sorted(built)}")
+            targets.append(replace(t, head_dims=tuple(head_dims)))
+        return replace(self, targets=tuple(targets))
 
     def target(self, name: str) -> Target:
         for t in self.targets:

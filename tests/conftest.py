@@ -53,9 +53,16 @@ def pytest_addoption(parser):
     parser.addoption("--update-goldens", action="store_true", help="rewrite tests/generator/golden from the templates")
 
 
+# RDNATTENTION_TEST_HEAD_DIMS=64,128: the host targets of the matrix the tests build and read narrowed to
+# these head_dims (Matrix.narrowed), as `rdnattention-gen build --head-dims` builds them
+# (scripts/test_install.sh: the install's tests, on a build of a part of the host emulator's compile).
+HEAD_DIMS = tuple(int(h) for h in os.environ.get("RDNATTENTION_TEST_HEAD_DIMS", "").split(",") if h.strip())
+
+
 @pytest.fixture(scope="session")
 def matrix():
-    return load_matrix()
+    m = load_matrix()
+    return m.narrowed(HEAD_DIMS, ("host", "host_f32")) if HEAD_DIMS else m
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ tiles name head_dims the copy drops)."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import yaml
@@ -42,14 +41,3 @@ def write(directory: Path, keep: tuple[int, ...] = KEEP, text: str | None = None
     variants.write_text(yaml.safe_dump(data, sort_keys=False))
     tuned.mkdir(exist_ok=True)
     return variants, tuned
-
-
-def narrowed(matrix, names, keep: tuple[int, ...] = (64,)):
-    """``matrix`` with the targets ``names`` building only the head_dims ``keep`` lists (a family's
-    own where it lists none of them: the append family's 512), its tile tables and tuned tiles as
-    they are: the tests that check properties of every family's kernels on a target whose full
-    build the tests need nowhere else (docs/hardware.md holds its full build's rows: test_docs.py)."""
-    head_dims = tuple((fam, tuple(h for h in axes["head_dims"] if h in keep) or axes["head_dims"])
-                      for fam, axes in matrix.kernels.items())
-    return dataclasses.replace(matrix, targets=tuple(dataclasses.replace(t, head_dims=head_dims) if t.name in names
-                                                     else t for t in matrix.targets))

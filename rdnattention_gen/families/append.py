@@ -26,6 +26,7 @@ ROPE = {None: 0, "rope": 1, "ropehalf": 2}
 class Append(HeadDimAxis, Family):
     name = "append"
     template = "fa2_append.hip.j2"
+    head_dim_at_launch = True
     args = runtime.ARGS
     schema = runtime.NAMES
     rules = RULES

@@ -25,6 +25,7 @@ RULES = (
 class Quant(HeadDimAxis, Family):
     name = "quant"
     template = "fa2_quant.hip.j2"
+    head_dim_at_launch = True
     args = runtime.ARGS
     schema = runtime.NAMES
     rules = RULES

@@ -10,7 +10,7 @@ import pytest
 import small_matrix
 from conftest import REPO_ROOT
 
-from rdnattention_gen import DEFAULT_VARIANTS, audit, build, toolchain
+from rdnattention_gen import DEFAULT_VARIANTS, audit, build, dispatch, toolchain
 from rdnattention_gen.families import spec_from_name
 
 INT8_KERNELS = ("fa2_i8_", "fa2_i8dec_")  # both products through dot4: the INT8 family and its decode
@@ -132,10 +132,10 @@ TIER2 = {"gfx1010": "fma_mix", "gfx904": "fma_mix", "gfx900": "mad_mix", "gfx902
 
 @pytest.fixture(scope="module")
 def tier2_audit(matrix, tmp_path_factory):
-    """The tier-2 targets built at head_dim 64 (small_matrix.narrowed), in a directory of their own:
+    """The tier-2 targets built at head_dim 64 (Matrix.narrowed), in a directory of their own:
     every family and lowering, in a small part of their full build's compile. Their full builds'
     rows are docs/hardware.md's, which test_docs.py holds to the digest of their sources."""
-    m = small_matrix.narrowed(matrix, TIER2)
+    m = matrix.narrowed((64,), TIER2)
     return build.build(m, [m.target(n) for n in TIER2], tmp_path_factory.mktemp("tier2"), log=lambda *_: None)
 
 
@@ -201,6 +201,40 @@ def test_audit_without_a_build_names_the_command(tmp_path):
                          capture_output=True, text=True, cwd=REPO_ROOT)
     assert out.returncode == 2
     assert "run: rdnattention-gen build --targets gfx1030" in out.stderr
+
+
+def test_head_dims_narrow_what_the_commands_build(matrix):
+    """--head-dims (Matrix.narrowed) on the commands that name a build's kernels; a bad list and a
+    head_dim the target does not build are named, exit status 2. (scripts/test_install.sh builds
+    the host targets so and runs the install's tests on that build.)"""
+    out = subprocess.run(CLI + ["list", "--targets", "gfx1030", "--head-dims", "64,80"], capture_output=True,
+                         text=True, cwd=REPO_ROOT, check=True).stdout
+    names = [line.split()[0] for line in out.splitlines() if line.startswith("    ")]
+    narrow = matrix.narrowed((64, 80), ["gfx1030"])
+    assert names == [v.spec.name for v in narrow.variants_for(narrow.target("gfx1030"))]
+    assert {n for n in names if "_hd" in n} and all("_hd64_" in n or "_hd80_" in n for n in names if "_hd" in n)
+    for value, message in [("64,x", "argument --head-dims: '64,x' is not a comma list of positive head_dims"),
+                           ("0", "argument --head-dims: '0' is not a comma list"),
+                           ("72", "error: head_dim 72: host builds none of its kernels there")]:
+        out = subprocess.run(CLI + ["build", "--targets", "host", "--head-dims", value, "--build-dir", "/nonexistent"],
+                             capture_output=True, text=True, cwd=REPO_ROOT)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_audit_of_a_build_of_fewer_kernels_names_them(matrix, tmp_path):
+    """A build's dispatch table without kernels the matrix lists (built with --head-dims, then
+    audited without): named, with what to do, before its code object is read."""
+    narrow = matrix.narrowed((64,), ["gfx1030"])
+    (tmp_path / "gfx1030").mkdir()
+    (tmp_path / "gfx1030" / "kernels.hsaco").write_bytes(b"")
+    table = dispatch.table(narrow.target("gfx1030"), narrow.variants_for(narrow.target("gfx1030")),
+                           tmp_path / "gfx1030" / "kernels.hsaco", False, "clang", ["gfx1030"])
+    (tmp_path / "gfx1030" / "dispatch.json").write_text(dispatch.dumps(table))
+    with pytest.raises(build.BuildError, match=re.escape(
+            f"{tmp_path / 'gfx1030'} holds {len({k['name'] for k in table['kernels']})} kernels and not "
+            f"{len(matrix.specs_for(matrix.target('gfx1030'))) - len(narrow.specs_for(narrow.target('gfx1030')))} "
+            "of those the matrix lists for gfx1030 (such as ")):
+        build.audit_target(matrix, matrix.target("gfx1030"), tmp_path)
 
 
 @pytest.mark.slow

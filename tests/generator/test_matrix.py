@@ -67,6 +67,31 @@ def test_target_selection(matrix):
         matrix.select("gfx9999")
 
 
+def test_a_narrowed_matrix_builds_only_those_head_dims(matrix):
+    """`rdnattention-gen build --head-dims`: of each family a target builds, the head_dims listed
+    among its own (the host's subsets kept), and whole the families whose kernels take the head_dim
+    at launch; the targets not named as they were."""
+    launch = {name for name, fam in FAMILIES.items() if fam.head_dim_at_launch}
+    assert launch == {"append", "quant"}
+    narrow = matrix.narrowed((64, 200), ["host"])
+    full, specs = matrix.specs_for(matrix.target("host")), narrow.specs_for(narrow.target("host"))
+    assert {s for s in specs if s.family not in launch} == {s for s in full if s.family not in launch
+                                                            and s.head_dim in (64, 200)}
+    assert {s for s in specs if s.family in launch} == {s for s in full if s.family in launch} != set()
+    built = dict(narrow.target("host").head_dims)
+    assert built["f16"] == (64, 200) and built["dec"] == (64, 200) and built["i8"] == (64,)
+    assert narrow.target("gfx1030") == matrix.target("gfx1030")
+    every = matrix.narrowed((64,))  # every target
+    assert all(s.head_dim == 64 or s.family in launch for t in every.targets for s in every.specs_for(t))
+
+
+def test_a_head_dim_no_family_of_a_target_builds_is_named(matrix):
+    with pytest.raises(VariantsError, match=re.escape("head_dim 72: host builds none of its kernels there; it builds "
+                                                      "head_dims [8, 24, 32, 40, 64, 80, ")):
+        matrix.narrowed((64, 72), ["gfx1030", "host"])
+    assert matrix.narrowed((72,), ["gfx1030"]).target("gfx1030").builds("f16", 72)
+
+
 MINIMAL = """\
 targets:
   gfx1030:

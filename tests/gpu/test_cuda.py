@@ -3,7 +3,6 @@
 import math
 
 import pytest
-import small_matrix
 import torch
 from cases import (BF16_LSE_TOL, BF16_TOL, HEAD_DIMS, LSE_TOL, MATRIX, TOL, VARIANTS, bf16_head_dims, make_case,
                    run_case)
@@ -22,10 +21,10 @@ CUDA_TARGETS = ["sm_90", "sm_61", "sm_60"]
 
 @pytest.fixture(scope="module")
 def cuda_build(matrix, tmp_path_factory):
-    """The CUDA targets at head_dim 64 (small_matrix.narrowed: every family and lowering), in a
+    """The CUDA targets at head_dim 64 (Matrix.narrowed: every family and lowering), in a
     directory of their own. Their full builds' rows are docs/hardware.md's, held to the digest of
     their sources (test_docs.py); the GPU tests run sm_90's full build."""
-    m = small_matrix.narrowed(matrix, CUDA_TARGETS)
+    m = matrix.narrowed((64,), CUDA_TARGETS)
     out = tmp_path_factory.mktemp("cuda")
     return m, out, build.build(m, [m.target(n) for n in CUDA_TARGETS], out, log=lambda *_: None)
 
