@@ -5,25 +5,28 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Each step's line says how long the set-up has run.
+say() { echo "== [${SECONDS}s] $*"; }
+
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 
 if ! command -v clang-22 >/dev/null || ! command -v ld.lld-22 >/dev/null; then
-  echo "== installing clang-22 and lld-22"
+  say "installing clang-22 and lld-22"
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq clang-22 lld-22 llvm-22 >/dev/null
 fi
 
 # A HIP runtime that loads without an AMD GPU: the tests bind the HIP driver's symbols against it.
 if ! { ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null; } | grep -q "libamdhip64.so"; then
-  echo "== installing libamdhip64-5 (HIP runtime, for the HIP driver's tests)"
+  say "installing libamdhip64-5 (HIP runtime, for the HIP driver's tests)"
   $SUDO apt-get install -y -qq libamdhip64-5 >/dev/null || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libamdhip64-5 >/dev/null; }
 fi
 
 # ROCm 5.2's code object manager, which HIP asks for a code object's ISA before loading it: the build
 # and the tests ask it about every AMD code object (it refuses code object v5, hence v4).
 if ! { ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null; } | grep -q "libamd_comgr.so"; then
-  echo "== installing libamd-comgr2 (ROCm's code object manager, for the check of the AMD code objects)"
+  say "installing libamd-comgr2 (ROCm's code object manager, for the check of the AMD code objects)"
   $SUDO apt-get install -y -qq libamd-comgr2 >/dev/null || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libamd-comgr2 >/dev/null; }
 fi
 
@@ -38,25 +41,26 @@ sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNA
   if [ ! -x .venv/bin/python ]; then
     SITE=""
     if "$PYTHON" -c "import torch" 2>/dev/null; then SITE="--system-site-packages"; fi
-    echo "== creating .venv (the system Python is externally managed) ${SITE:+(seeing the system torch)}"
+    say "creating .venv (the system Python is externally managed) ${SITE:+(seeing the system torch)}"
     "$PYTHON" -m venv $SITE .venv 2>/dev/null || { $SUDO apt-get install -y -qq python3-venv >/dev/null && "$PYTHON" -m venv $SITE .venv; }
   fi
   PYTHON=.venv/bin/python
 fi
 if "$PYTHON" -c "import torch" 2>/dev/null; then
-  echo "== using the installed torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"
+  say "using the installed torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"
 else
-  echo "== installing torch (${TORCH_SPEC:=torch==2.13.0}${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL})"
+  say "installing torch (${TORCH_SPEC:=torch==2.13.0}${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL})"
   "$PYTHON" -m pip install -q "$TORCH_SPEC" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
-echo "== installing rdnattention (editable, with the generator and test extras)"
+say "installing rdnattention (editable, with the generator and test extras)"
 "$PYTHON" -m pip install -q -e ".[test]"
 
 # One ninja run for the GPU targets and the host emulator: each target is one compile, so the host's
 # shares the cores with the targets' instead of running alone after them. CI names more targets
 # (RDNATTENTION_SETUP_TARGETS, .ci/run): all of them, built and audited once for every test after.
 TARGETS="${RDNATTENTION_SETUP_TARGETS:-default,host}"
-echo "== build + audit: $TARGETS"
+say "build + audit: $TARGETS"
 "$PYTHON" -m rdnattention_gen.cli build --targets "$TARGETS" ${RDNATTENTION_SETUP_JOBS:+-j "$RDNATTENTION_SETUP_JOBS"}
-echo "== demo on the host emulator"
+say "demo on the host emulator"
 "$PYTHON" -m rdnattention.demo
+say "set-up done"
