@@ -46,21 +46,40 @@ sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNA
   fi
   PYTHON=.venv/bin/python
 fi
+say "installing rdnattention (editable, with the generator's packages)"
+"$PYTHON" -m pip install -q -e ".[gen]"
+
+# One ninja run for the GPU targets and the host emulator: each target is one compile, so the host's
+# shares the cores with the targets' instead of running alone after them. CI names more targets
+# (RDNATTENTION_SETUP_TARGETS, .ci/run): all of them, built and audited once for every test after.
+# The generator needs no torch: the build runs while torch and the test packages install.
+TARGETS="${RDNATTENTION_SETUP_TARGETS:-default,host}"
+say "build + audit: $TARGETS (while torch and the test packages install)"
+"$PYTHON" -m rdnattention_gen.cli build --targets "$TARGETS" ${RDNATTENTION_SETUP_JOBS:+-j "$RDNATTENTION_SETUP_JOBS"} &
+BUILD=$!
+trap 'kill "$BUILD" 2>/dev/null || true' EXIT  # a failed install stops the build too
+
 if "$PYTHON" -c "import torch" 2>/dev/null; then
   say "using the installed torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"
 else
   say "installing torch (${TORCH_SPEC:=torch==2.13.0}${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL})"
   "$PYTHON" -m pip install -q "$TORCH_SPEC" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
-say "installing rdnattention (editable, with the generator and test extras)"
-"$PYTHON" -m pip install -q -e ".[test]"
-
-# One ninja run for the GPU targets and the host emulator: each target is one compile, so the host's
-# shares the cores with the targets' instead of running alone after them. CI names more targets
-# (RDNATTENTION_SETUP_TARGETS, .ci/run): all of them, built and audited once for every test after.
-TARGETS="${RDNATTENTION_SETUP_TARGETS:-default,host}"
-say "build + audit: $TARGETS"
-"$PYTHON" -m rdnattention_gen.cli build --targets "$TARGETS" ${RDNATTENTION_SETUP_JOBS:+-j "$RDNATTENTION_SETUP_JOBS"}
+# The test extra's packages by name, read from pyproject.toml (Python 3.11's tomllib): installing
+# ".[test]" would reinstall the editable package under the running build, so an older Python installs
+# it after the build.
+if mapfile -t TEST_PACKAGES < <("$PYTHON" -c 'import tomllib
+print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]))' 2>/dev/null) \
+    && [ ${#TEST_PACKAGES[@]} -gt 0 ]; then
+  say "installing the test packages (pyproject.toml's test extra)"
+  "$PYTHON" -m pip install -q "${TEST_PACKAGES[@]}"
+  wait "$BUILD"  # its status: set -e stops here if the build failed
+else
+  wait "$BUILD"
+  say "installing the test packages (rdnattention's test extra)"
+  "$PYTHON" -m pip install -q -e ".[test]"
+fi
+trap - EXIT
 say "demo on the host emulator"
 "$PYTHON" -m rdnattention.demo
 say "set-up done"
