@@ -634,7 +634,7 @@ def _fields_of(r: Replay, roles: tuple[str, ...], aliases: tuple[tuple[str, int]
 def _launcher(r: Replay, roles: tuple[str, ...], aliases: tuple[tuple[str, int], ...], regions: tuple | None,
               device: torch.device, fields: tuple):
     """express()'s launch of ``r``: a function of the call's pointers (in ``roles``' order, 0 where
-    absent) and its output. ``fields``: _fields_of's for ``r``, which express() makes once for all
+    absent) and its output. ``fields``: _fields_of's for ``r``, which _follower makes once for all
     the lengths of a cache it follows."""
     step = r.steps[0]
     if len(r.steps) > 1 or step.go is None:
