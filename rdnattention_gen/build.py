@@ -163,12 +163,20 @@ def _build_locked(matrix: Matrix, targets: list[Target], build_dir: Path, tc: to
                                plat.dynamic_lds, tc.identity, isa_targets)
         write_if_changed(build_dir / target.name / "dispatch.json", dispatch.dumps(table))
     # An AMD target's audit is seconds of Python reading its disassembly, on one core: with every
-    # target built at once (CI), run one after another they leave the other cores idle.
+    # target built at once (CI), run one after another they leave the other cores idle. The targets
+    # of one compile are audited together, one after another: they read its disassembly once.
     stale = [t for t in targets if _cached_audit(matrix, t, build_dir) is None]
-    if audit_processes > 1 and len(stale) > 1:
+    shared, compiles = _shared_compiles(stale, build_dir / "gen"), {}
+    for t in stale:
+        compiles.setdefault(shared[t.name][0].name, []).append(t)
+    if audit_processes > 1 and len(compiles) > 1:
         fork = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(min(audit_processes, len(stale)), mp_context=fork) as pool:
-            list(pool.map(_fresh_audit, [matrix] * len(stale), stale, [build_dir] * len(stale), [tc] * len(stale)))
+        with ProcessPoolExecutor(min(audit_processes, len(compiles)), mp_context=fork) as pool:
+            list(pool.map(_fresh_audits, [matrix] * len(compiles), compiles.values(), [build_dir] * len(compiles),
+                          [tc] * len(compiles)))
+    else:
+        for group in compiles.values():
+            _fresh_audits(matrix, group, build_dir, tc)
     rows = []
     for target in targets:
         rows += audit_target(matrix, target, build_dir, tc, enforce=enforce)
@@ -264,6 +272,14 @@ def _cached_audit(matrix: Matrix, target: Target, build_dir: Path) -> list[audit
             or [r["name"] for r in cached["kernels"]] != [s.name for s in matrix.specs_for(target)]):
         return None
     return [audit.KernelAudit(**r) for r in cached["kernels"]]
+
+
+def _fresh_audits(matrix: Matrix, targets: list[Target], build_dir: Path, tc: toolchain.Toolchain) -> None:
+    """Audits the targets of one compile, which share what they read of its machine code."""
+    with platform(targets[0].platform).shared_reads():
+        for target in targets:
+            _check_built_kernels(matrix, target, build_dir)
+            _fresh_audit(matrix, target, build_dir, tc)
 
 
 def _fresh_audit(matrix: Matrix, target: Target, build_dir: Path, tc: toolchain.Toolchain) -> list[audit.KernelAudit]:

@@ -21,6 +21,7 @@ at full cost: the estimate ranks tiles of one family on one target, it does not 
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import asdict, dataclass
 
@@ -117,11 +118,14 @@ def loop_counts(code: list[Instruction], product: str, products_per_step: float 
     def inside(i: Instruction, span: tuple[int, int]) -> bool:
         return span[0] <= i.address <= span[1]
 
-    loops = [s for s in _loops(code) if any(inside(i, s) and i.mnemonic.startswith(product) for i in code)]
+    # The loops holding a product: the first product address at or after a loop's start is within it.
+    products = sorted(i.address for i in code if i.mnemonic.startswith(product))
+    spans = _loops(code)
+    loops = [s for s in spans if (n := bisect.bisect_left(products, s[0])) < len(products) and products[n] <= s[1]]
     if not loops:
         return None
     main = max(loops, key=lambda s: (s[1] - s[0], -s[0]))
-    nested = sorted({s for s in _loops(code) if s != main and main[0] <= s[0] and s[1] <= main[1]},
+    nested = sorted({s for s in spans if s != main and main[0] <= s[0] and s[1] <= main[1]},
                     key=lambda s: s[1] - s[0])
     body = [i for i in code if inside(i, main)]
     # Each instruction belongs to the innermost nested loop holding it (None: the main loop's own).

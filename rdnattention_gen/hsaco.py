@@ -5,6 +5,7 @@ code objects from it."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import struct
 from dataclasses import dataclass
@@ -115,6 +116,17 @@ class CodeObject:
     @classmethod
     def read(cls, path: Path) -> CodeObject:
         return cls(Path(path).read_bytes(), str(path))
+
+    def code_digest(self) -> str:
+        """A digest of every section but the notes, with its name and address: the machine code
+        and the symbols naming it. Code objects assembled from one compile for several targets of
+        one instruction set (gfx1030-gfx1036) differ only in their notes and the ELF header."""
+        digest = hashlib.sha256()
+        for section in self._elf.iter_sections():
+            if section["sh_type"] != "SHT_NOTE":
+                data = b"" if section["sh_type"] == "SHT_NOBITS" else section.data()
+                digest.update(f"{section.name}\0{section['sh_addr']}\0{len(data)}\0".encode() + data)
+        return digest.hexdigest()
 
     @property
     def elf_abi_version(self) -> int:

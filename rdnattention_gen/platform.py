@@ -4,6 +4,7 @@ One module per platform under platforms/; nothing else branches on a platform's 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import ninja
@@ -69,6 +70,11 @@ class Platform:
 
     def audit(self, tc: Toolchain, target: Target, specs: list[KernelSpec], build_dir: Path) -> list[KernelAudit]:
         raise NotImplementedError
+
+    def shared_reads(self) -> AbstractContextManager:
+        """Within it, audits of targets whose code objects hold the same machine code (a shared
+        compile) may read it once (amdgcn: the disassembly); nothing is kept past it."""
+        return nullcontext()
 
     def launch_violations(self, target: Target, spec: KernelSpec, row: KernelAudit) -> list[str]:
         """Where the built kernel's launch ABI differs from what the runtime passes (one line each);

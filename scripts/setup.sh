@@ -53,6 +53,7 @@ say "installing rdnattention (editable, with the generator's packages)"
 # shares the cores with the targets' instead of running alone after them. CI names more targets
 # (RDNATTENTION_SETUP_TARGETS, .ci/run): all of them, built and audited once for every test after.
 # The generator needs no torch: the build runs while torch and the test packages install.
+# RDNATTENTION_SETUP_JOBS caps the parallel compiles (default: ninja's choice).
 TARGETS="${RDNATTENTION_SETUP_TARGETS:-default,host}"
 say "build + audit: $TARGETS (while torch and the test packages install)"
 "$PYTHON" -m rdnattention_gen.cli build --targets "$TARGETS" ${RDNATTENTION_SETUP_JOBS:+-j "$RDNATTENTION_SETUP_JOBS"} &

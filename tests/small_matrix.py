@@ -2,7 +2,7 @@
 (paths a shell would run, depfiles) that build targets of their own: every family, layout, dtype,
 score option and tile table stays, with only the head_dims ``keep`` lists, so a target compiles in
 seconds rather than minutes. Built with ``--variants`` and an empty ``--tuned`` directory (the tuned
-tiles name head_dims the copy drops)."""
+tiles name head_dims the copy drops). ``write_one_family`` cuts further, for tests of paths alone."""
 
 from __future__ import annotations
 
@@ -41,3 +41,17 @@ def write(directory: Path, keep: tuple[int, ...] = KEEP, text: str | None = None
     variants.write_text(yaml.safe_dump(data, sort_keys=False))
     tuned.mkdir(exist_ok=True)
     return variants, tuned
+
+
+def write_one_family(directory: Path) -> tuple[Path, Path]:
+    """The fp16 family alone at head_dim 64 and GQA group 1, with no other layout, dtype or score
+    option: one to three kernels a target, for the tests of paths (quoting, depfiles), not kernels."""
+    data = yaml.safe_load(DEFAULT_VARIANTS.read_text())
+    data["kernels"] = {"f16": {"head_dims": [64], "gqa_groups": [1]}}
+    for table in data["tiles"].values():
+        for key in [k for k, tiles in table.items() if isinstance(tiles, dict) and k != "f16"]:
+            del table[key]
+    for target in data["targets"].values():
+        if "head_dims" in target:
+            target["head_dims"] = {fam: dims for fam, dims in target["head_dims"].items() if fam == "f16"}
+    return write(directory, (64,), yaml.safe_dump(data, sort_keys=False))

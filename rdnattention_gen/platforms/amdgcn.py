@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import re
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ninja
@@ -108,7 +111,7 @@ class Amdgcn(Platform):
         except CodeObjectError as e:
             raise AuditError(str(e)) from None
         _check_isa_name(co, target)
-        counts, code = _disassembly(tc, code_object)
+        machine = _machine_code(tc, target, co, code_object)
         rows = []
         for spec in specs:
             k = meta.get(spec.name)
@@ -118,17 +121,26 @@ class Amdgcn(Platform):
             waves = target.waves_per_simd(vgprs, lds, spec.tile.threads)
             fam = family(spec.family)
             product = MNEMONICS.get(fam.signatures.get(spec.tier, ""))
-            loop = cost.loop_counts(code.get(spec.name, []), product, fam.products_per_step(spec)) if product else None
+            loop = machine.loop(spec.name, product, fam.products_per_step(spec)) if product else None
             rows.append(KernelAudit(
                 target=target.name, name=spec.name, vgprs=vgprs, sgprs=k[".sgpr_count"],
                 vgpr_spills=k.get(".vgpr_spill_count", 0), sgpr_spills=k.get(".sgpr_spill_count", 0),
                 scratch_bytes=k[".private_segment_fixed_size"], lds_bytes=lds, wave_size=k[".wavefront_size"],
                 waves_per_simd=waves,
-                **counts.get(spec.name, dict.fromkeys(COUNTS, 0)),
+                **machine.counts.get(spec.name, dict.fromkeys(COUNTS, 0)),
                 **cost.audit_fields(loop, target, waves),
                 launch=launch[spec.name],
             ))
         return rows
+
+    @contextmanager
+    def shared_reads(self) -> Iterator[None]:
+        global _SHARED
+        _SHARED = {}
+        try:
+            yield
+        finally:
+            _SHARED = None
 
     def launch_violations(self, target: Target, spec: KernelSpec, row: KernelAudit) -> list[str]:
         return launch_abi.violations(row.launch, launch_abi.RuntimeLaunch.of(target, spec))
@@ -171,6 +183,39 @@ def _check_isa_name(co: CodeObject, target: Target) -> None:
         raise AuditError(f"{co.name}: the code object manager {loader} reads ISA {name}, expected {isa_name(target)}")
 
 
+@dataclass
+class _MachineCode:
+    """What the audit reads from a code object's machine code: per kernel, the instruction counts,
+    the instructions, and the main loop's counts (cost.loop_counts) once asked for."""
+
+    counts: dict[str, dict[str, int]]
+    code: dict[str, list[cost.Instruction]]
+    loops: dict[tuple, cost.LoopCounts | None] = field(default_factory=dict)
+
+    def loop(self, kernel: str, product: str, products_per_step: float | None) -> cost.LoopCounts | None:
+        key = (kernel, product, products_per_step)
+        if key not in self.loops:
+            self.loops[key] = cost.loop_counts(self.code.get(kernel, []), product, products_per_step)
+        return self.loops[key]
+
+
+# The targets of one compile (gfx1030-gfx1036: assemble.py) hold byte-identical machine code; their
+# code objects differ only in their notes (the ISA name and the metadata, read per target). Within
+# Amdgcn.shared_reads (build.py audits a compile's targets in one), the disassembly and the loop
+# analysis, most of an audit's time, are kept for the code read last, by what they follow from.
+_SHARED: dict | None = None  # (objdump, isa, code digest) -> _MachineCode
+
+
+def _machine_code(tc: Toolchain, target: Target, co: CodeObject, code_object: Path) -> _MachineCode:
+    if _SHARED is None:
+        return _MachineCode(*_disassembly(tc, code_object))
+    key = (tc.objdump, target.isa, co.code_digest())
+    if key not in _SHARED:
+        _SHARED.clear()  # one code object's instructions in memory at a time (a few hundred MB)
+        _SHARED[key] = _MachineCode(*_disassembly(tc, code_object))
+    return _SHARED[key]
+
+
 def _disassembly(tc: Toolchain, code_object: Path) -> tuple[dict[str, dict[str, int]],
                                                           dict[str, list[cost.Instruction]]]:
     """Per kernel: the audit's instruction counts, and its instructions for the cost model."""
@@ -178,6 +223,7 @@ def _disassembly(tc: Toolchain, code_object: Path) -> tuple[dict[str, dict[str, 
                          capture_output=True, text=True, check=True).stdout
     counts: dict[str, dict[str, int]] = {}
     code: dict[str, list[cost.Instruction]] = {}
+    fields: dict[str, tuple[str, ...]] = {}  # mnemonic -> the counts it adds to
     current = None
     for line in out.splitlines():
         m = _SYMBOL.match(line)
@@ -194,9 +240,11 @@ def _disassembly(tc: Toolchain, code_object: Path) -> tuple[dict[str, dict[str, 
             mnemonic, _, operands = op.strip().partition(" ")
             if mnemonic.startswith("v_dual_"):
                 mnemonic = "v_" + mnemonic[len("v_dual_"):]
-            for field, prefix in MNEMONICS.items():
-                if mnemonic.startswith(prefix):
-                    current[field] += 1
+            counted = fields.get(mnemonic)
+            if counted is None:
+                counted = fields[mnemonic] = tuple(f for f, prefix in MNEMONICS.items() if mnemonic.startswith(prefix))
+            for f in counted:
+                current[f] += 1
             if parsed:
                 target = start + int(parsed["off"], 16) if parsed["off"] and mnemonic.startswith(("s_branch", "s_cbranch")) else None
                 listing.append(cost.Instruction(int(parsed["addr"], 16), mnemonic, operands.strip(), target))

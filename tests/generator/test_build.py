@@ -12,6 +12,8 @@ from conftest import REPO_ROOT
 
 from rdnattention_gen import DEFAULT_VARIANTS, audit, build, dispatch, toolchain
 from rdnattention_gen.families import spec_from_name
+from rdnattention_gen.hsaco import CodeObject
+from rdnattention_gen.platforms import amdgcn
 
 INT8_KERNELS = ("fa2_i8_", "fa2_i8dec_")  # both products through dot4: the INT8 family and its decode
 
@@ -131,12 +133,39 @@ TIER2 = {"gfx1010": "fma_mix", "gfx904": "fma_mix", "gfx900": "mad_mix", "gfx902
 
 
 @pytest.fixture(scope="module")
-def tier2_audit(matrix, tmp_path_factory):
+def tier2_build(matrix, tmp_path_factory):
     """The tier-2 targets built at head_dim 64 (Matrix.narrowed), in a directory of their own:
     every family and lowering, in a small part of their full build's compile. Their full builds'
     rows are docs/hardware.md's, which test_docs.py holds to the digest of their sources."""
-    m = matrix.narrowed((64,), TIER2)
-    return build.build(m, [m.target(n) for n in TIER2], tmp_path_factory.mktemp("tier2"), log=lambda *_: None)
+    m, out = matrix.narrowed((64,), TIER2), tmp_path_factory.mktemp("tier2")
+    return m, out, build.build(m, [m.target(n) for n in TIER2], out, log=lambda *_: None, audit_processes=2)
+
+
+@pytest.fixture(scope="module")
+def tier2_audit(tier2_build):
+    return tier2_build[2]
+
+
+def test_a_compiles_targets_read_its_machine_code_once(tier2_build, monkeypatch):
+    """gfx900, gfx902 and gfx90c are one compile, their code objects the same but for their notes:
+    their audits disassemble it once, and give each the rows a fresh read of its own code object gives."""
+    m, out, rows = tier2_build
+    names = ["gfx900", "gfx902", "gfx90c"]
+    digests = {n: CodeObject.read(out / n / "kernels.hsaco").code_digest() for n in names + ["gfx904"]}
+    assert digests["gfx900"] == digests["gfx902"] == digests["gfx90c"] != digests["gfx904"]
+    reads, disassembly = [], amdgcn._disassembly
+    monkeypatch.setattr(amdgcn, "_disassembly", lambda tc, path: reads.append(path) or disassembly(tc, path))
+    tc = toolchain.find()
+
+    def audit_of(name):
+        return amdgcn.PLATFORM.audit(tc, m.target(name), m.specs_for(m.target(name)), out)
+
+    with amdgcn.PLATFORM.shared_reads():
+        shared = [audit_of(n) for n in names]
+    assert reads == [out / "gfx900" / "kernels.hsaco"] and amdgcn._SHARED is None  # nothing kept past it
+    for name, got in zip(names, shared):
+        assert got == audit_of(name) == [r for r in rows if r.target == name]
+    assert len(reads) == 4
 
 
 def test_every_head_dim_is_built_for_every_target(matrix, default_audit):

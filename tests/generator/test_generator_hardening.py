@@ -61,7 +61,7 @@ def test_hostile_checkout_and_build_dir_build_and_run_nothing_else(hostile_check
     cwd = root.parent / "cwd"
     cwd.mkdir()
     build_dir = root / "build"
-    variants, tuned = small_matrix.write(root / "matrix")  # a few head_dims: the paths are the test
+    variants, tuned = small_matrix.write_one_family(root / "matrix")  # a few kernels: the paths are the test
     args = ["build", "--targets", "host,gfx1030", "--build-dir", str(build_dir), "--variants", str(variants),
             "--tuned", str(tuned)]
     out = _cli(args, cwd, env)
@@ -147,7 +147,7 @@ def test_every_platforms_rules_keep_hostile_paths_whole(hostile_checkout):
 def test_a_depfile_holds_space_dollar_and_hash(tmp_path):
     """Paths ninja's depfile reader takes keep the depfile; a second build finds nothing to do."""
     build_dir = tmp_path / "d$ir #1 (x)" / "build"
-    variants, tuned = small_matrix.write(tmp_path / "matrix")  # a few head_dims: the depfile is the test
+    variants, tuned = small_matrix.write_one_family(tmp_path / "matrix")  # a few kernels: the depfile is the test
     args = ["build", "--targets", "host", "--build-dir", str(build_dir), "--variants", str(variants), "--tuned",
             str(tuned)]
     out = _cli(args, REPO_ROOT)
