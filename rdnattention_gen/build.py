@@ -164,11 +164,12 @@ def _build_locked(matrix: Matrix, targets: list[Target], build_dir: Path, tc: to
         write_if_changed(build_dir / target.name / "dispatch.json", dispatch.dumps(table))
     # An AMD target's audit is seconds of Python reading its disassembly, on one core: with every
     # target built at once (CI), run one after another they leave the other cores idle. The targets
-    # of one compile are audited together, one after another: they read its disassembly once.
+    # of one instruction set are audited together, one after another: those of one compile read its
+    # machine code once (the platform tells them apart by the code itself).
     stale = [t for t in targets if _cached_audit(matrix, t, build_dir) is None]
-    shared, compiles = _shared_compiles(stale, build_dir / "gen"), {}
+    compiles: dict[tuple[str, str], list[Target]] = {}
     for t in stale:
-        compiles.setdefault(shared[t.name][0].name, []).append(t)
+        compiles.setdefault((t.platform, t.isa), []).append(t)
     if audit_processes > 1 and len(compiles) > 1:
         fork = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(min(audit_processes, len(compiles)), mp_context=fork) as pool:
@@ -275,7 +276,7 @@ def _cached_audit(matrix: Matrix, target: Target, build_dir: Path) -> list[audit
 
 
 def _fresh_audits(matrix: Matrix, targets: list[Target], build_dir: Path, tc: toolchain.Toolchain) -> None:
-    """Audits the targets of one compile, which share what they read of its machine code."""
+    """Audits targets of one instruction set; those of one compile share what they read of its code."""
     with platform(targets[0].platform).shared_reads():
         for target in targets:
             _check_built_kernels(matrix, target, build_dir)
