@@ -349,9 +349,11 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
           softmax_rows(XfCase<true, false, false>{});
         else
           softmax_rows(XfCase<true, false>{});
-      } else if (G > 1 && xf.alibi() && whole && k0 + BC - 1 <= mask.diag(block_pos)) {
-        // (AlibiExponent, in the GQA tiles: on sm_90 it took the group-2 tiles' ALiBi from +5.8% to
-        // +3.5% and the group-1 tiles' from +2.1% to +5.7%, tuning/results/h100_score_exponent.md)
+      } else if (G > 1 && TN >= 4 && xf.alibi() && whole && k0 + BC - 1 <= mask.diag(block_pos)) {
+        // (AlibiExponent, in the GQA tiles whose lanes hold at least four of a row's scores: on sm_90
+        // it took head_dim 64's group-2 tiles' ALiBi from +5.8% to +3.5%, but the group-1 tiles' from
+        // +2.1% to +5.7% and head_dim 256's group-2 tile's (two scores a lane) from +3.8% to +4.7%,
+        // where the row's own constants outweigh what its scores save; tuning/results/h100_score_exponent.md)
 #pragma unroll
         for (int i = 0; i < TM; ++i) {
           const float slope = ONE_HEAD ? thread_slope : xf.slope(b, head0 + (row0 + i) / RPH);
