@@ -107,18 +107,22 @@ def cmd_probe(matrix: Matrix, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_package(matrix: Matrix, args: argparse.Namespace) -> int:
+def _package_targets(matrix: Matrix, args: argparse.Namespace) -> tuple[list[Target], str]:
+    """The targets a kernel wheel holds (a family's opt-in GPU targets, or --targets) and its name."""
     if args.family:
         targets = [t for t in matrix.targets if t.family == args.family and not t.default and t.platform != "host"]
         if not targets:
             families = sorted({t.family for t in matrix.targets if not t.default and t.platform != "host"})
             raise packaging.PackagingError(f"family {args.family!r} has no opt-in GPU targets; families that do: "
                                            f"{', '.join(families)}")
-        name = args.name or args.family
-    else:
-        if not args.name:
-            raise packaging.PackagingError("name the distribution: --family FAMILY, or --targets LIST --name NAME")
-        targets, name = _targets(matrix, args.targets), args.name
+        return targets, args.name or args.family
+    if not args.name:
+        raise packaging.PackagingError("name the distribution: --family FAMILY, or --targets LIST --name NAME")
+    return _targets(matrix, args.targets), args.name
+
+
+def cmd_package(matrix: Matrix, args: argparse.Namespace) -> int:
+    targets, name = _package_targets(matrix, args)
     packaging.refuse_host(targets)
     build.build(matrix, targets, args.build_dir, jobs=args.jobs)
     wheel = packaging.kernel_wheel(name, targets, args.build_dir.resolve(), args.out)
@@ -245,7 +249,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles (default: ninja's choice)")
     b.add_argument("--user", action="store_true",
                    help="build into the per-user kernel directory the runtime searches (instead of --build-dir)")
-    k = add("package", cmd_package, "build targets and pack them as a kernel wheel, rdnattention-kernels-NAME")
+    k = narrowing(add("package", cmd_package, "build targets and pack them as a kernel wheel, rdnattention-kernels-NAME"))
     k.set_defaults(targets="")
     k.add_argument("--family", help="every opt-in target of this family (rdna1, rdna3, gcn5, ...); NAME defaults to it")
     k.add_argument("--name", help="the distribution's name: rdnattention-kernels-NAME")
@@ -288,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         matrix = load_matrix(args.variants, args.tuned)
         keep = getattr(args, "keep_head_dims", None)
         if keep:
-            matrix = matrix.narrowed(keep, [t.name for t in _targets(matrix, args.targets)])
+            chosen = _package_targets(matrix, args)[0] if args.fn is cmd_package else _targets(matrix, args.targets)
+            matrix = matrix.narrowed(keep, [t.name for t in chosen])
         return args.fn(matrix, args)
     except (VariantsError, toolchain.ToolchainError, build.BuildError, audit.AuditError, NinjaPathError,
             packaging.PackagingError, tune.TuneError, docs.DocsError) as e:

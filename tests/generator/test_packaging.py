@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO_ROOT
 
 from rdnattention import dispatch
-from rdnattention_gen import packaging
+from rdnattention_gen import cli, packaging
 
 
 def test_readme_distribution_table_follows_the_matrix(matrix):
@@ -47,6 +47,36 @@ def test_kernel_wheel_is_found_through_its_entry_point(matrix, default_audit, bu
     assert roots[dist].path == tmp_path / "site" / "rdnattention_kernels_test_only"
     table = dispatch.load_table(roots[dist].path / "gfx1030" / "dispatch.json")
     table.verify_code_object()
+
+
+def test_package_builds_only_the_head_dims_named(matrix, tmp_path, monkeypatch, capsys):
+    """`package --family gcn4 --head-dims 64`: the family's targets, narrowed as `build --head-dims`
+    narrows them, are what is built and packed; a head_dim they do not build is refused by name."""
+    seen = {}
+
+    def fake_build(m, targets, build_dir, **kw):
+        seen["build"] = (targets, build_dir)
+        seen["specs"] = [spec.name for spec in m.specs_for(targets[0])]
+
+    def fake_wheel(name, targets, build_dir, out_dir):
+        seen["wheel"] = (name, targets)
+        wheel = out_dir / "w.whl"
+        wheel.write_bytes(b"")
+        return wheel
+
+    monkeypatch.setattr(cli.build, "build", fake_build)
+    monkeypatch.setattr(cli.packaging, "kernel_wheel", fake_wheel)
+    args = ["package", "--family", "gcn4", "--build-dir", str(tmp_path / "b"), "--out", str(tmp_path)]
+    assert cli.main(args + ["--head-dims", "64"]) == 0
+    (built,), build_dir = seen["build"]
+    assert seen["wheel"] == ("gcn4", [built]) and build_dir == tmp_path / "b"
+    whole = matrix.target("gfx803")
+    assert built.name == "gfx803" and dict(built.head_dims)["f16"] == (64,) != dict(whole.head_dims).get("f16")
+    # every kernel of one head_dim is head_dim 64's; the append kernels, which take any, stay
+    assert all("_hd64_" in n for n in seen["specs"] if "_hd" in n)
+    assert any(n.startswith("fa2_append_") for n in seen["specs"])
+    assert cli.main(args + ["--head-dims", "65"]) == 2
+    assert "head_dim 65: gfx803 builds none of its kernels there" in capsys.readouterr().err
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
