@@ -326,19 +326,41 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
       // A softcap maps a masked score (-inf) to -C, so it keeps such scores by a select; a whole
       // tile holds none, and in the kernels without ALiBi takes a copy of the capped rows without it
       // (picked here, once per tile: a branch per row cost more than the selects it saved).
+      // ALiBi alone on a whole tile at or before every row's diagonal (XfCase FOLD) takes a row's
+      // distances as one constant per row and lane (AlibiExponent, in the softmax's exponents) and
+      // one per score; only in the GQA tiles whose lanes hold at least four of a row's scores: on
+      // sm_90 it took head_dim 64's group-2 tiles' ALiBi from +5.8% to +3.5%, but the group-1 tiles'
+      // from +2.1% to +5.7% and head_dim 256's group-2 tile's (two scores a lane) from +3.8% to
+      // +4.7%, where the row's own constants outweigh what its scores save
+      // (tuning/results/h100_score_exponent.md).
+      // A row's keys are held in runs of CK by its TCW lanes in turn: lane tx's j-th score is of key
+      // k0 + tx * CK + lane_key(j), a constant in the unrolled loops. (The keys above are written
+      // out: written through this helper, they moved the AMD kernels' register allocation, and
+      // gfx1102's head_dim 80 tiles spilled.)
+      const auto lane_key = [](int j) { return (j / CK) * TCW * CK + j % CK; };
       auto softmax_rows = [&](auto which) {
-        constexpr bool CAP = decltype(which)::CAP, ALIBI = decltype(which)::ALIBI, MASKED = decltype(which)::MASKED;
+        using Case = decltype(which);
+        constexpr bool CAP = Case::CAP, ALIBI = Case::ALIBI, MASKED = Case::MASKED, FOLD = Case::FOLD;
 #pragma unroll
         for (int i = 0; i < TM; ++i) {
+          float alpha;
           if constexpr (CAP || ALIBI) {
             const float slope = !ALIBI ? 0.f : ONE_HEAD ? thread_slope : xf.slope(b, head0 + (row0 + i) / RPH);
-            const float dist0 = (float)(k0 + tx * CK - diag[i]);  // the key distances: dist0 plus a constant
+            const float dist0 = (float)(k0 + tx * CK - diag[i]);  // a score's distance: dist0 + lane_key(j)
+            if constexpr (FOLD) {  // |distance| = -distance: slope * lane_key(j) here, slope * dist0 in the exponents
 #pragma unroll
-            for (int j = 0; j < TN; ++j)
-              s[i][j] = xf.template apply_case<CAP, ALIBI, MASKED>(
-                  s[i][j], slope, dist0 + (float)((j / CK) * TCW * CK + j % CK));
+              for (int j = 0; j < TN; ++j) s[i][j] = rdna_fma(slope, (float)lane_key(j), s[i][j]);
+              alpha = fa2_row_softmax<E, TN, TD, TCW, TM, Pipe::SKIP_UNMOVED, INT_ACC>(
+                  s[i], m[i], l[i], lx[i], o[i], p, i, AlibiExponent{slope * dist0});
+            } else {
+#pragma unroll
+              for (int j = 0; j < TN; ++j)
+                s[i][j] = xf.template apply_case<CAP, ALIBI, MASKED>(s[i][j], slope, dist0 + (float)lane_key(j));
+              alpha = fa2_row_softmax<E, TN, TD, TCW, TM, Pipe::SKIP_UNMOVED, INT_ACC>(s[i], m[i], l[i], lx[i], o[i], p, i);
+            }
+          } else {
+            alpha = fa2_row_softmax<E, TN, TD, TCW, TM, Pipe::SKIP_UNMOVED, INT_ACC>(s[i], m[i], l[i], lx[i], o[i], p, i);
           }
-          const float alpha = fa2_row_softmax<E, TN, TD, TCW, TM, Pipe::SKIP_UNMOVED, INT_ACC>(s[i], m[i], l[i], lx[i], o[i], p, i);
           if constexpr (INT_ACC) o_alpha[i] = alpha;
         }
       };
@@ -350,18 +372,7 @@ RDNA_DEVICE void fa2_forward(unsigned char* lds, const Schedule& sched, const Q&
         else
           softmax_rows(XfCase<true, false>{});
       } else if (G > 1 && TN >= 4 && xf.alibi() && whole && k0 + BC - 1 <= mask.diag(block_pos)) {
-        // (AlibiExponent, in the GQA tiles whose lanes hold at least four of a row's scores: on sm_90
-        // it took head_dim 64's group-2 tiles' ALiBi from +5.8% to +3.5%, but the group-1 tiles' from
-        // +2.1% to +5.7% and head_dim 256's group-2 tile's (two scores a lane) from +3.8% to +4.7%,
-        // where the row's own constants outweigh what its scores save; tuning/results/h100_score_exponent.md)
-#pragma unroll
-        for (int i = 0; i < TM; ++i) {
-          const float slope = ONE_HEAD ? thread_slope : xf.slope(b, head0 + (row0 + i) / RPH);
-          const AlibiExponent x{slope * (float)(k0 + tx * CK - diag[i])};
-#pragma unroll
-          for (int j = 0; j < TN; ++j) s[i][j] = rdna_fma(slope, (float)((j / CK) * TCW * CK + j % CK), s[i][j]);
-          fa2_row_softmax<E, TN, TD, TCW, TM, Pipe::SKIP_UNMOVED, INT_ACC>(s[i], m[i], l[i], lx[i], o[i], p, i, x);
-        }
+        softmax_rows(XfCase<false, true, false, true>{});
       } else if (xf.alibi()) {
         softmax_rows(XfCase<false, true>{});
       } else {

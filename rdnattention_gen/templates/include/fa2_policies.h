@@ -215,10 +215,13 @@ struct rdna_bool {
 
 // Which score transforms a copy of code applies, known at compile time (fa2_forward's row loop has
 // one copy per case and picks one per tile): the softcap (CAP) and ALiBi (ALIBI); MASKED: the tile
-// may hold masked scores (false: a whole tile, where a softcap needs no select to keep them).
-template <bool C, bool A, bool M = true>
+// may hold masked scores (false: a whole tile, where a softcap needs no select to keep them); FOLD:
+// ALiBi alone on a whole tile at or before every row's diagonal, its distances folded into the
+// softmax's exponents (fa2_forward.h's AlibiExponent).
+template <bool C, bool A, bool M = true, bool F = false>
 struct XfCase {
-  static constexpr bool CAP = C, ALIBI = A, MASKED = M;
+  static_assert(!F || (A && !C && !M), "ALiBi's distances fold only without a softcap, on a whole tile");
+  static constexpr bool CAP = C, ALIBI = A, MASKED = M, FOLD = F;
 };
 
 // ALIBI: the kernel applies ALiBi (the split-KV kernels of at most FA2_DECODE_ALIBI_ROWS rows, and the
