@@ -249,7 +249,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles (default: ninja's choice)")
     b.add_argument("--user", action="store_true",
                    help="build into the per-user kernel directory the runtime searches (instead of --build-dir)")
-    k = narrowing(add("package", cmd_package, "build targets and pack them as a kernel wheel, rdnattention-kernels-NAME"))
+    k = narrowing(add("package", cmd_package,
+                      "build targets and pack them as a kernel wheel, rdnattention-kernels-NAME"))
     k.set_defaults(targets="")
     k.add_argument("--family", help="every opt-in target of this family (rdna1, rdna3, gcn5, ...); NAME defaults to it")
     k.add_argument("--name", help="the distribution's name: rdnattention-kernels-NAME")

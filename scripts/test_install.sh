@@ -20,6 +20,7 @@ trap 'rm -rf "$WORK"' EXIT
 echo "== wheel: rdnattention-kernels-gcn4 (head_dim 64)"
 "$PYTHON" -m rdnattention_gen.cli package --family gcn4 --head-dims 64 --build-dir "$WORK/kernel-build" --out "$OUT"
 ls -l "$OUT"
+
 echo "== clean environment in $WORK"
 "$PYTHON" -m venv "$WORK/venv"
 VPY="$WORK/venv/bin/python"

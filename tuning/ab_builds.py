@@ -5,10 +5,11 @@
 Both builds must hold the same target's kernels under the same names (a code object from another
 revision with this revision's dispatch.json beside it, for instance). For each bench.py prefill
 shape (and EXTRA's), plain, and on the causal rows with ALiBi slopes and with a logit softcap (the
-f16 kernels of score options alibi and xf), the call is planned once against A's table; B runs the
-same launches from B's code object. Medians of --rounds rounds, each timing A then B
-(timing.interleaved_ms). Calls either build has no kernels for (a build narrowed to some head_dims)
-are left out: run it with RDNATTENTION_BUILD_DIR set to one of the two. With --out, the table is also written to DIR/ab_builds.md."""
+f16 kernels of score options alibi and xf), the call is planned once by the runtime's table (run it
+with RDNATTENTION_BUILD_DIR set to one of the two); A and B run the same launches, each from its own
+code object. Medians of --rounds rounds, each timing A then B (timing.interleaved_ms). Calls either
+build has no kernels for (a build narrowed to some head_dims) are left out. With --out, the table is
+also written to OUT/ab_builds.md."""
 
 from __future__ import annotations
 
