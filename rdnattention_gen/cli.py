@@ -236,7 +236,9 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--build-dir", type=Path, default=Path("build"), help="output directory (default: %(default)s)")
         return sp
 
-    def narrowing(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def narrowing(sp: argparse.ArgumentParser, chosen=lambda m, args: _targets(m, args.targets)):
+        """--head-dims for a command; ``chosen(matrix, args)`` gives the targets it narrows."""
+        sp.set_defaults(narrowed_targets=chosen)
         sp.add_argument("--head-dims", dest="keep_head_dims", type=_head_dim_list, default=None, metavar="LIST",
                         help="only these head_dims, a comma list such as 64,128, of each family the targets build "
                              "(the append and quantization kernels take any head_dim and stay); a build takes a "
@@ -250,7 +252,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--user", action="store_true",
                    help="build into the per-user kernel directory the runtime searches (instead of --build-dir)")
     k = narrowing(add("package", cmd_package,
-                      "build targets and pack them as a kernel wheel, rdnattention-kernels-NAME"))
+                      "build targets and pack them as a kernel wheel, rdnattention-kernels-NAME"),
+                  lambda m, args: _package_targets(m, args)[0])  # the wheel's targets
     k.set_defaults(targets="")
     k.add_argument("--family", help="every opt-in target of this family (rdna1, rdna3, gcn5, ...); NAME defaults to it")
     k.add_argument("--name", help="the distribution's name: rdnattention-kernels-NAME")
@@ -293,8 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         matrix = load_matrix(args.variants, args.tuned)
         keep = getattr(args, "keep_head_dims", None)
         if keep:
-            chosen = _package_targets(matrix, args)[0] if args.fn is cmd_package else _targets(matrix, args.targets)
-            matrix = matrix.narrowed(keep, [t.name for t in chosen])
+            matrix = matrix.narrowed(keep, [t.name for t in args.narrowed_targets(matrix, args)])
         return args.fn(matrix, args)
     except (VariantsError, toolchain.ToolchainError, build.BuildError, audit.AuditError, NinjaPathError,
             packaging.PackagingError, tune.TuneError, docs.DocsError) as e:

@@ -22,7 +22,7 @@ import torch
 from rdnattention import dispatch, drivers, plan_flash_attn
 from rdnattention.errors import RdnaAttentionError
 
-from .bench import SHAPES, flops, shape_inputs
+from .bench import SHAPES, alibi_slopes, flops, shape_inputs
 from .timing import interleaved_ms
 
 EXTRA = [  # sm_90's head_dim 72 (its tile measured last) and a GQA shape, whose ALiBi has a branch of its own
@@ -53,8 +53,7 @@ def main() -> int:
         q, k, v = shape_inputs(b, hq, hk, sq, sk, d, device)
         options = {"plain": {}}
         if causal:
-            slopes = 2.0 ** (-8.0 * torch.arange(1, hq + 1, device=device) / hq)
-            options.update(alibi={"alibi_slopes": slopes}, softcap={"softcap": 50.0})
+            options.update(alibi={"alibi_slopes": alibi_slopes(hq, device)}, softcap={"softcap": 50.0})
         for name, kw in options.items():
             try:
                 plan = plan_flash_attn(q, k, v, is_causal=causal, **kw)

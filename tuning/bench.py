@@ -72,6 +72,11 @@ def shape_inputs(b, hq, hk, sq, sk, d, device, dtype=torch.float16) -> tuple[tor
                  for h, s in ((hq, sq), (hk, sk), (hk, sk)))
 
 
+def alibi_slopes(hq, device) -> torch.Tensor:
+    """ALiBi's slopes for ``hq`` heads, as the ALiBi paper gives them for a power of two."""
+    return 2.0 ** (-8.0 * torch.arange(1, hq + 1, device=device) / hq)
+
+
 class SdpaPlan:
     """torch's scaled_dot_product_attention (fp16, its default backend) on q, k, v, with a plan's
     ``run``: a peer to time beside our plans."""
@@ -287,7 +292,7 @@ def score_transform_section(device, rounds: int = 7) -> str:
     for label, b, hq, hk, sq, sk, d in SCORE_SHAPES:
         q, k, v = shape_inputs(b, hq, hk, sq, sk, d, device)
         causal = sq > 1
-        slopes = 2.0 ** (-8.0 * torch.arange(1, hq + 1, device=device) / hq)
+        slopes = alibi_slopes(hq, device)
         sinks = torch.randn(hq, device=device)
         options = {"plain": {}, "softcap": {"softcap": 50.0}, "alibi": {"alibi_slopes": slopes},
                    "sinks": {"sinks": sinks}, "all": {"softcap": 50.0, "alibi_slopes": slopes, "sinks": sinks}}
