@@ -326,13 +326,8 @@ def measure(cases, device: torch.device, budget_s: float, units: int, kernel_tim
                 continue
             stub = stubbed_launch(units) if device.type == "cpu" else contextlib.nullcontext()
 
-            def patch():  # a context manager per use (a generator's is entered once)
-                if not case.patched:
-                    return contextlib.nullcontext()
-                import rdnattention
-                return rdnattention.sdpa_patched(devices=device.type, strict=True)
             try:
-                with stub, patch():
+                with stub, _patch(case, device):
                     ours_b2b = back_to_back_us(ours, sync, budget_s)
                     ours_one = one_call(ours, sync, budget_s / 2)
                     ours_cold = cold_us(ours, sync, evict) if cold else None
@@ -428,6 +423,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _patch(case: Case, device: torch.device):
+    """The context a case's calls of ours run in: sdpa_patched() for the cases that time torch's
+    function as programs call it, else none (a context manager per use: a generator's is entered once)."""
+    if not case.patched:
+        return contextlib.nullcontext()
+    import rdnattention
+    return rdnattention.sdpa_patched(devices=device.type, strict=True)
+
+
 def _profile(case: Case, device: torch.device, units: int) -> int:
     import cProfile
     import pstats
@@ -435,7 +439,7 @@ def _profile(case: Case, device: torch.device, units: int) -> int:
     with torch.inference_mode():
         ours, _ = case.build(device)
         stub = stubbed_launch(units) if device.type == "cpu" else contextlib.nullcontext()
-        with stub:
+        with stub, _patch(case, device):
             for _ in range(10):
                 ours()
             sync()
