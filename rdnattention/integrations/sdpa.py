@@ -256,8 +256,11 @@ def _replayed(config: _Config, args: tuple, kwargs: dict) -> torch.Tensor | None
     are kept under it; what it does not hold is checked here as _decide checks it: the keyword
     arguments' types and values, the patched device types, torch function and dispatch modes,
     tracing, nested, sparse and torch.func's tensors, graph capture and autocast. Gradients and
-    tensor subclasses give no key. (CPU, launch stubbed: a GQA decode step replayed here costs 15 us,
-    decided in full 36 to 60.)"""
+    tensor subclasses give no key. The express function of the geometry served last is tried first,
+    after the checks of the arguments, modes and tracing, for a call with the options it was made
+    under: its guard holds what the checks after it read (the tensors' dispatch keys, dimensions,
+    shapes, devices; so the slice and the key too). (CPU, launch stubbed: a GQA decode step through
+    the express costs about 9 us, replayed by its key 11 to 15, decided in full 36 to 60.)"""
     global _express
     if len(args) != 3 or not _REPLAYED_KEYWORDS.issuperset(kwargs):
         return None
@@ -270,6 +273,15 @@ def _replayed(config: _Config, args: tuple, kwargs: dict) -> torch.Tensor | None
             or replay.autocast_on() or torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
             or replay.tracing()):
         return None
+    options = (config, causal, scale, gqa)
+    express_options, run = _express
+    if run is not None and express_options == options and not (q.is_cuda and workspace.capturing()):
+        # The express's guard holds every shape, stride, dtype, device and dispatch key (so the
+        # checks below, the slice and the key are those of the call it was made for): first.
+        out = run(q, k, v)
+        if out is not None:
+            return out.transpose(1, 2)
+        _express = (None, None)  # (another geometry: tried once, not at every call of it)
     # tensors like those of a kept call (its dispatch keys) are none of these
     if not replay.recognised("flash_attn", (q, k, v, None, None, None, None, None)):
         for t in (q, k, v):  # before any size is read: nested and sparse tensors have none to give
@@ -284,14 +296,7 @@ def _replayed(config: _Config, args: tuple, kwargs: dict) -> torch.Tensor | None
     if s is None or s.rows != seq_q:
         return None
     whole = not s.k0 and s.k1 == seq_k
-    if whole:
-        options, run = _express
-        if run is not None and options == (s.window, scale):
-            out = run(q, k, v)
-            if out is not None:
-                return out.transpose(1, 2)
-            _express = (None, None)  # (another geometry: tried once, not at every call of it)
-    else:
+    if not whole:
         k, v = k[:, :, s.k0:s.k1], v[:, :, s.k0:s.k1]
     key = ops.key(q, k, v, is_causal=False, window_size=s.window, softmax_scale=scale, return_lse=False,
                   token_major=True, views=True)
@@ -299,12 +304,12 @@ def _replayed(config: _Config, args: tuple, kwargs: dict) -> torch.Tensor | None
     if hit is not None and whole and replay.expressible(key):  # (whole K and V: no slice of them made per call)
         run = replay.express(key, q.device, ("q", "k", "v"), 3)  # the next calls of this key take it
         if run is not None:
-            _express = ((s.window, scale), run)
+            _express = (options, run)
     return None if hit is None else hit[0].transpose(1, 2)
 
 
-# The express function (replay.express) of the geometry last replayed by its guard, with the options
-# it was planned for: (window, scale), function. Replaced whole.
+# The express function (replay.express) of the geometry last replayed by its guard, with the call's
+# options it was made under: (config, is_causal, scale, enable_gqa), function. Replaced whole.
 _express: tuple = (None, None)
 
 

@@ -131,6 +131,29 @@ def test_a_served_output_is_token_major_as_torchs_flash_attention_returns_it(pat
     _served(6)
 
 
+def test_the_express_serves_only_the_options_it_was_made_under(patched):
+    """The express function made for a geometry is tried first, before the checks its guard stands
+    for, but only for a call with the options it was made under (is_causal, scale, enable_gqa and
+    the patch's settings): the same tensors with other options get their own outputs, and a GQA
+    call without enable_gqa still gets torch's error."""
+    q, k, v = _qkv(hq=4, hk=2, sq=24, sk=24)
+    calls = [dict(is_causal=True, enable_gqa=True), dict(is_causal=False, enable_gqa=True),
+             dict(is_causal=True, enable_gqa=True, scale=0.3)]
+    for kw in calls * 4:  # each geometry's calls past its second go through an express
+        out = F.scaled_dot_product_attention(q, k, v, **kw)
+        torch.testing.assert_close(out.float(), _reference(q, k, v, **kw), **TOL)
+    for _ in range(3):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert patch._express[1] is not None  # made for these options
+    with pytest.raises(RuntimeError):  # torch's own error for heads that differ without enable_gqa
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    rdnattention.patch_sdpa(devices="cuda", strict=True)  # CPU tensors no longer served: torch runs them
+    before = rdnattention.stats()["served"]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out.float(), _reference(q, k, v, is_causal=True, enable_gqa=True), **TOL)
+    assert rdnattention.stats()["served"] == before
+
+
 def test_gqa_scale_and_positional_arguments(patched):
     q, k, v = _qkv(hq=4, hk=2)
     mask = J <= I + 16
