@@ -97,6 +97,26 @@ def test_sdpa_matches_torch(host_build, sq, sk, hk, causal):
     assert _err(out, ref) <= TOL
 
 
+def test_sdpa_express_serves_only_the_options_it_was_made_under(host_build):
+    """Repeated calls of one geometry go through the replay's express function, tried before the
+    checks its guard stands for, and only for a call with the options it was made under: the same
+    tensors with another is_causal, scale or enable_gqa get their own outputs and errors."""
+    from rdnattention import api
+    q, k, v = _qkv(hk=2, sq=40, sk=40)
+    calls = [dict(is_causal=True, enable_gqa=True), dict(is_causal=False, enable_gqa=True),
+             dict(is_causal=True, enable_gqa=True, scale=0.11)]
+    for kw in calls * 4:
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw)
+        assert _err(scaled_dot_product_attention(q, k, v, **kw), ref) <= TOL
+    for _ in range(3):
+        scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert api._sdpa_express[1] is not None  # made for these options
+    with pytest.raises(InvalidArgumentError, match="pass enable_gqa=True"):
+        scaled_dot_product_attention(q, k, v, is_causal=True)
+    with pytest.raises(InvalidArgumentError):
+        scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=torch.tensor([0.1, 0.2]))
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"attn_mask": torch.ones(40, 50, dtype=torch.bool)}, UnsupportedError, "attn_mask: arbitrary masks"),
     ({"dropout_p": 0.5}, UnsupportedError, "dropout_p=0.5"),
