@@ -46,6 +46,25 @@ def _warn_if_token_major(q: torch.Tensor) -> None:
                       stacklevel=3)
 
 
+# The express functions (replay.LastExpress) of flash_attn and flash_attn_func: the geometry each
+# served last by its replay, made under the options _express_options gives.
+_flash_express = replay.LastExpress()
+_func_express = replay.LastExpress()
+
+
+def _express_options(is_causal, window_size, softmax_scale, softcap, rotary_interleaved) -> tuple | None:
+    """The options of a flash_attn-like call that an express may serve, typed as ops.key types them
+    (a window of two ints, a float or absent scale, the softcap with its type), or None (another
+    call: the entry point's own path decides). The caller checks that the call has no tensor
+    besides q, k and v and returns no LSE."""
+    if (type(is_causal) is not bool or rotary_interleaved is not False or type(window_size) is not tuple
+            or len(window_size) != 2 or type(window_size[0]) is not int or type(window_size[1]) is not int
+            or (softmax_scale is not None and type(softmax_scale) is not float)
+            or (type(softcap) is not float and type(softcap) is not int)):
+        return None
+    return is_causal, window_size, softmax_scale, type(softcap), softcap
+
+
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
                window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
                rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
@@ -73,6 +92,14 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: 
     one fixed order; by default dQ may be added by atomics (docs/api.md, Backward)."""
     if deterministic is not False and deterministic is not True:
         raise InvalidArgumentError(f"deterministic must be a bool, got {deterministic!r}")
+    options = None
+    if (return_lse is False and rotary_cos is None and rotary_sin is None and seqused_k is None
+            and alibi_slopes is None and sinks is None):
+        options = _express_options(is_causal, window_size, softmax_scale, softcap, rotary_interleaved)
+        if options is not None:  # its guard holds every shape, stride, dtype and device
+            out = _flash_express.run(options, q, k, v)
+            if out is not None:
+                return out
     key = ops.key(q, k, v, is_causal=is_causal, window_size=window_size, softmax_scale=softmax_scale,
                   return_lse=return_lse, token_major=False, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                   rotary_interleaved=rotary_interleaved, seqused_k=seqused_k, softcap=softcap,
@@ -80,6 +107,8 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: 
     hit = ops.replayed(key, q, k, v, return_lse=return_lse, token_major=False, rotary_cos=rotary_cos,
                        rotary_sin=rotary_sin, seqused_k=seqused_k, alibi_slopes=alibi_slopes, sinks=sinks)
     if hit is not None:
+        if options is not None:
+            _flash_express.remember(options, key, q.device)  # the next calls of this key take it
         return hit if return_lse else hit[0]
     q, k, v = (check_fp16(n, t, NATIVE) for n, t in (("q", q), ("k", k), ("v", v)))
     padding.refuse(q.shape[3])
@@ -143,6 +172,14 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
             raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
+    options = None
+    if (not return_attn_probs and rotary_cos is None and rotary_sin is None and alibi_slopes is None
+            and sinks is None and (type(dropout_p) is float or type(dropout_p) is int) and not dropout_p):
+        options = _express_options(causal, window_size, softmax_scale, softcap, rotary_interleaved)
+        if options is not None:  # its guard holds every shape, stride, dtype and device
+            out = _func_express.run(options, q, k, v)
+            if out is not None:
+                return out
     key = ops.key(q, k, v, is_causal=causal, window_size=window_size, softmax_scale=softmax_scale,
                   return_lse=return_attn_probs, token_major=True, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                   rotary_interleaved=rotary_interleaved, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -156,6 +193,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
             alibi_slopes=alibi_slopes, sinks=sinks, deterministic=deterministic), scale_name="softmax_scale")
     if hit is not None:
         out, lse = hit
+        if options is not None:
+            _func_express.remember(options, key, q.device)  # the next calls of this key take it
     else:
         q, k, v = (check_fp16(n, t, TOKEN_MAJOR).transpose(1, 2) for n, t in (("q", q), ("k", k), ("v", v)))
         o = validate(q, k, v, is_causal=causal, window_size=window_size, softmax_scale=softmax_scale,
@@ -210,9 +249,9 @@ def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float
                            deterministic, return_attn_probs)
 
 
-# scaled_dot_product_attention's express function (replay.express) of the geometry last replayed by
-# its guard, with the call's options it was made under: (is_causal, scale, enable_gqa), function.
-_sdpa_express: tuple = (None, None)
+# scaled_dot_product_attention's express function of the geometry last replayed by its guard, made
+# under the call's options (is_causal, scale, enable_gqa).
+_sdpa_express = replay.LastExpress()
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
@@ -229,16 +268,13 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         raise UnsupportedError(f"dropout_p={dropout_p!r}: the kernels have no attention dropout; pass 0.0")
     if not isinstance(enable_gqa, bool) or not isinstance(is_causal, bool):
         raise InvalidArgumentError(f"is_causal and enable_gqa must be bools, got {is_causal!r} and {enable_gqa!r}")
-    global _sdpa_express
     options = (is_causal, scale, enable_gqa)
-    express_options, run = _sdpa_express
-    if run is not None and (scale is None or type(scale) is float) and express_options == options:
+    if scale is None or type(scale) is float:
         # The express's guard holds every shape, stride, dtype and device the checks below read
         # (so the window and the key are those of the call it was made for): first.
-        out = run(query, key, value)
+        out = _sdpa_express.run(options, query, key, value)
         if out is not None:
             return out
-        _sdpa_express = (None, None)  # (another geometry: tried once, not at every call of it)
     q, k, v = (check_fp16(n, t, NATIVE) for n, t in (("query", query), ("key", key), ("value", value)))
     padding.refuse(q.shape[3])
     if not enable_gqa and q.shape[1] != k.shape[1]:
@@ -258,10 +294,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                   token_major=False)
     hit = ops.replayed(key, q, k, v, return_lse=False, token_major=False)
     if hit is not None:
-        if whole and replay.expressible(key):  # (whole K and V: no slice of them made per call)
-            run = replay.express(key, q.device, ("q", "k", "v"), 3)  # the next calls of this key take it
-            if run is not None:
-                _sdpa_express = (options, run)
+        if whole:  # (whole K and V: no slice of them made per call)
+            _sdpa_express.remember(options, key, q.device)  # the next calls of this key take it
         return hit[0]
     o = validate(q, k, v, is_causal=False, window_size=window, softmax_scale=scale, rotary_cos=None,
                  rotary_sin=None, rotary_interleaved=False, return_lse=False)

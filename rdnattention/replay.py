@@ -513,6 +513,47 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
     return run
 
 
+class LastExpress:
+    """An entry point's express function (express(), roles q, k and v) of the geometry it served
+    last, with the call options it was made under, tried before the entry point's own checks:
+    run(options, q, k, v) calls it where ``options`` equal those (None where they differ, or where it
+    does not recognise the tensors: then it is dropped until made again, so another geometry tries
+    it once, not at every call); remember(options, key, device) makes it from the replay of ``key``
+    where that may have one. The options and the function are one tuple, replaced whole: a thread
+    never pairs one call's options with another's function. The options must hold only values that
+    compare as plain data (bools, ints, floats, None, tuples of them)."""
+
+    __slots__ = ("_made",)
+
+    def __init__(self) -> None:
+        self._made: tuple = (None, None)
+
+    @property
+    def made(self) -> bool:
+        """Whether it holds a function."""
+        return self._made[1] is not None
+
+    @property
+    def function(self):
+        """The function it holds (express()'s), or None."""
+        return self._made[1]
+
+    def run(self, options: tuple, *tensors) -> torch.Tensor | None:
+        made_for, run = self._made
+        if run is None or made_for != options:
+            return None
+        out = run(*tensors)
+        if out is None:
+            self._made = (None, None)
+        return out
+
+    def remember(self, options: tuple, key: tuple, device: torch.device) -> None:
+        if expressible(key):
+            run = express(key, device, ("q", "k", "v"), 3)
+            if run is not None:
+                self._made = (options, run)
+
+
 def followed(key: tuple) -> Following | None:
     """The by_length entry whose last call was of ``key`` (a key key() or the entry point made) where
     its length-free guard is the one key() tries: that call was served by following its length."""

@@ -261,7 +261,6 @@ def _replayed(config: _Config, args: tuple, kwargs: dict) -> torch.Tensor | None
     under: its guard holds what the checks after it read (the tensors' dispatch keys, dimensions,
     shapes, devices; so the slice and the key too). (CPU, launch stubbed: a GQA decode step through
     the express costs about 9 us, replayed by its key 11 to 15, decided in full 36 to 60.)"""
-    global _express
     if len(args) != 3 or not _REPLAYED_KEYWORDS.issuperset(kwargs):
         return None
     q, k, v = args
@@ -274,14 +273,12 @@ def _replayed(config: _Config, args: tuple, kwargs: dict) -> torch.Tensor | None
             or replay.tracing()):
         return None
     options = (config, causal, scale, gqa)
-    express_options, run = _express
-    if run is not None and express_options == options and not (q.is_cuda and workspace.capturing()):
+    if not (q.is_cuda and workspace.capturing()):
         # The express's guard holds every shape, stride, dtype, device and dispatch key (so the
         # checks below, the slice and the key are those of the call it was made for): first.
-        out = run(q, k, v)
+        out = _express.run(options, q, k, v)
         if out is not None:
             return out.transpose(1, 2)
-        _express = (None, None)  # (another geometry: tried once, not at every call of it)
     # tensors like those of a kept call (its dispatch keys) are none of these
     if not replay.recognised("flash_attn", (q, k, v, None, None, None, None, None)):
         for t in (q, k, v):  # before any size is read: nested and sparse tensors have none to give
@@ -301,16 +298,14 @@ def _replayed(config: _Config, args: tuple, kwargs: dict) -> torch.Tensor | None
     key = ops.key(q, k, v, is_causal=False, window_size=s.window, softmax_scale=scale, return_lse=False,
                   token_major=True, views=True)
     hit = ops.replayed(key, q, k, v, return_lse=False, token_major=True, views=True)
-    if hit is not None and whole and replay.expressible(key):  # (whole K and V: no slice of them made per call)
-        run = replay.express(key, q.device, ("q", "k", "v"), 3)  # the next calls of this key take it
-        if run is not None:
-            _express = (options, run)
+    if hit is not None and whole:  # (whole K and V: no slice of them made per call)
+        _express.remember(options, key, q.device)  # the next calls of this key take it
     return None if hit is None else hit[0].transpose(1, 2)
 
 
-# The express function (replay.express) of the geometry last replayed by its guard, with the call's
-# options it was made under: (config, is_causal, scale, enable_gqa), function. Replaced whole.
-_express: tuple = (None, None)
+# The express function of the geometry last replayed by its guard, made under the call's options
+# (config, is_causal, scale, enable_gqa).
+_express = replay.LastExpress()
 
 
 _slices: dict[tuple[int, int, bool], _Slice | None] = {}

@@ -486,15 +486,12 @@ def _replayed(module, query, key, value, dropout, scaling, is_causal, kwargs: di
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and seq_q > 1
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     softcap = float(softcap or 0.0)
-    global _express
-    options, run = _express
-    if run is not None:
+    if _express.made:
         window = _window(causal, seq_q, key.shape[2])
-        if window is not None and options == (window, scale, softcap):
-            out = run(query, key, value)
+        if window is not None:
+            out = _express.run((window, scale, softcap), query, key, value)
             if out is not None:
                 return out
-            _express = (None, None)  # (another geometry: tried once, not at every call of it)
     return _unmasked(query, key, value, causal, scale, softcap, None, replay_only=True)
 
 
@@ -507,10 +504,9 @@ def _window(causal: bool, seq_q: int, seq_k: int) -> tuple[int, int] | None:
     return None if seq_k > seq_q else (-1, seq_q - seq_k)
 
 
-# The express function (replay.express) of the geometry last replayed by its guard (or followed
-# along a growing cache), with the options it was planned for: (window, scale, softcap), function.
-# Replaced whole.
-_express: tuple = (None, None)
+# The express function of the geometry last replayed by its guard (or followed along a growing
+# cache), made under the options it was planned for: (window, scale, softcap).
+_express = replay.LastExpress()
 
 
 def _unmasked(query, key, value, causal: bool, scale: float, softcap: float, sinks,
@@ -522,7 +518,6 @@ def _unmasked(query, key, value, causal: bool, scale: float, softcap: float, sin
     transposes nothing; the first of a geometry is validated and planned as flash_attn_func's, and
     one whose rows need copies (padding.py) runs flash_attn_func itself. ``replay_only``: None
     instead of the first."""
-    global _express
     seq_q, seq_k = query.shape[2], key.shape[2]
     whole = _window(causal, seq_q, seq_k)
     if whole is None:  # causal with more keys than queries: no query sees a key at or past seq_q
@@ -532,10 +527,8 @@ def _unmasked(query, key, value, causal: bool, scale: float, softcap: float, sin
     plan_key = ops.key(query, key, value, is_causal=False, window_size=window, softmax_scale=scale, return_lse=False,
                        token_major=True, softcap=softcap, sinks=sinks, views=True)
     hit = ops.replayed(plan_key, query, key, value, return_lse=False, token_major=True, sinks=sinks, views=True)
-    if hit is not None and replay.expressible(plan_key) and sinks is None and whole is not None:
-        run = replay.express(plan_key, query.device, ("q", "k", "v"), 3)  # the next calls of this key take it
-        if run is not None:
-            _express = ((window, scale, softcap), run)
+    if hit is not None and sinks is None and whole is not None:
+        _express.remember((window, scale, softcap), plan_key, query.device)  # the next calls of this key take it
     if hit is not None or replay_only:
         return None if hit is None else hit[0]
     if padding.needed(query, key, value):

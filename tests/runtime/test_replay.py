@@ -318,13 +318,27 @@ def _growing(seed, lengths, token_major=False, offset=0):
 
 
 def _fresh(call):
-    """``call()`` planned from scratch: no kept replay."""
-    kept = replay.cache, replay.by_length, replay._following
-    replay.cache, replay.by_length, replay._following = {}, {}, None
+    """``call()`` planned from scratch: no kept replay, no current guard, and the entry points'
+    express functions neither tried nor dropped."""
+    kept = replay.cache, replay.by_length, replay._following, replay._guard, replay.LastExpress.run
+    replay.cache, replay.by_length, replay._following, replay._guard = {}, {}, None, None
+    replay.LastExpress.run = lambda self, options, *tensors: None
     try:
         return call()
     finally:
-        replay.cache, replay.by_length, replay._following = kept
+        replay.cache, replay.by_length, replay._following, replay._guard, replay.LastExpress.run = kept
+
+
+def _keyed_path_alone(monkeypatch):
+    """flash_attn and flash_attn_func without their express functions, for a test of what the keyed
+    path (key, guard, following) keeps: their calls past a geometry's third would skip it."""
+    from rdnattention import api
+
+    class Never(replay.LastExpress):
+        def remember(self, *args):
+            pass
+    monkeypatch.setattr(api, "_flash_express", Never())
+    monkeypatch.setattr(api, "_func_express", Never())
 
 
 @pytest.mark.parametrize("entry", ["flash_attn", "flash_attn_func"])
@@ -371,6 +385,26 @@ def test_a_followed_length_is_kept_for_the_next_layer(host_build, monkeypatch):
     assert torch.equal(second, _fresh(lambda: rdnattention.flash_attn_func(q, k2, v2)))
 
 
+@needs_guards
+@pytest.mark.parametrize("entry", ["flash_attn", "flash_attn_func"])
+def test_flash_attn_express_follows_a_growing_cache(host_build, monkeypatch, entry):
+    """flash_attn's and flash_attn_func's express functions serve a cache one key longer at every
+    step (two layers a step, as a model's), and then the same lengths again in another order, each
+    call with the result of that call planned from scratch."""
+    from rdnattention import api
+    fresh_replays(monkeypatch)
+    monkeypatch.setattr(api, "_flash_express", replay.LastExpress())
+    monkeypatch.setattr(api, "_func_express", replay.LastExpress())
+    served = counted_express(monkeypatch)
+    q, kv = _growing(7, list(range(1990, 2002)), token_major=entry == "flash_attn_func")
+    call = getattr(rdnattention, entry)
+    for k, v in kv + kv[::-3]:
+        for _ in range(2):
+            got = call(q, k, v, softmax_scale=0.125)
+            assert torch.equal(got, _fresh(lambda: call(q, k, v, softmax_scale=0.125)))
+    assert sum(served) >= len(kv)  # most calls went through an express
+
+
 def test_a_growing_cache_keeps_no_replay_per_length(host_build, monkeypatch):
     """Replays derived for lengths that pass are dropped, not kept (kept ones pile up for the garbage
     collector to scan, step after step): one per length-free key, the last. Calls of two lengths
@@ -379,6 +413,7 @@ def test_a_growing_cache_keeps_no_replay_per_length(host_build, monkeypatch):
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "by_length", {})
     monkeypatch.setattr(replay, "_following", None)
+    _keyed_path_alone(monkeypatch)
     lengths = list(range(1990, 2010))
     q, kv = _growing(3, lengths, token_major=True)
     for k, v in kv:
@@ -432,6 +467,7 @@ def test_a_followed_length_called_again_gets_a_guard_of_its_own(host_build, monk
     monkeypatch.setattr(replay, "by_length", {})
     monkeypatch.setattr(replay, "_following", None)
     monkeypatch.setattr(replay, "_guard", None)
+    _keyed_path_alone(monkeypatch)
     q, kv = _growing(6, [1990, 1991, 1992])
     for k, v in kv:
         rdnattention.flash_attn(q, k, v)
@@ -702,7 +738,7 @@ def test_transformers_attention_runs_a_repeated_geometry_through_its_express(hos
 
     from rdnattention.integrations import transformers as rt
     fresh_replays(monkeypatch)
-    monkeypatch.setattr(rt, "_express", (None, None))
+    monkeypatch.setattr(rt, "_express", replay.LastExpress())
     served = counted_express(monkeypatch)
     module = SimpleNamespace(is_causal=True, training=False)
 
@@ -747,7 +783,7 @@ def test_transformers_attention_express_follows_a_growing_cache(host_build, monk
 
     from rdnattention.integrations import transformers as rt
     fresh_replays(monkeypatch)
-    monkeypatch.setattr(rt, "_express", (None, None))
+    monkeypatch.setattr(rt, "_express", replay.LastExpress())
     module = SimpleNamespace(is_causal=True, training=False)
     lengths, layers = list(range(1990, 1998)), 3
     steps = [[_growing(10 * layer + n, [n]) for layer in range(layers)] for n in lengths]
@@ -760,14 +796,14 @@ def test_transformers_attention_express_follows_a_growing_cache(host_build, monk
             monkeypatch.setattr(route, "plan", lambda *a, **kw: planned.append(1) or plan(*a, **kw))
         for q, ((k, v),) in step:
             results.append(rt.attention_forward(module, q, k, v, None, scaling=0.125)[0])
-    assert rt._express[1] is not None
+    assert rt._express.made
     assert not keys and not planned  # five steps of three layers, every call through the express
     monkeypatch.setattr(rdnattention.ops, "key", key)
     monkeypatch.setattr(route, "plan", plan)
     calls = [(q, k, v) for step in steps for q, ((k, v),) in step]
     for (q, k, v), got in zip(calls, results):
         replay.clear()
-        monkeypatch.setattr(rt, "_express", (None, None))
+        monkeypatch.setattr(rt, "_express", replay.LastExpress())
         fresh = rt.attention_forward(module, q, k, v, None, scaling=0.125)[0]
         assert torch.equal(got, fresh) and got.stride() == fresh.stride()
     q, k, v = calls[-1]
@@ -785,7 +821,7 @@ def test_transformers_attention_express_follows_a_cache_one_key_longer_at_every_
 
     from rdnattention.integrations import transformers as rt
     fresh_replays(monkeypatch)
-    monkeypatch.setattr(rt, "_express", (None, None))
+    monkeypatch.setattr(rt, "_express", replay.LastExpress())
     module = SimpleNamespace(is_causal=True, training=False)
     q, kv = _growing(21, list(range(1990, 2002)))
     keys, planned, results = [], [], []
@@ -795,7 +831,7 @@ def test_transformers_attention_express_follows_a_cache_one_key_longer_at_every_
             monkeypatch.setattr(rdnattention.ops, "key", lambda *a, **kw: keys.append(1) or key(*a, **kw))
             monkeypatch.setattr(route, "plan", lambda *a, **kw: planned.append(1) or plan(*a, **kw))
         results.append(rt.attention_forward(module, q, k, v, None, scaling=0.125)[0])
-    assert rt._express[1] is not None
+    assert rt._express.made
     assert not keys and not planned  # ten calls at ten lengths, every one through the express
     assert len(replay.cache) == 1 and len(replay.by_length) == 1  # the first length's plan, its entry
     monkeypatch.setattr(rdnattention.ops, "key", key)
@@ -816,12 +852,12 @@ def test_a_following_express_leaves_to_the_full_path_what_it_refuses(host_build,
 
     from rdnattention.integrations import transformers as rt
     fresh_replays(monkeypatch)
-    monkeypatch.setattr(rt, "_express", (None, None))
+    monkeypatch.setattr(rt, "_express", replay.LastExpress())
     module = SimpleNamespace(is_causal=True, training=False)
     q, kv = _growing(22, [1990, 1991, 1992])
     for k, v in kv:
         rt.attention_forward(module, q, k, v, None, scaling=0.125)
-    run = rt._express[1]
+    run = rt._express.function
     assert run is not None
     k, v = _growing(22, [1995])[1][0]
     assert torch.equal(run(q, k, v), _fresh(lambda: rdnattention.flash_attn(q, k, v, softmax_scale=0.125))
@@ -849,7 +885,7 @@ def test_transformers_causal_calls_take_an_express_only_at_its_window(host_build
 
     from rdnattention.integrations import transformers as rt
     fresh_replays(monkeypatch)
-    monkeypatch.setattr(rt, "_express", (None, None))
+    monkeypatch.setattr(rt, "_express", replay.LastExpress())
     module = SimpleNamespace(is_causal=True, training=False)
     g = torch.Generator().manual_seed(25)
     q = torch.randn(1, 8, 4, 64, generator=g).half()
@@ -859,7 +895,7 @@ def test_transformers_causal_calls_take_an_express_only_at_its_window(host_build
     # the tree before this test served 7 keys wrongly, through its own guard's express)
     for n, capacity in [(5, 5), (4, 4), (6, 6), (4, 4), (4, 4), (4, 4), (7, 7), (4, 9), (3, 3), (3, 5), (8, 8)]:
         k, v = (b[:2 * capacity * 64].view(1, 2, capacity, 64)[:, :, :n] for b in (kb, vb))
-        served += rt._express[1] is not None
+        served += rt._express.function is not None
         calls.append((k, v))
         results.append(rt.attention_forward(module, q, k, v, None, scaling=0.125)[0])
     assert served >= 4  # an express stood before most calls (made at (4, 4), then (3, 5)'s own)
@@ -880,18 +916,18 @@ def test_a_following_express_is_made_again_under_a_changed_environment(host_buil
 
     from rdnattention.integrations import transformers as rt
     fresh_replays(monkeypatch)
-    monkeypatch.setattr(rt, "_express", (None, None))
+    monkeypatch.setattr(rt, "_express", replay.LastExpress())
     module = SimpleNamespace(is_causal=True, training=False)
     q, kv = _growing(24, list(range(1990, 1997)))
     for k, v in kv[:3]:
         rt.attention_forward(module, q, k, v, None, scaling=0.125)
-    first = rt._express[1]
+    first = rt._express.function
     assert first is not None
     monkeypatch.setenv("HSA_OVERRIDE_GFX_VERSION", "10.3.0")  # (no HIP device here: the host's table stays)
     assert first(q, *kv[3]) is None
     for k, v in kv[3:5]:
         rt.attention_forward(module, q, k, v, None, scaling=0.125)
-    again = rt._express[1]
+    again = rt._express.function
     assert again is not None and again is not first
     k, v = kv[5]
     want = _fresh(lambda: rt.attention_forward(module, q, k, v, None, scaling=0.125)[0])
@@ -952,7 +988,7 @@ def test_torch_compile_traces_past_a_standing_express(host_build, monkeypatch, e
     from rdnattention.integrations import transformers as rt
     monkeypatch.setattr(checks, "_mode", "never")
     fresh_replays(monkeypatch)
-    monkeypatch.setattr(rt, "_express", (None, None))
+    monkeypatch.setattr(rt, "_express", replay.LastExpress())
     monkeypatch.setattr(kvcache, "_express", (None, None))
     module = SimpleNamespace(is_causal=True, training=False)
     if entry == "transformers":
@@ -972,7 +1008,7 @@ def test_torch_compile_traces_past_a_standing_express(host_build, monkeypatch, e
                                                         cache_seqlens=LENGTHS, causal=True) * 2
     for _ in range(5):
         fn(*(t.clone() for t in tensors))
-    assert (rt if entry == "transformers" else kvcache)._express[1] is not None
+    assert (rt._express.function if entry == "transformers" else kvcache._express[1]) is not None
     torch._dynamo.reset()
     compiled_in, eager_in = [t.clone() for t in tensors], [t.clone() for t in tensors]
     with torch.inference_mode():

@@ -113,7 +113,7 @@ def test_a_served_output_is_token_major_as_torchs_flash_attention_returns_it(pat
     torch's own SDPA returns it here (its flash attention on the CPU): what transformers' sdpa
     attention does after the call, transpose(1, 2).contiguous(), copies nothing."""
     from rdnattention import replay
-    monkeypatch.setattr(patch, "_express", (None, None))
+    monkeypatch.setattr(patch, "_express", replay.LastExpress())
     served = []
     make = replay.express
     monkeypatch.setattr(replay, "express", lambda *a: (lambda run: run and (
@@ -137,14 +137,12 @@ def test_the_express_serves_only_the_options_it_was_made_under(patched):
     the patch's settings): the same tensors with other options get their own outputs, and a GQA
     call without enable_gqa still gets torch's error."""
     q, k, v = _qkv(hq=4, hk=2, sq=24, sk=24)
-    calls = [dict(is_causal=True, enable_gqa=True), dict(is_causal=False, enable_gqa=True),
-             dict(is_causal=True, enable_gqa=True, scale=0.3)]
-    for kw in calls * 4:  # each geometry's calls past its second go through an express
-        out = F.scaled_dot_product_attention(q, k, v, **kw)
-        torch.testing.assert_close(out.float(), _reference(q, k, v, **kw), **TOL)
-    for _ in range(3):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    assert patch._express[1] is not None  # made for these options
+    base = dict(is_causal=True, enable_gqa=True)
+    for kw in [dict(is_causal=False, enable_gqa=True), dict(base, scale=0.3), base]:
+        for one in (base,) * 4 + (kw,):  # the express made for base's options, then a call of kw's
+            assert patch._express.made or one is base  # made by the fourth call of base's
+            out = F.scaled_dot_product_attention(q, k, v, **one)
+            torch.testing.assert_close(out.float(), _reference(q, k, v, **one), **TOL)
     with pytest.raises(RuntimeError):  # torch's own error for heads that differ without enable_gqa
         F.scaled_dot_product_attention(q, k, v, is_causal=True)
     rdnattention.patch_sdpa(devices="cuda", strict=True)  # CPU tensors no longer served: torch runs them

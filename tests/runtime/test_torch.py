@@ -97,20 +97,51 @@ def test_sdpa_matches_torch(host_build, sq, sk, hk, causal):
     assert _err(out, ref) <= TOL
 
 
+@pytest.mark.parametrize("entry", ["flash_attn", "flash_attn_func"])
+def test_flash_attn_express_serves_only_the_options_it_was_made_under(host_build, entry):
+    """flash_attn's and flash_attn_func's express functions (a geometry's calls past its second,
+    tried before the key) serve only a call with the options they were made under: the same tensors
+    with another causal flag, window, scale or softcap, asking for the LSE, or with dropout get
+    their own results and errors."""
+    from rdnattention import api
+    q, k, v = _qkv(sq=40, sk=50)
+    if entry == "flash_attn":
+        call, express, causal = flash_attn, api._flash_express, "is_causal"
+        lse_kw, args = dict(return_lse=True), (q, k, v)
+    else:
+        call, express, causal = flash_attn_func, api._func_express, "causal"
+        lse_kw, args = dict(return_attn_probs=True), tuple(t.transpose(1, 2).contiguous() for t in (q, k, v))
+    base = {causal: True, "softcap": 5.0}
+    for kw in [{causal: True}, {causal: False, "softcap": 5.0}, dict(base, window_size=(7, 3)),
+               dict(base, softmax_scale=0.11), dict(base, softcap=5), base]:
+        for one in (base,) * 4 + (kw,):  # the express made for base's options, then a call of kw's
+            assert express.made or one is base  # made by the fourth call of base's
+            out = call(*args, **one)
+            ref = attention_reference(q, k, v, is_causal=one.get(causal, False),
+                                      window_size=one.get("window_size", (-1, -1)),
+                                      softmax_scale=one.get("softmax_scale"), softcap=one.get("softcap", 0.0))
+            assert _err(out if entry == "flash_attn" else out.transpose(1, 2), ref) <= TOL, one
+    call(*args, **base)
+    assert express.made
+    out, lse = call(*args, **base, **lse_kw)[:2]
+    assert lse.shape == (1, 4, 40)
+    if entry == "flash_attn_func":
+        with pytest.raises(UnsupportedError):
+            call(*args, 0.5, causal=True)
+
+
 def test_sdpa_express_serves_only_the_options_it_was_made_under(host_build):
     """Repeated calls of one geometry go through the replay's express function, tried before the
     checks its guard stands for, and only for a call with the options it was made under: the same
     tensors with another is_causal, scale or enable_gqa get their own outputs and errors."""
     from rdnattention import api
     q, k, v = _qkv(hk=2, sq=40, sk=40)
-    calls = [dict(is_causal=True, enable_gqa=True), dict(is_causal=False, enable_gqa=True),
-             dict(is_causal=True, enable_gqa=True, scale=0.11)]
-    for kw in calls * 4:
-        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw)
-        assert _err(scaled_dot_product_attention(q, k, v, **kw), ref) <= TOL
-    for _ in range(3):
-        scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    assert api._sdpa_express[1] is not None  # made for these options
+    base = dict(is_causal=True, enable_gqa=True)
+    for kw in [dict(is_causal=False, enable_gqa=True), dict(base, scale=0.11), base]:
+        for one in (base,) * 4 + (kw,):  # the express made for base's options, then a call of kw's
+            assert api._sdpa_express.made or one is base  # made by the fourth call of base's
+            ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **one)
+            assert _err(scaled_dot_product_attention(q, k, v, **one), ref) <= TOL
     with pytest.raises(InvalidArgumentError, match="pass enable_gqa=True"):
         scaled_dot_product_attention(q, k, v, is_causal=True)
     with pytest.raises(InvalidArgumentError):
