@@ -486,12 +486,11 @@ def _replayed(module, query, key, value, dropout, scaling, is_causal, kwargs: di
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and seq_q > 1
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     softcap = float(softcap or 0.0)
-    if _express.made:
-        window = _window(causal, seq_q, key.shape[2])
-        if window is not None:
-            out = _express.run((window, scale, softcap), query, key, value)
-            if out is not None:
-                return out
+    window = _window(causal, seq_q, key.shape[2])
+    if window is not None:
+        out = _express.run((window, scale, softcap), query, key, value)
+        if out is not None:
+            return out
     return _unmasked(query, key, value, causal, scale, softcap, None, replay_only=True)
 
 
