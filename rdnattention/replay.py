@@ -514,19 +514,21 @@ def express(key: tuple, device: torch.device, roles: tuple[str, ...], aligned: i
 
 
 class LastExpress:
-    """An entry point's express function (express(), roles q, k and v) of the geometry it served
-    last, with the call options it was made under, tried before the entry point's own checks:
-    run(options, q, k, v) calls it where ``options`` equal those (None where they differ, or where it
-    does not recognise the tensors: then it is dropped until made again, so another geometry tries
-    it once, not at every call); remember(options, key, device) makes it from the replay of ``key``
-    where that may have one. The options and the function are one tuple, replaced whole: a thread
-    never pairs one call's options with another's function. The options must hold only values that
-    compare as plain data (bools, ints, floats, None, tuples of them)."""
+    """An entry point's express function (express(), its first tensors filling ``roles``, q, k and v
+    unless given) of the geometry it served last, with the call options it was made under, tried
+    before the entry point's own checks: run(options, *tensors) calls it where ``options`` equal
+    those (None where they differ, or where it does not recognise the tensors: then it is dropped
+    until made again, so another geometry tries it once, not at every call); remember(options, key,
+    device) makes it from the replay of ``key`` where that may have one. The options and the function
+    are one tuple, replaced whole: a thread never pairs one call's options with another's function.
+    The options must hold only values that compare as plain data (bools, ints, floats, None, tuples
+    of them)."""
 
-    __slots__ = ("_made",)
+    __slots__ = ("_made", "_roles")
 
-    def __init__(self) -> None:
+    def __init__(self, roles: tuple[str, ...] = ("q", "k", "v")) -> None:
         self._made: tuple = (None, None)
+        self._roles = roles
 
     @property
     def made(self) -> bool:
@@ -549,7 +551,7 @@ class LastExpress:
 
     def remember(self, options: tuple, key: tuple, device: torch.device) -> None:
         if expressible(key):
-            run = express(key, device, ("q", "k", "v"), 3)
+            run = express(key, device, self._roles, 3)
             if run is not None:
                 self._made = (options, run)
 

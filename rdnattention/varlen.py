@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import decode, ops, padding, replay
-from .checks import check_dtype, check_int32, check_memory, check_paged, check_same_dtype
+from .checks import check_dtype, check_int32, check_memory, check_paged, check_same_dtype, reads
 from .errors import InvalidArgumentError, UnsupportedError
 from .options import (as_window, check_scale, check_score_options, check_window, refuse_missing_features,
                       replayed_score)
@@ -55,6 +55,37 @@ def _key(entry: str, q, k, v, cu_q, cu_k, max_q, max_k, seqused_k, block_table, 
         return None
     return replay.key(entry, q.device, (q, k, v, cu_q, cu_k, seqused_k, block_table, alibi_slopes, sinks),
                       (max_q, max_k, *options, type(softcap), softcap))
+
+
+# The express functions (replay.LastExpress) of varlen_attn and flash_attn_varlen_func: the
+# geometry each served last by its replay, for calls of q, k, v and the two offsets alone (no key
+# lengths, pages, ALiBi, sinks or LSE) whose offsets the value checks do not read (checks.reads: GPU
+# tensors by default, RDNATTENTION_CHECK=0), made under the options _express_options gives.
+_EXPRESS = {entry: replay.LastExpress(("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"))
+            for entry in ("varlen_attn", "flash_attn_varlen_func")}
+
+
+def _express_options(q, max_q, max_k, window_size, scale, softcap, *flags) -> tuple | None:
+    """The options of a packed call an express may serve, typed as _key types them (whole lengths,
+    a window of two ints, a float or absent scale, the softcap with its type, the entry point's
+    ``flags`` as given), or None (the entry point's own path decides): also None where the value
+    checks read q's tensors' values."""
+    if (type(q) is not torch.Tensor or type(max_q) is not int or type(max_k) is not int
+            or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
+            or type(window_size[1]) is not int or (scale is not None and type(scale) is not float)
+            or (type(softcap) is not float and type(softcap) is not int) or reads(q)):
+        return None
+    return max_q, max_k, window_size, scale, type(softcap), softcap, *flags
+
+
+def _remember(entry: str, options: tuple | None, r: replay.Replay, key: tuple, q: torch.Tensor) -> None:
+    """After a replay of ``key`` served a call an express may serve (``options``), makes that express
+    (its output allocated as decode.allocate allocates it: like q where contiguous, else a stand-in)."""
+    if options is None:
+        return
+    if not r.like:
+        replay.keep_stand_ins(r, q.device, None if q.is_contiguous() else (tuple(q.shape), q.dtype))
+    _EXPRESS[entry].remember(options, key, q.device)
 
 
 def _replayed(r: replay.Replay | None, q, k, v, cu_q, cu_k, max_q: int, max_k: int, seqused_k, block_table,
@@ -170,12 +201,22 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
         raise InvalidArgumentError(f"enable_gqa must be a bool, got {enable_gqa!r}")
     want_lse = bool(getattr(return_aux, "lse", False)) if return_aux is not None else False
     window_size = as_window(window_size)
+    options = None
+    if (not want_lse and seqused_k is None and block_table is None and alibi_slopes is None and sinks is None
+            and (num_splits is None or type(num_splits) is int)):
+        options = _express_options(query, max_q, max_k, window_size, scale, softcap, enable_gqa, num_splits)
+        if options is not None:  # its guard holds every shape, stride, dtype and device
+            out = _EXPRESS["varlen_attn"].run(options, query, key, value, cu_seq_q, cu_seq_k)
+            if out is not None:
+                return out
     plan_key = _key("varlen_attn", query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table,
                     (window_size, type(scale), scale, enable_gqa, type(num_splits), num_splits, want_lse), softcap,
                     alibi_slopes, sinks)
-    hit = _replayed(replay.lookup(plan_key), query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k,
-                    block_table, want_lse, {}, softcap, alibi_slopes, sinks)
+    r = replay.lookup(plan_key)
+    hit = _replayed(r, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table, want_lse, {},
+                    softcap, alibi_slopes, sinks)
     if hit is not None:
+        _remember("varlen_attn", options, r, plan_key, query)  # the next calls of this key take it
         out, lse = hit
         return (out, lse) if want_lse else out
     splits = 0 if num_splits is None else _check_int("num_splits", num_splits)
@@ -218,6 +259,15 @@ def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     ``names`` of the arguments."""
     refuse_missing_features(dropout_p)
     window_size = as_window(window_size)
+    options = None
+    if (entry in _EXPRESS and not return_attn_probs and block_table is None and alibi_slopes is None
+            and sinks is None and type(causal) is bool and type(deterministic) is bool):
+        options = _express_options(q, max_seqlen_q, max_seqlen_k, window_size, softmax_scale, softcap, causal,
+                                   deterministic)
+        if options is not None:  # its guard holds every shape, stride, dtype and device
+            out = _EXPRESS[entry].run(options, q, k, v, cu_seqlens_q, cu_seqlens_k)
+            if out is not None:
+                return out
     plan_key = _key(entry, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None,
                     block_table, (window_size, type(softmax_scale), softmax_scale, type(causal), causal,
                                   type(deterministic), deterministic, type(return_attn_probs), return_attn_probs),
@@ -231,6 +281,8 @@ def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         hit = _replayed(r, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, lengths,
                         block_table, return_attn_probs, names, softcap, alibi_slopes, sinks)
         if hit is not None:
+            if entry in _EXPRESS:
+                _remember(entry, options, r, plan_key, q)  # the next calls of this key take it
             out, lse = hit
             return (out, lse, None) if return_attn_probs else out
     for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):

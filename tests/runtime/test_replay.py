@@ -405,6 +405,54 @@ def test_flash_attn_express_follows_a_growing_cache(host_build, monkeypatch, ent
     assert sum(served) >= len(kv)  # most calls went through an express
 
 
+@needs_guards
+@pytest.mark.parametrize("entry", ["varlen_attn", "flash_attn_varlen_func"])
+def test_packed_express_serves_only_the_options_it_was_made_under(host_build, monkeypatch, entry):
+    """varlen_attn's and flash_attn_varlen_func's express functions (a geometry's calls past its
+    third, where the offsets' values are not read: RDNATTENTION_CHECK=0 here) serve only a call with
+    the options they were made under: the same tensors with other lengths, window, scale, softcap,
+    key slices or causal flag get their own results; with the values read (the CPU's default) no
+    express is tried, so bad offsets still raise."""
+    from rdnattention import checks, varlen
+    fresh_replays(monkeypatch)
+    monkeypatch.setattr(varlen, "_EXPRESS", {e: replay.LastExpress(("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"))
+                                             for e in varlen._EXPRESS})
+    monkeypatch.setattr(checks, "_mode", "never")
+    express = varlen._EXPRESS[entry]
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 4, 64, generator=g).half()
+    k, v = (torch.randn(80, 2, 64, generator=g).half() for _ in range(2))
+    cu_q, cu_k = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 40, 80], dtype=torch.int32)
+    if entry == "varlen_attn":
+        def call(max_k=40, window=(-1, -1), scale=None, softcap=0.0, splits=None, causal=False, cu_k=cu_k):
+            return rdnattention.varlen_attn(q, k, v, cu_q, cu_k, 1, max_k, window_size=window, scale=scale,
+                                            softcap=softcap, num_splits=splits, enable_gqa=True)
+    else:
+        def call(max_k=40, window=(-1, -1), scale=None, softcap=0.0, splits=None, causal=False, cu_k=cu_k):
+            return rdnattention.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, max_k, softmax_scale=scale,
+                                                       causal=causal, window_size=window, softcap=softcap)
+    variants = [dict(max_k=50), dict(window=(7, 0)), dict(scale=0.11), dict(softcap=5.0), dict(causal=True),
+                dict(splits=1), {}]
+    for kw in variants:
+        for one in ({},) * 4 + (kw,):  # the express made for the plain call's options, then kw's call
+            assert express.made or one is not kw
+            got = call(**one)
+            assert torch.equal(got, _fresh(lambda: call(**one))), one
+            window = one.get("window", (-1, -1))
+            want = torch.cat([reference.attention_reference(
+                q[b:b + 1, None].transpose(1, 2), k[40 * b:40 * b + 40][None].transpose(1, 2),
+                v[40 * b:40 * b + 40][None].transpose(1, 2), window_size=(window[0], 0 if one.get("causal") else
+                                                                          window[1]),
+                softmax_scale=one.get("scale"), softcap=one.get("softcap", 0.0)).transpose(1, 2)[0]
+                for b in range(2)])
+            torch.testing.assert_close(got.double(), want, atol=TOL, rtol=0)
+    monkeypatch.setattr(checks, "_mode", "auto")  # CPU offsets read: the full path's checks, not an express
+    for _ in range(4):
+        call()
+    with pytest.raises(InvalidArgumentError):  # offsets past the 80 keys
+        call(cu_k=torch.tensor([0, 40, 90], dtype=torch.int32))
+
+
 def test_a_growing_cache_keeps_no_replay_per_length(host_build, monkeypatch):
     """Replays derived for lengths that pass are dropped, not kept (kept ones pile up for the garbage
     collector to scan, step after step): one per length-free key, the last. Calls of two lengths
