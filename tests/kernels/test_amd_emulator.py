@@ -434,7 +434,7 @@ def test_transformers_attention_express_launches_the_kernel(gpu, dispatched, mon
     from types import SimpleNamespace
 
     from rdnattention.integrations import transformers as rt
-    monkeypatch.setattr(rt, "_express", (None, None))
+    monkeypatch.setattr(rt, "_express", replay.LastExpress())
     served = counted_express(monkeypatch)
     module = SimpleNamespace(is_causal=True, training=False)
     for seed in range(6):
@@ -455,7 +455,7 @@ def test_transformers_attention_express_follows_a_growing_cache(gpu, dispatched,
     from rdnattention import ops
     from rdnattention.integrations import transformers as rt
     fresh_replays(monkeypatch)
-    monkeypatch.setattr(rt, "_express", (None, None))
+    monkeypatch.setattr(rt, "_express", replay.LastExpress())
     module = SimpleNamespace(is_causal=True, training=False)
     keyed = []
     key = ops.key
