@@ -99,10 +99,10 @@ def test_sdpa_matches_torch(host_build, sq, sk, hk, causal):
 
 @pytest.mark.parametrize("entry", ["flash_attn", "flash_attn_func"])
 def test_flash_attn_express_serves_only_the_options_it_was_made_under(host_build, entry):
-    """flash_attn's and flash_attn_func's express functions (a geometry's calls past its second,
-    tried before the key) serve only a call with the options they were made under: the same tensors
-    with another causal flag, window, scale or softcap, asking for the LSE, or with dropout get
-    their own results and errors."""
+    """flash_attn's and flash_attn_func's express functions (made by a geometry's fourth call, tried
+    before the key) serve only a call with the options they were made under: the same tensors with
+    another causal flag, window, scale or softcap, asking for the LSE, or with dropout get their own
+    results and errors."""
     from rdnattention import api
     q, k, v = _qkv(sq=40, sk=50)
     if entry == "flash_attn":
@@ -124,16 +124,17 @@ def test_flash_attn_express_serves_only_the_options_it_was_made_under(host_build
     call(*args, **base)
     assert express.made
     out, lse = call(*args, **base, **lse_kw)[:2]
-    assert lse.shape == (1, 4, 40)
+    assert lse.shape == (1, 4, 40) and torch.equal(out, call(*args, **base))
     if entry == "flash_attn_func":
         with pytest.raises(UnsupportedError):
             call(*args, 0.5, causal=True)
 
 
 def test_sdpa_express_serves_only_the_options_it_was_made_under(host_build):
-    """Repeated calls of one geometry go through the replay's express function, tried before the
-    checks its guard stands for, and only for a call with the options it was made under: the same
-    tensors with another is_causal, scale or enable_gqa get their own outputs and errors."""
+    """Repeated calls of one geometry go through the replay's express function (from the fourth),
+    tried before the checks its guard stands for, and only for a call with the options it was made
+    under: the same tensors with another is_causal, scale or enable_gqa get their own outputs and
+    errors."""
     from rdnattention import api
     q, k, v = _qkv(hk=2, sq=40, sk=40)
     base = dict(is_causal=True, enable_gqa=True)
