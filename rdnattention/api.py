@@ -16,7 +16,7 @@ import torch
 from . import ops, padding, replay
 from .checks import NATIVE, TOKEN_MAJOR, check_fp16
 from .errors import InvalidArgumentError, UnsupportedError
-from .options import as_window, refuse_missing_features, validate
+from .options import as_window, refuse_missing_features, replayable_types, validate
 from .plan import Plan
 
 _warned_layout = False
@@ -57,10 +57,8 @@ def _express_options(is_causal, window_size, softmax_scale, softcap, rotary_inte
     (a window of two ints, a float or absent scale, the softcap with its type), or None (another
     call: the entry point's own path decides). The caller checks that the call has no tensor
     besides q, k and v and returns no LSE."""
-    if (type(is_causal) is not bool or rotary_interleaved is not False or type(window_size) is not tuple
-            or len(window_size) != 2 or type(window_size[0]) is not int or type(window_size[1]) is not int
-            or (softmax_scale is not None and type(softmax_scale) is not float)
-            or (type(softcap) is not float and type(softcap) is not int)):
+    if (type(is_causal) is not bool or rotary_interleaved is not False
+            or not replayable_types(window_size, softmax_scale, softcap)):
         return None
     return is_causal, window_size, softmax_scale, type(softcap), softcap
 

@@ -69,6 +69,15 @@ class Options:
     deterministic: bool = False
 
 
+def replayable_types(window_size: object, scale: object, softcap: object) -> bool:
+    """Whether a call's window, scale and softcap are of the types the replay keys take as they are
+    (a tuple of two ints, a float or None, a float or int): what an entry point checks before it
+    compares them with the options its express function was made under (replay.LastExpress)."""
+    return (type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
+            and type(window_size[1]) is int and (scale is None or type(scale) is float)
+            and (type(softcap) is float or type(softcap) is int))
+
+
 def as_window(window_size: object) -> object:
     """flash-attn's ``window_size`` as its callers pass it, made a tuple of two Python ints: a tuple
     or list of two ints, a pair in a CPU tensor or two 0-d CPU tensors of an integer dtype (as

@@ -17,7 +17,7 @@ from . import decode, ops, padding, replay
 from .checks import check_dtype, check_int32, check_memory, check_paged, check_same_dtype, reads
 from .errors import InvalidArgumentError, UnsupportedError
 from .options import (as_window, check_scale, check_score_options, check_window, refuse_missing_features,
-                      replayed_score)
+                      replayable_types, replayed_score)
 
 
 def _check_packed(name: str, t: object, dims: int) -> torch.Tensor:
@@ -71,9 +71,7 @@ def _express_options(q, max_q, max_k, window_size, scale, softcap, *flags) -> tu
     ``flags`` as given), or None (the entry point's own path decides): also None where the value
     checks read q's tensors' values."""
     if (type(q) is not torch.Tensor or type(max_q) is not int or type(max_k) is not int
-            or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
-            or type(window_size[1]) is not int or (scale is not None and type(scale) is not float)
-            or (type(softcap) is not float and type(softcap) is not int) or reads(q)):
+            or not replayable_types(window_size, scale, softcap) or reads(q)):
         return None
     return max_q, max_k, window_size, scale, type(softcap), softcap, *flags
 
