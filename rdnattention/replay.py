@@ -524,11 +524,11 @@ class LastExpress:
     The options must hold only values that compare as plain data (bools, ints, floats, None, tuples
     of them)."""
 
-    __slots__ = ("_made", "_roles")
+    __slots__ = ("_made", "roles")
 
     def __init__(self, roles: tuple[str, ...] = ("q", "k", "v")) -> None:
         self._made: tuple = (None, None)
-        self._roles = roles
+        self.roles = roles
 
     @property
     def made(self) -> bool:
@@ -551,7 +551,7 @@ class LastExpress:
 
     def remember(self, options: tuple, key: tuple, device: torch.device) -> None:
         if expressible(key):
-            run = express(key, device, self._roles, 3)
+            run = express(key, device, self.roles, 3)
             if run is not None:
                 self._made = (options, run)
 

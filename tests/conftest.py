@@ -102,6 +102,27 @@ def device(request):
     return torch.device(request.param)
 
 
+@pytest.fixture(autouse=True)
+def _replays_of_this_test_alone(monkeypatch):
+    """Each test starts with the runtime's replay state as a new process has it (cases.fresh_replays)
+    and no express function standing at any entry point (replay.LastExpress and kvcache's), so that
+    what one test leaves behind (a cache it followed, an express of its geometry) never serves or
+    shapes another's calls. Nothing to reset before the runtime is imported."""
+    if "rdnattention.replay" not in sys.modules:
+        yield
+        return
+    from cases import fresh_replays
+    from rdnattention import api, kvcache, replay, varlen
+    from rdnattention.integrations import sdpa, transformers
+    fresh_replays(monkeypatch)
+    for module, name in ((api, "_flash_express"), (api, "_func_express"), (api, "_sdpa_express"),
+                         (sdpa, "_express"), (transformers, "_express")):
+        monkeypatch.setattr(module, name, replay.LastExpress(getattr(module, name).roles))
+    monkeypatch.setattr(varlen, "_EXPRESS", {e: replay.LastExpress(x.roles) for e, x in varlen._EXPRESS.items()})
+    monkeypatch.setattr(kvcache, "_express", (None, None))
+    yield
+
+
 @pytest.fixture
 def sdpa_restored():
     """After the test, torch's SDPA is unpatched and the very object the test started with."""

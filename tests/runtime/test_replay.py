@@ -330,15 +330,17 @@ def _fresh(call):
 
 
 def _keyed_path_alone(monkeypatch):
-    """flash_attn and flash_attn_func without their express functions, for a test of what the keyed
-    path (key, guard, following) keeps: their calls past a geometry's third would skip it."""
-    from rdnattention import api
+    """The entry points without the express functions they try first (replay.LastExpress), for a
+    test of what the keyed path (key, guard, following) keeps or checks: a geometry's calls from its
+    fourth on would skip it."""
+    from rdnattention import api, varlen
 
     class Never(replay.LastExpress):
         def remember(self, *args):
             pass
-    monkeypatch.setattr(api, "_flash_express", Never())
-    monkeypatch.setattr(api, "_func_express", Never())
+    for name in ("_flash_express", "_func_express", "_sdpa_express"):
+        monkeypatch.setattr(api, name, Never())
+    monkeypatch.setattr(varlen, "_EXPRESS", {entry: Never() for entry in varlen._EXPRESS})
 
 
 @pytest.mark.parametrize("entry", ["flash_attn", "flash_attn_func"])
@@ -622,6 +624,7 @@ def test_a_run_of_calls_of_one_key_is_recognised_by_its_guard(host_build, monkey
     tensor), and the call returns what the same call planned from scratch returns."""
     monkeypatch.setattr(replay, "cache", {})
     monkeypatch.setattr(replay, "_guard", None)
+    _keyed_path_alone(monkeypatch)
     checked = []
     matches = replay.Guard.matches
     monkeypatch.setattr(replay.Guard, "matches", lambda self, tensors: checked.append(matches(self, tensors))
