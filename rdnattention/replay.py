@@ -603,8 +603,11 @@ def _follower(f: Following, device: torch.device, roles: tuple[str, ...], aligne
     key = f.last[0]
     k, v = key[2 + i], key[2 + j]
     # the length served last: K's and V's shapes and strides, the memory each tensor reaches, the
-    # launch and the replay the next length is derived from; replaced whole
-    now = (k[0], k[1], v[0], v[1], r.reach[:n], _launcher(r, roles, aliases, regions, device, fields), r)
+    # launch, the replay the next length is derived from and the launch's arguments (that replay's,
+    # or derived from them for a length of the same key slices); replaced whole
+    now = (k[0], k[1], v[0], v[1], r.reach[:n], _launcher(r, roles, aliases, regions, device, fields), r,
+           r.steps[0].args)
+    copy, lengths = type(r.steps[0].args).from_buffer_copy, r.lengths
 
     def run(*tensors):
         nonlocal now
@@ -633,15 +636,28 @@ def _follower(f: Following, device: torch.device, roles: tuple[str, ...], aligne
         sa, ta, sb, tb = a.shape, a.stride(), b.shape, b.stride()
         served = now
         if sa != served[0] or ta != served[1] or sb != served[2] or tb != served[3]:
-            r = _relength_of(f, served[6], sa, ta, sb, tb)
-            if r is None:
+            base, args = served[6], served[7]
+            lengthed = _lengthed(f, base, sa, ta, sb, tb)
+            if lengthed is None:
                 return None
-            served = now = (sa, ta, sb, tb, r.reach[:n], _launcher(r, roles, aliases, regions, device, fields), r)
+            seq_k, ks, vs, reach = lengthed
+            if seq_k < 2**31 and lengths.splits(seq_k) == args.splits:  # relength's, its launch kept
+                args = copy(args)
+                (args.k_stride_b, args.k_stride_h, args.k_stride_s), (args.v_stride_b, args.v_stride_h,
+                                                                      args.v_stride_s) = ks, vs
+                args.seq_k = seq_k
+                served = now = (sa, ta, sb, tb, reach[:n], served[5], base, args)
+            else:
+                r = relength(base, seq_k, ks, vs, reach)
+                if r is None:
+                    return None
+                served = now = (sa, ta, sb, tb, r.reach[:n], _launcher(r, roles, aliases, regions, device, fields),
+                                r, r.steps[0].args)
         found = pointers(tensors, served[4], aligned)
         if found is None:
             return None
         out = empty_like(tensors[0]) if like is None else empty_like(like, memory_format=CONTIGUOUS)
-        served[5](found, out)
+        served[5](found, out, served[7])
         return out
 
     f.express = ((roles, aligned, aliases, regions, env, generation), run)
@@ -680,24 +696,40 @@ def _launcher(r: Replay, roles: tuple[str, ...], aliases: tuple[tuple[str, int],
     absent) and its output. ``fields``: _fields_of's for ``r``, which _follower makes once for all
     the lengths of a cache it follows."""
     step = r.steps[0]
-    if len(r.steps) > 1 or step.go is None:
-        def launch_it(found, out):  # the host emulator, several launches: launch() itself
+    if len(r.steps) > 1:
+        def launch_it(found, out, planned=None):  # several launches: launch() itself (with their own args)
             given = {role: p for role, p in zip(roles, found) if p}
             for field, i in aliases:
                 given[field] = found[i]
             given["o"] = out.data_ptr()
             launch(r, given, device, regions)
         return launch_it
-    # one launch through a GPU's driver: launch()'s work for it, each field's source found once
+    # one launch: launch()'s work for it, each field's source found once
     index, go, planned, counters = step.index, step.go, step.args, r.counters
     copy, lse_at, start = type(planned).from_buffer_copy, r.scratch_lse, workspace.align(r.scratch_bytes)
     total = start + regions[0] if regions else r.scratch_bytes
     sources, scratch, placed = fields
     offsets = tuple([start + offset for offset in placed]) if placed else ()
+    if go is None:  # the host emulator: its launch returns when done, on this thread's workspace
+        driver, code_object, host_scratch = r.driver, r.table.code_object, workspace.host_scratch
+        name, grid, block, shared = step.name, step.grid, step.block, step.shared_bytes
+
+        def launch_on_host(found, out, planned=planned):
+            args = copy(planned)
+            for field, i in sources:
+                setattr(args, field, found[i] if i >= 0 else out.data_ptr())
+            if total:
+                buffer, count = host_scratch(device, total, counters)
+                base = buffer.data_ptr()
+                at = (base, base + lse_at, count.data_ptr(), *(base + offset for offset in offsets))
+                for field, i in scratch:
+                    setattr(args, field, at[i])
+            driver.launch_kernel(code_object, name, grid, block, args, device, shared)
+        return launch_on_host
     stream_of, device_now, gpu = module_api.current_stream_handle, module_api.current_device, device.type != "cpu"
     stream_scratch, scratch_of = workspace.stream_scratch, workspace.scratch
 
-    def launch_it(found, out):
+    def launch_it(found, out, planned=planned):
         stream = stream_of(index)
         args = copy(planned)
         for field, i in sources:
@@ -902,6 +934,14 @@ def _relength_of(f: Following, r: Replay, k_shape, k_stride, v_shape, v_stride) 
     """``r`` (a replay of ``f``'s entry) for a call whose K and V have these shapes and strides
     (4-dimensional, in the key's layout) and which ``f``'s length-free guard recognised (its other
     dimensions, dtypes and devices): relength's, or None where the full path must plan or refuse it."""
+    lengthed = _lengthed(f, r, k_shape, k_stride, v_shape, v_stride)
+    return None if lengthed is None else relength(r, *lengthed)
+
+
+def _lengthed(f: Following, r: Replay, k_shape, k_stride, v_shape, v_stride) -> tuple | None:
+    """_relength_of's checks of the call, and relength's arguments after ``r``: (seq_k, K's and V's
+    strides as the kernels take them, the memory each tensor reaches); None where the full path
+    must plan or refuse the call."""
     (ka, kb, kc, kd), ks = k_shape, k_stride
     (va, vb, vc, vd), vs = v_shape, v_stride
     seq_k = kb if f.seq_dim == 1 else kc
@@ -922,7 +962,7 @@ def _relength_of(f: Following, r: Replay, k_shape, k_stride, v_shape, v_stride) 
         ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
     else:
         ks, vs = ks[:3], vs[:3]
-    return relength(r, seq_k, ks, vs, tuple(reach))
+    return seq_k, ks, vs, tuple(reach)
 
 
 def _clear_following() -> None:

@@ -388,6 +388,33 @@ def test_a_followed_length_is_kept_for_the_next_layer(host_build, monkeypatch):
 
 
 @needs_guards
+def test_the_follower_express_derives_a_launch_where_the_key_slices_change(host_build, monkeypatch):
+    """A cache that grows from 100 to 1400 keys through flash_attn's express: a length of the
+    served one's key slices rewrites the served launch's lengths and strides alone, and a length of
+    other slices (the planner's count changes with the length) derives its launch anew
+    (replay.relength). Each call equals the float64 oracle's result within the fp16 tolerance, and
+    the call planned from scratch byte for byte."""
+    from rdnattention import api
+    fresh_replays(monkeypatch)
+    monkeypatch.setattr(api, "_flash_express", replay.LastExpress())
+    served = counted_express(monkeypatch)
+    derived = []
+    relength = replay.relength
+    monkeypatch.setattr(replay, "relength", lambda *a: derived.append(a[1]) or relength(*a))
+    lengths = list(range(100, 1400, 9))
+    q, kv = _growing(11, lengths)
+    for (k, v), n in zip(kv, lengths):
+        got = rdnattention.flash_attn(q, k, v)
+        want = reference.attention_reference(q, k, v)
+        assert (got.double() - want).abs().max().item() <= TOL, n
+        assert torch.equal(got, _fresh(lambda: rdnattention.flash_attn(q, k, v))), n
+    slices = {replay.by_length[f].last[1].lengths.splits(n) for f in replay.by_length for n in lengths}
+    assert len(slices) > 1  # the lengths span several slice counts
+    assert len(lengths) - 10 <= sum(served)  # the express served all but the first calls
+    assert 1 <= len(set(derived)) < len(lengths) // 4  # derived where the slices change, not per length
+
+
+@needs_guards
 @pytest.mark.parametrize("entry", ["flash_attn", "flash_attn_func"])
 def test_flash_attn_express_follows_a_growing_cache(host_build, monkeypatch, entry):
     """flash_attn's and flash_attn_func's express functions serve a cache one key longer at every
