@@ -18,6 +18,10 @@ Two figures per call:
   host's cost alone (until the call returns; median over 200 calls): what a call pays between a
   model's other operations, as in generate(), where everything a call reads has to be fetched
   again. A loop of calls keeps it all in the caches.
+- with ``--host`` (a GPU), the host's cost per call with warm caches: the wall clock until 100
+  calls made back to back have returned, the GPU not waited for (issue_us), the least of 5 loops.
+  Where the kernels are longer than the host's work, back-to-back measures them; this measures
+  the host's work alone, ours against torch's.
 - with ``--kernel-time`` (a GPU), the GPU's time per call: every kernel the calls ran (ours,
   launched through the driver, included), summed by torch.profiler's CUDA activity, over 50 calls.
   Where the back-to-back figure is close to it, the GPU bounds it and the host's cost is hidden.
@@ -43,7 +47,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .timing import Evictor, cold_us, host_us, kernel_us, one_call_us
+from .timing import Evictor, cold_us, host_us, issue_us, kernel_us, one_call_us
 
 
 @dataclass(frozen=True)
@@ -310,10 +314,11 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def measure(cases, device: torch.device, budget_s: float, units: int, kernel_time: bool = False,
-            cold: bool = False) -> list[dict]:
+            cold: bool = False, host: bool = False) -> list[dict]:
     """Each case's four figures on ``device`` (on the CPU: ours with the launch stubbed), with
     ``kernel_time`` on a GPU each one's GPU time per call (kernel_us), with ``cold`` each one's host
-    time after the caches were emptied (cold_us)."""
+    time after the caches were emptied (cold_us), with ``host`` on a GPU each one's host time with
+    warm caches, the GPU not waited for (issue_us)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     evict = Evictor() if cold else None
     rows = []
@@ -339,8 +344,12 @@ def measure(cases, device: torch.device, budget_s: float, units: int, kernel_tim
             row = dict(case=case, ours_b2b=ours_b2b, ours_one=ours_one, sdpa_b2b=sdpa_b2b, sdpa_one=sdpa_one)
             if cold:
                 row["ours_cold"], row["sdpa_cold"] = ours_cold, cold_us(sdpa, sync, evict)
+            if host and device.type == "cuda":
+                with _patch(case, device):
+                    row["ours_host"] = issue_us(ours, 100, sync)
+                row["sdpa_host"] = issue_us(sdpa, 100, sync)
             if kernel_time and device.type == "cuda":
-                with patch():
+                with _patch(case, device):
                     row["ours_gpu"] = kernel_us(ours)
                 row["sdpa_gpu"] = kernel_us(sdpa)
         rows.append(row)
@@ -352,11 +361,13 @@ def table(rows: list[dict], device: torch.device) -> str:
     cpu = device.type == "cpu"
     gpu_time = any("ours_gpu" in r for r in rows)
     cold = any("ours_cold" in r for r in rows)
+    host = any("ours_host" in r for r in rows)
     ours = "ours, launch stubbed" if cpu else "ours"
     sdpa = "torch sdpa (runs the math)" if cpu else "torch sdpa"
-    extra = (" ours: GPU us | sdpa: GPU us |" if gpu_time else "") + (" ours: cold us | sdpa: cold us | cold ratio |"
-                                                                      if cold else "")
-    more = 2 * gpu_time + 3 * cold
+    extra = ((" ours: GPU us | sdpa: GPU us |" if gpu_time else "")
+             + (" ours: cold us | sdpa: cold us | cold ratio |" if cold else "")
+             + (" ours: host us | sdpa: host us | host ratio |" if host else ""))
+    more = 2 * gpu_time + 3 * cold + 3 * host
     lines = [f"| path | call | {ours}: back-to-back us | one call us | {sdpa}: back-to-back us | one call us | "
              "back-to-back ratio | one-call ratio |" + extra, "|---|---|---|---|---|---|---|---|" + "---|" * more]
     for r in rows:
@@ -369,6 +380,9 @@ def table(rows: list[dict], device: torch.device) -> str:
         if cold:
             gpu += (f" {_fmt(r.get('ours_cold'))} | {_fmt(r.get('sdpa_cold'))} | "
                     f"{'-' if cpu else _ratio(r.get('ours_cold'), r.get('sdpa_cold'))} |")
+        if host:
+            gpu += (f" {_fmt(r.get('ours_host'))} | {_fmt(r.get('sdpa_host'))} | "
+                    f"{_ratio(r.get('ours_host'), r.get('sdpa_host'))} |")
         lines.append(f"| {case.name} | {case.call} | {_fmt(r['ours_b2b'])} | {_fmt(r['ours_one'])} | "
                      f"{_fmt(r['sdpa_b2b'])} | {_fmt(r['sdpa_one'])} | {ratios[0]} | {ratios[1]} |" + gpu)
     return "\n".join(lines)
@@ -393,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cold", action="store_true",
                    help="three more columns: ours' and torch's host time per call made after the processor's caches "
                         "were emptied (timing.Evictor), and their ratio")
+    p.add_argument("--host", action="store_true",
+                   help="on a GPU, also each call's host time with warm caches, the GPU not waited for")
     p.add_argument("--kernel-time", action="store_true",
                    help="on cuda: two more columns, ours' and torch's GPU time per call (torch.profiler)")
     args = p.parse_args(argv)
@@ -419,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     for device in devices:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (host emulator, launch stubbed)"
         print(f"\n{name}\n")
-        print(table(measure(cases, device, args.budget, args.units, args.kernel_time, args.cold), device))
+        print(table(measure(cases, device, args.budget, args.units, args.kernel_time, args.cold, args.host), device))
     return 0
 
 

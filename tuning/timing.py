@@ -7,6 +7,8 @@ rdnattention/peak.py, which cannot import tuning/; everything here builds on the
 - ``graph_ms``: plans replayed from CUDA graphs, timed in turn: kernel time, no launch overhead.
 - ``interleaved_ms``: plans timed in turn with ``call_ms``, round after round (A B A B ...).
 - ``host_us``: the wall clock around a loop of calls: the host's cost per call.
+- ``issue_us``: the wall clock until a loop of calls has returned, the device not waited for: the
+  host's cost per call where the kernels are longer.
 - ``one_call_us``: the wall clock around one call and a synchronisation, the device idle before it.
 - ``cold_us``: the host time of one call made after an ``Evictor`` emptied the processor's caches.
 - ``kernel_us``: the GPU's time per call, every kernel a call ran, from torch.profiler: calls that
@@ -81,6 +83,25 @@ def host_us(fn, calls: int, sync, warmup: int = 50) -> float:
         fn()
     sync()
     return (time.perf_counter() - start) / calls * 1e6
+
+
+def issue_us(fn, calls: int, sync, rounds: int = 5, warmup: int = 20) -> float:
+    """Microseconds per call until ``calls`` calls of ``fn`` made back to back have returned, the
+    device not waited for inside the loop (synchronised before it and after it, untimed), least over
+    ``rounds``: the host's own cost per call where its caches are warm, whether or not the kernels
+    are longer. ``calls`` must stay below what a launch queue holds, so that no launch waits for the
+    device (a hundred or so)."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - start)
+        sync()
+    return best / calls * 1e6
 
 
 class Evictor:
