@@ -884,7 +884,8 @@ def current(key: tuple) -> Replay | None:
     if g is None or g.key is not key:
         return None
     _, last, r = _last
-    if last is key and r.guard is g:
+    if (last is key or last == key) and r.guard is g:  # (equal: the key another entry point's call of the
+        # same geometry made first, which lookup keeps, where the guard holds the one it was made with)
         return r
     f = _followed[1]
     if f is not None and f.last[0] is key and f.last[1].guard is g:

@@ -388,6 +388,34 @@ def test_a_followed_length_is_kept_for_the_next_layer(host_build, monkeypatch):
 
 
 @needs_guards
+def test_an_entry_point_makes_its_express_of_a_geometry_another_entry_point_replayed_first(host_build,
+                                                                                          monkeypatch):
+    """scaled_dot_product_attention and flash_attn share the replay of one geometry (one key, kept by
+    the first). With a call of another geometry between them, flash_attn's calls still make its own
+    express (the kept key and the guard's are equal, not the same object), which serves the calls
+    after with the float64-checked result."""
+    from rdnattention import api
+    fresh_replays(monkeypatch)
+    monkeypatch.setattr(api, "_flash_express", replay.LastExpress())
+    monkeypatch.setattr(api, "_sdpa_express", replay.LastExpress())
+    served = counted_express(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 8, 1, 64, generator=g).half()
+    k, v = (torch.randn(1, 2, 300, 64, generator=g).half() for _ in range(2))
+    q2, k2, v2 = (torch.randn(1, 4, 40, 64, generator=g).half() for _ in range(3))
+    for _ in range(3):
+        rdnattention.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    for _ in range(2):  # (its own replay, and its guard the current one)
+        rdnattention.flash_attn(q2, k2, v2)
+    want = reference.attention_reference(q, k, v)
+    for _ in range(4):
+        got = rdnattention.flash_attn(q, k, v)
+        assert (got.double() - want).abs().max().item() <= TOL
+    assert api._flash_express.made
+    assert served[-2:] == [True, True]  # the last calls went through it
+
+
+@needs_guards
 def test_the_follower_express_derives_a_launch_where_the_key_slices_change(host_build, monkeypatch):
     """A cache that grows from 100 to 1400 keys through flash_attn's express: a length of the
     served one's key slices rewrites the served launch's lengths and strides alone, and a length of
