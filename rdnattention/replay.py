@@ -693,8 +693,11 @@ def _fields_of(r: Replay, roles: tuple[str, ...], aliases: tuple[tuple[str, int]
 def _launcher(r: Replay, roles: tuple[str, ...], aliases: tuple[tuple[str, int], ...], regions: tuple | None,
               device: torch.device, fields: tuple):
     """express()'s launch of ``r``: a function of the call's pointers (in ``roles``' order, 0 where
-    absent) and its output. ``fields``: _fields_of's for ``r``, which _follower makes once for all
-    the lengths of a cache it follows."""
+    absent), its output and, for a plan of one launch, the argument struct whose pointer fields it
+    sets (a copy of it; by default the planned one; _follower's for a length of the same key slices).
+    One launch goes through the GPU driver's bound launch or the host emulator's, each pointer
+    field's source found once; several through launch(). ``fields``: _fields_of's for ``r``, which
+    _follower makes once for all the lengths of a cache it follows."""
     step = r.steps[0]
     if len(r.steps) > 1:
         def launch_it(found, out, planned=None):  # several launches: launch() itself (with their own args)
