@@ -39,7 +39,7 @@ for step in "${STEPS[@]}"; do
              tests/kernels/test_backward_varlen.py tests/gpu/test_cuda.py tests/runtime/test_transformers.py \
              tests/runtime/test_sdpa_clients.py tests/runtime/test_sdpa_patch.py ;;
     generate) run generate 900 "$PYTHON" -m tuning.generate --rounds 2 ;;
-    overhead) run overhead 600 "$PYTHON" -m tuning.overhead --device cuda --only kvcache,decode,transformers,sdpa.patched --kernel-time --cold ;;
+    overhead) run overhead 600 "$PYTHON" -m tuning.overhead --device cuda --only kvcache,decode,transformers,sdpa.patched --kernel-time --cold --host ;;
     *) echo "unknown step $step (install score bwd tests generate overhead)" | tee -a "$OUT/steps.txt" ;;
   esac
 done
