@@ -88,21 +88,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     not contiguous and 16-byte aligned run on copies, and a head_dim that is not a multiple of 8
     (up to 256) on padded copies of every tensor, the cache copied back (padding.py); a cache whose
     rows are not contiguous and aligned is refused (InvalidArgumentError), never copied."""
-    global _express
-    held, run = _express
-    if (run is not None and type(cache_seqlens) is torch.Tensor and cache_leftpad is None and alibi_slopes is None
+    if (type(cache_seqlens) is torch.Tensor and cache_leftpad is None and alibi_slopes is None
             and sinks is None and return_softmax_lse is False and type(causal) is bool
             and type(rotary_interleaved) is bool and type(num_splits) is int and type(window_size) is tuple
             and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int
-            and held == (type(softmax_scale), softmax_scale, causal, window_size, rotary_interleaved, num_splits,
-                         type(softcap), softcap)
             and not checks.reads(cache_seqlens)):
-        out = run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table)
+        out = _express.run((type(softmax_scale), softmax_scale, causal, window_size, rotary_interleaved, num_splits,
+                            type(softcap), softcap),
+                           q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table)
         if out is not None:
             if k is not None:
                 _tally.hit()
             return out
-        _express = (None, None)  # (another geometry: tried once, not at every call of it)
     if cache_leftpad is not None and alibi_slopes is not None:
         raise UnsupportedError("alibi_slopes with cache_leftpad: the left-padded cache runs as a packed batch, "
                                "whose ALiBi positions are not flash-attn's; pass one of them")
@@ -267,26 +264,24 @@ def _key(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, bl
 # it was planned for, as _key holds them: (type(softmax_scale), softmax_scale, causal, window_size,
 # rotary_interleaved, num_splits, type(softcap), softcap); for calls with cache_seqlens an int32
 # tensor, no cache_leftpad, ALiBi or sinks, no LSE, whose lengths the value checks do not read
-# (checks.reads: where they do, _replayed reads them). Replaced whole.
-_express: tuple = (None, None)
+# (checks.reads: where they do, _replayed reads them). Its roles are each replay's (_make_express).
+_express = replay.LastExpress(())
 
 
 def _make_express(r: replay.Replay, plan_key: tuple, q: torch.Tensor, k) -> None:
     """Makes the express of ``r`` (a replay of ``plan_key``, whose guard is the current one) the one
     the next calls try, where its launches take nothing but the call's tensors, the output, the
     split-KV scratch and the regions (an append through torch operations: none)."""
-    global _express
     kept: Kept = r.extra
     if k is not None and not kept.kernel:
         return
     if not r.like:  # its output allocated as _replayed allocates it
         replay.keep_stand_ins(r, q.device, None if kept.contiguous else (tuple(q.shape), q.dtype))
     roles = (*_REPLAYED[:7], kept.lengths, *_REPLAYED[8:10])
-    run = replay.express(plan_key, q.device, roles, 3, (("q_src", 0),) if k is not None else (), kept.regions)
-    if run is not None:
-        _, options, *_ = plan_key
-        scale_type, scale, causal, window, interleaved, splits, _, _, softcap_type, softcap = options
-        _express = ((scale_type, scale, causal, window, interleaved, splits, softcap_type, softcap), run)
+    _, options, *_ = plan_key
+    scale_type, scale, causal, window, interleaved, splits, _, _, softcap_type, softcap = options
+    _express.remember((scale_type, scale, causal, window, interleaved, splits, softcap_type, softcap), plan_key,
+                      q.device, roles, (("q_src", 0),) if k is not None else (), kept.regions)
 
 
 # The launch fields of _replayed's tensors but the lengths (whose field is Kept.lengths), in its order.

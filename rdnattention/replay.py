@@ -549,9 +549,12 @@ class LastExpress:
             self._made = (None, None)
         return out
 
-    def remember(self, options: tuple, key: tuple, device: torch.device) -> None:
+    def remember(self, options: tuple, key: tuple, device: torch.device, roles: tuple[str, ...] | None = None,
+                 aliases: tuple[tuple[str, int], ...] = (), regions: tuple | None = None) -> None:
+        """express()'s arguments past the key: ``roles`` (default: its own), ``aliases`` and
+        ``regions`` where the replay's launches take them (flash_attn_with_kvcache's)."""
         if expressible(key):
-            run = express(key, device, self.roles, 3)
+            run = express(key, device, self.roles if roles is None else roles, 3, aliases, regions)
             if run is not None:
                 self._made = (options, run)
 

@@ -105,7 +105,7 @@ def device(request):
 @pytest.fixture(autouse=True)
 def _replays_of_this_test_alone(monkeypatch):
     """Each test starts with the runtime's replay state as a new process has it (cases.fresh_replays)
-    and no express function standing at any entry point (replay.LastExpress and kvcache's), so that
+    and no express function standing at any entry point (each one's replay.LastExpress), so that
     what one test leaves behind (a cache it followed, an express of its geometry) never serves or
     shapes another's calls. Nothing to reset before the runtime is imported."""
     if "rdnattention.replay" not in sys.modules:
@@ -116,10 +116,9 @@ def _replays_of_this_test_alone(monkeypatch):
     from rdnattention.integrations import sdpa, transformers
     fresh_replays(monkeypatch)
     for module, name in ((api, "_flash_express"), (api, "_func_express"), (api, "_sdpa_express"),
-                         (sdpa, "_express"), (transformers, "_express")):
+                         (sdpa, "_express"), (transformers, "_express"), (kvcache, "_express")):
         monkeypatch.setattr(module, name, replay.LastExpress(getattr(module, name).roles))
     monkeypatch.setattr(varlen, "_EXPRESS", {e: replay.LastExpress(x.roles) for e, x in varlen._EXPRESS.items()})
-    monkeypatch.setattr(kvcache, "_express", (None, None))
     yield
 
 

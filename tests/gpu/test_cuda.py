@@ -486,10 +486,12 @@ def test_gpu_kvcache_express_matches_a_planned_call(monkeypatch, num_splits):
     """flash_attn_with_kvcache on one geometry, call after call (a decode step's layers): from the
     fifth call its replay's express launches it (GPU lengths are not read at the call), with the
     output and the pool writes, byte for byte, of the same call planned from scratch."""
+    from cases import counted_express
     from rdnattention import kvcache, replay
     device = _gpu()
-    monkeypatch.setattr(kvcache, "_express", (None, None))
+    monkeypatch.setattr(kvcache, "_express", replay.LastExpress(()))
     replay.clear()
+    served = counted_express(monkeypatch)
     cos, sin = (t.to(device) for t in rotary_tables(512, 128))
 
     def call(seed):
@@ -504,12 +506,10 @@ def test_gpu_kvcache_express_matches_a_planned_call(monkeypatch, num_splits):
         return out, pool_k, pool_v
     for seed in range(4):
         call(seed)
-    held, run = kvcache._express
-    assert run is not None
-    tried = []
-    monkeypatch.setattr(kvcache, "_express", (held, lambda *t: tried.append(1) or run(*t)))
+    assert kvcache._express.made
+    tried = len(served)
     got = call(4)
-    assert tried and kvcache._express[1] is not None  # tried, and kept: it served the call
+    assert served[tried:] == [True] and kvcache._express.made  # tried, and kept: it served the call
     replay.clear()
     fresh = call(4)
     for a, b in zip(got, fresh):

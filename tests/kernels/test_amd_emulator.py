@@ -482,7 +482,7 @@ def test_kvcache_express_launches_the_fused_append(gpu, dispatched, monkeypatch,
     from rdnattention import checks, kvcache
     monkeypatch.setattr(checks, "_mode", "never")
     fresh_replays(monkeypatch)
-    monkeypatch.setattr(kvcache, "_express", (None, None))
+    monkeypatch.setattr(kvcache, "_express", replay.LastExpress(()))
     served = counted_express(monkeypatch)
 
     def call(seed):

@@ -1052,7 +1052,7 @@ def test_kvcache_runs_a_repeated_geometry_through_its_express(host_build, monkey
     from rdnattention import checks, kvcache
     monkeypatch.setattr(checks, "_mode", "never")
     fresh_replays(monkeypatch)
-    monkeypatch.setattr(kvcache, "_express", (None, None))
+    monkeypatch.setattr(kvcache, "_express", replay.LastExpress(()))
     served = counted_express(monkeypatch)
 
     def call(seed, **over):
@@ -1064,7 +1064,7 @@ def test_kvcache_runs_a_repeated_geometry_through_its_express(host_build, monkey
         return call(seed, **over)
     for seed in range(4):  # planned; replayed; its guard made; recognised by the guard, its express made
         call(seed)
-    assert not served and kvcache._express[1] is not None
+    assert not served and kvcache._express.made
     got = call(4)
     assert served == [True]
     fresh = planned(4)
@@ -1095,7 +1095,7 @@ def test_torch_compile_traces_past_a_standing_express(host_build, monkeypatch, e
     monkeypatch.setattr(checks, "_mode", "never")
     fresh_replays(monkeypatch)
     monkeypatch.setattr(rt, "_express", replay.LastExpress())
-    monkeypatch.setattr(kvcache, "_express", (None, None))
+    monkeypatch.setattr(kvcache, "_express", replay.LastExpress(()))
     module = SimpleNamespace(is_causal=True, training=False)
     if entry == "transformers":
         g = torch.Generator().manual_seed(0)
@@ -1114,7 +1114,7 @@ def test_torch_compile_traces_past_a_standing_express(host_build, monkeypatch, e
                                                         cache_seqlens=LENGTHS, causal=True) * 2
     for _ in range(5):
         fn(*(t.clone() for t in tensors))
-    assert (rt._express.function if entry == "transformers" else kvcache._express[1]) is not None
+    assert (rt._express.function if entry == "transformers" else kvcache._express.function) is not None
     torch._dynamo.reset()
     compiled_in, eager_in = [t.clone() for t in tensors], [t.clone() for t in tensors]
     with torch.inference_mode():
