@@ -610,7 +610,7 @@ def _follower(f: Following, device: torch.device, roles: tuple[str, ...], aligne
     # or derived from them for a length of the same key slices); replaced whole
     now = (k[0], k[1], v[0], v[1], r.reach[:n], _launcher(r, roles, aliases, regions, device, fields), r,
            r.steps[0].args)
-    copy, lengths = type(r.steps[0].args).from_buffer_copy, r.lengths
+    lengths = r.lengths
 
     def run(*tensors):
         nonlocal now
@@ -645,11 +645,7 @@ def _follower(f: Following, device: torch.device, roles: tuple[str, ...], aligne
                 return None
             seq_k, ks, vs, reach = lengthed
             if seq_k < 2**31 and lengths.splits(seq_k) == args.splits:  # relength's, its launch kept
-                args = copy(args)
-                (args.k_stride_b, args.k_stride_h, args.k_stride_s), (args.v_stride_b, args.v_stride_h,
-                                                                      args.v_stride_s) = ks, vs
-                args.seq_k = seq_k
-                served = now = (sa, ta, sb, tb, reach[:n], served[5], base, args)
+                served = now = (sa, ta, sb, tb, reach[:n], served[5], base, _lengthened(args, seq_k, ks, vs))
             else:
                 r = relength(base, seq_k, ks, vs, reach)
                 if r is None:
@@ -818,6 +814,17 @@ def _launch_steps(steps: tuple[Step, ...], pointers: dict[str, int], stream: int
         step.go(args, stream)
 
 
+def _lengthened(args: ctypes.Structure, seq_k: int, k_strides: tuple[int, int, int],
+                v_strides: tuple[int, int, int]) -> ctypes.Structure:
+    """A copy of a split-KV launch's ``args`` for ``seq_k`` keys of these K/V strides (batch, head,
+    row): its seq_k and stride fields rewritten, the rest (the key slices among them) kept."""
+    args = type(args).from_buffer_copy(args)
+    (args.k_stride_b, args.k_stride_h, args.k_stride_s), (args.v_stride_b, args.v_stride_h, args.v_stride_s) = \
+        k_strides, v_strides
+    args.seq_k = seq_k
+    return args
+
+
 def relength(r: Replay, seq_k: int, k_strides: tuple[int, int, int], v_strides: tuple[int, int, int],
              reach: tuple[tuple[int, int], ...]) -> Replay | None:
     """``r`` (a replay that follows the keys' length, by_length) for ``seq_k`` keys of K/V strides
@@ -831,10 +838,7 @@ def relength(r: Replay, seq_k: int, k_strides: tuple[int, int, int], v_strides: 
         return None
     splits = lengths.splits(seq_k)
     (step,) = r.steps  # a split-KV plan: one launch
-    args = type(step.args).from_buffer_copy(step.args)
-    (args.k_stride_b, args.k_stride_h, args.k_stride_s), (args.v_stride_b, args.v_stride_h, args.v_stride_s) = \
-        k_strides, v_strides
-    args.seq_k = seq_k
+    args = _lengthened(step.args, seq_k, k_strides, v_strides)
     if splits == step.args.splits:  # r's slices (a cache that grows changes them rarely): its grid, launch, scratch
         step = Step(step.name, step.grid, step.block, step.shared_bytes, args, step.fields, step.function, step.index,
                     step.go)
