@@ -94,6 +94,7 @@ class Following:
     seq_dim: int  # their length's dimension in the key's layout
     per16: int  # their elements in 16 bytes
     residues: tuple[int, ...]  # the first three strides of K, then of V, modulo per16 (length_free)
+    aligned16: bool  # every residue 0: each of those strides a whole number of 16 bytes
     guard: Guard | bool | None = None  # recognises the entry's calls at any length (key()); False: none can be
     express: tuple | None = None  # (express()'s arguments, _follower's function), made once
 
@@ -102,7 +103,8 @@ class Following:
         """The entry of ``free`` (length_free's key of ``key``, the call ``r`` was planned for): its
         residues are those ``free`` keeps of K and V, which follow() checks inline."""
         k, v = free[2 + positions[0]], free[2 + positions[1]]  # (rest, last stride, residues..., dtype, device)
-        return cls(free, (key, r), positions, seq_dim, 16 // k[5].itemsize, (*k[2:5], *v[2:5]))
+        residues = (*k[2:5], *v[2:5])
+        return cls(free, (key, r), positions, seq_dim, 16 // k[5].itemsize, residues, not any(residues))
 
 
 # By length_free(key); replaced whole past CACHE_LIMIT entries, as the cache is.
@@ -952,27 +954,44 @@ def _relength_of(f: Following, r: Replay, k_shape, k_stride, v_shape, v_stride) 
 def _lengthed(f: Following, r: Replay, k_shape, k_stride, v_shape, v_stride) -> tuple | None:
     """_relength_of's checks of the call, and relength's arguments after ``r``: (seq_k, K's and V's
     strides as the kernels take them, the memory each tensor reaches); None where the full path
-    must plan or refuse the call."""
+    must plan or refuse the call. Where V's shape and strides are K's (a cache's K and V are
+    alike), what follows from them is computed once."""
+    alike = k_shape == v_shape and k_stride == v_stride
     (ka, kb, kc, kd), ks = k_shape, k_stride
-    (va, vb, vc, vd), vs = v_shape, v_stride
     seq_k = kb if f.seq_dim == 1 else kc
-    if seq_k != (vb if f.seq_dim == 1 else vc):  # V's length, which the guard leaves free as it does
-        return None  # K's: one unlike K's is refused by the full path (the kernels would read past V)
+    if not alike:
+        vs = v_stride
+        if seq_k != (v_shape[1] if f.seq_dim == 1 else v_shape[2]):  # V's length, which the guard leaves
+            return None  # free as it does K's: one unlike K's is refused by the full path (the kernels would read past V)
+    else:
+        vs = ks
     # what length_free keeps of K's and V's length and strides, which the guard leaves free: whether
     # there are keys, the strides modulo 16 bytes (its rule, inline: calling it for K and V cost
-    # 0.5-1 us more per new length)
+    # 0.5-1 us more per new length; per16 is a power of two, so where every residue is 0, one test
+    # of the strides' bits)
     n = f.per16
-    if not seq_k or (ks[0] % n, ks[1] % n, ks[2] % n, vs[0] % n, vs[1] % n, vs[2] % n) != f.residues:
+    if not seq_k or (((ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) & (n - 1)) if f.aligned16 else
+                     (ks[0] % n, ks[1] % n, ks[2] % n, vs[0] % n, vs[1] % n, vs[2] % n) != f.residues):
         return None
     i, j = f.positions
     reach = list(r.reach)  # (checks.reach of each, unrolled)
     size = reach[i][1]
     reach[i] = ((ka - 1) * ks[0] + (kb - 1) * ks[1] + (kc - 1) * ks[2] + (kd - 1) * ks[3] + 1) * size, size
-    reach[j] = ((va - 1) * vs[0] + (vb - 1) * vs[1] + (vc - 1) * vs[2] + (vd - 1) * vs[3] + 1) * size, size
-    if f.seq_dim == 1:  # [batch, seq, heads, head_dim]: the kernels' (batch, head, row) strides
-        ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
+    if alike:
+        reach[j] = reach[i]
     else:
-        ks, vs = ks[:3], vs[:3]
+        va, vb, vc, vd = v_shape
+        reach[j] = ((va - 1) * vs[0] + (vb - 1) * vs[1] + (vc - 1) * vs[2] + (vd - 1) * vs[3] + 1) * size, size
+    if f.seq_dim == 1:  # [batch, seq, heads, head_dim]: the kernels' (batch, head, row) strides
+        ks = (ks[0], ks[2], ks[1])
+    else:
+        ks = ks[:3]
+    if alike:
+        vs = ks
+    elif f.seq_dim == 1:
+        vs = (vs[0], vs[2], vs[1])
+    else:
+        vs = vs[:3]
     return seq_k, ks, vs, tuple(reach)
 
 

@@ -109,9 +109,27 @@ class Lengths:
         object.__setattr__(self, "least", least)
 
     def splits(self, seq_k: int) -> int:
-        if self.num_splits:
-            return slices(seq_k, self.keys_per_step, self.num_splits)
-        return _splits(seq_k, self.keys_per_step, self.wave, self.least)
+        """The slices of ``seq_k`` keys: splits_for's count (or the count asked for) rounded to whole
+        steps as slices() rounds it, in one frame (a replay following a growing cache computes it
+        per new length)."""
+        per_step = self.keys_per_step
+        asked = self.num_splits
+        if not asked:  # _splits': at least `least`, at most `wave` and two steps a slice
+            asked = seq_k // MIN_SLICE_KEYS
+            if asked < self.least:
+                asked = self.least
+            if asked > self.wave:
+                asked = self.wave
+            steps2 = -(-seq_k // (2 * per_step))
+            if asked > steps2:
+                asked = steps2
+        if not seq_k:  # slices'
+            return 1
+        if asked < 1:
+            asked = 1
+        per = -(-(-(-seq_k // asked)) // per_step) * per_step
+        got = -(-seq_k // per)
+        return got if got > 1 else 1
 
     def scratch(self, splits: int) -> tuple[int, int]:
         """(scratch bytes, where the partial LSEs start) of ``splits`` slices: their partial outputs

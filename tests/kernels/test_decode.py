@@ -3,6 +3,7 @@ the host platform, against the float64 oracle: key slices, cache lengths, GQA, w
 and contiguous calls of the same keys, and one slice against several, run the same arithmetic per
 slice, so they are compared exactly where the math is the same."""
 
+import itertools
 import json
 
 import pytest
@@ -227,6 +228,22 @@ def test_automatic_slices_fill_the_device():
     assert dec.splits_for(workgroups=8, seq_k=32768, keys_per_step=16, units=132, per_unit=4) == 64  # a wave again
     assert dec.slices(8192, 32, 17) == 16 and dec.slices(8192, 32, 16) == 16 and dec.slices(100, 32, 3) == 2 and dec.slices(0, 32, 5) == 1
 
+
+@pytest.mark.parametrize("per_step", [4, 16, 64])
+@pytest.mark.parametrize("asked", [0, 3])
+def test_a_followed_cache_counts_the_slices_the_planner_does(per_step, asked):
+    """Lengths.splits, which a replay following a growing cache computes per new length in one
+    frame, is splits_for's count (or the count asked for) rounded by slices(), at every length up
+    to 1200 and at longer ones, on launches where each of its bounds decides (a wave, a workgroup
+    per unit, slices of MIN_SLICE_KEYS, two steps a slice)."""
+    from rdnattention.families._splitkv import Lengths
+    for workgroups, units, per_unit in itertools.product([1, 3, 8, 64, 5000], [8, 60, 132], [3, 4]):
+        lengths = Lengths(chunks=1, keys_per_step=per_step, workgroups=workgroups, units=units, per_unit=per_unit,
+                          num_splits=asked, rows=1, head_dim=64)
+        for seq_k in [*range(1200), *range(1200, 70000, 97)]:
+            planned = (dec.slices(seq_k, per_step, asked) if asked
+                       else dec.splits_for(workgroups, seq_k, per_step, units, per_unit))
+            assert lengths.splits(seq_k) == planned, (workgroups, units, per_unit, seq_k)
 
 def test_resident_workgroups_match_the_audit(table):
     """The occupancy the automatic slice count fills: the runtime's count for each decode kernel on

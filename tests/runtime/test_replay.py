@@ -442,6 +442,54 @@ def test_the_follower_express_derives_a_launch_where_the_key_slices_change(host_
     assert 1 <= len(set(derived)) < len(lengths) // 4  # derived where the slices change, not per length
 
 
+
+def _lengthed_by_definition(f, r, k, v):
+    """What replay._lengthed computes, from its definition: K's length (V's must equal it, and be
+    non-zero), the first three strides of each modulo f.per16 equal to f.residues, the reach of
+    each (checks.reach) in r's reach, and the kernels' (batch, head, row) strides."""
+    from rdnattention import checks
+    seq_k = k.shape[f.seq_dim]
+    if seq_k != v.shape[f.seq_dim] or not seq_k:
+        return None
+    if tuple(x % f.per16 for x in (*k.stride()[:3], *v.stride()[:3])) != f.residues:
+        return None
+    reach = list(r.reach)
+    i, j = f.positions
+    reach[i], reach[j] = (checks.reach(k), k.element_size()), (checks.reach(v), v.element_size())
+    order = (0, 2, 1) if f.seq_dim == 1 else (0, 1, 2)
+    return seq_k, tuple(k.stride()[d] for d in order), tuple(v.stride()[d] for d in order), tuple(reach)
+
+
+@settings(max_examples=property_examples(200), deadline=None)
+@given(seq_dim=st.sampled_from([1, 2]), seq_k=st.integers(0, 40), v_len=st.one_of(st.none(), st.integers(0, 40)),
+       heads=st.integers(1, 4), pads=st.tuples(*(st.sampled_from([0, 0, 8, 1, 3]) for _ in range(4))),
+       alike=st.booleans(), residues=st.sampled_from([None, (0,) * 6, (2, 0, 0, 2, 0, 0), (0, 3, 0, 0, 3, 0)]))
+def test_a_new_lengths_checks_and_reach_are_those_of_their_definition(seq_dim, seq_k, v_len, heads, pads, alike,
+                                                                      residues):
+    """replay._lengthed (a followed cache's new length: V's length, the strides modulo 16 bytes, each
+    tensor's reach, the kernels' strides) on K and V of any lengths and padded strides, alike or not,
+    for followers of aligned strides and of other residues (None: those of this K and V, a follower
+    of their class), gives what its definition gives. (V's length: K's where v_len is None.)"""
+    from types import SimpleNamespace
+    d = 8
+
+    def cache(n, pad_row, pad_head):
+        rows = [1, n, heads, d] if seq_dim == 1 else [1, heads, n, d]
+        inner = (heads * (d + pad_row), d + pad_row) if seq_dim == 1 else (n * (d + pad_row) + pad_head, d + pad_row)
+        strides = (max(1, rows[1] * inner[0] + pad_head) if seq_dim == 1 else max(1, heads * inner[0]), *inner, 1)
+        return torch.empty_strided(rows, strides, dtype=torch.float16)
+
+    k = cache(seq_k, pads[0], pads[1])
+    v = (torch.empty_strided(k.shape, k.stride(), dtype=k.dtype) if alike
+         else cache(seq_k if v_len is None else v_len, pads[2], pads[3]))
+    if residues is None:
+        residues = tuple(x % 8 for x in (*k.stride()[:3], *v.stride()[:3]))
+    f = replay.Following(free=(), last=((), None), positions=(1, 2), seq_dim=seq_dim, per16=8, residues=residues,
+                         aligned16=not any(residues))
+    r = SimpleNamespace(reach=((64, 2), (100, 2), (100, 2), (16, 4)))  # the served call's: q, K, V, another
+    want = _lengthed_by_definition(f, r, k, v)
+    assert replay._lengthed(f, r, k.shape, k.stride(), v.shape, v.stride()) == want
+
 @needs_guards
 @pytest.mark.parametrize("entry", ["flash_attn", "flash_attn_func"])
 def test_flash_attn_express_follows_a_growing_cache(host_build, monkeypatch, entry):
