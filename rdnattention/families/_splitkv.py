@@ -73,15 +73,34 @@ def _splits(seq_k: int, keys_per_step: int, wave: int, least: int) -> int:
     """splits_for's count given what of it follows from the launch alone: ``wave`` slices bring the
     workgroups up to one wave, ``least`` give one workgroup per compute unit (Lengths keeps both,
     so that a replay following a growing cache computes only this)."""
-    enough = max(seq_k // MIN_SLICE_KEYS, least)
-    return slices(seq_k, keys_per_step, min(wave, enough, -(-seq_k // (2 * keys_per_step))))
+    return _count(seq_k, keys_per_step, 0, wave, least)
 
 
 def slices(seq_k: int, keys_per_step: int, splits: int) -> int:
     """The slices ``splits`` asks for once each is rounded up to whole steps (the kernel's rule)."""
-    splits = max(1, splits)
-    per = -(-(-(-seq_k // splits)) // keys_per_step) * keys_per_step
-    return max(1, -(-seq_k // per)) if seq_k else 1
+    return _count(seq_k, keys_per_step, splits if splits > 1 else 1, 0, 0)
+
+
+def _count(seq_k: int, per_step: int, asked: int, wave: int, least: int) -> int:
+    """The slices of ``seq_k`` keys, each rounded up to whole steps of ``per_step`` keys: ``asked``
+    of them, or where it is 0, as many as _splits chooses (at least ``least``, at most ``wave`` and
+    two steps a slice). In one frame: a replay following a growing cache computes it per new length
+    (Lengths.splits)."""
+    if not asked:
+        asked = seq_k // MIN_SLICE_KEYS
+        if asked < least:
+            asked = least
+        if asked > wave:
+            asked = wave
+        steps2 = -(-seq_k // (2 * per_step))
+        if asked > steps2:
+            asked = steps2
+        if asked < 1:
+            asked = 1
+    if not seq_k:
+        return 1
+    per = -(-(-(-seq_k // asked)) // per_step) * per_step
+    return -(-seq_k // per)  # at least 1: per is positive, and so is seq_k here
 
 
 @dataclass(frozen=True)
@@ -102,34 +121,18 @@ class Lengths:
     head_dim: int
     wave: int = field(init=False)   # splits_for's, of the launch alone (_splits)
     least: int = field(init=False)
+    asked: int = field(init=False)  # _count's: num_splits as slices() takes it, or 0 where chosen
 
     def __post_init__(self) -> None:
         wave, least = _of_launch(self.workgroups, self.units, self.per_unit)
         object.__setattr__(self, "wave", wave)
         object.__setattr__(self, "least", least)
+        n = self.num_splits
+        object.__setattr__(self, "asked", (n if n > 1 else 1) if n else 0)
 
     def splits(self, seq_k: int) -> int:
-        """The slices of ``seq_k`` keys: splits_for's count (or the count asked for) rounded to whole
-        steps as slices() rounds it, in one frame (a replay following a growing cache computes it
-        per new length)."""
-        per_step = self.keys_per_step
-        asked = self.num_splits
-        if not asked:  # _splits': at least `least`, at most `wave` and two steps a slice
-            asked = seq_k // MIN_SLICE_KEYS
-            if asked < self.least:
-                asked = self.least
-            if asked > self.wave:
-                asked = self.wave
-            steps2 = -(-seq_k // (2 * per_step))
-            if asked > steps2:
-                asked = steps2
-        if not seq_k:  # slices'
-            return 1
-        if asked < 1:
-            asked = 1
-        per = -(-(-(-seq_k // asked)) // per_step) * per_step
-        got = -(-seq_k // per)
-        return got if got > 1 else 1
+        """The slices of ``seq_k`` keys: splits_for's count, or the count asked for, as slices() rounds it."""
+        return _count(seq_k, self.keys_per_step, self.asked, self.wave, self.least)
 
     def scratch(self, splits: int) -> tuple[int, int]:
         """(scratch bytes, where the partial LSEs start) of ``splits`` slices: their partial outputs

@@ -5,6 +5,7 @@ slice, so they are compared exactly where the math is the same."""
 
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -229,21 +230,40 @@ def test_automatic_slices_fill_the_device():
     assert dec.slices(8192, 32, 17) == 16 and dec.slices(8192, 32, 16) == 16 and dec.slices(100, 32, 3) == 2 and dec.slices(0, 32, 5) == 1
 
 
+def _slices_by_definition(seq_k, per_step, asked, workgroups, units, per_unit):
+    """The planner's slice count as splits_for's and slices' docstrings state it: ``asked`` slices
+    (at least 1), or where 0, enough to bring the workgroups up to one wave of ``per_unit`` per unit,
+    no more than slices of MIN_SLICE_KEYS keys give unless one workgroup per unit asks for more, each
+    slice at least two steps; then each slice rounded up to whole steps, and only the non-empty
+    ones counted."""
+    if asked:
+        wanted = max(1, asked)
+    else:
+        wave = max(1, per_unit * units // max(workgroups, 1))
+        enough = max(seq_k // dec.MIN_SLICE_KEYS, units // max(workgroups, 1))
+        wanted = max(1, min(wave, enough, math.ceil(seq_k / (2 * per_step))))
+    if not seq_k:
+        return 1
+    per = math.ceil(math.ceil(seq_k / wanted) / per_step) * per_step
+    return max(1, math.ceil(seq_k / per))
+
+
 @pytest.mark.parametrize("per_step", [4, 16, 64])
-@pytest.mark.parametrize("asked", [0, 3])
-def test_a_followed_cache_counts_the_slices_the_planner_does(per_step, asked):
-    """Lengths.splits, which a replay following a growing cache computes per new length in one
-    frame, is splits_for's count (or the count asked for) rounded by slices(), at every length up
-    to 1200 and at longer ones, on launches where each of its bounds decides (a wave, a workgroup
+@pytest.mark.parametrize("asked", [-2, 0, 1, 3])
+def test_the_slice_count_is_its_definition_at_every_length(per_step, asked):
+    """splits_for and slices (the planner's count) and Lengths.splits (which a replay following a
+    growing cache computes per new length) give the count their definition gives, at every length
+    up to 1200 and at longer ones, on launches where each of its bounds decides (a wave, a workgroup
     per unit, slices of MIN_SLICE_KEYS, two steps a slice)."""
     from rdnattention.families._splitkv import Lengths
     for workgroups, units, per_unit in itertools.product([1, 3, 8, 64, 5000], [8, 60, 132], [3, 4]):
         lengths = Lengths(chunks=1, keys_per_step=per_step, workgroups=workgroups, units=units, per_unit=per_unit,
                           num_splits=asked, rows=1, head_dim=64)
         for seq_k in [*range(1200), *range(1200, 70000, 97)]:
+            want = _slices_by_definition(seq_k, per_step, asked, workgroups, units, per_unit)
             planned = (dec.slices(seq_k, per_step, asked) if asked
                        else dec.splits_for(workgroups, seq_k, per_step, units, per_unit))
-            assert lengths.splits(seq_k) == planned, (workgroups, units, per_unit, seq_k)
+            assert lengths.splits(seq_k) == planned == want, (workgroups, units, per_unit, seq_k)
 
 def test_resident_workgroups_match_the_audit(table):
     """The occupancy the automatic slice count fills: the runtime's count for each decode kernel on
