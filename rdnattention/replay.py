@@ -961,8 +961,10 @@ def _lengthed(f: Following, r: Replay, k_shape, k_stride, v_shape, v_stride) -> 
     seq_k = kb if f.seq_dim == 1 else kc
     if not alike:
         vs = v_stride
-        if seq_k != (v_shape[1] if f.seq_dim == 1 else v_shape[2]):  # V's length, which the guard leaves
-            return None  # free as it does K's: one unlike K's is refused by the full path (the kernels would read past V)
+        # V's length, which the guard leaves free as it does K's: one unlike K's is refused by the
+        # full path (the kernels would read past V)
+        if seq_k != (v_shape[1] if f.seq_dim == 1 else v_shape[2]):
+            return None
     else:
         vs = ks
     # what length_free keeps of K's and V's length and strides, which the guard leaves free: whether
