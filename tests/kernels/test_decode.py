@@ -265,6 +265,7 @@ def test_the_slice_count_is_its_definition_at_every_length(per_step, asked):
                        else dec.splits_for(workgroups, seq_k, per_step, units, per_unit))
             assert lengths.splits(seq_k) == planned == want, (workgroups, units, per_unit, seq_k)
 
+
 def test_resident_workgroups_match_the_audit(table):
     """The occupancy the automatic slice count fills: the runtime's count for each decode kernel on
     a GPU (one SM holds waves-per-SIMD x 4 schedulers' warps), the fixed count on the emulator."""

@@ -442,7 +442,6 @@ def test_the_follower_express_derives_a_launch_where_the_key_slices_change(host_
     assert 1 <= len(set(derived)) < len(lengths) // 4  # derived where the slices change, not per length
 
 
-
 def _lengthed_by_definition(f, r, k, v):
     """What replay._lengthed computes, from its definition: K's length (V's must equal it, and be
     non-zero), the first three strides of each modulo f.per16 equal to f.residues, the reach of
@@ -489,6 +488,7 @@ def test_a_new_lengths_checks_and_reach_are_those_of_their_definition(seq_dim, s
     r = SimpleNamespace(reach=((64, 2), (100, 2), (100, 2), (16, 4)))  # the served call's: q, K, V, another
     want = _lengthed_by_definition(f, r, k, v)
     assert replay._lengthed(f, r, k.shape, k.stride(), v.shape, v.stride()) == want
+
 
 @needs_guards
 @pytest.mark.parametrize("entry", ["flash_attn", "flash_attn_func"])
