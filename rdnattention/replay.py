@@ -958,15 +958,12 @@ def _lengthed(f: Following, r: Replay, k_shape, k_stride, v_shape, v_stride) -> 
     alike), what follows from them is computed once."""
     alike = k_shape == v_shape and k_stride == v_stride
     (ka, kb, kc, kd), ks = k_shape, k_stride
+    vs = ks if alike else v_stride
     seq_k = kb if f.seq_dim == 1 else kc
-    if not alike:
-        vs = v_stride
-        # V's length, which the guard leaves free as it does K's: one unlike K's is refused by the
-        # full path (the kernels would read past V)
-        if seq_k != (v_shape[1] if f.seq_dim == 1 else v_shape[2]):
-            return None
-    else:
-        vs = ks
+    # V's length, which the guard leaves free as it does K's: one unlike K's is refused by the full
+    # path (the kernels would read past V)
+    if not alike and seq_k != v_shape[f.seq_dim]:
+        return None
     # what length_free keeps of K's and V's length and strides, which the guard leaves free: whether
     # there are keys, the strides modulo 16 bytes (its rule, inline: calling it for K and V cost
     # 0.5-1 us more per new length; per16 is a power of two, so where every residue is 0, one test
@@ -984,16 +981,9 @@ def _lengthed(f: Following, r: Replay, k_shape, k_stride, v_shape, v_stride) -> 
     else:
         va, vb, vc, vd = v_shape
         reach[j] = ((va - 1) * vs[0] + (vb - 1) * vs[1] + (vc - 1) * vs[2] + (vd - 1) * vs[3] + 1) * size, size
-    if f.seq_dim == 1:  # [batch, seq, heads, head_dim]: the kernels' (batch, head, row) strides
-        ks = (ks[0], ks[2], ks[1])
-    else:
-        ks = ks[:3]
-    if alike:
-        vs = ks
-    elif f.seq_dim == 1:
-        vs = (vs[0], vs[2], vs[1])
-    else:
-        vs = vs[:3]
+    # the kernels' (batch, head, row) strides: [batch, seq, heads, head_dim] where seq_dim is 1
+    ks = (ks[0], ks[2], ks[1]) if f.seq_dim == 1 else ks[:3]
+    vs = ks if alike else (vs[0], vs[2], vs[1]) if f.seq_dim == 1 else vs[:3]
     return seq_k, ks, vs, tuple(reach)
 
 

@@ -60,20 +60,15 @@ def splits_for(workgroups: int, seq_k: int, keys_per_step: int, units: int, per_
     MIN_SLICE_KEYS keys give, or one workgroup per compute unit where that asks for more
     (tuning/results/h200_decode_slices.md); each slice at least two steps of keys, and every slice
     then non-empty (the slice length rounds up to whole steps)."""
-    return _splits(seq_k, keys_per_step, *_of_launch(workgroups, units, per_unit))
+    return _count(seq_k, keys_per_step, 0, *_of_launch(workgroups, units, per_unit))
 
 
 def _of_launch(workgroups: int, units: int, per_unit: int) -> tuple[int, int]:
-    """What of splits_for's count follows from the launch alone (_splits' ``wave`` and ``least``)."""
+    """What of splits_for's count follows from the launch alone (_count's ``wave`` and ``least``:
+    slices that bring the workgroups up to one wave, and that give one workgroup per compute unit;
+    Lengths keeps both, so that a replay following a growing cache computes only the rest)."""
     workgroups = max(workgroups, 1)
     return max(1, per_unit * units // workgroups), units // workgroups
-
-
-def _splits(seq_k: int, keys_per_step: int, wave: int, least: int) -> int:
-    """splits_for's count given what of it follows from the launch alone: ``wave`` slices bring the
-    workgroups up to one wave, ``least`` give one workgroup per compute unit (Lengths keeps both,
-    so that a replay following a growing cache computes only this)."""
-    return _count(seq_k, keys_per_step, 0, wave, least)
 
 
 def slices(seq_k: int, keys_per_step: int, splits: int) -> int:
@@ -83,7 +78,7 @@ def slices(seq_k: int, keys_per_step: int, splits: int) -> int:
 
 def _count(seq_k: int, per_step: int, asked: int, wave: int, least: int) -> int:
     """The slices of ``seq_k`` keys, each rounded up to whole steps of ``per_step`` keys: ``asked``
-    of them, or where it is 0, as many as _splits chooses (at least ``least``, at most ``wave`` and
+    of them, or where it is 0, as many as splits_for chooses (at least ``least``, at most ``wave`` and
     two steps a slice). In one frame: a replay following a growing cache computes it per new length
     (Lengths.splits)."""
     if not asked:
@@ -119,7 +114,7 @@ class Lengths:
     num_splits: int     # slices asked for (0: chosen)
     rows: int           # batch x query heads x query rows: the partials per slice
     head_dim: int
-    wave: int = field(init=False)   # splits_for's, of the launch alone (_splits)
+    wave: int = field(init=False)   # splits_for's, of the launch alone (_of_launch)
     least: int = field(init=False)
     asked: int = field(init=False)  # _count's: num_splits as slices() takes it, or 0 where chosen
 
